@@ -1,0 +1,20 @@
+// pydaemon._core: the only translation units that include nanobind live in this folder.
+#include <nanobind/nanobind.h>
+
+namespace nb = nanobind;
+
+void bind_block_manager(nb::module_& m);
+#ifdef PAGEDD_WITH_CUDA
+void bind_cuda_ops(nb::module_& m);
+#endif
+
+NB_MODULE(_core, m) {
+  m.doc() = "pagedd C++ core: KV-cache block manager and paged-attention kernels";
+  bind_block_manager(m);
+#ifdef PAGEDD_WITH_CUDA
+  m.attr("has_cuda") = true;
+  bind_cuda_ops(m);
+#else
+  m.attr("has_cuda") = false;
+#endif
+}
