@@ -41,7 +41,7 @@ def build_step(
     The first ``num_prefills`` sequences are prefills (chunks), the rest decodes.
     """
     input_ids, positions, slots, seq_lens = [], [], [], []
-    for seq, q in zip(seqs, query_lens):
+    for seq, q in zip(seqs, query_lens, strict=True):
         start = seq.num_computed_tokens
         for p in range(start, start + q):
             input_ids.append(seq.token_ids[p])
@@ -94,13 +94,13 @@ class Driver:
     def step(self, seqs: list[Seq], query_lens: list[int], num_prefills: int) -> None:
         """Computes the given tokens; appends a greedy token to each sequence whose query
         reaches the end of its known tokens."""
-        for seq, q in zip(seqs, query_lens):
+        for seq, q in zip(seqs, query_lens, strict=True):
             self.allocator.ensure(seq, seq.num_computed_tokens + q, self.block_size)
         ids, pos, md = build_step(seqs, query_lens, num_prefills, self.block_size, self.device)
         hidden = self.model(ids, pos, self.kv_cache, md)
         last = torch.tensor(md.query_start_loc[1:].tolist(), device=self.device) - 1
         next_tokens = self.model.compute_logits(hidden[last]).argmax(-1).tolist()
-        for seq, q, tok in zip(seqs, query_lens, next_tokens):
+        for seq, q, tok in zip(seqs, query_lens, next_tokens, strict=True):
             seq.num_computed_tokens += q
             if seq.num_computed_tokens == len(seq.token_ids):
                 seq.token_ids.append(tok)
@@ -111,7 +111,7 @@ class Driver:
         self.step(seqs, [len(p) for p in prompts], num_prefills=len(seqs))
         for _ in range(max_new_tokens - 1):
             self.step(seqs, [1] * len(seqs), num_prefills=0)
-        return [s.token_ids[len(p) :] for s, p in zip(seqs, prompts)]
+        return [s.token_ids[len(p) :] for s, p in zip(seqs, prompts, strict=True)]
 
 
 def save_hf_model(tmp_path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:

@@ -82,7 +82,7 @@ def test_greedy_matches_hf_batched(model_dirs, name, block_size):
     prompts = PROMPTS
     ours = Driver(model, block_size).generate(prompts, MAX_NEW)
     ref = _hf_ref(name, model_dir)
-    for i, (a, b) in enumerate(zip(ours, ref)):
+    for i, (a, b) in enumerate(zip(ours, ref, strict=True)):
         assert a == b, f"prompt {i} (len {len(prompts[i])}): {a} != {b}"
     assert len(set(map(tuple, ours))) > 1
 
