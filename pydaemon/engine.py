@@ -20,7 +20,7 @@ from pydaemon.outputs import RequestMetrics, RequestOutput
 from pydaemon.request import Request, RequestStatus, Sequence
 from pydaemon.sampling import make_generator
 from pydaemon.sampling_params import SamplingParams
-from pydaemon.scheduler import Scheduler, SchedulerOutput
+from pydaemon.scheduler import ScheduledSeq, Scheduler
 from pydaemon.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -224,10 +224,11 @@ class LLMEngine:
             if scheduled.request.metrics.first_scheduled_time is None:
                 scheduled.request.metrics.first_scheduled_time = now
         logits = self.runner.execute(out, self.block_manager)
+        sampling = [s for s in out.scheduled if s.do_sample]  # before num_computed moves
         self.scheduler.update_after_step(out)
         self.peak_used_blocks = max(self.peak_used_blocks, self.block_manager.num_used_blocks(_core.Device.GPU))
         self.num_prompt_tokens += sum(s.num_new_tokens for s in out.prefills)
-        touched = self._sample_and_append(out, logits)
+        touched = self._sample_and_append(sampling, logits)
         now = time.monotonic()
         for request in touched:
             if request.metrics.first_token_time is None:
@@ -243,8 +244,7 @@ class LLMEngine:
                 outputs.append(self.output_processor.make_final(request))
         return outputs
 
-    def _sample_and_append(self, out: SchedulerOutput, logits) -> list[Request]:
-        sampling = [s for s in out.scheduled if s.do_sample]
+    def _sample_and_append(self, sampling: list[ScheduledSeq], logits) -> list[Request]:
         rows: list[SampleRow] = []
         owners: list[tuple[Request, Sequence]] = []
         beams: dict[str, list[tuple[int, Sequence]]] = {}

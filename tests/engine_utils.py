@@ -56,16 +56,10 @@ def make_hf_model(
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Greedy continuation by full recompute: the unambiguous reference (EOS ignored)."""
     ids = list(prompt)
-    out = []
-    past = None
-    inp = torch.tensor([ids])
     for _ in range(max_new_tokens):
-        res = model(input_ids=inp, past_key_values=past, use_cache=True)
-        past = res.past_key_values
-        token = int(res.logits[0, -1].argmax())
-        out.append(token)
-        inp = torch.tensor([[token]])
-    return out
+        logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits
+        ids.append(int(logits[0, -1].argmax()))
+    return ids[len(prompt) :]
 
 
 def random_prompts(count: int, vocab_size: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
