@@ -79,13 +79,18 @@ class BlockManager {
 
   // ---- admission -------------------------------------------------------------------------
   // Can a new sequence with these prompt tokens get its blocks? Counts cached prefix blocks
-  // that are in use (ref_count > 0) as free of charge.
+  // that are in use (ref_count > 0) as free of charge. NEVER if ceil(len / block_size) >
+  // num_gpu_blocks - watermark_blocks (watermark_blocks = int(watermark * num_gpu_blocks)); OK
+  // if the blocks still needed fit in num_free - watermark_blocks; else LATER. Throws
+  // BlockManagerError if token_ids is empty.
   AllocStatus can_allocate(const std::vector<int32_t>& token_ids,
                            const std::string& cache_salt = "") const;
 
   // Create seq_id with blocks for every token of token_ids, reusing cached prefix blocks.
   // Returns the number of leading tokens whose KV is already in the cache (a multiple of
-  // block_size, counted as prefix-cache hits). Throws NoFreeBlocksError if it does not fit
+  // block_size, counted as prefix-cache hits). Only the full blocks that end before the last
+  // prompt token are looked up, so the result is < len(token_ids): the last token is always
+  // computed and the model has logits for the next one. Throws NoFreeBlocksError if it does not fit
   // (nothing is changed then), BlockManagerError if seq_id exists or token_ids is empty.
   int64_t allocate(SeqId seq_id, const std::vector<int32_t>& token_ids,
                    const std::string& cache_salt = "");
@@ -108,7 +113,10 @@ class BlockManager {
   void free(SeqId seq_id);
 
   // Enter the full blocks among the first num_computed_tokens tokens into the prefix cache
-  // (their KV is now written). Idempotent; no-op when prefix caching is off.
+  // (their KV is now written). Idempotent; no-op when prefix caching is off. Throws
+  // BlockManagerError if num_computed_tokens is outside [0, num_tokens] or the sequence is
+  // swapped out. A block equal to one already cached (same tokens, salt and parent) is not
+  // registered again.
   void mark_blocks_computed(SeqId seq_id, int64_t num_computed_tokens);
 
   // ---- swap ------------------------------------------------------------------------------
@@ -122,7 +130,8 @@ class BlockManager {
   std::vector<BlockPair> swap_in(const std::vector<SeqId>& seq_ids);
 
   // ---- prefix cache ----------------------------------------------------------------------
-  // Read-only lookup of the longest cached prefix of token_ids (full blocks only).
+  // Read-only lookup of the longest cached prefix of token_ids (every full block, including
+  // one that ends at the last token: unlike allocate(), no block is held back).
   PrefixMatch lookup_prefix(const std::vector<int32_t>& token_ids,
                             const std::string& cache_salt = "") const;
   // Drop every cached-but-free block's hash (blocks in use keep theirs).
@@ -137,7 +146,11 @@ class BlockManager {
   //                (throws if a table is longer than max_blocks)
   //   slot_mapping [sum(query_len)] int64: slots of positions [query_start, +query_len)
   //   seq_lens     [n] int32: query_start + query_len
-  // Written straight into caller-owned buffers (row-major, contiguous).
+  // Written straight into caller-owned buffers (row-major, contiguous). Throws
+  // BlockManagerError for an unknown or swapped-out sequence, query_start + query_len >
+  // num_tokens, or sum(query_len) != num_slots (outputs may then be partly written).
+  // Not thread-safe, like every other method: the binding releases the GIL around it, so one
+  // thread (the scheduler's) must own the manager.
   void build_step_metadata(const SeqId* seq_ids, const int32_t* query_start,
                            const int32_t* query_len, int64_t num_seqs, int32_t* block_tables,
                            int64_t max_blocks, int64_t* slot_mapping, int64_t num_slots,
@@ -153,6 +166,8 @@ class BlockManager {
   // GPU blocks with ref_count > 1, and the references they save (sum of ref_count - 1).
   int num_shared_blocks() const;
   int64_t num_blocks_saved_by_sharing() const;
+  // Over every successful allocate(): query = tokens of the full blocks looked up
+  // ((len - 1) / block_size * block_size), hit = the cached tokens it returned.
   int64_t prefix_cache_query_tokens() const;  // tokens looked up by allocate()
   int64_t prefix_cache_hit_tokens() const;    // tokens served from the cache by allocate()
   int num_cached_blocks() const;              // blocks currently in the prefix hash table
