@@ -49,7 +49,7 @@ def load_model(
 
 
 def weight_files(model_dir: Path) -> dict[str, Path]:
-    """-> tensor name -> file holding it (only for the sharded layout; empty otherwise)."""
+    """-> tensor name -> shard holding it, from ``model.safetensors.index.json``."""
     index = model_dir / INDEX_FILE
     with open(index, encoding="utf-8") as f:
         weight_map = json.load(f).get("weight_map")

@@ -99,7 +99,7 @@ def test_loaded_config_flags(model_dirs):
 def test_prefill_mixed_with_decodes(model_dirs, name):
     """A new prompt is prefilled in the same step as two running sequences decode."""
     model_dir, model = model_dirs(name)
-    pa, pb, pc = _prompts([12, 20, 9], seed=5)
+    pa, pb, pc = PROMPTS[1], PROMPTS[3], PROMPTS[2]
     drv = Driver(model, block_size=8)
     a, b, c = Seq(list(pa)), Seq(list(pb)), Seq(list(pc))
     drv.step([a, b], [len(pa), len(pb)], num_prefills=2)
@@ -108,10 +108,10 @@ def test_prefill_mixed_with_decodes(model_dirs, name):
     drv.step([c, a, b], [len(pc), 1, 1], num_prefills=1)
     while len(c.token_ids) < len(pc) + MAX_NEW:
         drv.step([a, b, c], [1, 1, 1], num_prefills=0)
-    ref = hf_greedy(model_dir, [pa, pb, pc], MAX_NEW)
+    ref = _hf_ref(name, model_dir)
     assert c.token_ids[len(pc) :] == ref[2]
-    assert a.token_ids[len(pa) : len(pa) + MAX_NEW] == ref[0]
-    assert b.token_ids[len(pb) : len(pb) + MAX_NEW] == ref[1]
+    assert a.token_ids[len(pa) : len(pa) + MAX_NEW] == ref[1]
+    assert b.token_ids[len(pb) : len(pb) + MAX_NEW] == ref[3]
 
 
 @pytest.mark.parametrize("block_size", [8, 16])
@@ -119,7 +119,7 @@ def test_chunked_prefill(model_dirs, block_size):
     """A prompt prefilled in two chunks (the second one with a cached prefix), next to a
     full prefill and then a decode."""
     model_dir, model = model_dirs("llama-gqa")
-    pa, pb = _prompts([29, 11], seed=9)
+    pa, pb = PROMPTS[3], PROMPTS[0]
     drv = Driver(model, block_size)
     a, b = Seq(list(pa)), Seq(list(pb))
     drv.step([b, a], [len(pb), 13], num_prefills=2)
@@ -127,12 +127,24 @@ def test_chunked_prefill(model_dirs, block_size):
     drv.step([a, b], [len(pa) - 13, 1], num_prefills=1)
     while len(a.token_ids) < len(pa) + MAX_NEW:
         drv.step([a, b], [1, 1], num_prefills=0)
-    ref = hf_greedy(model_dir, [pa, pb], MAX_NEW)
-    assert a.token_ids[len(pa) :] == ref[0]
-    assert b.token_ids[len(pb) : len(pb) + MAX_NEW] == ref[1]
+    ref = _hf_ref("llama-gqa", model_dir)
+    assert a.token_ids[len(pa) :] == ref[3]
+    assert b.token_ids[len(pb) : len(pb) + MAX_NEW] == ref[0]
 
 
 def test_logits_dtype_and_shape(model_dirs):
     _, model = model_dirs("llama-gqa")
     logits = model.compute_logits(torch.zeros(3, 64))
     assert logits.shape == (3, 256) and logits.dtype == torch.float32
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias", "llama3-rope-tied"])
+@pytest.mark.parametrize("block_size", [16])
+def test_greedy_matches_hf_on_cuda(model_dirs, name, block_size):
+    """The torch path on CUDA tensors, against transformers on CPU."""
+    model_dir, _ = model_dirs(name)
+    model, _ = load_model(model_dir, device="cuda")
+    ours = Driver(model, block_size).generate(PROMPTS, MAX_NEW)
+    assert ours == _hf_ref(name, model_dir)

@@ -29,7 +29,20 @@ def _reference(q, k, v, scale):
 @pytest.mark.parametrize("block_size", [8, 16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (4, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_attention_matches_dense(block_size, num_heads, num_kv_heads, dtype):
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+            ],
+        ),
+    ],
+)
+def test_paged_attention_matches_dense(block_size, num_heads, num_kv_heads, dtype, device):
     torch.manual_seed(0)
     head_dim, num_blocks = 32, 64
     # (seq_len, query_len): full prefills, a chunked prefill, then decodes.
@@ -48,16 +61,17 @@ def test_paged_attention_matches_dense(block_size, num_heads, num_kv_heads, dtyp
         )
         queries.append(torch.randn(q_len, num_heads, head_dim, dtype=torch.float64))
     shape = (num_blocks, num_kv_heads, block_size, head_dim)
-    key_cache = torch.full(shape, float("nan"), dtype=dtype)
-    value_cache = torch.full(shape, float("nan"), dtype=dtype)
+    key_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    value_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
     # Earlier context goes in directly; this step's tokens go through the layer's write.
     new_k, new_v, slots = [], [], []
     for (s_len, q_len), table, (k, v) in zip(specs, tables, contexts, strict=True):
         for p in range(s_len):
             slot = table[p // block_size] * block_size + p % block_size
             if p < s_len - q_len:
-                pos = torch.tensor([slot])
-                write_kv_cache_torch(k[p : p + 1], v[p : p + 1], key_cache, value_cache, pos)
+                pos = torch.tensor([slot], device=device)
+                kp, vp = k[p : p + 1].to(device, dtype), v[p : p + 1].to(device, dtype)
+                write_kv_cache_torch(kp, vp, key_cache, value_cache, pos)
             else:
                 new_k.append(k[p])
                 new_v.append(v[p])
@@ -72,10 +86,12 @@ def test_paged_attention_matches_dense(block_size, num_heads, num_kv_heads, dtyp
         num_prefills=num_prefills,
         num_prefill_tokens=sum(query_lens[:num_prefills]),
         num_decode_tokens=len(specs) - num_prefills,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables]).int(),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=torch.tensor(
+            [t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32, device=device
+        ),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
         max_seq_len=max(seq_lens),
         max_query_len=max(query_lens),
         seq_lens_cpu=seq_lens,
@@ -84,9 +100,9 @@ def test_paged_attention_matches_dense(block_size, num_heads, num_kv_heads, dtyp
     scale = 1 / math.sqrt(head_dim)
     layer = PagedAttention(num_heads, num_kv_heads, head_dim, scale)
     out = layer(
-        torch.cat(queries).to(dtype),
-        torch.stack(new_k).to(dtype),
-        torch.stack(new_v).to(dtype),
+        torch.cat(queries).to(device, dtype),
+        torch.stack(new_k).to(device, dtype),
+        torch.stack(new_v).to(device, dtype),
         key_cache,
         value_cache,
         md,
@@ -100,7 +116,7 @@ def test_paged_attention_matches_dense(block_size, num_heads, num_kv_heads, dtyp
         ]
     ).reshape(out.shape)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(out.cpu().double(), ref, atol=tol, rtol=tol)
 
 
 def test_negative_slots_are_skipped():
