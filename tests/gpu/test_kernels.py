@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from pydaemon import ops
-from tests.gpu.kv_factory import make_paged_batch, reference_decode
+
+from .kv_factory import make_paged_batch, reference_decode
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 # (num_q_heads, num_kv_heads): GQA ratios 1, 4, 8
