@@ -24,6 +24,18 @@ namespace pagedd::cuda {
 
 constexpr int kDecodeWarps = 4;
 
+// 16-byte global -> shared copy that bypasses registers (zero-fills when !valid).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
 template <typename scalar_t, int HEAD_DIM>
 struct DecodeLayout {
   static constexpr int VEC = 8;                  // elements per 16-byte load
@@ -58,8 +70,15 @@ struct Butterfly {
   }
 };
 
+// Blocks per SM the register budget must allow (the compiler otherwise trades occupancy
+// for ILP, which loses on this latency-bound loop).
+template <int HEADS>
+constexpr int decode_min_blocks() {
+  return HEADS >= 8 ? 3 : (HEADS >= 2 ? 5 : 8);
+}
+
 template <typename scalar_t, int HEAD_DIM, int BLOCK_SIZE, int HEADS>
-__global__ void __launch_bounds__(kDecodeWarps * 32)
+__global__ void __launch_bounds__(kDecodeWarps * 32, decode_min_blocks<HEADS>())
     paged_decode_kernel(const PagedDecodeParams p) {
   using L = DecodeLayout<scalar_t, HEAD_DIM>;
   constexpr int TG = L::TG, ROWS = L::ROWS, P = kPartitionSize;
@@ -68,6 +87,12 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   constexpr int N = UNROLL * HEADS;               // partial dots per lane per iteration
   constexpr int N_OUT = N / TG > 0 ? N / TG : 1;  // complete dots per lane after the butterfly
   static_assert(P % BLOCK_SIZE == 0, "partition must be whole blocks");
+  // Grouped heads do more math per byte: stream K/V through a per-lane cp.async ring of two
+  // stages in shared memory, so the next tile's loads are in flight while this one is used
+  // (and need no registers). One head per kv head keeps plain register loads (more blocks/SM).
+  constexpr bool PIPELINED = HEADS >= 2;
+  constexpr int STAGES = PIPELINED ? 2 : 1, STAGE_ROWS = PIPELINED ? UNROLL : 1;
+  __shared__ uint4 s_stage[STAGES][STAGE_ROWS][kDecodeWarps * 32];
 
   __shared__ int s_block_ids[P / BLOCK_SIZE];
   __shared__ float s_logits[HEADS][P];
@@ -115,6 +140,44 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     return (int64_t)s_block_ids[tok / BLOCK_SIZE - first_block] * p.kv_block_stride +
            (tok % BLOCK_SIZE) * HEAD_DIM;
   };
+  // Calls compute(row_of, t0) for each of this warp's tiles of TOKENS_PER_ITER tokens;
+  // row_of(u) is this lane's chunk of token t0 + u * ROWS + row (zeros past the end / on idle lanes).
+  constexpr int TILE_STRIDE = kDecodeWarps * TOKENS_PER_ITER;
+  auto for_each_tile = [&](const scalar_t* base, auto&& compute) {
+    int t0 = warp * TOKENS_PER_ITER;
+    if constexpr (PIPELINED) {
+      auto issue = [&](int stage, int t_first) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+          const int t = t_first + u * ROWS + row;
+          const bool valid = t < num_tokens && lane_active;
+          cp_async16(&s_stage[stage][u][tid], valid ? base + token_offset(t) : base, valid);
+        }
+        cp_async_commit();
+      };
+      issue(0, t0);
+      for (int it = 0; t0 < num_tokens; ++it, t0 += TILE_STRIDE) {
+        issue((it + 1) & 1, t0 + TILE_STRIDE);  // prefetch; zero-fills past the end
+        cp_async_wait<1>();                     // this lane's copies of tile `it` landed
+        const int st = it & 1;
+        // Read each row from shared memory only where it is used: no register copy of the tile.
+        compute([&](int u) { return s_stage[st][u][tid]; }, t0);
+      }
+      cp_async_wait<0>();  // drain the last prefetch before the ring is reused
+    } else {
+      for (; t0 < num_tokens; t0 += TILE_STRIDE) {
+        uint4 vals[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+          const int t = t0 + u * ROWS + row;
+          vals[u] = (t < num_tokens && lane_active)
+                        ? *reinterpret_cast<const uint4*>(base + token_offset(t))
+                        : make_uint4(0, 0, 0, 0);
+        }
+        compute([&](int u) { return vals[u]; }, t0);
+      }
+    }
+  };
 
   for (int h0 = 0; h0 < group; h0 += HEADS) {
     // Scaled queries of this pass's heads, this lane's 8 dims (0 for padding heads / lanes).
@@ -138,20 +201,12 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     for (int i = tid; i < HEADS * HEAD_DIM; i += blockDim.x) (&s_out[0][0])[i] = 0.f;
 
     // 1. QK
-    for (int t0 = warp * TOKENS_PER_ITER; t0 < num_tokens; t0 += kDecodeWarps * TOKENS_PER_ITER) {
-      uint4 kv[UNROLL];
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        const int t = t0 + u * ROWS + row;
-        kv[u] = (t < num_tokens && lane_active)
-                    ? *reinterpret_cast<const uint4*>(k_base + token_offset(t))
-                    : make_uint4(0, 0, 0, 0);
-      }
+    for_each_tile(k_base, [&](auto&& kv, int t0) {
       float dots[N];
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
         float k[8];
-        vec8_to_float<scalar_t>(kv[u], k);
+        vec8_to_float<scalar_t>(kv(u), k);
 #pragma unroll
         for (int h = 0; h < HEADS; ++h) {
           float d = 0.f;
@@ -168,7 +223,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
         const int t = t0 + u * ROWS + row;
         if (t < num_tokens) s_logits[h][t] = dots[i];
       }
-    }
+    });
     __syncthreads();
 
     // 2. softmax over the partition, one warp per head.
@@ -195,20 +250,12 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     for (int h = 0; h < HEADS; ++h)
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[h][e] = 0.f;
-    for (int t0 = warp * TOKENS_PER_ITER; t0 < num_tokens; t0 += kDecodeWarps * TOKENS_PER_ITER) {
-      uint4 vv[UNROLL];
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        const int t = t0 + u * ROWS + row;
-        vv[u] = (t < num_tokens && lane_active)
-                    ? *reinterpret_cast<const uint4*>(v_base + token_offset(t))
-                    : make_uint4(0, 0, 0, 0);
-      }
+    for_each_tile(v_base, [&](auto&& vv, int t0) {
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
         const int t = t0 + u * ROWS + row;
         float v[8];
-        vec8_to_float<scalar_t>(vv[u], v);
+        vec8_to_float<scalar_t>(vv(u), v);
 #pragma unroll
         for (int h = 0; h < HEADS; ++h) {
           const float w = t < num_tokens ? s_logits[h][t] : 0.f;
@@ -216,7 +263,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
           for (int e = 0; e < 8; ++e) acc[h][e] = fmaf(w, v[e], acc[h][e]);
         }
       }
-    }
+    });
 #pragma unroll
     for (int o = TG; o < 32; o *= 2)
 #pragma unroll

@@ -46,5 +46,9 @@ def core() -> ModuleType:
 
 
 def stream_handle(device: torch.device) -> int:
-    """The raw handle of the current torch stream on ``device``, for the kernels."""
-    return torch.cuda.current_stream(device).cuda_stream
+    """The raw handle of the current torch stream on ``device``, for the kernels.
+
+    A non-CUDA ``device`` gives the current device's stream, so that the binding (not torch)
+    reports the misplaced tensor by name.
+    """
+    return torch.cuda.current_stream(device if device.type == "cuda" else None).cuda_stream

@@ -77,7 +77,7 @@ def test_decode_single_partition_and_larger_max_seq_len():
     assert_close_per_seq(out, ref, TOL[torch.float16])
     batch = make_paged_batch([1, 100, 256], 2, 64, 8, torch.float16, extra_blocks=200)
     batch.block_tables = torch.cat(
-        [batch.block_tables, torch.zeros(3, 100, dtype=torch.int32, device="cuda")], dim=1
+        [batch.block_tables, torch.zeros(3, 200, dtype=torch.int32, device="cuda")], dim=1
     )
     out, ref = run_decode(batch, 8, 64, torch.float16, max_seq_len=1500)
     assert_close_per_seq(out, ref, TOL[torch.float16])
