@@ -136,7 +136,7 @@ void paged_attention_decode(Array out, Array query, Array key_cache, Array value
   check_same_dtype(value_cache, "value_cache", query, "query");
   check_dtype(block_tables, "block_tables", kInt, 32, "int32");
   check_dtype(seq_lens, "seq_lens", kInt, 32, "int32");
-  for (auto [a, n] : {std::pair{&out, "out"}, {&query, "query"}, {&key_cache, "key_cache"},
+  for (auto [a, n] : {std::pair{&query, "query"}, {&out, "out"}, {&key_cache, "key_cache"},
                       {&value_cache, "value_cache"}, {&block_tables, "block_tables"},
                       {&seq_lens, "seq_lens"}})
     check_cuda(*a, n, dev);

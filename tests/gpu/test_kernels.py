@@ -218,7 +218,7 @@ def test_decode_rejects_wrong_dtype():
 
 def test_decode_rejects_wrong_device_and_shapes():
     query, b = _small_decode_args()
-    with pytest.raises(ValueError, match="query must be a CUDA tensor"):
+    with pytest.raises(ValueError, match="(query|out) must be a CUDA tensor"):
         ops.paged_attention_decode(
             query.cpu(), b.key_cache, b.value_cache, b.block_tables, b.seq_lens, 20
         )
