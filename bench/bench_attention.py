@@ -1,0 +1,146 @@
+"""Paged decode attention vs the device copy bandwidth and torch SDPA (shapes: shared BENCH.md).
+
+    PYTHONPATH=. python bench/bench_attention.py --out bench/results/attention.json
+
+Bytes counted per call: every K and V element of every sequence read once, plus the queries
+and the outputs. The SDPA peer reads the same K/V stored contiguously ([batch, kv_heads,
+context, head_dim]), with enable_gqa for grouped heads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.timing import bench_ms, copy_bandwidth_gbs  # noqa: E402
+from pydaemon import ops  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+HEADS = {"gqa32/8": (32, 8), "mha32/32": (32, 32)}
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def bench_shape(dtype, num_q_heads, num_kv_heads, batch, ctx, head_dim, block_size):
+    blocks_per_seq = ctx // block_size
+    num_blocks = batch * blocks_per_seq
+    kv_cache = torch.randn(
+        num_blocks, 1, 2, num_kv_heads, block_size, head_dim, device="cuda", dtype=dtype
+    )
+    block_tables = torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_seq).int()
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    query = torch.randn(batch, num_q_heads, head_dim, device="cuda", dtype=dtype)
+    out = torch.empty_like(query)
+    key_cache, value_cache = kv_cache[:, 0, 0], kv_cache[:, 0, 1]
+
+    def paged():
+        ops.paged_attention_decode(
+            query, key_cache, value_cache, block_tables, seq_lens, ctx, out=out
+        )
+
+    # The same K/V, contiguous: [batch, num_kv_heads, ctx, head_dim].
+    def contiguous(cache):
+        g = cache[block_tables.long()]  # [batch, blocks, heads, bs, D]
+        return g.permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, ctx, head_dim)
+
+    k, v = contiguous(key_cache), contiguous(value_cache)
+    q4 = query.unsqueeze(2)  # [batch, num_q_heads, 1, head_dim]
+    gqa = num_q_heads != num_kv_heads
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q4, k, v, enable_gqa=gqa)
+
+    paged()
+    ref = sdpa().squeeze(2)
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    t_ours = bench_ms(paged)
+    t_sdpa = bench_ms(sdpa)
+    num_bytes = 2 * batch * ctx * num_kv_heads * head_dim * 2 + 2 * query.numel() * 2
+    return {
+        "bytes": num_bytes,
+        "ours_ms": t_ours["median_ms"],
+        "ours_min_ms": t_ours["min_ms"],
+        "ours_gbs": num_bytes / (t_ours["median_ms"] * 1e6),
+        "sdpa_ms": t_sdpa["median_ms"],
+        "sdpa_gbs": num_bytes / (t_sdpa["median_ms"] * 1e6),
+        "speedup_vs_sdpa": t_sdpa["median_ms"] / t_ours["median_ms"],
+        "rel_err_vs_sdpa": err,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=None, help="JSON output path")
+    ap.add_argument("--commit", default=None, help="commit to record (default: git HEAD)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 4096, 16384])
+    ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    ap.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS))
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-gb", type=float, default=90.0, help="skip shapes whose two K/V "
+                    "copies (paged + contiguous) exceed this many GB")  # fmt: skip
+    args = ap.parse_args()
+    if not ops.is_available():
+        sys.exit(f"GPU kernels unavailable: {ops.unavailable_reason()}")
+
+    copy = copy_bandwidth_gbs()
+    print(f"device copy bandwidth: {copy['gbs']:.0f} GB/s (read + write)", flush=True)
+    rows = []
+    hdr = (f"{'dtype':5} {'heads':9} {'batch':>5} {'ctx':>6} {'ours us':>9} {'GB/s':>6} "
+           f"{'%copy':>6} {'sdpa us':>9} {'x sdpa':>7} {'err':>8}")  # fmt: skip
+    print(hdr, flush=True)
+    for dname in args.dtypes:
+        for hname in args.heads:
+            hq, hkv = HEADS[hname]
+            for batch in args.batches:
+                for ctx in args.contexts:
+                    kv_gb = 2 * batch * ctx * hkv * args.head_dim * 2 * 2 / 1e9
+                    if kv_gb > args.max_gb:
+                        print(f"{dname:5} {hname:9} {batch:5} {ctx:6}   skipped "
+                              f"({kv_gb:.0f} GB of K/V copies)", flush=True)  # fmt: skip
+                        continue
+                    torch.cuda.empty_cache()  # the previous shape's tensors are gone
+                    r = bench_shape(DTYPES[dname], hq, hkv, batch, ctx, args.head_dim,
+                                    args.block_size)  # fmt: skip
+                    r.update(dtype=dname, heads=hname, num_q_heads=hq, num_kv_heads=hkv,
+                             batch=batch, context=ctx, head_dim=args.head_dim,
+                             block_size=args.block_size,
+                             fraction_of_copy_bw=r["ours_gbs"] / copy["gbs"])  # fmt: skip
+                    rows.append(r)
+                    print(f"{dname:5} {hname:9} {batch:5} {ctx:6} {r['ours_ms'] * 1e3:9.1f} "
+                          f"{r['ours_gbs']:6.0f} {100 * r['fraction_of_copy_bw']:5.1f}% "
+                          f"{r['sdpa_ms'] * 1e3:9.1f} {r['speedup_vs_sdpa']:7.2f} "
+                          f"{r['rel_err_vs_sdpa']:8.1e}", flush=True)  # fmt: skip
+    result = {
+        "benchmark": "paged decode attention",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(),
+        "commit": args.commit or git_commit(),
+        "command": " ".join(sys.argv),
+        "torch": torch.__version__,
+        "partition_size": ops.PARTITION_SIZE,
+        "copy_bandwidth": copy,
+        "rows": rows,
+    }
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

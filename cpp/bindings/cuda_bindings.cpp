@@ -1,0 +1,401 @@
+// Thin validating binding of the CUDA kernels in cpp/cuda/ (tensors arrive through DLPack).
+//
+// Every tensor argument is checked (dtype, device, rank, shapes, strides) and a bad one raises
+// TypeError / ValueError naming it; outputs are .noconvert() so that no silent temporary copy
+// is ever written instead of the caller's tensor. The stream is an integer (e.g.
+// torch.cuda.current_stream().cuda_stream); the GIL is released around the launch; a CUDA error
+// raises RuntimeError with cudaGetErrorString.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
+#include <cstdint>
+#include <string>
+
+#include "pagedd_cuda.h"
+
+namespace nb = nanobind;
+using pagedd::cuda::DType;
+
+namespace {
+
+using Array = nb::ndarray<>;
+
+std::string dtype_name(const nb::dlpack::dtype& dt) {
+  const char* code = "?";
+  switch ((nb::dlpack::dtype_code)dt.code) {
+    case nb::dlpack::dtype_code::Int: code = "int"; break;
+    case nb::dlpack::dtype_code::UInt: code = "uint"; break;
+    case nb::dlpack::dtype_code::Float: code = "float"; break;
+    case nb::dlpack::dtype_code::Bfloat: code = "bfloat"; break;
+    default: break;
+  }
+  return std::string(code) + std::to_string(dt.bits);
+}
+
+bool is_dtype(const Array& a, nb::dlpack::dtype_code code, int bits) {
+  return a.dtype().code == (uint8_t)code && a.dtype().bits == bits && a.dtype().lanes == 1;
+}
+
+constexpr auto kFloat = nb::dlpack::dtype_code::Float;
+constexpr auto kBfloat = nb::dlpack::dtype_code::Bfloat;
+constexpr auto kInt = nb::dlpack::dtype_code::Int;
+
+void check_dtype(const Array& a, const char* name, nb::dlpack::dtype_code code, int bits,
+                 const char* expected) {
+  if (!is_dtype(a, code, bits))
+    throw nb::type_error((std::string(name) + " must be " + expected + ", got " +
+                          dtype_name(a.dtype()))
+                             .c_str());
+}
+
+DType attention_dtype(const Array& a, const char* name) {
+  if (is_dtype(a, kFloat, 16)) return DType::kFloat16;
+  if (is_dtype(a, kBfloat, 16)) return DType::kBFloat16;
+  throw nb::type_error((std::string(name) + " must be float16 or bfloat16, got " +
+                        dtype_name(a.dtype()))
+                           .c_str());
+}
+
+void check_same_dtype(const Array& a, const char* name, const Array& ref, const char* ref_name) {
+  if (a.dtype() != ref.dtype())
+    throw nb::type_error((std::string(name) + " must have the dtype of " + ref_name + " (" +
+                          dtype_name(ref.dtype()) + "), got " + dtype_name(a.dtype()))
+                             .c_str());
+}
+
+int current_device() {
+  int dev = -1;
+  const cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("pagedd: no usable CUDA device: ") +
+                             cudaGetErrorString(err));
+  return dev;
+}
+
+void check_cuda(const Array& a, const char* name, int device) {
+  if (a.device_type() != nb::device::cuda::value)
+    throw nb::value_error((std::string(name) + " must be a CUDA tensor").c_str());
+  if (a.device_id() != device)
+    throw nb::value_error((std::string(name) + " is on cuda:" + std::to_string(a.device_id()) +
+                           " but the current device is cuda:" + std::to_string(device))
+                              .c_str());
+}
+
+void check_cpu(const Array& a, const char* name) {
+  if (a.device_type() != nb::device::cpu::value &&
+      a.device_type() != nb::device::cuda_host::value)
+    throw nb::value_error((std::string(name) + " must be a CPU tensor").c_str());
+}
+
+void check_ndim(const Array& a, const char* name, size_t ndim) {
+  if (a.ndim() != ndim)
+    throw nb::value_error((std::string(name) + " must have " + std::to_string(ndim) +
+                           " dimensions, got " + std::to_string(a.ndim()))
+                              .c_str());
+}
+
+void check_dim(const Array& a, const char* name, size_t dim, int64_t expected,
+               const char* what) {
+  if ((int64_t)a.shape(dim) != expected)
+    throw nb::value_error((std::string(name) + ".shape[" + std::to_string(dim) + "] must be " +
+                           std::to_string(expected) + " (" + what + "), got " +
+                           std::to_string(a.shape(dim)))
+                              .c_str());
+}
+
+// Dimensions [from, ndim) laid out densely (row-major), ignoring size-1 dims.
+void check_contiguous_from(const Array& a, const char* name, size_t from) {
+  int64_t expected = 1;
+  for (size_t i = a.ndim(); i-- > from;) {
+    if (a.shape(i) != 1 && a.stride(i) != expected)
+      throw nb::value_error((std::string(name) + " must be contiguous in dims >= " +
+                             std::to_string(from) + " (stride[" + std::to_string(i) + "] is " +
+                             std::to_string(a.stride(i)) + ", expected " +
+                             std::to_string(expected) + ")")
+                                .c_str());
+    expected *= (int64_t)a.shape(i);
+  }
+}
+
+void check_cuda_error(cudaError_t err, const char* what) {
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("pagedd.") + what + ": CUDA error: " +
+                             cudaGetErrorString(err));
+}
+
+cudaStream_t as_stream(uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
+
+void paged_attention_decode(Array out, Array query, Array key_cache, Array value_cache,
+                            Array block_tables, Array seq_lens, double scale, int max_seq_len,
+                            nb::object tmp_out_obj, nb::object exp_sums_obj,
+                            nb::object max_logits_obj, uintptr_t stream) {
+  const int dev = current_device();
+  const DType dtype = attention_dtype(query, "query");
+  check_same_dtype(out, "out", query, "query");
+  check_same_dtype(key_cache, "key_cache", query, "query");
+  check_same_dtype(value_cache, "value_cache", query, "query");
+  check_dtype(block_tables, "block_tables", kInt, 32, "int32");
+  check_dtype(seq_lens, "seq_lens", kInt, 32, "int32");
+  for (auto [a, n] : {std::pair{&query, "query"}, {&out, "out"}, {&key_cache, "key_cache"},
+                      {&value_cache, "value_cache"}, {&block_tables, "block_tables"},
+                      {&seq_lens, "seq_lens"}})
+    check_cuda(*a, n, dev);
+  check_ndim(query, "query", 3);
+  check_ndim(out, "out", 3);
+  check_ndim(key_cache, "key_cache", 4);
+  check_ndim(value_cache, "value_cache", 4);
+  check_ndim(block_tables, "block_tables", 2);
+  check_ndim(seq_lens, "seq_lens", 1);
+  const int64_t num_seqs = query.shape(0), num_q_heads = query.shape(1),
+                head_dim = query.shape(2);
+  const int64_t num_kv_heads = key_cache.shape(1), block_size = key_cache.shape(2);
+  if (head_dim != 64 && head_dim != 80 && head_dim != 96 && head_dim != 128 && head_dim != 256)
+    throw nb::value_error(("head_dim (query.shape[2]) must be 64, 80, 96, 128 or 256, got " +
+                           std::to_string(head_dim))
+                              .c_str());
+  if (block_size != 8 && block_size != 16 && block_size != 32)
+    throw nb::value_error(("block_size (key_cache.shape[2]) must be 8, 16 or 32, got " +
+                           std::to_string(block_size))
+                              .c_str());
+  if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0)
+    throw nb::value_error(("num_q_heads (" + std::to_string(num_q_heads) +
+                           ") must be a multiple of num_kv_heads (" +
+                           std::to_string(num_kv_heads) + ")")
+                              .c_str());
+  check_dim(key_cache, "key_cache", 3, head_dim, "head_dim");
+  for (size_t i = 0; i < 4; ++i) {
+    check_dim(value_cache, "value_cache", i, key_cache.shape(i), "key_cache's shape");
+    if (value_cache.stride(i) != key_cache.stride(i))
+      throw nb::value_error("value_cache must have the same strides as key_cache");
+  }
+  check_contiguous_from(key_cache, "key_cache", 2);
+  if (query.stride(2) != 1) throw nb::value_error("query's last dim must be contiguous");
+  if (query.stride(0) % 8 != 0 || query.stride(1) % 8 != 0 ||
+      key_cache.stride(0) % 8 != 0 || key_cache.stride(1) % 8 != 0)
+    throw nb::value_error("query and key_cache strides must be multiples of 8 elements");
+  for (int i = 0; i < 3; ++i) check_dim(out, "out", i, query.shape(i), "query's shape");
+  check_contiguous_from(out, "out", 0);
+  check_dim(block_tables, "block_tables", 0, num_seqs, "num_seqs");
+  check_dim(seq_lens, "seq_lens", 0, num_seqs, "num_seqs");
+  if (block_tables.stride(1) != 1 && block_tables.shape(1) > 1)
+    throw nb::value_error("block_tables' last dim must be contiguous");
+  if (seq_lens.stride(0) != 1 && num_seqs > 1)
+    throw nb::value_error("seq_lens must be contiguous");
+  if (num_seqs == 0) return;
+  if (num_seqs > 65535) throw nb::value_error("at most 65535 sequences per call");
+  if (max_seq_len > block_tables.shape(1) * block_size)
+    throw nb::value_error(("max_seq_len (" + std::to_string(max_seq_len) +
+                           ") exceeds block_tables.shape[1] * block_size (" +
+                           std::to_string(block_tables.shape(1) * block_size) + ")")
+                              .c_str());
+  const int num_partitions = pagedd::cuda::num_partitions_for(max_seq_len);
+
+  float* ws[3] = {nullptr, nullptr, nullptr};
+  if (num_partitions > 1) {
+    const char* names[3] = {"tmp_out", "exp_sums", "max_logits"};
+    nb::object objs[3] = {tmp_out_obj, exp_sums_obj, max_logits_obj};
+    for (int i = 0; i < 3; ++i) {
+      if (objs[i].is_none())
+        throw nb::value_error((std::string(names[i]) + " is required when max_seq_len > " +
+                               std::to_string(pagedd::cuda::kPartitionSize))
+                                  .c_str());
+      Array a = nb::cast<Array>(objs[i]);
+      check_dtype(a, names[i], kFloat, 32, "float32");
+      check_cuda(a, names[i], dev);
+      check_ndim(a, names[i], i == 0 ? 4 : 3);
+      check_dim(a, names[i], 0, num_seqs, "num_seqs");
+      check_dim(a, names[i], 1, num_q_heads, "num_q_heads");
+      check_dim(a, names[i], 2, num_partitions, "num_partitions for max_seq_len");
+      if (i == 0) check_dim(a, names[i], 3, head_dim, "head_dim");
+      check_contiguous_from(a, names[i], 0);
+      ws[i] = static_cast<float*>(a.data());
+    }
+  }
+
+  pagedd::cuda::PagedDecodeParams p{};
+  p.out = out.data();
+  p.query = query.data();
+  p.q_seq_stride = query.stride(0);
+  p.q_head_stride = query.stride(1);
+  p.key_cache = key_cache.data();
+  p.value_cache = value_cache.data();
+  p.kv_block_stride = key_cache.stride(0);
+  p.kv_head_stride = key_cache.stride(1);
+  p.block_tables = static_cast<const int32_t*>(block_tables.data());
+  p.block_table_stride = block_tables.stride(0);
+  p.seq_lens = static_cast<const int32_t*>(seq_lens.data());
+  p.tmp_out = ws[0];
+  p.exp_sums = ws[1];
+  p.max_logits = ws[2];
+  p.num_partitions = num_partitions;
+  p.num_seqs = (int)num_seqs;
+  p.num_q_heads = (int)num_q_heads;
+  p.num_kv_heads = (int)num_kv_heads;
+  p.head_dim = (int)head_dim;
+  p.block_size = (int)block_size;
+  p.scale = (float)scale;
+  p.dtype = dtype;
+  cudaError_t err;
+  {
+    nb::gil_scoped_release release;
+    err = pagedd::cuda::paged_attention_decode(p, as_stream(stream));
+  }
+  check_cuda_error(err, "paged_attention_decode");
+}
+
+void reshape_and_cache(Array key, Array value, Array key_cache, Array value_cache,
+                       Array slot_mapping, uintptr_t stream) {
+  const int dev = current_device();
+  if (!is_dtype(key, kFloat, 16) && !is_dtype(key, kBfloat, 16) && !is_dtype(key, kFloat, 32))
+    throw nb::type_error(("key must be float16, bfloat16 or float32, got " +
+                          dtype_name(key.dtype()))
+                             .c_str());
+  check_same_dtype(value, "value", key, "key");
+  check_same_dtype(key_cache, "key_cache", key, "key");
+  check_same_dtype(value_cache, "value_cache", key, "key");
+  check_dtype(slot_mapping, "slot_mapping", kInt, 64, "int64");
+  for (auto [a, n] : {std::pair{&key, "key"}, {&value, "value"}, {&key_cache, "key_cache"},
+                      {&value_cache, "value_cache"}, {&slot_mapping, "slot_mapping"}})
+    check_cuda(*a, n, dev);
+  check_ndim(key, "key", 3);
+  check_ndim(value, "value", 3);
+  check_ndim(key_cache, "key_cache", 4);
+  check_ndim(value_cache, "value_cache", 4);
+  check_ndim(slot_mapping, "slot_mapping", 1);
+  const int64_t num_tokens = key.shape(0);
+  for (int i = 0; i < 3; ++i) check_dim(value, "value", i, key.shape(i), "key's shape");
+  check_dim(slot_mapping, "slot_mapping", 0, num_tokens, "num_tokens");
+  check_dim(key_cache, "key_cache", 1, key.shape(1), "num_kv_heads");
+  check_dim(key_cache, "key_cache", 3, key.shape(2), "head_dim");
+  for (size_t i = 0; i < 4; ++i) {
+    check_dim(value_cache, "value_cache", i, key_cache.shape(i), "key_cache's shape");
+    if (value_cache.stride(i) != key_cache.stride(i))
+      throw nb::value_error("value_cache must have the same strides as key_cache");
+  }
+  check_contiguous_from(key_cache, "key_cache", 2);
+  if (key.stride(2) != 1 || value.stride(2) != 1)
+    throw nb::value_error("key and value must be contiguous in their last dim");
+  if (slot_mapping.stride(0) != 1 && num_tokens > 1)
+    throw nb::value_error("slot_mapping must be contiguous");
+  if (num_tokens > 2147483647) throw nb::value_error("too many tokens");
+  pagedd::cuda::ReshapeAndCacheParams p{};
+  p.key = key.data();
+  p.value = value.data();
+  p.key_token_stride = key.stride(0);
+  p.key_head_stride = key.stride(1);
+  p.value_token_stride = value.stride(0);
+  p.value_head_stride = value.stride(1);
+  p.key_cache = key_cache.data();
+  p.value_cache = value_cache.data();
+  p.cache_block_stride = key_cache.stride(0);
+  p.cache_head_stride = key_cache.stride(1);
+  p.slot_mapping = static_cast<const int64_t*>(slot_mapping.data());
+  p.num_tokens = (int)num_tokens;
+  p.num_kv_heads = (int)key.shape(1);
+  p.head_dim = (int)key.shape(2);
+  p.block_size = (int)key_cache.shape(2);
+  p.elem_size = key.dtype().bits / 8;
+  cudaError_t err;
+  {
+    nb::gil_scoped_release release;
+    err = pagedd::cuda::reshape_and_cache(p, as_stream(stream));
+  }
+  check_cuda_error(err, "reshape_and_cache");
+}
+
+int64_t block_bytes_of(const Array& a, const char* name) {
+  if (a.ndim() < 1) throw nb::value_error((std::string(name) + " must have a block dim").c_str());
+  check_contiguous_from(a, name, 0);
+  int64_t n = a.dtype().bits / 8;
+  for (size_t i = 1; i < a.ndim(); ++i) n *= (int64_t)a.shape(i);
+  return n;
+}
+
+void check_block_mapping(const Array& m, const char* name) {
+  check_dtype(m, name, kInt, 64, "int64");
+  check_ndim(m, name, 2);
+  check_dim(m, name, 1, 2, "(src, dst) pairs");
+  check_contiguous_from(m, name, 0);
+}
+
+void copy_blocks(Array kv_cache, Array block_mapping, uintptr_t stream) {
+  const int dev = current_device();
+  check_cuda(kv_cache, "kv_cache", dev);
+  check_cuda(block_mapping, "block_mapping", dev);
+  check_block_mapping(block_mapping, "block_mapping");
+  const int64_t block_bytes = block_bytes_of(kv_cache, "kv_cache");
+  cudaError_t err;
+  {
+    nb::gil_scoped_release release;
+    err = pagedd::cuda::copy_blocks(kv_cache.data(), block_bytes,
+                                    static_cast<const int64_t*>(block_mapping.data()),
+                                    (int64_t)block_mapping.shape(0), as_stream(stream));
+  }
+  check_cuda_error(err, "copy_blocks");
+}
+
+void swap_blocks(Array src, Array dst, Array block_mapping, uintptr_t stream) {
+  const int dev = current_device();
+  const bool src_gpu = src.device_type() == nb::device::cuda::value;
+  const bool dst_gpu = dst.device_type() == nb::device::cuda::value;
+  if (!src_gpu && !dst_gpu) throw nb::value_error("swap_blocks: src or dst must be on the GPU");
+  if (src_gpu) check_cuda(src, "src", dev); else check_cpu(src, "src");
+  if (dst_gpu) check_cuda(dst, "dst", dev); else check_cpu(dst, "dst");
+  check_same_dtype(dst, "dst", src, "src");
+  if (src.ndim() != dst.ndim())
+    throw nb::value_error("src and dst must have the same rank");
+  for (size_t i = 1; i < src.ndim(); ++i) check_dim(dst, "dst", i, src.shape(i), "src's shape");
+  check_cpu(block_mapping, "block_mapping");
+  check_block_mapping(block_mapping, "block_mapping");
+  const int64_t block_bytes = block_bytes_of(src, "src");
+  block_bytes_of(dst, "dst");
+  const int64_t* m = static_cast<const int64_t*>(block_mapping.data());
+  const int64_t num_pairs = block_mapping.shape(0);
+  for (int64_t i = 0; i < num_pairs; ++i) {
+    if (m[2 * i] < 0 || m[2 * i] >= (int64_t)src.shape(0) || m[2 * i + 1] < 0 ||
+        m[2 * i + 1] >= (int64_t)dst.shape(0))
+      throw nb::value_error(("block_mapping[" + std::to_string(i) + "] = (" +
+                             std::to_string(m[2 * i]) + ", " + std::to_string(m[2 * i + 1]) +
+                             ") is out of range for src/dst with " +
+                             std::to_string(src.shape(0)) + "/" + std::to_string(dst.shape(0)) +
+                             " blocks")
+                                .c_str());
+  }
+  cudaError_t err;
+  {
+    nb::gil_scoped_release release;
+    err = pagedd::cuda::swap_blocks(dst.data(), src.data(), block_bytes, m, num_pairs,
+                                    as_stream(stream));
+  }
+  check_cuda_error(err, "swap_blocks");
+}
+
+}  // namespace
+
+void bind_cuda_ops(nb::module_& m) {
+  m.attr("partition_size") = pagedd::cuda::kPartitionSize;
+  m.def("paged_attention_decode", &paged_attention_decode, nb::arg("out").noconvert(),
+        nb::arg("query"), nb::arg("key_cache"), nb::arg("value_cache"), nb::arg("block_tables"),
+        nb::arg("seq_lens"), nb::arg("scale"), nb::arg("max_seq_len"),
+        nb::arg("tmp_out").none(), nb::arg("exp_sums").none(), nb::arg("max_logits").none(),
+        nb::arg("stream"),
+        "Paged decode attention (one query token per sequence), split-KV and GQA-aware.\n"
+        "out, query: [num_seqs, num_q_heads, head_dim]; key_cache, value_cache: [num_blocks,\n"
+        "num_kv_heads, block_size, head_dim]; block_tables: [num_seqs, max_blocks] int32;\n"
+        "seq_lens: [num_seqs] int32 (each <= max_seq_len); tmp_out: [num_seqs, num_q_heads,\n"
+        "num_partitions, head_dim] f32, exp_sums / max_logits: [num_seqs, num_q_heads,\n"
+        "num_partitions] f32 (None when max_seq_len <= partition_size).");
+  m.def("reshape_and_cache", &reshape_and_cache, nb::arg("key"), nb::arg("value"),
+        nb::arg("key_cache").noconvert(), nb::arg("value_cache").noconvert(),
+        nb::arg("slot_mapping"), nb::arg("stream"),
+        "Scatter key/value [num_tokens, num_kv_heads, head_dim] into the caches through\n"
+        "slot_mapping [num_tokens] int64 (negative slots are skipped).");
+  m.def("copy_blocks", &copy_blocks, nb::arg("kv_cache").noconvert(), nb::arg("block_mapping"),
+        nb::arg("stream"),
+        "kv_cache[dst] = kv_cache[src] for each row of block_mapping [n, 2] int64 (on the\n"
+        "GPU); kv_cache: [num_blocks, ...] contiguous. No dst may be another pair's src.");
+  m.def("swap_blocks", &swap_blocks, nb::arg("src"), nb::arg("dst").noconvert(),
+        nb::arg("block_mapping"), nb::arg("stream"),
+        "dst[d] = src[s] for each (s, d) row of block_mapping [n, 2] int64 (on the CPU);\n"
+        "src, dst: [num_blocks, ...] contiguous with equal block shapes, GPU <-> pinned CPU.");
+}

@@ -1,0 +1,88 @@
+// Public entry points of pagedd's framework-free CUDA kernels.
+//
+// Everything here takes raw device pointers, element strides and a cudaStream_t, and returns a
+// cudaError_t (cudaErrorInvalidValue for an unsupported size). No torch, no nanobind: the
+// validating binding lives in cpp/bindings/cuda_bindings.cpp.
+//
+// KV-cache layout (pydaemon/attention_metadata.py): kv_cache [num_blocks, num_layers, 2,
+// num_kv_heads, block_size, head_dim]. One layer's key_cache / value_cache is the strided view
+// [num_blocks, num_kv_heads, block_size, head_dim] whose inner [block_size, head_dim] is
+// contiguous; the block and head strides are passed in.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace pagedd::cuda {
+
+enum class DType : int { kFloat16 = 0, kBFloat16 = 1 };
+
+// Tokens per split-KV partition of the decode kernel (a multiple of every block size).
+constexpr int kPartitionSize = 256;
+
+inline int num_partitions_for(int max_seq_len) {
+  return max_seq_len <= 0 ? 1 : (max_seq_len + kPartitionSize - 1) / kPartitionSize;
+}
+
+struct PagedDecodeParams {
+  void* out;                   // [num_seqs, num_q_heads, head_dim], contiguous
+  const void* query;           // [num_seqs, num_q_heads, head_dim], last dim contiguous
+  int64_t q_seq_stride;        // elements
+  int64_t q_head_stride;       // elements
+  const void* key_cache;       // [num_blocks, num_kv_heads, block_size, head_dim]
+  const void* value_cache;     // same shape and strides as key_cache
+  int64_t kv_block_stride;     // elements between consecutive blocks
+  int64_t kv_head_stride;      // elements between consecutive kv heads of one block
+  const int32_t* block_tables; // [num_seqs, max_num_blocks_per_seq]
+  int64_t block_table_stride;  // elements between rows
+  const int32_t* seq_lens;     // [num_seqs], each <= num_partitions * kPartitionSize
+  // Split-KV workspaces, used when num_partitions > 1 (may be null when it is 1):
+  float* tmp_out;              // [num_seqs, num_q_heads, num_partitions, head_dim]
+  float* exp_sums;             // [num_seqs, num_q_heads, num_partitions]
+  float* max_logits;           // [num_seqs, num_q_heads, num_partitions]
+  int num_partitions;          // num_partitions_for(max_seq_len)
+  int num_seqs;
+  int num_q_heads;
+  int num_kv_heads;            // num_q_heads % num_kv_heads == 0
+  int head_dim;                // 64, 80, 96, 128 or 256
+  int block_size;              // 8, 16 or 32
+  float scale;                 // softmax scale, usually head_dim ** -0.5
+  DType dtype;
+};
+
+// out[s, h] = softmax(scale * q[s, h] . K[s, kv(h)]^T) V[s, kv(h)] over the first seq_lens[s]
+// tokens of sequence s, read through its block table. A sequence of length 0 gets zeros; one
+// longer than num_partitions * kPartitionSize gets NaN (the caller's max_seq_len was wrong).
+cudaError_t paged_attention_decode(const PagedDecodeParams& p, cudaStream_t stream);
+
+struct ReshapeAndCacheParams {
+  const void* key;             // [num_tokens, num_kv_heads, head_dim], last dim contiguous
+  const void* value;           // same shape
+  int64_t key_token_stride, key_head_stride;
+  int64_t value_token_stride, value_head_stride;
+  void* key_cache;             // [num_blocks, num_kv_heads, block_size, head_dim]
+  void* value_cache;           // same shape and strides
+  int64_t cache_block_stride, cache_head_stride;
+  const int64_t* slot_mapping; // [num_tokens]; slot = block_id * block_size + offset, < 0: skip
+  int num_tokens, num_kv_heads, head_dim, block_size;
+  int elem_size;               // bytes per element (2 for fp16 / bf16, 4 for fp32)
+};
+
+cudaError_t reshape_and_cache(const ReshapeAndCacheParams& p, cudaStream_t stream);
+
+// Copy whole blocks inside one buffer: for each pair i, block block_mapping[2i+1] :=
+// block block_mapping[2i]. base is kv_cache (all layers of a block are one chunk of
+// block_bytes). block_mapping is a device array [num_pairs, 2] of int64.
+cudaError_t copy_blocks(void* base, int64_t block_bytes, const int64_t* block_mapping,
+                        int64_t num_pairs, cudaStream_t stream);
+
+// Copy whole blocks between two buffers of the same block layout, device <-> pinned host (or
+// device <-> device): dst block m[2i+1] := src block m[2i]. block_mapping lives in host memory
+// and may be freed once this returns. Batched into one cudaMemcpyBatchAsync where the runtime
+// and stream allow it, else one cudaMemcpyAsync per run of consecutive blocks.
+cudaError_t swap_blocks(void* dst, const void* src, int64_t block_bytes,
+                        const int64_t* block_mapping_host, int64_t num_pairs,
+                        cudaStream_t stream);
+
+}  // namespace pagedd::cuda

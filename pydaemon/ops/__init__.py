@@ -1,0 +1,31 @@
+"""GPU kernels of ``pydaemon._core`` (cpp/cuda/) behind torch-facing wrappers.
+
+    from pydaemon import ops
+    if ops.is_available():
+        out = ops.paged_attention_decode(query, key_cache, value_cache, block_tables,
+                                         seq_lens, max_seq_len)
+
+``is_available()`` is False (and ``unavailable_reason()`` says why) when ``_core`` was built
+without CUDA kernels or no CUDA device is visible; every wrapper then raises RuntimeError.
+"""
+
+from pydaemon.ops._core_ext import core, is_available, unavailable_reason
+from pydaemon.ops.cache_ops import SwapStream, copy_blocks, reshape_and_cache, swap_blocks
+from pydaemon.ops.paged_attention import (
+    PARTITION_SIZE,
+    num_partitions,
+    paged_attention_decode,
+)
+
+__all__ = [
+    "PARTITION_SIZE",
+    "SwapStream",
+    "copy_blocks",
+    "core",
+    "is_available",
+    "num_partitions",
+    "paged_attention_decode",
+    "reshape_and_cache",
+    "swap_blocks",
+    "unavailable_reason",
+]

@@ -1,0 +1,82 @@
+"""Paged decode attention (one query token per sequence) on the GPU."""
+
+from __future__ import annotations
+
+import torch
+
+from pydaemon.ops._core_ext import core, stream_handle
+
+# Tokens per split-KV partition; must equal pagedd::cuda::kPartitionSize (checked on use).
+PARTITION_SIZE = 256
+
+
+def num_partitions(max_seq_len: int) -> int:
+    """Split-KV partitions the kernel uses for a batch whose longest sequence has max_seq_len."""
+    return max(1, -(-max_seq_len // PARTITION_SIZE))
+
+
+def paged_attention_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one new token per sequence over its paged KV cache.
+
+    query:        [num_seqs, num_q_heads, head_dim] fp16/bf16, last dim contiguous
+    key_cache:    [num_blocks, num_kv_heads, block_size, head_dim], e.g. kv_cache[:, l, 0];
+                  inner [block_size, head_dim] contiguous, any block / head stride
+    value_cache:  same shape, dtype and strides as key_cache (kv_cache[:, l, 1])
+    block_tables: [num_seqs, max_num_blocks_per_seq] int32 on the GPU
+    seq_lens:     [num_seqs] int32 on the GPU, context length of each sequence (this token
+                  included); every entry must be <= max_seq_len
+    max_seq_len:  host int, max(seq_lens): picks the number of partitions without reading
+                  the device (no host-device sync). A sequence longer than this gets NaN.
+    scale:        softmax scale, default head_dim ** -0.5
+    out:          optional [num_seqs, num_q_heads, head_dim] contiguous output
+    returns       out: [num_seqs, num_q_heads, head_dim], dtype of query
+
+    head_dim in {64, 80, 96, 128, 256}, block_size in {8, 16, 32}, num_q_heads a multiple of
+    num_kv_heads. Runs on the current stream of query's device.
+    """
+    _core = core()
+    if _core.partition_size != PARTITION_SIZE:
+        raise RuntimeError(
+            f"pydaemon._core partition size {_core.partition_size} != {PARTITION_SIZE}; "
+            "rebuild _core"
+        )
+    num_seqs, num_q_heads, head_dim = query.shape
+    if scale is None:
+        scale = head_dim**-0.5
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    parts = num_partitions(max_seq_len)
+    tmp_out = exp_sums = max_logits = None
+    if parts > 1:
+        # Workspaces from torch's caching allocator: no sync, graph-capturable.
+        tmp_out = torch.empty(
+            num_seqs, num_q_heads, parts, head_dim, dtype=torch.float32, device=query.device
+        )
+        exp_sums = torch.empty(
+            num_seqs, num_q_heads, parts, dtype=torch.float32, device=query.device
+        )
+        max_logits = torch.empty_like(exp_sums)
+    _core.paged_attention_decode(
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        float(scale),
+        int(max_seq_len),
+        tmp_out,
+        exp_sums,
+        max_logits,
+        stream_handle(query.device),
+    )
+    return out

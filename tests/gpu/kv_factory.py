@@ -1,0 +1,85 @@
+"""Random paged KV caches with shuffled block tables, and a float64 decode reference."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PagedBatch:
+    kv_cache: torch.Tensor  # [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]
+    layer: int
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    seq_lens_cpu: list[int]
+
+    @property
+    def key_cache(self) -> torch.Tensor:
+        return self.kv_cache[:, self.layer, 0]
+
+    @property
+    def value_cache(self) -> torch.Tensor:
+        return self.kv_cache[:, self.layer, 1]
+
+
+def make_paged_batch(
+    seq_lens: list[int],
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    num_layers: int = 2,
+    layer: int = 1,
+    extra_blocks: int = 3,
+    gen: torch.Generator | None = None,
+) -> PagedBatch:
+    """Blocks handed out in a random permutation, so no block table is in order."""
+    blocks_per_seq = [max(1, -(-n // block_size)) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + extra_blocks
+    kv_cache = torch.randn(
+        num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim,
+        device="cuda", dtype=dtype, generator=gen,
+    )  # fmt: skip
+    perm = torch.randperm(num_blocks, device="cpu", generator=None).tolist()
+    max_blocks = max(blocks_per_seq) + 1  # one padding column
+    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    pos = 0
+    for i, nb in enumerate(blocks_per_seq):
+        tables[i, :nb] = torch.tensor(perm[pos : pos + nb], dtype=torch.int32)
+        pos += nb
+    return PagedBatch(
+        kv_cache=kv_cache,
+        layer=layer,
+        block_tables=tables.cuda(),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+        seq_lens_cpu=list(seq_lens),
+    )
+
+
+def gather_kv(batch: PagedBatch, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one sequence, contiguous: [num_kv_heads, seq_len, head_dim] each."""
+    n = batch.seq_lens_cpu[seq]
+    _, num_kv_heads, bs, head_dim = batch.key_cache.shape
+    blocks = batch.block_tables[seq, : max(1, -(-n // bs))].long()
+    k = batch.key_cache[blocks].permute(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)
+    v = batch.value_cache[blocks].permute(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)
+    return k[:, :n], v[:, :n]
+
+
+def reference_decode(query: torch.Tensor, batch: PagedBatch, scale: float) -> torch.Tensor:
+    """float64 decode attention; query: [num_seqs, num_q_heads, head_dim] -> same shape."""
+    num_q_heads = query.shape[1]
+    out = torch.zeros(query.shape, dtype=torch.float64, device=query.device)
+    for s, n in enumerate(batch.seq_lens_cpu):
+        if n == 0:
+            continue
+        k, v = gather_kv(batch, s)
+        group = num_q_heads // k.shape[0]
+        k = k.double().repeat_interleave(group, dim=0)  # [num_q_heads, n, head_dim]
+        v = v.double().repeat_interleave(group, dim=0)
+        q = query[s].double().unsqueeze(1)  # [num_q_heads, 1, head_dim]
+        p = torch.softmax((q @ k.transpose(1, 2)) * scale, dim=-1)
+        out[s] = (p @ v).squeeze(1)
+    return out
