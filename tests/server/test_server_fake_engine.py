@@ -6,8 +6,8 @@ import grpc
 import pytest
 
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
-from tests.server.fake_engine import FakeEngine
-from tests.server.helpers import BidiClient, ServerThread, joined_ids
+from fake_engine import FakeEngine
+from server_helpers import BidiClient, ServerThread, joined_ids
 
 
 @pytest.fixture
