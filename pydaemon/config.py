@@ -1,0 +1,76 @@
+"""Engine configuration: one dataclass, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+PREEMPTION_MODES = ("auto", "recompute", "swap")
+LOAD_FORMATS = ("auto", "dummy")
+BLOCK_SIZES = (8, 16, 32)
+
+
+@dataclass
+class EngineConfig:
+    """Everything an LLMEngine needs; the daemon's flags and TOML keys use the same names.
+
+    ``max_num_batched_tokens`` is the per-step token budget (decodes first, then prefill
+    chunks); ``None`` picks 2048 on CUDA and 512 on CPU. ``num_kv_blocks`` overrides the
+    KV-cache size derived from ``gpu_memory_utilization`` (CUDA) or ``cpu_kv_cache_space``
+    (GiB, CPU). ``swap_space`` (GiB) sizes the CPU swap pool used by swap preemption.
+    """
+
+    model: str = "demo"
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_space: float = 1.0
+    swap_space: float = 4.0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    preemption_mode: str = "auto"
+    enable_prefix_caching: bool = True
+    load_format: str = "auto"
+    seed: int = 0
+    watermark: float = 0.01
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"EngineConfig.{name} {why} (got {getattr(self, name)!r})")
+
+        for name, allowed in (
+            ("device", DEVICES),
+            ("dtype", DTYPES),
+            ("preemption_mode", PREEMPTION_MODES),
+            ("load_format", LOAD_FORMATS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise bad(name, f"must be one of {', '.join(allowed)}")
+        if self.block_size not in BLOCK_SIZES:
+            raise bad("block_size", f"must be one of {BLOCK_SIZES}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise bad("num_kv_blocks", "must be a positive integer or None")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise bad("gpu_memory_utilization", "must be in (0, 1]")
+        if self.cpu_kv_cache_space <= 0:
+            raise bad("cpu_kv_cache_space", "must be positive (GiB)")
+        if self.swap_space < 0:
+            raise bad("swap_space", "must be >= 0 (GiB)")
+        if self.max_num_seqs < 1:
+            raise bad("max_num_seqs", "must be a positive integer")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise bad("max_num_batched_tokens", "must be a positive integer or None")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise bad("max_model_len", "must be a positive integer or None")
+        if not 0.0 <= self.watermark < 1.0:
+            raise bad("watermark", "must be in [0, 1)")
+        if not self.model:
+            raise bad("model", "must name 'demo' or a model directory")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

@@ -1,0 +1,42 @@
+"""The paged KV cache tensors: sizing and allocation (layout in attention_metadata.py)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    block_size: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.block_shape) * elem
+
+    def num_blocks_for_bytes(self, num_bytes: float) -> int:
+        return int(num_bytes // self.block_bytes)
+
+    def allocate(self, num_blocks: int, device: torch.device, pin_memory: bool = False) -> torch.Tensor:
+        """kv_cache: [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]."""
+        return torch.empty(
+            (num_blocks, *self.block_shape), dtype=self.dtype, device=device, pin_memory=pin_memory
+        )
+
+
+def layer_caches(kv_cache: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Strided views key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_dim]."""
+    return kv_cache[:, layer, 0], kv_cache[:, layer, 1]

@@ -1,0 +1,116 @@
+"""A request and its sequences: the state the scheduler and the engine share.
+
+A request starts with one sequence holding the prompt. With ``n > 1`` (or ``best_of``) the
+prompt is prefilled once and the sequence is forked into the others at the first sample, so
+that they share the prompt's KV blocks. Beam search keeps one sequence per live beam and forks
+and frees them every step. A sequence's KV covers its first ``num_computed_tokens`` tokens; the
+block manager holds slots for its first ``num_slots`` tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pydaemon.outputs import RequestMetrics, TokenLogprobs
+from pydaemon.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+_seq_counter = itertools.count()
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # not admitted, or preempted by recompute (no blocks)
+    RUNNING = "running"  # holds GPU blocks
+    SWAPPED = "swapped"  # preempted by swap: its blocks are in the CPU pool
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    index: int  # output index in [0, best_of)
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_slots: int = 0  # tokens that have a slot in the block manager
+    generator: torch.Generator | None = None
+    cumulative_logprob: float = 0.0
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # Streaming state, owned by the output processor.
+    detokenizer: object | None = None
+    stop_checker: object | None = None
+    text: str = ""  # text known not to be part of a stop string
+    num_streamed_tokens: int = 0
+    num_streamed_chars: int = 0
+    num_streamed_logprobs: int = 0
+    final_sent: bool = False
+
+    @classmethod
+    def new(cls, index: int, prompt_token_ids: list[int], **kw) -> Sequence:
+        return cls(seq_id=next(_seq_counter), index=index, prompt_token_ids=prompt_token_ids, **kw)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: set[int]
+    priority: int = 0
+    cache_salt: str = ""
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
+    status: RequestStatus = RequestStatus.WAITING
+    seqs: list[Sequence] = field(default_factory=list)  # live sequences (running or swapped)
+    finished_seqs: list[Sequence] = field(default_factory=list)
+    is_forked: bool = False  # n > 1: the prompt sequence has been forked
+    beam: object | None = None  # BeamSearchState for beam search
+    num_preemptions: int = 0
+    order: int = field(default_factory=lambda: next(_seq_counter))
+
+    @property
+    def sort_key(self) -> tuple[int, float, int]:
+        """Scheduling order: lower priority value first, then earlier arrival."""
+        return (self.priority, self.metrics.arrival_time, self.order)
+
+    @property
+    def num_expected_seqs(self) -> int:
+        """Sequences this request will run at once after its prompt is prefilled."""
+        if self.params.is_beam_search:
+            return self.params.beam_width
+        return self.params.best_of or 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def streams_deltas(self) -> bool:
+        """Beam search and best_of > n only know their outputs at the end."""
+        return not self.params.is_beam_search and self.params.best_of == self.params.n

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Create .venv (once) and install pagedd into it with its test extra. Idempotent: the C++ core
+# is rebuilt only when cpp/, CMakeLists.txt or pyproject.toml changed since the last install.
+#   PAGEDD_TORCH   torch requirement to install first (default torch==2.13.0)
+#   PAGEDD_CUDA    AUTO | ON | OFF: build the CUDA kernels (AUTO: when nvcc is found)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+fi
+PY="$VENV/bin/python"
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  "$PY" -m pip install -q "${PAGEDD_TORCH:-torch==2.13.0}"
+fi
+"$PY" -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.4"
+stamp_now=$(cat pyproject.toml CMakeLists.txt $(find cpp -type f | sort) | sha1sum | cut -c1-16)
+stamp_file="$VENV/.pagedd-build-stamp"
+if [ "$(cat "$stamp_file" 2>/dev/null)" != "$stamp_now" ] || ! "$PY" -c "import pydaemon._core" 2>/dev/null; then
+  echo "== building and installing pagedd (C++ core${PAGEDD_CUDA:+, PAGEDD_CUDA=$PAGEDD_CUDA})"
+  "$PY" -m pip install -q --no-build-isolation -e ".[test]"
+  echo "$stamp_now" > "$stamp_file"
+fi

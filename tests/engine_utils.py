@@ -1,0 +1,73 @@
+"""Helpers for engine tests: tiny random HF models on disk and a plain greedy reference."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+
+def make_hf_model(
+    path: Path,
+    *,
+    arch: str = "llama",
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    vocab_size: int = 256,
+    seed: int = 0,
+    **extra,
+):
+    """Save a random transformers model with save_pretrained; returns (dir, model)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        **extra,
+    )
+    if arch == "qwen2":
+        config = transformers.Qwen2Config(**common)
+        model = transformers.Qwen2ForCausalLM(config)
+    else:
+        config = transformers.LlamaConfig(**common)
+        model = transformers.LlamaForCausalLM(config)
+    # Spread the weights a little so that logits are not near-ties.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    model.eval()
+    model.save_pretrained(path, safe_serialization=True)
+    return path, model
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation by full recompute: the unambiguous reference (EOS ignored)."""
+    ids = list(prompt)
+    out = []
+    past = None
+    inp = torch.tensor([ids])
+    for _ in range(max_new_tokens):
+        res = model(input_ids=inp, past_key_values=past, use_cache=True)
+        past = res.past_key_values
+        token = int(res.logits[0, -1].argmax())
+        out.append(token)
+        inp = torch.tensor([[token]])
+    return out
+
+
+def random_prompts(count: int, vocab_size: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(count)]
