@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import grpc
 import pytest
-
-from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 from fake_engine import FakeEngine
 from server_helpers import BidiClient, ServerThread, joined_ids
+
+from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 
 
 @pytest.fixture
