@@ -32,6 +32,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -165,10 +166,9 @@ class BlockManager {
   std::vector<SeqId> seq_ids() const;
 
  private:
-  // Implementation detail: see block_manager.cpp (and block_pool.h for the pools).
+  // Implementation detail: see block_manager_impl.h (block_pool.h, prefix_cache.h).
   struct Impl;
-  // Impl is held by value through a unique_ptr-like owner defined in the .cpp.
-  Impl* impl_;
+  std::unique_ptr<Impl> impl_;
 
  public:
   ~BlockManager();
