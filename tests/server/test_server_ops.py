@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import subprocess
 import threading
 import time
 import urllib.request
@@ -245,3 +247,38 @@ def test_no_watchdog_when_the_engine_loop_is_stuck(tmp_path, monkeypatch):
     finally:
         st.close()
         sock.close()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make a certificate")
+def test_tls(start_server, tmp_path):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    st = start_server(tls_cert=str(cert), tls_key=str(key))
+    credentials = grpc.ssl_channel_credentials(cert.read_bytes())
+    with grpc.secure_channel(f"localhost:{st.server.port}", credentials) as channel:
+        info = pb_grpc.GenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+        assert info.model_name == "fake"
+    with grpc.insecure_channel(f"localhost:{st.server.port}") as channel:
+        with pytest.raises(grpc.RpcError):
+            pb_grpc.GenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=2)
