@@ -146,6 +146,7 @@ class LLMEngine:
                 eos_token_ids=set() if params.ignore_eos else self.eos_token_ids,
                 prompt_len=len(token_ids),
                 max_new_tokens=min(params.max_tokens, self.max_model_len - len(token_ids)),
+                min_new_tokens=params.min_tokens,
             )
         self.requests[request_id] = request
         self.scheduler.add_request(request)
@@ -290,7 +291,9 @@ class LLMEngine:
             stop_ids_for_min_tokens=barred,
         )
 
-    def _fork(self, request: Request, parent: Sequence, index: int) -> Sequence:
+    def _fork(
+        self, request: Request, parent: Sequence, index: int, register: bool = True
+    ) -> Sequence:
         child = Sequence.new(
             index,
             parent.prompt_token_ids,
@@ -302,7 +305,8 @@ class LLMEngine:
         )
         self.block_manager.fork(parent.seq_id, child.seq_id)
         self.output_processor.init_seq(request, child)
-        request.seqs.append(child)
+        if register:
+            request.seqs.append(child)
         return child
 
     def _retire_seq(self, request: Request, seq: Sequence) -> None:

@@ -91,6 +91,7 @@ class Request:
     finished_seqs: list[Sequence] = field(default_factory=list)
     is_forked: bool = False  # n > 1: the prompt sequence has been forked
     beam: object | None = None  # BeamSearchState for beam search
+    beam_pending: dict = field(default_factory=dict)  # seq_id -> logprob row awaiting its peers
     num_preemptions: int = 0
     order: int = field(default_factory=lambda: next(_seq_counter))
 

@@ -1,0 +1,61 @@
+"""Incremental detokenization: token ids in, text deltas out.
+
+Each step decodes only a small window of recent tokens (vLLM's prefix/read offsets): the text
+of ``tokens[prefix_offset:read_offset]`` (already emitted) and of ``tokens[prefix_offset:]``;
+the delta is the difference. Decoding both from the same start token makes SentencePiece's
+stripping of a leading space cancel out, so the first generated token keeps its space. A
+window whose text ends in U+FFFD (an incomplete UTF-8 sequence from byte-fallback pieces) is
+held back until the character is complete.
+"""
+
+from __future__ import annotations
+
+from pydaemon.tokenizer import Tokenizer
+
+# Prompt tokens decoded before the first generated one, so its leading space is kept.
+_INITIAL_WINDOW = 5
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.prefix_offset = max(len(self.token_ids) - _INITIAL_WINDOW, 0)
+        self.read_offset = len(self.token_ids)
+        self._chunks: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """All output text emitted so far."""
+        return "".join(self._chunks)
+
+    def add(self, token_ids: list[int]) -> str:
+        """Appends generated tokens; returns the new text (possibly empty)."""
+        self.token_ids.extend(token_ids)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """At the end of a sequence: returns text held back for an incomplete character."""
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        if self.read_offset >= len(self.token_ids):
+            return ""
+        decode = self.tokenizer.decode
+        prefix_text = decode(
+            self.token_ids[self.prefix_offset : self.read_offset], self.skip_special_tokens
+        )
+        new_text = decode(self.token_ids[self.prefix_offset :], self.skip_special_tokens)
+        if not final and new_text.endswith(_REPLACEMENT):
+            return ""
+        # The window may hold a partial character from the prompt: compare lengths, not bytes.
+        delta = new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.token_ids)
+        if delta:
+            self._chunks.append(delta)
+        return delta

@@ -1,0 +1,113 @@
+"""Paged attention in plain torch: runs on CPU and on CUDA tensors.
+
+Reads K/V only through the block table, exactly as the CUDA kernels do, so it is also the
+reference the kernels are tested against. Prefill sequences (full or chunked, possibly with a
+cached prefix) are handled one by one with SDPA; all decode sequences of the step are batched
+into one padded gather + masked softmax. Only the host lists of the metadata
+(``seq_lens_cpu``, ``query_lens_cpu``) drive Python control flow, so no device tensor is read
+back.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pydaemon.attention_metadata import AttentionMetadata
+
+
+def write_kv_cache_torch(
+    key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    slot_mapping: torch.Tensor,  # [T] int64, slot of each token; negative: skip
+) -> None:
+    block_size = key_cache.shape[2]
+    slots = slot_mapping.to(torch.int64)
+    # Boolean indexing syncs with a CUDA device; the CUDA path uses the reshape_and_cache
+    # kernel instead, this fallback only has to be correct there.
+    valid = slots >= 0
+    slots, key, value = slots[valid], key[valid], value[valid]
+    block_ids = torch.div(slots, block_size, rounding_mode="floor")
+    offsets = slots % block_size
+    # key_cache[block_ids, :, offsets] has shape [T, num_kv_heads, head_dim].
+    key_cache[block_ids, :, offsets] = key.to(key_cache.dtype)
+    value_cache[block_ids, :, offsets] = value.to(value_cache.dtype)
+
+
+def _gather_kv(
+    cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    block_tables: torch.Tensor,  # [N, num_blocks_per_seq] int32
+    max_len: int,
+) -> torch.Tensor:
+    """-> [N, num_kv_heads, max_len, head_dim] (positions past a sequence's end: garbage)."""
+    n, nb = block_tables.shape
+    blocks = cache[block_tables.to(torch.int64)]  # [N, nb, Hkv, bs, D]
+    h, bs, d = cache.shape[1], cache.shape[2], cache.shape[3]
+    blocks = blocks.permute(0, 2, 1, 3, 4).reshape(n, h, nb * bs, d)
+    return blocks[:, :, :max_len]
+
+
+def paged_attention_torch(
+    query: torch.Tensor,  # [T, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    attn_metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of the step's query tokens over their sequences' cached K/V.
+
+    Sequence ``i`` has its ``query_lens_cpu[i]`` query tokens at positions
+    ``[seq_lens_cpu[i] - query_lens_cpu[i], seq_lens_cpu[i])``; its K/V (including this step's,
+    already written) are read through ``block_tables[i]``. Returns [T, num_heads, head_dim].
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    seq_lens = attn_metadata.seq_lens_cpu
+    query_lens = attn_metadata.query_lens_cpu
+    num_prefills = attn_metadata.num_prefills
+
+    start = 0
+    for i in range(num_prefills):
+        q_len, s_len = query_lens[i], seq_lens[i]
+        num_blocks = -(-s_len // block_size)
+        table = attn_metadata.block_tables[i : i + 1, :num_blocks]
+        k = _gather_kv(key_cache, table, s_len)[0]  # [Hkv, s_len, D]
+        v = _gather_kv(value_cache, table, s_len)[0]
+        if group > 1:
+            k = k.repeat_interleave(group, dim=0)
+            v = v.repeat_interleave(group, dim=0)
+        q = query[start : start + q_len].transpose(0, 1)  # [Hq, q_len, D]
+        if q_len == s_len:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        else:
+            # Query token j sits at position s_len - q_len + j and sees keys [0, that].
+            q_pos = torch.arange(s_len - q_len, s_len, device=query.device)
+            k_pos = torch.arange(s_len, device=query.device)
+            mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, s_len]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        out[start : start + q_len] = o.transpose(0, 1)
+        start += q_len
+
+    num_decodes = attn_metadata.num_seqs - num_prefills
+    if num_decodes > 0:
+        decode_lens = seq_lens[num_prefills:]
+        max_len = max(decode_lens)
+        num_blocks = -(-max_len // block_size)
+        tables = attn_metadata.block_tables[num_prefills:, :num_blocks]
+        k = _gather_kv(key_cache, tables, max_len)  # [N, Hkv, L, D]
+        v = _gather_kv(value_cache, tables, max_len)
+        q = query[start : start + num_decodes].view(num_decodes, num_kv_heads, group, head_dim)
+        scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [N, Hkv, G, L]
+        lens = attn_metadata.seq_lens[num_prefills:].to(device=query.device, dtype=torch.int64)
+        pad = torch.arange(max_len, device=query.device)[None, :] >= lens[:, None]  # [N, L]
+        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        # Padding slots may hold anything (even NaN/inf in never-written blocks): 0 * NaN = NaN.
+        v = v.masked_fill(pad[:, None, :, None], 0.0)
+        o = torch.matmul(probs, v)  # [N, Hkv, G, D]
+        out[start : start + num_decodes] = o.reshape(num_decodes, num_heads, head_dim)
+    return out

@@ -1,0 +1,116 @@
+"""Builds a model from a Hugging Face-format directory.
+
+Weights come from ``model.safetensors`` or from the shards named by
+``model.safetensors.index.json``, read tensor by tensor through ``safetensors.safe_open`` and
+copied straight into parameters that were allocated once on the target device and dtype (no
+second full copy of the model in host memory). ``load_format="dummy"`` fills random weights
+of the right shapes instead, with only ``config.json`` needed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from pydaemon.layers.rotary_embedding import RotaryEmbedding
+from pydaemon.model_config import ModelConfig, resolve_dtype
+from pydaemon.models import get_model_class
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    load_format: str = "auto",
+    seed: int = 0,
+) -> tuple[nn.Module, ModelConfig]:
+    """-> (model in eval mode on ``device``, its config)."""
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"unsupported load_format {load_format!r}: expected 'auto' or 'dummy'")
+    model_dir = Path(model_dir)
+    config = ModelConfig.from_model_dir(model_dir)
+    torch_dtype = resolve_dtype(config, dtype)
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = get_model_class(config.architecture)(config)
+    _materialize(model, torch_dtype, device)
+    if load_format == "dummy":
+        _fill_dummy(model, seed)
+    else:
+        _load_weights(model, config, model_dir)
+    return model.eval(), config
+
+
+def weight_files(model_dir: Path) -> dict[str, Path]:
+    """-> tensor name -> file holding it (only for the sharded layout; empty otherwise)."""
+    index = model_dir / INDEX_FILE
+    with open(index, encoding="utf-8") as f:
+        weight_map = json.load(f).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index} has no 'weight_map'")
+    return {name: model_dir / fname for name, fname in weight_map.items()}
+
+
+def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Replace meta parameters by uninitialised ones on ``device`` in ``dtype``."""
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            empty = torch.empty(param.shape, dtype=dtype, device=device)
+            module._parameters[name] = nn.Parameter(empty, requires_grad=False)
+        if isinstance(module, RotaryEmbedding):
+            module.reset_parameters(device)
+
+
+def _fill_dummy(model: nn.Module, seed: int) -> None:
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        else:
+            param.data.normal_(0.0, 0.02, generator=gen)
+
+
+def _load_weights(model: nn.Module, config: ModelConfig, model_dir: Path) -> None:
+    params = dict(model.named_parameters())
+    if (model_dir / SINGLE_FILE).is_file():
+        files = [model_dir / SINGLE_FILE]
+    elif (model_dir / INDEX_FILE).is_file():
+        files = sorted(set(weight_files(model_dir).values()))
+    else:
+        raise FileNotFoundError(
+            f"no weights in {model_dir}: expected {SINGLE_FILE} or {INDEX_FILE} "
+            "(or use load_format='dummy')"
+        )
+    loaded: set[str] = set()
+    for path in files:
+        if not path.is_file():
+            raise FileNotFoundError(f"weight shard not found: {path}")
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                param = params.get(name)
+                if param is None:
+                    continue  # lm_head of a tied model, rotary inv_freq, ...: ignored
+                # get_slice keeps the read lazy until the copy below.
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != tuple(param.shape):
+                    raise ValueError(
+                        f"tensor {name!r} in {path.name} has shape {list(shape)}, "
+                        f"expected {list(param.shape)}"
+                    )
+                param.data.copy_(f.get_tensor(name))
+                loaded.add(name)
+    missing = [name for name in params if name not in loaded]
+    if missing:
+        shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+        raise ValueError(f"missing tensors in checkpoint {model_dir}: {shown}")

@@ -1,0 +1,26 @@
+"""Model registry: architecture name (from config.json) -> model class."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from pydaemon.models.llama import LlamaForCausalLM
+
+_MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return _MODEL_REGISTRY[architecture]
+    except KeyError:
+        raise ValueError(
+            f"unsupported architecture {architecture!r} "
+            f"(supported: {', '.join(sorted(_MODEL_REGISTRY))})"
+        ) from None
+
+
+__all__ = ["LlamaForCausalLM", "get_model_class"]

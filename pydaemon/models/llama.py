@@ -1,0 +1,147 @@
+"""Llama-family decoder (Llama 2/3, Mistral without sliding window, Qwen2 with q/k/v bias).
+
+Parameter names equal the Hugging Face checkpoint names (``model.layers.N.self_attn.q_proj
+.weight``, ...), so loading is a name match. No fused projections.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pydaemon.attention_metadata import AttentionMetadata
+from pydaemon.layers.attention import PagedAttention
+from pydaemon.layers.rms_norm import RMSNorm
+from pydaemon.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+from pydaemon.model_config import ModelConfig
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        h, d = config.hidden_size, config.head_dim
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=config.attention_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.attention_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.o_proj_bias)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, scale=d**-0.5)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,  # [T, hidden_size]
+        cos: torch.Tensor,  # [T, head_dim] float32
+        sin: torch.Tensor,  # [T, head_dim] float32
+        key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+        value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden_size]
+        t = hidden_states.shape[0]
+        q = self.q_proj(hidden_states).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden_states).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden_states).view(t, self.num_kv_heads, self.head_dim)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        out = self.attn(q, k, v, key_cache, value_cache, attn_metadata)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden_size]
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,  # [T, hidden_size]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states = self.self_attn(
+            hidden_states, cos, sin, key_cache, value_cache, attn_metadata
+        )
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
+        return residual + hidden_states
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            [LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden_size]
+        hidden_states = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions)
+        for layer_idx, layer in enumerate(self.layers):
+            hidden_states = layer(
+                hidden_states,
+                cos,
+                sin,
+                kv_cache[:, layer_idx, 0],
+                kv_cache[:, layer_idx, 1],
+                attn_metadata,
+            )
+        return self.norm(hidden_states)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        # Tied: the logits reuse model.embed_tokens.weight, there is no lm_head parameter.
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden_size]
+        return self.model(input_ids, positions, kv_cache, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # hidden_states: [N, hidden_size] -> [N, vocab_size] float32
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden_states, weight).float()
