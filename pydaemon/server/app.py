@@ -223,8 +223,12 @@ async def serve(engine_factory: Callable[[], Any], options: ServerOptions) -> in
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait({start, stopped}, return_when=asyncio.FIRST_COMPLETED)
     if start.done() and start.exception() is not None:
+        error = start.exception()
+        # A bad setting (ValueError) is the operator's to fix: its message is enough.
+        logger.error("start-up failed: %s", error, exc_info=not isinstance(error, ValueError))
+        server.notifier.status(f"start-up failed: {error}")
         await server.drain()
-        raise start.exception()
+        return 1
     await stopped
     if not start.done():
         start.cancel()

@@ -87,3 +87,34 @@ def test_example_config_is_valid(monkeypatch):
     engine_kwargs, options, _ = resolve(args)
     config = EngineConfig(**engine_kwargs)
     assert config.device == "cuda" and options.metrics_port == 9400 and options.api_key == "k"
+
+
+def test_version_and_start_up_failure_exit_codes():
+    import subprocess
+    import sys
+
+    from pydaemon import __version__
+
+    run = subprocess.run(
+        [sys.executable, "-m", "pydaemon", "--version"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert (run.returncode, run.stdout.strip()) == (0, f"pagedd {__version__}")
+    run = subprocess.run(
+        [sys.executable, "-m", "pydaemon", "serve", "--model", "/nonexistent/model", "--port", "0"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert run.returncode == 1
+    assert (
+        "start-up failed: model '/nonexistent/model' is neither 'demo' nor a model directory"
+        in run.stderr
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "pydaemon", "serve", "--block-size", "7"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert run.returncode == 2 and "EngineConfig.block_size must be one of" in run.stderr
