@@ -125,6 +125,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         await context.abort(fatal.code, fatal.message)
 
     async def _read(self, stream: _Stream, request_iterator) -> None:
+        try:
+            await self._read_frames(stream, request_iterator)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the transport failed: the call is ending anyway
+            logger.debug("reading the stream failed: %r", e)
+            stream.out.put_nowait(_READER_DONE)
+
+    async def _read_frames(self, stream: _Stream, request_iterator) -> None:
         async for frame in request_iterator:
             action = frame.WhichOneof("action")
             if action is None:
