@@ -282,3 +282,21 @@ def test_tls(start_server, tmp_path):
     with grpc.insecure_channel(f"localhost:{st.server.port}") as channel:
         with pytest.raises(grpc.RpcError):
             pb_grpc.GenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=2)
+
+
+def test_unexpected_exception_becomes_internal_with_a_log_line(start_server, caplog):
+    st = start_server()
+
+    async def broken():
+        raise KeyError("boom")
+
+    st.server.async_engine.stats = broken  # GetServerStatus awaits it
+    with pytest.raises(grpc.RpcError) as e:
+        st.stub().GetServerStatus(pb.GetServerStatusRequest())
+    assert e.value.code() == grpc.StatusCode.INTERNAL
+    assert "boom" in e.value.details()
+    assert any(
+        "unexpected error in /pagedd.v1.Generation/GetServerStatus" in r.message
+        for r in caplog.records
+    )
+    assert _health(st.channel) == SERVING
