@@ -96,9 +96,9 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def server():
-    from conftest import make_server_thread
+    from conftest import make_server_thread, shared_demo_engine
 
-    st = make_server_thread()
+    st = make_server_thread(shared_demo_engine)
     yield st
     st.close()
 
@@ -131,7 +131,8 @@ def test_healthy_and_serving_after_the_bad_inputs(server):
         == health_pb2.HealthCheckResponse.SERVING
     )
     client = BidiClient(server.stub())
-    client.start("ok", [5, 6], sampling=pb.SamplingParams(max_tokens=3, temperature=0)).close_send()
+    sampling = pb.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    client.start("ok", [5, 6], sampling=sampling).close_send()
     assert client.collect()["ok"][-1].finished.usage.completion_tokens == 3
     stats = server.wait_all_blocks_free()
     assert stats.num_free_gpu_blocks == stats.num_gpu_blocks

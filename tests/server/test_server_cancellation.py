@@ -15,8 +15,9 @@ LONG = pb.SamplingParams(max_tokens=500, ignore_eos=True)
 
 
 def _long_engine():
-    engine = FakeEngine(num_gpu_blocks=1024, max_model_len=1024, step_delay_s=0.005)
-    return lambda: engine
+    from conftest import shared_demo_engine
+
+    return shared_demo_engine
 
 
 def _wait_for_delta(client: BidiClient, request_id: str) -> None:
@@ -80,7 +81,7 @@ def test_other_requests_on_the_stream_survive_a_cancel(start_server):
     st = start_server(_long_engine())
     client = BidiClient(st.stub())
     client.start("long", [3], sampling=LONG)
-    client.start("short", [4], sampling=pb.SamplingParams(max_tokens=20))
+    client.start("short", [4], sampling=pb.SamplingParams(max_tokens=20, ignore_eos=True))
     client.cancel("long").close_send()
     frames = client.collect()
     assert frames["long"][-1].finished.finish_reason == pb.FINISH_REASON_CANCELLED

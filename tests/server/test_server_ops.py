@@ -118,8 +118,8 @@ def test_reflection_lists_the_service(start_server):
     assert response.file_descriptor_response.file_descriptor_proto
 
 
-def test_auth_refused_and_accepted_health_exempt(start_server):
-    st = start_server(api_key="s3cret")
+def test_auth_refused_and_accepted_health_exempt(demo_server):
+    st = demo_server(api_key="s3cret")
     stub = st.stub()
     with pytest.raises(grpc.RpcError) as e:
         stub.GetModelInfo(pb.GetModelInfoRequest())
@@ -134,9 +134,9 @@ def test_auth_refused_and_accepted_health_exempt(start_server):
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     auth = (("authorization", "Bearer s3cret"),)
     info = stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=auth)
-    assert info.vocab_size == 64
+    assert info.vocab_size > 3
     client = BidiClient(stub, metadata=auth)
-    client.start("a", [3], sampling=pb.SamplingParams(max_tokens=2)).close_send()
+    client.start("a", [3], sampling=pb.SamplingParams(max_tokens=2, ignore_eos=True)).close_send()
     assert client.collect()["a"][-1].finished.usage.completion_tokens == 2
     assert _health(st.channel) == SERVING  # no token needed
 
@@ -164,33 +164,38 @@ def _parse_prometheus(text: str) -> dict[str, float]:
     return samples
 
 
-def test_metrics_endpoint_scraped_and_parsed(start_server):
-    st = start_server(metrics_port=0)
-    client = BidiClient(st.stub())
-    for rid in ("a", "b"):
-        client.start(rid, [3], sampling=pb.SamplingParams(max_tokens=4))
-    client.close_send()
-    client.collect()
-    st.wait_all_blocks_free()
+def _scrape(st: ServerThread) -> dict[str, float]:
     url = f"http://127.0.0.1:{st.server.metrics_server.port}/metrics"
     with urllib.request.urlopen(url, timeout=5) as r:
         assert r.headers["Content-Type"].startswith("text/plain")
-        samples = _parse_prometheus(r.read().decode())
-    assert samples["pagedd_kv_blocks_total"] == 256
+        return _parse_prometheus(r.read().decode())
+
+
+def test_metrics_endpoint_scraped_and_parsed(demo_server):
+    st = demo_server(metrics_port=0)
+    before = _scrape(st)
+    client = BidiClient(st.stub())
+    for rid, prompt in (("a", [3, 4]), ("b", [5, 6])):
+        client.start(rid, prompt, sampling=pb.SamplingParams(max_tokens=4, ignore_eos=True))
+    client.close_send()
+    client.collect()
+    st.wait_all_blocks_free()
+    samples = _scrape(st)
+    assert samples["pagedd_kv_blocks_total"] == st.stats().num_gpu_blocks > 0
     assert samples["pagedd_kv_blocks_used"] == 0
-    assert samples["pagedd_generation_tokens_total"] == 8
-    assert samples["pagedd_prompt_tokens_total"] == 2
+    assert samples["pagedd_generation_tokens_total"] - before["pagedd_generation_tokens_total"] == 8
+    assert 0 < samples["pagedd_prompt_tokens_total"] - before["pagedd_prompt_tokens_total"] <= 4
     assert samples['pagedd_requests_finished_total{finish_reason="length"}'] == 2
     assert samples["pagedd_time_to_first_token_seconds_count"] == 2
     assert samples['pagedd_e2e_request_latency_seconds_bucket{le="+Inf"}'] == 2
     assert samples["pagedd_time_per_output_token_seconds_count"] == 2
+    assert samples["pagedd_num_requests_running"] == samples["pagedd_num_requests_waiting"] == 0
     for name in (
-        "pagedd_num_requests_running",
-        "pagedd_num_requests_waiting",
         "pagedd_preemptions_total",
         "pagedd_prefix_cache_hit_rate",
         "pagedd_swapped_out_blocks_total",
         "pagedd_kv_waste_slots",
+        "pagedd_kv_cache_usage_ratio",
     ):
         assert name in samples
 
