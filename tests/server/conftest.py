@@ -76,3 +76,9 @@ def demo_server(start_server):
         return start_server(shared_demo_engine, **options)
 
     return start
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _release_shared_engine():
+    yield
+    _shared.clear()  # drop the engine before interpreter exit (nanobind checks for leaks)
