@@ -48,7 +48,7 @@ def make_server_thread(engine_factory=None, **options) -> ServerThread:
     if engine_factory is None:
         engine = FakeEngine(num_gpu_blocks=256, max_model_len=64, step_delay_s=0.002)
         engine_factory = lambda: engine  # noqa: E731
-    st.start(engine_factory, timeout=180)
+    st.start(engine_factory, timeout=60)
     st.stub()
     return st
 

@@ -3,12 +3,16 @@ early end frees every block."""
 
 from __future__ import annotations
 
+import os
+
 import grpc
 import pytest
 from server_helpers import BidiClient, ServerThread, joined_ids, joined_text
 
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 
+if os.environ.get("PAGEDD_SERVER_TEST_ENGINE") == "fake":
+    pytest.skip("PAGEDD_SERVER_TEST_ENGINE=fake", allow_module_level=True)
 engine_mod = pytest.importorskip("pydaemon.engine", exc_type=ImportError)
 
 from pydaemon.config import EngineConfig  # noqa: E402
@@ -26,8 +30,10 @@ def _demo_engine(num_kv_blocks: int):
 
 @pytest.fixture(scope="module")
 def server():
+    from conftest import shared_demo_engine
+
     st = ServerThread(ServerOptions(port=0, grace_period_s=5.0)).start(
-        lambda: _demo_engine(128), timeout=120
+        shared_demo_engine, timeout=60
     )
     st.stub()
     yield st
@@ -96,7 +102,7 @@ def test_early_end_frees_every_block(server, how):
 
 
 def test_prompt_too_long_for_context_and_for_kv_cache():
-    st = ServerThread(ServerOptions(port=0)).start(lambda: _demo_engine(2), timeout=120)
+    st = ServerThread(ServerOptions(port=0)).start(lambda: _demo_engine(2), timeout=60)
     try:
         info = st.stub().GetModelInfo(pb.GetModelInfoRequest())
         client = BidiClient(st.stub())
