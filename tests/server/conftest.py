@@ -9,6 +9,7 @@ can produce (a failing or hung step, huge deltas, slow steps) use FakeEngine exp
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -82,3 +83,4 @@ def demo_server(start_server):
 def _release_shared_engine():
     yield
     _shared.clear()  # drop the engine before interpreter exit (nanobind checks for leaks)
+    gc.collect()

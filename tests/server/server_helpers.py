@@ -75,6 +75,9 @@ class ServerThread:
                 pass
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
+        # grpc keeps the servicer alive past the loop: drop the engine ourselves
+        self.server.servicer.engine = None
+        self.server.async_engine = None
 
 
 @dataclass
