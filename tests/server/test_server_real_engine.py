@@ -116,3 +116,22 @@ def test_prompt_too_long_for_context_and_for_kv_cache():
         assert "KV blocks" in frames["kv"][0].error.message
     finally:
         st.close()
+
+
+def test_n_sequences_and_logprobs_in_deltas(server):
+    client = BidiClient(server.stub())
+    sampling = pb.SamplingParams(
+        n=2, temperature=0.8, seed=7, max_tokens=6, ignore_eos=True, logprobs=2
+    )
+    client.start("n2", PROMPTS[0], sampling=sampling).close_send()
+    *deltas, last = client.collect()["n2"]
+    for index in (0, 1):
+        ids = joined_ids(deltas, index)
+        assert len(ids) == 6
+    for frame in deltas:
+        assert len(frame.delta.logprobs) == len(frame.delta.token_ids)
+        for token_id, lp in zip(frame.delta.token_ids, frame.delta.logprobs, strict=True):
+            assert lp.token_id == token_id and lp.logprob <= 0.0
+            assert len(lp.top_logprobs) >= 2
+    assert list(last.finished.sequence_finish_reasons) == [pb.FINISH_REASON_LENGTH] * 2
+    assert last.finished.usage.completion_tokens == 12
