@@ -1,25 +1,77 @@
-"""The `pagedd` command line."""
+"""The `pagedd` command line: `pagedd serve` (the daemon) and `pagedd generate` (a client)."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
 import sys
 
 from pydaemon import __version__
 
 
-def main(argv: list[str] | None = None) -> int:
+def _serve(args: argparse.Namespace) -> int:
+    from pydaemon.server.app import serve
+    from pydaemon.server.settings import resolve
+
+    try:
+        engine_kwargs, options, log_level = resolve(args)
+    except ValueError as e:
+        print(f"pagedd serve: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from pydaemon.config import EngineConfig
+
+    try:
+        config = EngineConfig(**engine_kwargs)
+    except (TypeError, ValueError) as e:
+        print(f"pagedd serve: {e}", file=sys.stderr)
+        return 2
+
+    def load_engine():
+        from pydaemon.engine import LLMEngine
+
+        logging.getLogger("pydaemon.cli").info("loading %s (%s)", config.model, config)
+        return LLMEngine(config)
+
+    try:
+        return asyncio.run(serve(load_engine, options))
+    except OSError as e:
+        logging.getLogger("pydaemon.cli").error("cannot serve: %s", e)
+        return 1
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pydaemon.server.client import run_generate
+
+    return run_generate(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pydaemon.server.client import add_generate_flags
+    from pydaemon.server.settings import add_serve_flags
+
     parser = argparse.ArgumentParser(prog="pagedd", description="pagedd inference daemon")
     parser.add_argument("--version", action="version", version=f"pagedd {__version__}")
     sub = parser.add_subparsers(dest="command")
-    sub.add_parser("serve", help="run the gRPC daemon")
-    sub.add_parser("generate", help="stream a completion from a running daemon")
+    serve = sub.add_parser("serve", help="run the gRPC daemon")
+    add_serve_flags(serve)
+    generate = sub.add_parser("generate", help="stream a completion from a running daemon")
+    add_generate_flags(generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 0
-    print(f"pagedd {args.command}: not implemented yet", file=sys.stderr)
-    return 2
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "generate":
+        return _generate(args)
+    parser.print_help()
+    return 0
 
 
 if __name__ == "__main__":

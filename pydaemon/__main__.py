@@ -1,0 +1,5 @@
+"""`python -m pydaemon ...` is `pagedd ...`."""
+
+from pydaemon.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,115 @@
+"""Engine outputs → GenerateResponse frames, and the per-request accounting behind Finished."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from pydaemon.outputs import RequestMetrics, RequestOutput
+from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
+
+FINISH_REASONS = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORTED,
+}
+
+
+@dataclass
+class RequestAccount:
+    """What one request produced so far: enough to write its Finished frame."""
+
+    request_id: str  # the client's id
+    num_prompt_tokens: int = 0
+    num_completion_tokens: int = 0
+    num_tokens_by_index: dict[int, int] = field(default_factory=dict)
+    finish_reasons: dict[int, int] = field(default_factory=dict)  # index -> FinishReason
+    stop_reason: str = ""
+    metrics: RequestMetrics | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    def frames(self, output: RequestOutput) -> list[pb.GenerateResponse]:
+        """TokenDelta frames of one engine output; records counts and finish reasons."""
+        self.num_prompt_tokens = len(output.prompt_token_ids)
+        if output.metrics is not None:
+            self.metrics = output.metrics
+        frames = []
+        for seq in output.outputs:
+            if seq.finish_reason is not None:
+                self.finish_reasons[seq.index] = FINISH_REASONS.get(
+                    seq.finish_reason, pb.FINISH_REASON_ABORTED
+                )
+                if seq.stop_reason is not None and not self.stop_reason:
+                    self.stop_reason = str(seq.stop_reason)
+            if not seq.token_ids and not seq.text:
+                continue
+            self.num_completion_tokens += len(seq.token_ids)
+            self.num_tokens_by_index[seq.index] = self.num_tokens_by_index.get(seq.index, 0) + len(
+                seq.token_ids
+            )
+            delta = pb.TokenDelta(
+                index=seq.index,
+                token_ids=seq.token_ids,
+                text=seq.text,
+                cumulative_logprob=seq.cumulative_logprob,
+            )
+            for token_id, position in zip(seq.token_ids, seq.logprobs or [], strict=False):
+                delta.logprobs.append(
+                    pb.TokenLogprobs(
+                        token_id=token_id,
+                        logprob=position.get(token_id, 0.0),
+                        top_logprobs=[
+                            pb.TopLogprob(token_id=t, logprob=lp)
+                            for t, lp in sorted(position.items(), key=lambda kv: -kv[1])
+                        ],
+                    )
+                )
+            frames.append(pb.GenerateResponse(request_id=self.request_id, delta=delta))
+        return frames
+
+    def finished(self, reason: int | None = None) -> pb.GenerateResponse:
+        """The Finished frame; ``reason`` overrides the engine's (cancelled, time limit...)."""
+        n = max(self.finish_reasons, default=-1) + 1
+        per_seq = [self.finish_reasons.get(i, reason or pb.FINISH_REASON_ABORTED) for i in range(n)]
+        if reason is None:
+            reason = per_seq[0] if per_seq else pb.FINISH_REASON_ABORTED
+        return pb.GenerateResponse(
+            request_id=self.request_id,
+            finished=pb.Finished(
+                finish_reason=reason,
+                sequence_finish_reasons=per_seq,
+                usage=pb.Usage(
+                    prompt_tokens=self.num_prompt_tokens,
+                    completion_tokens=self.num_completion_tokens,
+                    cached_tokens=self.metrics.num_cached_tokens if self.metrics else 0,
+                ),
+                timings=pb.Timings(**self.timings_ms()),
+                stop_reason=self.stop_reason if reason == pb.FINISH_REASON_STOP else "",
+            ),
+        )
+
+    def timings_ms(self) -> dict[str, float]:
+        m = self.metrics
+        arrival = m.arrival_time if m else self.arrival_time
+        end = m.finished_time if m and m.finished_time else time.monotonic()
+        out = {"total_ms": (end - arrival) * 1e3}
+        if m and m.first_scheduled_time is not None:
+            out["queue_ms"] = (m.first_scheduled_time - arrival) * 1e3
+        if m and m.first_token_time is not None:
+            out["time_to_first_token_ms"] = (m.first_token_time - arrival) * 1e3
+        return out
+
+    def time_per_output_token_s(self) -> float | None:
+        m = self.metrics
+        longest = max(self.num_tokens_by_index.values(), default=0)
+        if not m or m.first_token_time is None or m.finished_time is None or longest < 2:
+            return None
+        return (m.finished_time - m.first_token_time) / (longest - 1)
+
+
+def error_frame(request_id: str, code: grpc.StatusCode, message: str) -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        request_id=request_id, error=pb.RequestError(code=code.value[0], message=message)
+    )

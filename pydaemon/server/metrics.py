@@ -1,0 +1,178 @@
+"""Prometheus metrics in the text exposition format, served over HTTP by the standard library.
+
+Gauges and counters come from the engine's latest EngineStats (refreshed by the engine thread
+after every step); latency histograms are fed by the servicer as requests finish.
+"""
+
+from __future__ import annotations
+
+import bisect
+import http.server
+import threading
+from collections.abc import Callable
+
+from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
+
+TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+# (metric name, EngineStats field, type, help)
+_STATS = (
+    ("pagedd_num_requests_running", "num_running", "gauge", "Requests being stepped."),
+    ("pagedd_num_requests_waiting", "num_waiting", "gauge", "Requests waiting to be scheduled."),
+    ("pagedd_num_requests_swapped", "num_swapped", "gauge", "Requests swapped out to CPU."),
+    ("pagedd_kv_blocks_total", "num_gpu_blocks", "gauge", "Accelerator KV blocks in total."),
+    ("pagedd_cpu_kv_blocks_total", "num_cpu_blocks", "gauge", "CPU swap KV blocks in total."),
+    ("pagedd_kv_waste_slots", "kv_waste_slots", "gauge", "Allocated KV slots holding no token."),
+    (
+        "pagedd_prefix_cache_query_tokens_total",
+        "prefix_cache_query_tokens",
+        "counter",
+        "Prompt tokens looked up in the prefix cache.",
+    ),
+    (
+        "pagedd_prefix_cache_hit_tokens_total",
+        "prefix_cache_hit_tokens",
+        "counter",
+        "Prompt tokens found in the prefix cache.",
+    ),
+    ("pagedd_preemptions_total", "num_preemptions", "counter", "Preemptions."),
+    (
+        "pagedd_swapped_out_blocks_total",
+        "num_swapped_out_blocks",
+        "counter",
+        "KV blocks swapped out to CPU.",
+    ),
+    (
+        "pagedd_swapped_in_blocks_total",
+        "num_swapped_in_blocks",
+        "counter",
+        "KV blocks swapped back in.",
+    ),
+    ("pagedd_prompt_tokens_total", "num_prompt_tokens", "counter", "Prompt tokens processed."),
+    ("pagedd_generation_tokens_total", "num_generation_tokens", "counter", "Tokens generated."),
+)
+
+
+class Histogram:
+    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]) -> None:
+        self.name, self.help, self.buckets = name, help_text, buckets
+        self.counts = [0] * (len(buckets) + 1)  # last: +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        cumulative = 0
+        for bound, n in zip((*self.buckets, float("inf")), self.counts, strict=True):
+            cumulative += n
+            le = "+Inf" if bound == float("inf") else repr(bound)
+            lines.append(f'{self.name}_bucket{{le="{le}"}} {cumulative}')
+        lines += [f"{self.name}_sum {self.sum!r}", f"{self.name}_count {self.count}"]
+        return lines
+
+
+class Metrics:
+    """Thread-safe: observed on the asyncio loop, rendered on the HTTP thread."""
+
+    def __init__(self, stats_fn: Callable[[], object]) -> None:
+        self._stats_fn = stats_fn
+        self._lock = threading.Lock()
+        self.ttft = Histogram(
+            "pagedd_time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS_S
+        )
+        self.tpot = Histogram(
+            "pagedd_time_per_output_token_seconds",
+            "Time per output token after the first.",
+            TPOT_BUCKETS_S,
+        )
+        self.e2e = Histogram(
+            "pagedd_e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS_S
+        )
+        self.finished: dict[str, int] = {}
+
+    def observe_request(self, account, finish_reason: int) -> None:
+        timings = account.timings_ms()
+        tpot = account.time_per_output_token_s()
+        reason = pb.FinishReason.Name(finish_reason).removeprefix("FINISH_REASON_").lower()
+        with self._lock:
+            if "time_to_first_token_ms" in timings:
+                self.ttft.observe(timings["time_to_first_token_ms"] / 1e3)
+            if tpot is not None:
+                self.tpot.observe(tpot)
+            self.e2e.observe(timings["total_ms"] / 1e3)
+            self.finished[reason] = self.finished.get(reason, 0) + 1
+
+    def render(self) -> str:
+        stats = self._stats_fn()
+        lines = []
+        for name, attr, kind, help_text in _STATS:
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+            lines.append(f"{name} {getattr(stats, attr, 0)}")
+        used = stats.num_gpu_blocks - stats.num_free_gpu_blocks
+        hit_rate = (
+            stats.prefix_cache_hit_tokens / stats.prefix_cache_query_tokens
+            if stats.prefix_cache_query_tokens
+            else 0.0
+        )
+        lines += [
+            "# HELP pagedd_kv_blocks_used Accelerator KV blocks in use.",
+            "# TYPE pagedd_kv_blocks_used gauge",
+            f"pagedd_kv_blocks_used {used}",
+            "# HELP pagedd_kv_cache_usage_ratio Fraction of accelerator KV blocks in use.",
+            "# TYPE pagedd_kv_cache_usage_ratio gauge",
+            f"pagedd_kv_cache_usage_ratio {used / stats.num_gpu_blocks if stats.num_gpu_blocks else 0.0!r}",
+            "# HELP pagedd_prefix_cache_hit_rate Prefix-cache hit tokens over query tokens.",
+            "# TYPE pagedd_prefix_cache_hit_rate gauge",
+            f"pagedd_prefix_cache_hit_rate {hit_rate!r}",
+        ]
+        with self._lock:
+            lines += [
+                "# HELP pagedd_requests_finished_total Requests ended, by finish reason.",
+                "# TYPE pagedd_requests_finished_total counter",
+            ]
+            for reason, n in sorted(self.finished.items()):
+                lines.append(f'pagedd_requests_finished_total{{finish_reason="{reason}"}} {n}')
+            for hist in (self.ttft, self.tpot, self.e2e):
+                lines += hist.render()
+        return "\n".join(lines) + "\n"
+
+
+class MetricsServer:
+    """GET /metrics on its own thread."""
+
+    def __init__(self, metrics: Metrics, host: str, port: int) -> None:
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                if self.path.split("?")[0] != "/metrics":
+                    self.send_error(404, "only /metrics is served here")
+                    return
+                body = metrics.render().encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args) -> None:  # noqa: A002
+                pass  # scrapes every few seconds would flood the log
+
+        self.httpd = http.server.ThreadingHTTPServer((host, port), Handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self._thread = threading.Thread(
+            target=self.httpd.serve_forever, name="pagedd-metrics", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

@@ -1,0 +1,120 @@
+"""Proto messages → engine arguments, with INVALID_ARGUMENT messages that name the field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
+from pydaemon.sampling_params import SamplingParams
+
+MAX_REQUEST_ID_LEN = 256
+MAX_CACHE_SALT_LEN = 256
+MAX_STOP_STRINGS = 16
+
+# proto field name -> SamplingParams field name (the same everywhere).
+_OPTIONAL_SAMPLING_FIELDS = (
+    "n",
+    "best_of",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "ignore_eos",
+    "max_tokens",
+    "min_tokens",
+    "logprobs",
+    "beam_width",
+    "length_penalty",
+    "early_stopping",
+)
+
+
+class RequestInvalid(Exception):
+    """A request refused before it reaches the engine; carries its gRPC status code."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _invalid(message: str) -> RequestInvalid:
+    return RequestInvalid(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+@dataclass
+class EngineArgs:
+    """One StartRequest, converted and checked."""
+
+    prompt: str | list[int]
+    params: SamplingParams
+    priority: int
+    cache_salt: str | None
+    time_limit_s: float | None
+
+
+def check_request_id(request_id: str) -> str | None:
+    """The stream-level problem with a request_id, or None when it is fine."""
+    if not request_id:
+        return "request_id is empty"
+    if len(request_id) > MAX_REQUEST_ID_LEN:
+        return f"request_id is longer than {MAX_REQUEST_ID_LEN} characters"
+    return None
+
+
+def to_sampling_params(msg: pb.SamplingParams, vocab_size: int) -> SamplingParams:
+    kwargs: dict = {
+        name: getattr(msg, name) for name in _OPTIONAL_SAMPLING_FIELDS if msg.HasField(name)
+    }
+    if len(msg.stop) > MAX_STOP_STRINGS:
+        raise _invalid(f"sampling.stop has {len(msg.stop)} strings, at most {MAX_STOP_STRINGS}")
+    bad_ids = [t for t in msg.stop_token_ids if t >= vocab_size]
+    if bad_ids:
+        raise _invalid(
+            f"sampling.stop_token_ids {bad_ids} are outside the vocabulary [0, {vocab_size})"
+        )
+    kwargs["stop"] = list(msg.stop)
+    kwargs["stop_token_ids"] = list(msg.stop_token_ids)
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        raise _invalid(f"sampling: {e}") from None
+
+
+def to_engine_args(start: pb.StartRequest, *, vocab_size: int, has_tokenizer: bool) -> EngineArgs:
+    """Checks what can be checked without the engine; the engine checks lengths."""
+    which = start.WhichOneof("prompt")
+    if which is None:
+        raise _invalid("prompt is not set: give prompt text or token_ids")
+    if which == "text":
+        if not start.text:
+            raise _invalid("prompt text is empty")
+        if not has_tokenizer:
+            raise _invalid("this model has no tokenizer: send token_ids, not text")
+        prompt: str | list[int] = start.text
+    else:
+        ids = list(start.token_ids.ids)
+        if not ids:
+            raise _invalid("prompt token_ids is empty")
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise _invalid(
+                f"prompt token_ids {bad[:8]} are outside the vocabulary [0, {vocab_size})"
+            )
+        prompt = ids
+    if len(start.cache_salt) > MAX_CACHE_SALT_LEN:
+        raise _invalid(f"cache_salt is longer than {MAX_CACHE_SALT_LEN} characters")
+    params = to_sampling_params(start.sampling, vocab_size)
+    return EngineArgs(
+        prompt=prompt,
+        params=params,
+        priority=start.priority,
+        cache_salt=start.cache_salt or None,
+        time_limit_s=start.time_limit_ms / 1000.0 if start.time_limit_ms else None,
+    )
