@@ -16,6 +16,7 @@ import torch
 from pydaemon.attention_metadata import AttentionMetadata
 from pydaemon.config import EngineConfig
 from pydaemon.kv_cache import GiB, KVCacheSpec
+from pydaemon.layers.attention import uses_kernels
 from pydaemon.model_loader import load_model
 from pydaemon.sampling import Sampler, SamplingMetadata
 from pydaemon.sampling_params import SamplingParams
@@ -76,6 +77,11 @@ class ModelRunner:
         self.kv_cache = self.spec.allocate(self.num_gpu_blocks, self.device)
         self.cpu_kv_cache = self.spec.allocate(self.num_cpu_blocks, torch.device("cpu"), pin_memory=pin)
         self.sampler = Sampler()
+        self.swap_stream = None
+        if uses_kernels(self.kv_cache):
+            from pydaemon.ops import SwapStream
+
+            self.swap_stream = SwapStream(self.kv_cache, self.cpu_kv_cache)
         logger.info(
             "KV cache: %d blocks of %d tokens on %s (%.2f GiB), %d swap blocks on the CPU",
             self.num_gpu_blocks, config.block_size, self.device,
@@ -200,6 +206,17 @@ class ModelRunner:
 
     def _move_blocks(self, out: SchedulerOutput) -> None:
         """Swap out, swap in, then copy-on-write, before this step's K/V writes."""
+        if self.swap_stream is not None:
+            from pydaemon import ops
+
+            # Batched copies on their own stream; the compute stream waits on an event
+            # (no host sync) before it reuses swapped-out blocks or reads swapped-in ones.
+            self.swap_stream.swap_out(out.blocks_to_swap_out)
+            self.swap_stream.swap_in(out.blocks_to_swap_in)
+            self.swap_stream.wait()
+            if out.blocks_to_copy:
+                ops.copy_blocks(self.kv_cache, out.blocks_to_copy)
+            return
         if out.blocks_to_swap_out:
             src, dst = _pairs(out.blocks_to_swap_out)
             self.cpu_kv_cache[dst] = self.kv_cache[src.to(self.device)].to("cpu")

@@ -49,7 +49,12 @@ class OutputProcessor:
             finish_reason = "length"
         if finish_reason is not None:
             seq.finish_reason, seq.stop_reason = finish_reason, stop_reason
-            seq.text = full_text[: decision.text_len]
+            text_len = decision.text_len
+            if seq.detokenizer is not None and decision.stop_reason not in request.params.stop:
+                seq.detokenizer.flush()  # an incomplete character held back at the very end
+                full_text = seq.detokenizer.text
+                text_len = len(full_text)
+            seq.text = full_text[:text_len]
         else:
             seq.text = full_text[: seq.stop_checker.safe_stream_len(full_text)]
         return finish_reason is not None

@@ -1,13 +1,45 @@
 """The paged attention layer: writes new K/V through the slot mapping, then attends through
-the block table. Backend selection lives here and only here."""
+the block table. Backend selection lives here and only here:
+
+- CUDA with the pagedd kernels (fp16/bf16): ``reshape_and_cache`` kernel for the cache
+  writes, the split-KV paged decode kernel for decode tokens, torch SDPA over K/V gathered
+  through the block table for prefill (chunks); no host-device sync.
+- otherwise (CPU, float32, or a build without kernels): the plain torch path.
+"""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
 
 from pydaemon.attention_metadata import AttentionMetadata
-from pydaemon.layers.paged_attention_torch import paged_attention_torch, write_kv_cache_torch
+from pydaemon.layers.paged_attention_torch import (
+    paged_attention_torch,
+    paged_prefill_torch,
+    write_kv_cache_torch,
+)
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+KERNEL_HEAD_DIMS = (64, 80, 96, 128, 256)
+
+
+@functools.cache
+def _kernels_available() -> bool:
+    from pydaemon import ops
+
+    return ops.is_available()
+
+
+def uses_kernels(cache: torch.Tensor) -> bool:
+    """True when this cache tensor is served by the CUDA kernels."""
+    return (
+        cache.is_cuda
+        and cache.dtype in KERNEL_DTYPES
+        and cache.shape[-1] in KERNEL_HEAD_DIMS
+        and _kernels_available()
+    )
 
 
 class PagedAttention(nn.Module):
@@ -31,6 +63,29 @@ class PagedAttention(nn.Module):
         value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, num_heads * head_dim]
-        write_kv_cache_torch(key, value, key_cache, value_cache, attn_metadata.slot_mapping)
-        out = paged_attention_torch(query, key_cache, value_cache, attn_metadata, self.scale)
+        if uses_kernels(key_cache):
+            out = self._forward_cuda(query, key, value, key_cache, value_cache, attn_metadata)
+        else:
+            write_kv_cache_torch(key, value, key_cache, value_cache, attn_metadata.slot_mapping)
+            out = paged_attention_torch(query, key_cache, value_cache, attn_metadata, self.scale)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
+
+    def _forward_cuda(self, query, key, value, key_cache, value_cache, md: AttentionMetadata):
+        from pydaemon import ops
+
+        ops.reshape_and_cache(key, value, key_cache, value_cache, md.slot_mapping)
+        out = torch.empty_like(query)
+        start = paged_prefill_torch(query, key_cache, value_cache, md, self.scale, out)
+        if md.num_decodes > 0:
+            p = md.num_prefills
+            ops.paged_attention_decode(
+                query[start:],
+                key_cache,
+                value_cache,
+                md.block_tables[p:],
+                md.seq_lens[p:],
+                max(md.seq_lens_cpu[p:]),  # host list: no device read-back
+                scale=self.scale,
+                out=out[start:],
+            )
+        return out

@@ -62,16 +62,29 @@ def paged_attention_torch(
     ``[seq_lens_cpu[i] - query_lens_cpu[i], seq_lens_cpu[i])``; its K/V (including this step's,
     already written) are read through ``block_tables[i]``. Returns [T, num_heads, head_dim].
     """
-    num_tokens, num_heads, head_dim = query.shape
+    out = torch.empty_like(query)
+    num_prefill_tokens = paged_prefill_torch(query, key_cache, value_cache, attn_metadata, scale, out)
+    _paged_decode_torch(query, key_cache, value_cache, attn_metadata, scale, out, num_prefill_tokens)
+    return out
+
+
+def paged_prefill_torch(
+    query: torch.Tensor,  # [T, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    attn_metadata: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,  # [T, num_heads, head_dim], written for the prefill tokens
+) -> int:
+    """Attention of the prefill sequences (the first ``num_prefills``), one SDPA call each.
+    Returns the number of prefill tokens written."""
+    num_heads = query.shape[1]
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(query)
     seq_lens = attn_metadata.seq_lens_cpu
     query_lens = attn_metadata.query_lens_cpu
-    num_prefills = attn_metadata.num_prefills
-
     start = 0
-    for i in range(num_prefills):
+    for i in range(attn_metadata.num_prefills):
         q_len, s_len = query_lens[i], seq_lens[i]
         num_blocks = -(-s_len // block_size)
         table = attn_metadata.block_tables[i : i + 1, :num_blocks]
@@ -91,7 +104,24 @@ def paged_attention_torch(
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         out[start : start + q_len] = o.transpose(0, 1)
         start += q_len
+    return start
 
+
+def _paged_decode_torch(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    attn_metadata: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+    start: int,
+) -> None:
+    """All decode sequences at once: one padded gather and a masked softmax."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    seq_lens = attn_metadata.seq_lens_cpu
+    num_prefills = attn_metadata.num_prefills
     num_decodes = attn_metadata.num_seqs - num_prefills
     if num_decodes > 0:
         decode_lens = seq_lens[num_prefills:]
@@ -110,4 +140,3 @@ def paged_attention_torch(
         v = v.masked_fill(pad[:, None, :, None], 0.0)
         o = torch.matmul(probs, v)  # [N, Hkv, G, D]
         out[start : start + num_decodes] = o.reshape(num_decodes, num_heads, head_dim)
-    return out
