@@ -45,14 +45,18 @@ def _all_free(llm):
     return bm.num_free_blocks(Device.GPU) == bm.num_total_blocks(Device.GPU)
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch"])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_fp16_greedy_matches_transformers_with_kernels(model, block_size):
+def test_fp16_greedy_matches_transformers_with_kernels(model, block_size, backend, monkeypatch):
+    from pydaemon.layers import attention
+
+    monkeypatch.setattr(attention, "BACKEND", backend)
     path, hf = model
     hf = hf.to("cuda", torch.float16)
     prompts = random_prompts(6, 512, 5, 300, seed=block_size)
     llm = LLM(str(path), device="cuda", dtype="float16", block_size=block_size,
               num_kv_blocks=256)
-    assert uses_kernels(llm.engine.runner.kv_cache)
+    assert uses_kernels(llm.engine.runner.kv_cache) == (backend == "auto")
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     mismatches = [
         _first_mismatch(o.outputs[0].token_ids, _hf_greedy_cuda(hf, p, 32))
