@@ -61,7 +61,7 @@ class RequestRecord:
     @property
     def itls_s(self) -> list[float]:
         t = self.chunk_times_s
-        return [b - a for a, b in zip(t, t[1:])]
+        return [b - a for a, b in zip(t, t[1:], strict=False)]
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -175,7 +175,7 @@ def timeseries(records: list[RequestRecord], duration_s: float, bin_s: float | N
     num_bins = max(1, math.ceil(duration_s / bin_s))
     tokens = [0] * num_bins
     for r in records:
-        for t, n in zip(r.chunk_times_s, r.chunk_num_tokens):
+        for t, n in zip(r.chunk_times_s, r.chunk_num_tokens, strict=False):
             tokens[min(num_bins - 1, max(0, int(t / bin_s)))] += n
     # time-averaged requests in flight within each bin
     in_flight = [0.0] * num_bins

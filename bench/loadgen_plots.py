@@ -32,7 +32,7 @@ def plot_latencies(run: dict, path: Path, plt) -> Path:
         "E2E latency (ms)": [r["e2el_ms"] for r in reqs if r["e2el_ms"] is not None],
     }
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    for ax, (name, values) in zip(axes.flat, series.items()):
+    for ax, (name, values) in zip(axes.flat, series.items(), strict=False):
         ax.set_xlabel(name)
         ax.set_ylabel("count")
         if not values:
@@ -88,13 +88,16 @@ def plot_sweep(runs: list[dict], path: Path, plt) -> Path:
     x = [r["metrics"]["output_throughput"] for r in runs]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for ax, key, name in zip(
-        axes, ("ttft_ms", "tpot_ms", "e2el_ms"), ("TTFT", "TPOT", "E2E latency")
+        axes, ("ttft_ms", "tpot_ms", "e2el_ms"), ("TTFT", "TPOT", "E2E latency"), strict=False
     ):
         for q, style in (("median", "o-"), ("p99", "s--")):
-            ax.plot(x, [r["metrics"][key].get(q) for r in runs], style, label=q)
-        for r, xi in zip(runs, x):
-            ax.annotate(_rate_label(r["config"]["request_rate"]), (xi, r["metrics"][key].get("median")),
-                        fontsize=7, textcoords="offset points", xytext=(3, 3))  # fmt: skip
+            ys = [r["metrics"][key].get(q, float("nan")) for r in runs]  # NaN: no data at that rate
+            ax.plot(x, ys, style, label=q)
+        for r, xi in zip(runs, x, strict=True):
+            y = r["metrics"][key].get("median")
+            if y is not None:
+                label = _rate_label(r["config"]["request_rate"])
+                ax.annotate(label, (xi, y), fontsize=7, textcoords="offset points", xytext=(3, 3))
         ax.set_xlabel("output throughput (tok/s)")
         ax.set_ylabel(f"{name} (ms)")
         ax.legend(fontsize=8)
@@ -122,7 +125,7 @@ def plot_all(result: dict, prefix: Path) -> list[Path]:
         return []
     paths = []
     runs = result["runs"]
-    for i, run in enumerate(runs):
+    for run in runs:
         tag = (
             ""
             if len(runs) == 1
