@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out or f"bench/results/loadgen_{time.strftime('%Y%m%d_%H%M%S')}.json")
     if argv is not None:
-        result["meta"]["command"] = " ".join(["bench/loadgen.py", *argv])
+        result["meta"]["command"] = shlex.join([sys.executable, "bench/loadgen.py", *argv])
     write_json(out, result)
     if not args.quiet:
         for r in result["runs"]:

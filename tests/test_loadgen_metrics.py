@@ -77,7 +77,9 @@ def finished(completion_tokens: int, prompt_tokens: int = 5) -> pb.GenerateRespo
     )
 
 
-def _stream(monkeypatch, frames, prompt=(1, 2, 3, 4, 5), output_len=4) -> tuple[RequestRecord, FakePool]:
+def _stream(
+    monkeypatch, frames, prompt=(1, 2, 3, 4, 5), output_len=4
+) -> tuple[RequestRecord, FakePool]:
     clock = FakeClock(100.0)  # the request is sent at t = 100.0 (t0 = 99.0)
     monkeypatch.setattr(client.time, "perf_counter", clock)
     pool = FakePool(FakeCall(clock, frames))
@@ -89,7 +91,12 @@ def _stream(monkeypatch, frames, prompt=(1, 2, 3, 4, 5), output_len=4) -> tuple[
 
 
 def test_timings_from_a_stream_with_known_timestamps(monkeypatch):
-    frames = [(100.5, delta([7])), (100.6, delta([8, 9])), (100.9, delta([10])), (101.0, finished(4))]
+    frames = [
+        (100.5, delta([7])),
+        (100.6, delta([8, 9])),
+        (100.9, delta([10])),
+        (101.0, finished(4)),
+    ]
     record, pool = _stream(monkeypatch, frames)
     sent = pool.sent[0].start
     assert list(sent.token_ids.ids) == [1, 2, 3, 4, 5] and sent.sampling.max_tokens == 4
@@ -134,7 +141,9 @@ def test_aggregate_figures():
     assert m["request_throughput"] == pytest.approx(1.0)
     assert m["output_throughput"] == pytest.approx(4.0)
     assert m["total_token_throughput"] == pytest.approx(14.0)
-    assert m["ttft_ms"]["mean"] == pytest.approx(300) and m["ttft_ms"]["median"] == pytest.approx(300)
+    assert m["ttft_ms"]["mean"] == pytest.approx(300) and m["ttft_ms"]["median"] == pytest.approx(
+        300
+    )
     assert m["ttft_ms"]["p90"] == pytest.approx(100 + 0.9 * 400)
     assert m["tpot_ms"]["mean"] == pytest.approx((100 + 500 / 3) / 2)
     assert m["itl_ms"]["count"] == 4 and m["itl_ms"]["max"] == pytest.approx(200)
@@ -174,12 +183,12 @@ def test_timeseries_bins_tokens_and_concurrency():
 def test_arrival_processes():
     assert client.arrival_offsets(4, float("inf"), 1.0, 0) == [0.0] * 4
     poisson = client.arrival_offsets(4000, 20.0, 1.0, seed=3)
-    gaps = [b - a for a, b in zip(poisson, poisson[1:])]
+    gaps = [b - a for a, b in zip(poisson, poisson[1:], strict=False)]
     assert poisson[0] == 0.0 and poisson == client.arrival_offsets(4000, 20.0, 1.0, seed=3)
     assert statistics.fmean(gaps) == pytest.approx(1 / 20, rel=0.05)
     assert statistics.pstdev(gaps) == pytest.approx(1 / 20, rel=0.08)  # exponential: sd = mean
     bursty = client.arrival_offsets(4000, 20.0, 0.25, seed=3)
-    bgaps = [b - a for a, b in zip(bursty, bursty[1:])]
+    bgaps = [b - a for a, b in zip(bursty, bursty[1:], strict=False)]
     assert statistics.fmean(bgaps) == pytest.approx(1 / 20, rel=0.1)
     assert statistics.pstdev(bgaps) == pytest.approx(1 / 20 / 0.25**0.5, rel=0.15)  # gamma sd
     with pytest.raises(ValueError):
