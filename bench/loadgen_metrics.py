@@ -64,9 +64,11 @@ class RequestRecord:
         return [b - a for a, b in zip(t, t[1:], strict=False)]
 
     def to_json(self) -> dict:
+        """Every field (chunk times rounded to the microsecond: W1 has 131k of them) plus the
+        derived TTFT, TPOT and E2E in ms; ITLs are the gaps between ``chunk_times_s``."""
         d = asdict(self)
-        d.update(ttft_ms=_ms(self.ttft_s), tpot_ms=_ms(self.tpot_s), e2el_ms=_ms(self.latency_s),
-                 itl_ms=[s * 1e3 for s in self.itls_s])  # fmt: skip
+        d["chunk_times_s"] = [round(t, 6) for t in self.chunk_times_s]
+        d.update(ttft_ms=_ms(self.ttft_s), tpot_ms=_ms(self.tpot_s), e2el_ms=_ms(self.latency_s))
         return d
 
 

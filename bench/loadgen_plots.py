@@ -28,7 +28,11 @@ def plot_latencies(run: dict, path: Path, plt) -> Path:
     series = {
         "TTFT (ms)": [r["ttft_ms"] for r in reqs if r["ttft_ms"] is not None],
         "TPOT (ms)": [r["tpot_ms"] for r in reqs if r["tpot_ms"] is not None],
-        "ITL (ms)": [g for r in reqs for g in r["itl_ms"]],
+        "ITL (ms)": [
+            1e3 * (b - a)
+            for r in reqs
+            for a, b in zip(r["chunk_times_s"], r["chunk_times_s"][1:], strict=False)
+        ],
         "E2E latency (ms)": [r["e2el_ms"] for r in reqs if r["e2el_ms"] is not None],
     }
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))

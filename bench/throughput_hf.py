@@ -65,7 +65,8 @@ def run_hf_continuous(model_dir: str, requests: list[WorkloadRequest], args) -> 
     if any(r.is_text for r in requests):
         raise ValueError("the transformers backends take token-id workloads only")
     t_load = time.perf_counter()
-    model, device, dtype = load_hf_model(model_dir, args)
+    # transformers 5.x before 5.23 spells its paged attention over sdpa "paged|sdpa"
+    model, device, dtype = load_hf_model(model_dir, args, attn_implementation="paged|sdpa")
     load_s = time.perf_counter() - t_load
     output_len = max(r.output_len for r in requests)
     if any(r.output_len != output_len for r in requests):
@@ -92,11 +93,7 @@ def run_hf_continuous(model_dir: str, requests: list[WorkloadRequest], args) -> 
         "num_prompt_tokens": sum(r.prompt_len for r in requests),
         "num_output_tokens": sum(len(o.generated_tokens) for o in outs),
         "num_failed": len(failed) + (len(requests) - len(outs)),
-        "engine": {
-            "device": device,
-            "dtype": str(dtype).removeprefix("torch."),
-            "attn_implementation": getattr(model.config, "_attn_implementation", None),
-        },  # fmt: skip
+        "engine": _engine_info(model, device, dtype),
     }
 
 
@@ -142,9 +139,16 @@ def run_hf_static(model_dir: str, requests: list[WorkloadRequest], args) -> dict
         "num_prompt_tokens": sum(r.prompt_len for r in requests),
         "num_output_tokens": num_output,
         "static_batch_size": batch_size,
-        "engine": {
-            "device": device,
-            "dtype": str(dtype).removeprefix("torch."),
-            "attn_implementation": getattr(model.config, "_attn_implementation", None),
-        },  # fmt: skip
+        "engine": _engine_info(model, device, dtype),
+    }
+
+
+def _engine_info(model, device: str, dtype) -> dict:
+    import transformers
+
+    return {
+        "device": device,
+        "dtype": str(dtype).removeprefix("torch."),
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "transformers": transformers.__version__,
     }
