@@ -11,8 +11,9 @@
 #   w1_loadgen.json/.png   full W1 all at once through a running daemon (gRPC overhead)
 #   sweep.json/_sweep.png  a short Poisson rate sweep on W1 prompts
 #   summary.md             the final table (also printed), *.log the pieces' output
-# Each piece has its own time limit (500 s in all); one that fails or runs over is reported
-# and skipped. For a smoke run elsewhere: MODEL_DIR=<dir> DEVICE=cpu WORKLOAD="--workload fixed
+# Each piece has its own time limit (500 s in all; LIMIT_W1=120, LIMIT_PEERS=190,
+# LIMIT_LOADGEN=130 (includes the daemon's start-up), LIMIT_SWEEP=60 override them); one that
+# fails or runs over is reported and skipped. For a smoke run elsewhere: MODEL_DIR=<dir> DEVICE=cpu WORKLOAD="--workload fixed
 # --input-len 32 --output-len 8 --num-requests 16" (defaults: the Llama-3-8B shape, cuda, W1).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,10 +49,10 @@ piece() {  # piece NAME LIMIT_S CMD...: runs CMD under a time limit, output in $
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader >&2 || true
 
 # 1. full W1 offline, pagedd
-piece w1_pagedd 120 $PY bench/throughput.py "${COMMON[@]}" $WORKLOAD --out "$OUT/w1_pagedd.json"
+piece w1_pagedd "${LIMIT_W1:-120}" $PY bench/throughput.py "${COMMON[@]}" $WORKLOAD --out "$OUT/w1_pagedd.json"
 
 # 2. the peers on the first 64 W1 requests, pagedd on the same 64, ratios
-piece w1_64_peers 190 $PY bench/throughput.py "${COMMON[@]}" $WORKLOAD --num-requests 64 \
+piece w1_64_peers "${LIMIT_PEERS:-190}" $PY bench/throughput.py "${COMMON[@]}" $WORKLOAD --num-requests 64 \
   --backend pagedd,hf-continuous,hf-static --compare --out "$OUT/w1_64_peers.json"
 
 # 3. the daemon, then full W1 through loadgen, then a short rate sweep
@@ -60,9 +61,9 @@ $PY -m pydaemon serve --model "$MODEL" --load-format dummy --device "$DEVICE" --
   --log-level warning >"$OUT/daemon.log" 2>&1 &
 DAEMON=$!
 trap 'kill $DAEMON 2>/dev/null; wait $DAEMON 2>/dev/null; [ -n "$TMP_MODEL" ] && rm -rf "$TMP_MODEL"' EXIT
-piece w1_loadgen 130 $PY bench/loadgen.py --server "127.0.0.1:$PORT" --wait-ready 90 \
+piece w1_loadgen "${LIMIT_LOADGEN:-130}" $PY bench/loadgen.py --server "127.0.0.1:$PORT" --wait-ready 90 \
   $WORKLOAD --num-channels 8 --no-progress --out "$OUT/w1_loadgen.json"
-piece sweep 60 $PY bench/loadgen.py --server "127.0.0.1:$PORT" --wait-ready 10 \
+piece sweep "${LIMIT_SWEEP:-60}" $PY bench/loadgen.py --server "127.0.0.1:$PORT" --wait-ready 10 \
   $WORKLOAD --num-requests 48 --sweep-rates 4,16,64 --slo ttft_ms=1000,tpot_ms=100 \
   --no-progress --quiet --out "$OUT/sweep.json"
 kill -TERM $DAEMON 2>/dev/null

@@ -109,7 +109,8 @@ def test_timings_from_a_stream_with_known_timestamps(monkeypatch):
     assert record.chunk_num_tokens == [1, 2, 1] and record.num_output_tokens == 4
     assert record.finish_reason == "length" and record.is_success
     j = record.to_json()
-    assert j["ttft_ms"] == pytest.approx(500) and j["itl_ms"] == pytest.approx([100, 300])
+    assert j["ttft_ms"] == pytest.approx(500) and j["e2el_ms"] == pytest.approx(1000)
+    assert j["chunk_times_s"] == pytest.approx([1.5, 1.6, 1.9])
 
 
 def test_in_band_error_and_missing_finished_frame(monkeypatch):
