@@ -6,11 +6,17 @@ import asyncio
 import math
 import random
 import statistics
+import sys
+from pathlib import Path
 
 import pytest
 
-from bench import loadgen_client as client
-from bench.loadgen_metrics import (
+REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+if REPO_ROOT not in sys.path:  # bench/ is imported as a package from the repository root
+    sys.path.insert(0, REPO_ROOT)
+
+from bench import loadgen_client as client  # noqa: E402
+from bench.loadgen_metrics import (  # noqa: E402
     RequestRecord,
     aggregate,
     meets_slo,
@@ -18,8 +24,8 @@ from bench.loadgen_metrics import (
     percentile,
     timeseries,
 )
-from bench.workloads import WorkloadRequest
-from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
+from bench.workloads import WorkloadRequest  # noqa: E402
+from pydaemon.proto.pagedd.v1 import generation_pb2 as pb  # noqa: E402
 
 
 class FakeClock:

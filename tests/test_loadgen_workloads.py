@@ -5,10 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
+from pathlib import Path
 
 import pytest
 
-from bench import workloads as wl
+REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+if REPO_ROOT not in sys.path:  # bench/ is imported as a package from the repository root
+    sys.path.insert(0, REPO_ROOT)
+
+from bench import workloads as wl  # noqa: E402
 
 
 def _w1_by_definition() -> list[list[int]]:

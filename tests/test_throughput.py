@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+from pathlib import Path
 
 import pytest
+
+REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+if REPO_ROOT not in sys.path:  # bench/ is imported as a package from the repository root
+    sys.path.insert(0, REPO_ROOT)
 
 pytest.importorskip("pydaemon._core", exc_type=ImportError)
 
