@@ -52,8 +52,10 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader >&2 |
 piece w1_pagedd "${LIMIT_W1:-120}" $PY bench/throughput.py "${COMMON[@]}" $WORKLOAD --out "$OUT/w1_pagedd.json"
 
 # 2. the peers on the first 64 W1 requests, pagedd on the same 64, ratios
+if [ -z "${SKIP_PEERS:-}" ]; then
 piece w1_64_peers "${LIMIT_PEERS:-190}" $PY bench/throughput.py "${COMMON[@]}" $WORKLOAD --num-requests 64 \
   --backend pagedd,hf-continuous,hf-static --compare --out "$OUT/w1_64_peers.json"
+fi
 
 # 3. the daemon, then full W1 through loadgen, then a short rate sweep
 stamp "starting the daemon on port $PORT"
