@@ -48,6 +48,34 @@ def _send(sink: _Sink, item: object) -> None:
         pass
 
 
+def _put_many(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
+def merge_deltas(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Fold a later delta of the same request into an earlier one (a slow reader gets fewer,
+    larger messages instead of a growing backlog)."""
+    by_index = {o.index: o for o in first.outputs}
+    for part in later.outputs:
+        acc = by_index.get(part.index)
+        if acc is None:
+            by_index[part.index] = part
+            continue
+        acc.token_ids = acc.token_ids + part.token_ids
+        acc.text += part.text
+        if part.logprobs is not None:
+            acc.logprobs = (acc.logprobs or []) + part.logprobs
+        acc.finish_reason = part.finish_reason
+        acc.stop_reason = part.stop_reason
+        acc.cumulative_logprob = part.cumulative_logprob
+    first.outputs = [by_index[i] for i in sorted(by_index)]
+    first.finished = later.finished
+    first.metrics = later.metrics
+    first.error = later.error
+    return first
+
+
 class AsyncEngine:
     """Runs ``engine.step()`` in a dedicated thread; serves many asyncio clients."""
 
@@ -120,6 +148,12 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     is_finished = True
                     raise item
+                while not item.finished and not sink.queue.empty():
+                    later = sink.queue.get_nowait()
+                    if isinstance(later, BaseException):
+                        is_finished = True
+                        raise later
+                    item = merge_deltas(item, later)
                 if item.finished:
                     is_finished = True
                 yield item
@@ -167,8 +201,7 @@ class AsyncEngine:
                 if stopping:
                     break
                 if self.engine.has_unfinished_requests():
-                    for output in self.engine.step():
-                        self._deliver(output)
+                    self._deliver_all(self.engine.step())
                     self.latest_stats = self.engine.get_stats()
                 self._beat()
         except BaseException as e:  # noqa: BLE001 - any failure kills the engine
@@ -228,6 +261,22 @@ class AsyncEngine:
             command[1].set_result(stats)
         else:
             raise AssertionError(f"unknown command {kind!r}")
+
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        """One wake-up per client loop per step, not one per request (hundreds per step)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        for output in outputs:
+            sink = self._sinks.get(output.request_id)
+            if sink is None:  # aborted by the client since it was stepped
+                continue
+            if output.finished:
+                del self._sinks[output.request_id]
+            batches.setdefault(sink.loop, []).append((sink.queue, output))
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_many, items)
+            except RuntimeError:  # that loop is closed: nobody is listening any more
+                pass
 
     def _deliver(self, output: RequestOutput) -> None:
         sink = self._sinks.get(output.request_id)

@@ -98,7 +98,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     await self._end_stream(stream, context, item)
                 elif item is not None:
                     try:
-                        await asyncio.wait_for(context.write(item), self.options.stall_timeout_s)
+                        await _write_with_timeout(context, item, self.options.stall_timeout_s)
                     except asyncio.TimeoutError:
                         logger.warning(
                             "client stopped reading for %.1f s: aborting its %d requests",
@@ -283,3 +283,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             uptime_s=time.monotonic() - self._started_at,
             **fields,
         )
+
+
+async def _write_with_timeout(context, item, timeout_s: float) -> None:
+    """context.write, failing with TimeoutError after timeout_s (a client that stopped reading).
+
+    asyncio.timeout (3.11+) arms one timer; wait_for would create a task per message."""
+    if hasattr(asyncio, "timeout"):
+        async with asyncio.timeout(timeout_s):
+            await context.write(item)
+    else:  # Python 3.10
+        await asyncio.wait_for(context.write(item), timeout_s)
