@@ -185,7 +185,8 @@ class ModelRunner:
         seq_lens = query_start + query_len
         num_tokens = int(query_len.sum())
         max_seq_len = int(seq_lens.max())
-        max_blocks = math.ceil(max_seq_len / self.config.block_size)
+        # Whole block tables (a chunked prefill holds blocks past this step's tokens).
+        max_blocks = math.ceil(max(s.seq.num_slots for s in scheduled) / self.config.block_size)
         block_tables = np.empty((num_seqs, max_blocks), dtype=np.int32)
         slot_mapping = np.empty(num_tokens, dtype=np.int64)
         seq_lens_out = np.empty(num_seqs, dtype=np.int32)

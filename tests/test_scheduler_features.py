@@ -115,7 +115,7 @@ def test_prefix_cache_skips_work_and_keeps_outputs(model_dir):
 
 
 def test_cache_salt_isolates_tenants(model_dir):
-    prompt = random_prompts(1, 256, 48, 48, seed=4)[0]
+    prompt = random_prompts(1, 256, 49, 49, seed=4)[0]  # 3 full blocks + 1
     llm = LLM(model_dir, device="cpu", dtype="float32", num_kv_blocks=128)
     llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY, cache_salt="tenant-a")
     hits = llm.engine.get_stats().prefix_cache_hit_tokens

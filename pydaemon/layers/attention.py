@@ -10,6 +10,7 @@ the block table. Backend selection lives here and only here:
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch import nn
@@ -21,6 +22,8 @@ from pydaemon.layers.paged_attention_torch import (
     write_kv_cache_torch,
 )
 
+# "auto": the CUDA kernels where they apply; "torch": always the torch path (debugging, A/B).
+BACKEND = os.environ.get("PAGEDD_ATTENTION_BACKEND", "auto")
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 KERNEL_HEAD_DIMS = (64, 80, 96, 128, 256)
 
@@ -35,7 +38,8 @@ def _kernels_available() -> bool:
 def uses_kernels(cache: torch.Tensor) -> bool:
     """True when this cache tensor is served by the CUDA kernels."""
     return (
-        cache.is_cuda
+        BACKEND != "torch"
+        and cache.is_cuda
         and cache.dtype in KERNEL_DTYPES
         and cache.shape[-1] in KERNEL_HEAD_DIMS
         and _kernels_available()
