@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,6 +58,12 @@ def resolve_device(device: str, tp_rank: int = 0, tp_size: int = 1) -> torch.dev
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if ps.get_tp_world_size() != config.tensor_parallel_size:
+            raise RuntimeError(
+                f"this process is a rank of a tensor-parallel group of size "
+                f"{ps.get_tp_world_size()}, but tensor_parallel_size is "
+                f"{config.tensor_parallel_size}: shut the other engine down first"
+            )
         self.device = resolve_device(config.device, ps.get_tp_rank(), ps.get_tp_world_size())
         self.model, self.model_config = load_model(
             config.model,
@@ -90,8 +95,6 @@ class ModelRunner:
         self.kv_cache = self.spec.allocate(self.num_gpu_blocks, self.device)
         self.cpu_kv_cache = self.spec.allocate(self.num_cpu_blocks, torch.device("cpu"), pin_memory=pin)
         self.sampler = Sampler()
-        # Called with each step's StepInput before rank 0 runs it (the TP executor's broadcast).
-        self.step_listener: Callable[[StepInput], None] | None = None
         self.swap_stream = None
         if uses_kernels(self.kv_cache):
             from pydaemon.ops import SwapStream
@@ -161,10 +164,7 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, block_manager) -> torch.Tensor | None:
         """Run one step; returns logits [num_sampling_seqs, vocab] (float32) in the order of
         out.scheduled's sequences that sample (None when nothing was scheduled)."""
-        step = self.prepare_step(out, block_manager)
-        if self.step_listener is not None:  # tensor parallel: the workers run it too
-            self.step_listener(step)
-        return self.execute_step(step)
+        return self.execute_step(self.prepare_step(out, block_manager))
 
     def prepare_step(self, out: SchedulerOutput, block_manager) -> StepInput:
         """The step's plain host-side input (no tensors)."""
@@ -182,9 +182,7 @@ class ModelRunner:
             (s.seq.num_computed_tokens for s in scheduled), dtype=np.int32, count=num_seqs
         )
         query_len = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int32, count=num_seqs)
-        seq_lens = query_start + query_len
         num_tokens = int(query_len.sum())
-        max_seq_len = int(seq_lens.max())
         # Whole block tables (a chunked prefill holds blocks past this step's tokens).
         max_blocks = math.ceil(max(s.seq.num_slots for s in scheduled) / self.config.block_size)
         block_tables = np.empty((num_seqs, max_blocks), dtype=np.int32)

@@ -68,6 +68,7 @@ class TensorParallelExecutor:
         self.failure: str | None = None  # set once a worker failed
         self._is_closed = False
         self._lock = threading.Lock()
+        self._probe_lock = threading.Lock()
         ctx = torch.multiprocessing.get_context("spawn")
         self.workers: list = []
         self.conns: list[multiprocessing.connection.Connection] = []
@@ -92,8 +93,6 @@ class TensorParallelExecutor:
             self.conns.append(parent_conn)
         try:
             self._wait_for("hello", START_TIMEOUT_S)
-            if backend == "nccl":
-                torch.cuda.set_device(device)
             ps.init_tensor_parallel(0, tp, backend, init_method, COLLECTIVE_TIMEOUT_S)
             self.runner = ModelRunner(config)
             self._wait_for("ready", COLLECTIVE_TIMEOUT_S)
@@ -116,7 +115,8 @@ class TensorParallelExecutor:
     def execute(self, out: SchedulerOutput, block_manager) -> torch.Tensor | None:
         """ModelRunner.execute over every rank: logits [num_sampling_seqs, vocab] on rank 0."""
         step = self.runner.prepare_step(out, block_manager)
-        self.check_health()
+        if self.failure is not None:  # set by the monitor thread; no probing on the hot path
+            raise TensorParallelError(self.failure)
         try:
             self._broadcast(step)
             return self.runner.execute_step(step)
@@ -144,6 +144,10 @@ class TensorParallelExecutor:
     # ---- failures ---------------------------------------------------------------------------
     def _find_failure(self) -> str | None:
         """A description of the first failed worker (its traceback if it sent one), or None."""
+        with self._probe_lock:  # the engine thread and the monitor thread both probe
+            return self._probe_workers()
+
+    def _probe_workers(self) -> str | None:
         for rank, (proc, conn) in enumerate(zip(self.workers, self.conns, strict=True), start=1):
             message = None
             try:

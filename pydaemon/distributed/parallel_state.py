@@ -35,10 +35,15 @@ def init_tensor_parallel(
     """Joins the group of ``world_size`` ranks (blocks until all have joined)."""
     global _TP
     if _TP is not None:
-        raise RuntimeError("the tensor-parallel group is already initialised in this process")
+        raise RuntimeError(
+            "this process already runs a tensor-parallel engine (one per process): "
+            "call engine.shutdown() on it first"
+        )
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"tensor-parallel backend must be 'nccl' or 'gloo', got {backend!r}")
     timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)  # before the communicator is created
     dist.init_process_group(
         backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
     )
