@@ -81,7 +81,7 @@ class ModelRunner:
         self.max_num_batched_tokens = config.max_num_batched_tokens or default_budget
         self.spec = KVCacheSpec(
             num_layers=mc.num_hidden_layers,
-            num_kv_heads=mc.num_key_value_heads,
+            num_kv_heads=mc.num_key_value_heads // config.tensor_parallel_size,  # this rank's
             block_size=config.block_size,
             head_dim=mc.head_dim,
             dtype=self.dtype,
