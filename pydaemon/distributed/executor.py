@@ -227,13 +227,10 @@ class TensorParallelExecutor:
             deadline = time.monotonic() + STOP_TIMEOUT_S
             for proc in self.workers:
                 proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in self.workers:
-            if proc.is_alive():
-                proc.terminate()
-        for proc in self.workers:
-            proc.join(STOP_TIMEOUT_S)
+        for proc in self.workers:  # workers ignore SIGTERM: see worker.py
             if proc.is_alive():
                 proc.kill()
-                proc.join()
+        for proc in self.workers:
+            proc.join()
         for conn in self.conns:
             conn.close()

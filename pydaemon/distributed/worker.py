@@ -4,7 +4,8 @@ the model and of the KV cache, then runs every step rank 0 sends until told to s
 Messages on the pipe from rank 0: a pickled StepInput per step, a pickled None to stop.
 Messages to rank 0: ("hello", pid) before joining the group, ("ready", num_gpu_blocks)
 once loaded, ("error", traceback) when anything failed. EOF on the pipe means rank 0 is
-gone: the worker exits, so it never outlives the daemon.
+gone: the worker exits, so it never outlives the daemon. SIGINT and SIGTERM are ignored
+(rank 0 stops the workers itself, after its drain); SIGKILL is the hard stop.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import signal
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -31,6 +33,10 @@ class WorkerArgs:
 
 
 def worker_main(args: WorkerArgs, conn: Connection) -> None:
+    # Rank 0 alone decides when a worker stops: Ctrl-C or systemd's SIGTERM to the whole
+    # cgroup must not kill the workers under a draining daemon (it sends the stop message).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(
         level=args.log_level,
         format=f"%(asctime)s %(levelname)s tp-rank{args.rank} %(name)s: %(message)s",
