@@ -16,7 +16,7 @@ class EngineConfig:
     """Everything an LLMEngine needs; the daemon's flags and TOML keys use the same names.
 
     ``max_num_batched_tokens`` is the per-step token budget (decodes first, then prefill
-    chunks); ``None`` picks 2048 on CUDA and 512 on CPU. ``num_kv_blocks`` overrides the
+    chunks); ``None`` picks 4096 on CUDA and 512 on CPU (and at least max_num_seqs). ``num_kv_blocks`` overrides the
     KV-cache size derived from ``gpu_memory_utilization`` (CUDA) or ``cpu_kv_cache_space``
     (GiB, CPU). ``swap_space`` (GiB) sizes the CPU swap pool used by swap preemption.
     ``tensor_parallel_size`` > 1 shards the model over that many processes (one per GPU, or
@@ -31,7 +31,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_space: float = 1.0
     swap_space: float = 4.0
-    max_num_seqs: int = 256
+    max_num_seqs: int = 512
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     preemption_mode: str = "auto"

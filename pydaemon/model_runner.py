@@ -77,7 +77,7 @@ class ModelRunner:
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
         self.vocab_size = mc.vocab_size
-        default_budget = 2048 if self.device.type == "cuda" else 512
+        default_budget = max(4096 if self.device.type == "cuda" else 512, config.max_num_seqs)
         self.max_num_batched_tokens = config.max_num_batched_tokens or default_budget
         self.spec = KVCacheSpec(
             num_layers=mc.num_hidden_layers,

@@ -27,17 +27,14 @@ def model(tmp_path_factory):
 
 
 @torch.no_grad()
-def _hf_greedy_cuda(hf, prompt, n):
-    """Greedy by full recompute (EOS not special), the same reference as on the CPU."""
-    ids = list(prompt)
-    for _ in range(n):
-        logits = hf(input_ids=torch.tensor([ids], device="cuda"), use_cache=False).logits
-        ids.append(int(logits[0, -1].argmax()))
-    return ids[len(prompt) :]
-
-
-def _first_mismatch(a, b):
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+def _gaps_to_fp32_argmax(hf32, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """Teacher-force the float32 transformers model on prompt + our tokens: for each generated
+    position, how far (in logits) our token is below float32's best token. 0 = exact argmax;
+    a near-tie that fp16 rounding may flip gives a tiny gap; a wrong kernel gives large ones."""
+    ids = torch.tensor([prompt + tokens], device="cuda")
+    logits = hf32(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1 : -1].float()
+    chosen = logits.gather(1, torch.tensor(tokens, device="cuda")[:, None])[:, 0]
+    return (logits.max(dim=-1).values - chosen) / logits.std(dim=-1)
 
 
 def _all_free(llm):
@@ -47,22 +44,23 @@ def _all_free(llm):
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_fp16_greedy_matches_transformers_with_kernels(model, block_size, backend, monkeypatch):
+def test_fp16_greedy_follows_transformers_fp32_with_kernels(model, block_size, backend, monkeypatch):
     from pydaemon.layers import attention
 
     monkeypatch.setattr(attention, "BACKEND", backend)
     path, hf = model
-    hf = hf.to("cuda", torch.float16)
     prompts = random_prompts(6, 512, 5, 300, seed=block_size)
     llm = LLM(str(path), device="cuda", dtype="float16", block_size=block_size,
               num_kv_blocks=256)
     assert uses_kernels(llm.engine.runner.kv_cache) == (backend == "auto")
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
-    mismatches = [
-        _first_mismatch(o.outputs[0].token_ids, _hf_greedy_cuda(hf, p, 32))
-        for p, o in zip(prompts, outputs)
-    ]
-    assert mismatches == [None] * len(prompts), f"first differing position per prompt: {mismatches}"
+    hf32 = hf.to("cuda", torch.float32)
+    gaps = torch.cat(
+        [_gaps_to_fp32_argmax(hf32, p, o.outputs[0].token_ids) for p, o in zip(prompts, outputs)]
+    )
+    # Greedy in fp16 follows float32's argmax except at near-ties (gap < 5% of a logit std).
+    assert float(gaps.max()) < 0.05, f"largest gap {float(gaps.max()):.3f} logit std"
+    assert float((gaps == 0).float().mean()) > 0.9
     assert _all_free(llm)
 
 

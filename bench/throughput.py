@@ -1,0 +1,215 @@
+"""Offline throughput: a workload through pagedd's ``LLM.generate`` in process, and the same
+workload through transformers' continuous batching and static-batch ``generate``.
+
+    PYTHONPATH=. python bench/throughput.py --model-config llama3-8b            # W1, pagedd
+    PYTHONPATH=. python bench/throughput.py --model-config llama3-8b \\
+        --backend pagedd,hf-continuous,hf-static --num-requests 64 --compare
+
+Reports wall time (first submit to last token), output and total tokens/s, and for pagedd
+the peak KV blocks in use, the KV waste (allocated slots holding no token) and preemptions.
+Several backends run one after the other, each in its own process (so that each gets the
+whole GPU), and ``--compare`` prints pagedd's throughput over each peer's. See
+bench/throughput_hf.py for how the peers are run and why their weights differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.loadgen_env import environment, write_json  # noqa: E402
+from bench.throughput_models import MODEL_CONFIGS, write_model_config  # noqa: E402
+from bench.workloads import add_workload_flags, build_workload, summarize  # noqa: E402
+
+BACKENDS = ("pagedd", "hf-continuous", "hf-static")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="throughput", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--backend", default="pagedd", help=f"comma-separated, of {', '.join(BACKENDS)}")
+    m = p.add_argument_group("model")
+    m.add_argument(
+        "--model", default=None, help="'demo' or a model directory (config.json at least)"
+    )
+    m.add_argument("--model-config", choices=sorted(MODEL_CONFIGS), default=None,
+                   help="write this shape's config.json to a temp dir and use dummy weights")  # fmt: skip
+    m.add_argument("--load-format", choices=("auto", "dummy"), default=None)
+    m.add_argument("--device", default=None, help="auto, cpu or cuda")
+    m.add_argument("--dtype", default=None, help="auto, float32, float16 or bfloat16")
+    m.add_argument("--seed", type=int, default=0, help="weights (dummy) and synthetic prompts")
+    e = p.add_argument_group("pagedd engine")
+    for flag, type_ in (("--block-size", int), ("--num-kv-blocks", int), ("--max-num-seqs", int),
+                        ("--max-num-batched-tokens", int), ("--max-model-len", int),
+                        ("--gpu-memory-utilization", float), ("--preemption-mode", str)):  # fmt: skip
+        e.add_argument(flag, type=type_, default=None)
+    e.add_argument("--no-prefix-caching", action="store_true")
+    h = p.add_argument_group("transformers peers")
+    h.add_argument("--static-batch-size", type=int, default=64, help="hf-static batch size")
+    h.add_argument("--hf-num-requests", type=int, default=None,
+                   help="run the peers on only the first N requests (they are slow); stated in the output")  # fmt: skip
+    add_workload_flags(p)
+    o = p.add_argument_group("output")
+    o.add_argument(
+        "--compare", action="store_true", help="print pagedd's throughput over each peer's"
+    )
+    o.add_argument(
+        "--out", default=None, help="JSON file (default bench/results/throughput_<date>.json)"
+    )
+    o.add_argument("--no-progress", action="store_true")
+    o.add_argument("--quiet", action="store_true", help="no table")
+    return p
+
+
+def _backends(text: str) -> list[str]:
+    names = [b.strip() for b in text.split(",") if b.strip()]
+    bad = [b for b in names if b not in BACKENDS]
+    if bad or not names:
+        raise ValueError(
+            f"unknown backend {bad[0] if bad else text!r}: expected {', '.join(BACKENDS)}"
+        )
+    return names
+
+
+def _resolve_model(args: argparse.Namespace) -> None:
+    if args.model_config:
+        if args.model:
+            raise ValueError("give --model or --model-config, not both")
+        args.model = str(write_model_config(args.model_config))
+        args.load_format = args.load_format or "dummy"
+    args.model = args.model or "demo"
+    if args.model != "demo" and not (Path(args.model) / "config.json").is_file():
+        raise ValueError(f"--model {args.model}: no config.json there")
+
+
+def run_backend(backend: str, args: argparse.Namespace) -> dict:
+    """One backend in this process."""
+    n = args.hf_num_requests if backend != "pagedd" and args.hf_num_requests else args.num_requests
+    args.num_requests = n
+    vocab = None
+    if args.model != "demo":
+        vocab = json.loads((Path(args.model) / "config.json").read_text()).get("vocab_size")
+    requests = build_workload(args, vocab_size=vocab or (512 if args.model == "demo" else None))
+    if backend == "pagedd":
+        from bench.throughput_pagedd import run_pagedd
+
+        figures = run_pagedd(args.model, requests, args)
+    else:
+        if args.model == "demo":
+            from pydaemon.demo_model import demo_model_dir
+
+            args.model = str(demo_model_dir())
+        from bench import throughput_hf
+
+        run = (
+            throughput_hf.run_hf_continuous
+            if backend == "hf-continuous"
+            else throughput_hf.run_hf_static
+        )
+        figures = run(args.model, requests, args)
+    wall = max(figures["wall_s"], 1e-9)
+    figures.update(
+        backend=backend,
+        workload={"name": args.workload, **summarize(requests)},
+        output_throughput=figures["num_output_tokens"] / wall,
+        total_token_throughput=(figures["num_output_tokens"] + figures["num_prompt_tokens"]) / wall,
+        request_throughput=len(requests) / wall,
+    )
+    return figures
+
+
+def _child_argv(argv: list[str], backend: str, out: Path) -> list[str]:
+    """argv without --backend/--out/--compare/--model-config, for one backend's process."""
+    drop_with_value = {"--backend", "--out", "--model-config", "--model", "--load-format"}
+    kept, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in drop_with_value:
+            skip = "=" not in a
+            continue
+        if name == "--compare":
+            continue
+        kept.append(a)
+    return kept + ["--backend", backend, "--out", str(out), "--quiet"]
+
+
+def table(results: list[dict], compare: bool) -> str:
+    head = (f"{'backend':<14} {'requests':>8} {'wall s':>8} {'out tok/s':>10} {'total tok/s':>11} "
+            f"{'peak KV blk':>11} {'waste %':>7} {'preempt':>7}")  # fmt: skip
+    lines = [head, "-" * len(head)]
+    for r in results:
+        waste = r.get("kv_waste", {}).get("fraction_at_peak")
+        lines.append(
+            f"{r['backend']:<14} {r['workload']['num_requests']:>8} {r['wall_s']:8.2f} "
+            f"{r['output_throughput']:10.1f} {r['total_token_throughput']:11.1f} "
+            f"{r.get('peak_kv_blocks_used', '-'):>11} "
+            f"{'-' if waste is None else f'{100 * waste:.1f}':>7} {r.get('num_preemptions', '-'):>7}"
+        )
+    base = next((r for r in results if r["backend"] == "pagedd"), None)
+    if compare and base is not None:
+        for r in results:
+            if r is base:
+                continue
+            same = r["workload"]["num_requests"] == base["workload"]["num_requests"]
+            lines.append(
+                f"pagedd / {r['backend']}: {base['output_throughput'] / r['output_throughput']:.2f}x "
+                f"output tok/s"
+                + (
+                    ""
+                    if same
+                    else f" (pagedd on {base['workload']['num_requests']} requests, {r['backend']} on "
+                    f"{r['workload']['num_requests']}: not the same workload)"
+                )  # fmt: skip
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    try:
+        backends = _backends(args.backend)
+        _resolve_model(args)
+    except ValueError as e:
+        print(f"throughput: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out or f"bench/results/throughput_{time.strftime('%Y%m%d_%H%M%S')}.json")
+    meta = {**environment(["bench/throughput.py", *argv]), "model": args.model,
+            "load_format": args.load_format, "benchmark": "throughput"}  # fmt: skip
+    results = []
+    if len(backends) == 1:
+        try:
+            results.append(run_backend(backends[0], args))
+        except ValueError as e:
+            print(f"throughput: {e}", file=sys.stderr)
+            return 2
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            for backend in backends:
+                child_out = Path(tmp) / f"{backend}.json"
+                cmd = [sys.executable, __file__, *_child_argv(argv, backend, child_out),
+                       "--model", args.model] + (["--load-format", args.load_format] if args.load_format else [])  # fmt: skip
+                print(f"== {backend}: {' '.join(cmd[2:])}", file=sys.stderr)
+                if subprocess.run(cmd).returncode != 0 or not child_out.is_file():
+                    print(f"throughput: backend {backend} failed", file=sys.stderr)
+                    continue
+                results.extend(json.loads(child_out.read_text())["results"])
+    meta["gpu"] = meta["gpu"] or environment()["gpu"]  # torch is imported by now
+    write_json(out, {"meta": meta, "results": results})
+    if not args.quiet:
+        print(table(results, args.compare))
+    print(f"wrote {out}", file=sys.stderr)
+    return 0 if len(results) == len(backends) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,99 @@
+"""The pagedd backend of throughput.py: the workload through ``LLM.generate``, in process."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from bench.workloads import WorkloadRequest
+
+
+class StepStats:
+    """Wraps ``engine.step`` to read the KV blocks in use and the KV waste after every step
+    (two calls into the C++ block manager per step: no device work)."""
+
+    def __init__(self, engine) -> None:
+        from pydaemon import _core
+
+        self.engine, self.gpu = engine, _core.Device.GPU
+        self.peak_used = 0
+        self.waste_at_peak = 0
+        self.waste_fractions: list[float] = []
+        self.num_steps = 0
+        self._step = engine.step
+        engine.step = self.step
+
+    def step(self):
+        outputs = self._step()
+        bm = self.engine.block_manager
+        used = bm.num_used_blocks(self.gpu)
+        waste = bm.kv_waste()
+        self.num_steps += 1
+        if used:
+            self.waste_fractions.append(waste / (used * self.engine.config.block_size))
+        if used >= self.peak_used:
+            self.peak_used, self.waste_at_peak = used, waste
+        return outputs
+
+    def restore(self) -> None:
+        self.engine.step = self._step
+
+
+def engine_kwargs(args) -> dict:
+    keys = ("device", "dtype", "block_size", "num_kv_blocks", "gpu_memory_utilization",
+            "max_num_seqs", "max_num_batched_tokens", "max_model_len", "preemption_mode",
+            "load_format", "seed")  # fmt: skip
+    kwargs = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    kwargs["enable_prefix_caching"] = not args.no_prefix_caching
+    return kwargs
+
+
+def run_pagedd(model: str, requests: list[WorkloadRequest], args) -> dict:
+    from pydaemon import LLM, SamplingParams
+
+    t_load = time.perf_counter()
+    llm = LLM(model=model, **engine_kwargs(args))
+    engine = llm.engine
+    engine.warmup()  # as the daemon does before serving; not timed
+    load_s = time.perf_counter() - t_load
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests
+    ]
+    stats = StepStats(engine)
+    before = engine.get_stats()
+    start = time.perf_counter()
+    outputs = llm.generate([r.prompt for r in requests], params, use_tqdm=not args.no_progress)
+    wall_s = time.perf_counter() - start
+    stats.restore()
+    after = engine.get_stats()
+    num_output = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    ttfts = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs
+             if o.metrics is not None and o.metrics.first_token_time is not None]  # fmt: skip
+    block_size = engine.config.block_size
+    return {
+        "wall_s": wall_s,
+        "load_s": load_s,
+        "num_prompt_tokens": num_prompt,
+        "num_output_tokens": num_output,
+        "num_steps": stats.num_steps,
+        "peak_kv_blocks_used": engine.peak_used_blocks,
+        "num_gpu_blocks": after.num_gpu_blocks,
+        "block_size": block_size,
+        "kv_waste": {
+            "slots_at_peak": stats.waste_at_peak,
+            "fraction_at_peak": stats.waste_at_peak / max(1, stats.peak_used * block_size),
+            "mean_fraction": statistics.fmean(stats.waste_fractions)
+            if stats.waste_fractions
+            else 0.0,
+        },
+        "num_preemptions": after.num_preemptions - before.num_preemptions,
+        "num_swapped_out_blocks": after.num_swapped_out_blocks - before.num_swapped_out_blocks,
+        "prefix_cache_hit_tokens": after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens,
+        "mean_ttft_s": statistics.fmean(ttfts) if ttfts else None,
+        "engine": {
+            "max_model_len": engine.max_model_len,
+            "model": engine.model_name,
+            **{k: v for k, v in engine.config.__dict__.items() if k != "model"},
+        },  # fmt: skip
+    }
