@@ -65,13 +65,17 @@ def run_one(args: argparse.Namespace) -> dict:
     """One tensor-parallel size in this process."""
     from pydaemon import LLM, SamplingParams
 
+    optional = {
+        k: getattr(args, k)
+        for k in ("max_num_seqs", "max_num_batched_tokens")
+        if getattr(args, k) is not None
+    }
     llm = LLM(
         args.model_dir,
         device=args.device,
         load_format="dummy",
         tensor_parallel_size=args.single,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        **optional,
     )
     llm.engine.warmup()
     prompts = w1_prompts(args.num_requests)
@@ -111,7 +115,7 @@ def main() -> int:
     parser.add_argument("--tp-sizes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--num-requests", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=256)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="default: the engine's")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--out", type=Path, default=None, help="JSON results file")
     parser.add_argument("--single", type=int, help=argparse.SUPPRESS)  # child: one size
@@ -124,10 +128,15 @@ def main() -> int:
     results = []
     for tp in args.tp_sizes:
         cmd = [sys.executable, __file__, "--single", str(tp), "--model-dir", str(model_dir)]
-        for flag in ("device", "num_requests", "output_len", "max_num_seqs"):
-            cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-        if args.max_num_batched_tokens:
-            cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        for flag in (
+            "device",
+            "num_requests",
+            "output_len",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+        ):
+            if getattr(args, flag) is not None:
+                cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
