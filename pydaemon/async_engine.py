@@ -106,8 +106,12 @@ class AsyncEngine:
         with self._cond:
             self._stopping = True
             self._cond.notify()
+        loop = asyncio.get_running_loop()
         if self._thread is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+            await loop.run_in_executor(None, self._thread.join)
+        shutdown = getattr(self.engine, "shutdown", None)  # stops tensor-parallel workers
+        if shutdown is not None:
+            await loop.run_in_executor(None, shutdown)
 
     @property
     def is_alive(self) -> bool:
@@ -191,6 +195,7 @@ class AsyncEngine:
                     while not self._commands and not self._stopping:
                         if self.engine.has_unfinished_requests():
                             break
+                        self._check_engine_health()
                         self._beat()
                         self._cond.wait(IDLE_HEARTBEAT_S)
                     commands = list(self._commands)
@@ -229,6 +234,12 @@ class AsyncEngine:
                 _send(sink, error)
             elif command[0] == "stats":
                 command[1].set_result(self.latest_stats)
+
+    def _check_engine_health(self) -> None:
+        """While idle: a dead tensor-parallel worker fails the engine now, not at the next step."""
+        check = getattr(self.engine, "check_health", None)
+        if check is not None:
+            check()
 
     def _beat(self) -> None:
         self.num_loop_iterations += 1

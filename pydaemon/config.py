@@ -19,6 +19,8 @@ class EngineConfig:
     chunks); ``None`` picks 4096 on CUDA and 512 on CPU (and at least max_num_seqs). ``num_kv_blocks`` overrides the
     KV-cache size derived from ``gpu_memory_utilization`` (CUDA) or ``cpu_kv_cache_space``
     (GiB, CPU). ``swap_space`` (GiB) sizes the CPU swap pool used by swap preemption.
+    ``tensor_parallel_size`` > 1 shards the model over that many processes (one per GPU, or
+    gloo on CPUs), started by the engine itself.
     """
 
     model: str = "demo"
@@ -37,6 +39,7 @@ class EngineConfig:
     load_format: str = "auto"
     seed: int = 0
     watermark: float = 0.01
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -68,6 +71,12 @@ class EngineConfig:
             raise bad("max_model_len", "must be a positive integer or None")
         if not 0.0 <= self.watermark < 1.0:
             raise bad("watermark", "must be in [0, 1)")
+        if (
+            not isinstance(self.tensor_parallel_size, int)
+            or isinstance(self.tensor_parallel_size, bool)
+            or self.tensor_parallel_size < 1
+        ):
+            raise bad("tensor_parallel_size", "must be a positive integer")
         if not self.model:
             raise bad("model", "must name 'demo' or a model directory")
 

@@ -66,7 +66,16 @@ class LLMEngine:
         self.config = config
         model_dir = resolve_model_dir(config.model)
         self.model_name = "demo" if config.model == "demo" else model_dir.name
-        self.runner = ModelRunner(config.__class__(**{**config.__dict__, "model": str(model_dir)}))
+        runner_config = config.__class__(**{**config.__dict__, "model": str(model_dir)})
+        self.tp_executor = None  # TensorParallelExecutor when tensor_parallel_size > 1
+        if config.tensor_parallel_size > 1:
+            from pydaemon.distributed.executor import TensorParallelExecutor
+
+            self.tp_executor = TensorParallelExecutor(runner_config)
+            self.runner = self.tp_executor.runner  # rank 0's: samples from the gathered logits
+        else:
+            self.runner = ModelRunner(runner_config)
+        self.model_executor = self.tp_executor or self.runner
         self.model_config = self.runner.model_config
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size
@@ -217,13 +226,13 @@ class LLMEngine:
             outputs.append(self._fail(request, message))
         if not out.scheduled:
             if out.blocks_to_swap_out:
-                self.runner._move_blocks(out)
+                self.model_executor.execute(out, self.block_manager)
             return outputs
         now = time.monotonic()
         for scheduled in out.scheduled:
             if scheduled.request.metrics.first_scheduled_time is None:
                 scheduled.request.metrics.first_scheduled_time = now
-        logits = self.runner.execute(out, self.block_manager)
+        logits = self.model_executor.execute(out, self.block_manager)
         sampling = [s for s in out.scheduled if s.do_sample]  # before num_computed moves
         self.scheduler.update_after_step(out)
         self.peak_used_blocks = max(self.peak_used_blocks, self.block_manager.num_used_blocks(_core.Device.GPU))
@@ -333,6 +342,17 @@ class LLMEngine:
         output = self.output_processor.make_final(request)
         output.error = message
         return output
+
+    # ---- life cycle -------------------------------------------------------------------------
+    def check_health(self) -> None:
+        """Raises when a tensor-parallel worker died (no step can run any more)."""
+        if self.tp_executor is not None:
+            self.tp_executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel workers, if any (idempotent; also run at exit)."""
+        if self.tp_executor is not None:
+            self.tp_executor.shutdown()
 
     # ---- introspection ----------------------------------------------------------------------
     def get_stats(self) -> EngineStats:

@@ -5,6 +5,10 @@ Weights come from ``model.safetensors`` or from the shards named by
 copied straight into parameters that were allocated once on the target device and dtype (no
 second full copy of the model in host memory). ``load_format="dummy"`` fills random weights
 of the right shapes instead, with only ``config.json`` needed.
+
+Tensor parallel: a sharded parameter (see layers/parallel_linear.py) is read as this rank's
+slice only (``get_slice``), so no rank ever holds the whole model. Dummy weights are drawn at
+the full shape one tensor at a time and sliced, so that they do not depend on the TP size.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from pydaemon.layers.parallel_linear import shard_range
 from pydaemon.layers.rotary_embedding import RotaryEmbedding
 from pydaemon.model_config import ModelConfig, resolve_dtype
 from pydaemon.models import get_model_class
@@ -70,19 +75,49 @@ def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> 
             module.reset_parameters(device)
 
 
+def _shards(model: nn.Module) -> dict[str, tuple[int, int, int, int] | None]:
+    """-> parameter name -> its (dim, start, stop, full_size) slice, None if not sharded."""
+    out = {}
+    for module_name, module in model.named_modules():
+        for local, _ in module.named_parameters(recurse=False):
+            name = f"{module_name}.{local}" if module_name else local
+            out[name] = shard_range(module, local)
+    return out
+
+
+def _copy_shard(param: torch.Tensor, full: torch.Tensor, shard: tuple[int, int, int, int]) -> None:
+    """param: this rank's slice; full: [..., stop - start, ...] already cut along dim."""
+    dim, start, stop, _ = shard
+    param.data.narrow(dim, 0, stop - start).copy_(full)
+    if stop - start < param.shape[dim]:  # vocabulary padding of the last rank
+        param.data.narrow(dim, stop - start, param.shape[dim] - (stop - start)).zero_()
+
+
 def _fill_dummy(model: nn.Module, seed: int) -> None:
     device = next(model.parameters()).device
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
+    shards = _shards(model)
     for name, param in model.named_parameters():
+        shard = shards.get(name)
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
-        else:
+        elif shard is None:
             param.data.normal_(0.0, 0.02, generator=gen)
+        else:  # the same draws as the unsharded model, one tensor at a time
+            dim, start, stop, full_size = shard
+            shape = list(param.shape)
+            shape[dim] = full_size
+            full = torch.empty(shape, dtype=param.dtype, device=device).normal_(
+                0.0, 0.02, generator=gen
+            )
+            _copy_shard(param, full.narrow(dim, start, stop - start), shard)
+            del full
 
 
 def _load_weights(model: nn.Module, config: ModelConfig, model_dir: Path) -> None:
     params = dict(model.named_parameters())
+    shards = _shards(model)
     if (model_dir / SINGLE_FILE).is_file():
         files = [model_dir / SINGLE_FILE]
     elif (model_dir / INDEX_FILE).is_file():
@@ -102,13 +137,23 @@ def _load_weights(model: nn.Module, config: ModelConfig, model_dir: Path) -> Non
                 if param is None:
                     continue  # lm_head of a tied model, rotary inv_freq, ...: ignored
                 # get_slice keeps the read lazy until the copy below.
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != tuple(param.shape):
+                tensor_slice = f.get_slice(name)
+                shape = tuple(tensor_slice.get_shape())
+                shard = shards.get(name)
+                expected = list(param.shape)
+                if shard is not None:
+                    expected[shard[0]] = shard[3]
+                if list(shape) != expected:
                     raise ValueError(
                         f"tensor {name!r} in {path.name} has shape {list(shape)}, "
-                        f"expected {list(param.shape)}"
+                        f"expected {expected}"
                     )
-                param.data.copy_(f.get_tensor(name))
+                if shard is None:
+                    param.data.copy_(f.get_tensor(name))
+                else:  # read only this rank's rows / columns
+                    dim, start, stop, _ = shard
+                    index = (slice(None),) * dim + (slice(start, stop),)
+                    _copy_shard(param, tensor_slice[index], shard)
                 loaded.add(name)
     missing = [name for name in params if name not in loaded]
     if missing:

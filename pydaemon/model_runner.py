@@ -15,12 +15,14 @@ import torch
 
 from pydaemon.attention_metadata import AttentionMetadata
 from pydaemon.config import EngineConfig
+from pydaemon.distributed import parallel_state as ps
 from pydaemon.kv_cache import GiB, KVCacheSpec
 from pydaemon.layers.attention import uses_kernels
 from pydaemon.model_loader import load_model
 from pydaemon.sampling import Sampler, SamplingMetadata
 from pydaemon.sampling_params import SamplingParams
 from pydaemon.scheduler import SchedulerOutput
+from pydaemon.step_input import StepInput
 
 logger = logging.getLogger(__name__)
 
@@ -37,18 +39,32 @@ class SampleRow:
     stop_ids_for_min_tokens: set[int]  # ids barred while fewer than min_tokens are out
 
 
-def resolve_device(device: str) -> torch.device:
+def resolve_device(device: str, tp_rank: int = 0, tp_size: int = 1) -> torch.device:
+    """Under tensor parallelism rank r runs on cuda:r."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
+    if device == "cuda" and tp_size > 1:
+        if tp_size > torch.cuda.device_count():
+            raise ValueError(
+                f"tensor_parallel_size ({tp_size}) is larger than the number of visible CUDA "
+                f"devices ({torch.cuda.device_count()})"
+            )
+        return torch.device("cuda", tp_rank)
     return torch.device(device)
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.device = resolve_device(config.device)
+        if ps.get_tp_world_size() != config.tensor_parallel_size:
+            raise RuntimeError(
+                f"this process is a rank of a tensor-parallel group of size "
+                f"{ps.get_tp_world_size()}, but tensor_parallel_size is "
+                f"{config.tensor_parallel_size}: shut the other engine down first"
+            )
+        self.device = resolve_device(config.device, ps.get_tp_rank(), ps.get_tp_world_size())
         self.model, self.model_config = load_model(
             config.model,
             dtype=config.dtype,
@@ -65,12 +81,14 @@ class ModelRunner:
         self.max_num_batched_tokens = config.max_num_batched_tokens or default_budget
         self.spec = KVCacheSpec(
             num_layers=mc.num_hidden_layers,
-            num_kv_heads=mc.num_key_value_heads,
+            num_kv_heads=mc.num_key_value_heads // config.tensor_parallel_size,  # this rank's
             block_size=config.block_size,
             head_dim=mc.head_dim,
             dtype=self.dtype,
         )
         self.num_gpu_blocks = config.num_kv_blocks or self._profile_num_blocks()
+        # Tensor parallel: one block manager drives every rank, so all hold as many blocks.
+        self.num_gpu_blocks = ps.min_across_ranks(self.num_gpu_blocks)
         max_useful = config.max_num_seqs * math.ceil(self.max_model_len / config.block_size) + 1
         self.num_cpu_blocks = min(self.spec.num_blocks_for_bytes(config.swap_space * GiB), max_useful)
         pin = self.device.type == "cuda"
@@ -143,20 +161,28 @@ class ModelRunner:
 
     # ---- the step ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, block_manager) -> torch.Tensor:
+    def execute(self, out: SchedulerOutput, block_manager) -> torch.Tensor | None:
         """Run one step; returns logits [num_sampling_seqs, vocab] (float32) in the order of
-        out.scheduled's sequences that sample."""
-        self._move_blocks(out)
+        out.scheduled's sequences that sample (None when nothing was scheduled)."""
+        return self.execute_step(self.prepare_step(out, block_manager))
+
+    def prepare_step(self, out: SchedulerOutput, block_manager) -> StepInput:
+        """The step's plain host-side input (no tensors)."""
+        step = StepInput(
+            blocks_to_swap_out=out.blocks_to_swap_out,
+            blocks_to_swap_in=out.blocks_to_swap_in,
+            blocks_to_copy=out.blocks_to_copy,
+        )
         scheduled = out.scheduled
+        if not scheduled:
+            return step
         num_seqs = len(scheduled)
         seq_ids = np.fromiter((s.seq.seq_id for s in scheduled), dtype=np.int64, count=num_seqs)
         query_start = np.fromiter(
             (s.seq.num_computed_tokens for s in scheduled), dtype=np.int32, count=num_seqs
         )
         query_len = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int32, count=num_seqs)
-        seq_lens = query_start + query_len
         num_tokens = int(query_len.sum())
-        max_seq_len = int(seq_lens.max())
         # Whole block tables (a chunked prefill holds blocks past this step's tokens).
         max_blocks = math.ceil(max(s.seq.num_slots for s in scheduled) / self.config.block_size)
         block_tables = np.empty((num_seqs, max_blocks), dtype=np.int32)
@@ -178,34 +204,54 @@ class ModelRunner:
             cursor += n
         query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
         np.cumsum(query_len, out=query_start_loc[1:])
-        sample_index = [
+        step.num_prefills = len(out.prefills)
+        step.input_ids = input_ids
+        step.positions = positions
+        step.slot_mapping = slot_mapping
+        step.block_tables = block_tables
+        step.seq_lens = seq_lens_out
+        step.query_lens = query_len
+        step.query_start_loc = query_start_loc
+        step.sample_index = [
             int(query_start_loc[i + 1]) - 1 for i, s in enumerate(scheduled) if s.do_sample
         ]
+        return step
+
+    @torch.inference_mode()
+    def execute_step(self, step: StepInput) -> torch.Tensor | None:
+        """Moves blocks, runs the forward pass; -> logits [len(step.sample_index), vocab]
+        (float32), None on tensor-parallel ranks > 0 or when the step only moves blocks."""
+        self._move_blocks(step)
+        if step.num_seqs == 0:
+            return None
+        query_len = step.query_lens
+        p = step.num_prefills
         dev = self.device
         meta = AttentionMetadata(
-            num_prefills=len(out.prefills),
-            num_prefill_tokens=int(query_len[: len(out.prefills)].sum()),
-            num_decode_tokens=len(out.decodes),
-            slot_mapping=_to(slot_mapping, dev),
-            block_tables=_to(block_tables, dev),
-            seq_lens=_to(seq_lens_out, dev),
-            query_start_loc=_to(query_start_loc, dev),
-            max_seq_len=max_seq_len,
+            num_prefills=p,
+            num_prefill_tokens=int(query_len[:p].sum()),
+            num_decode_tokens=step.num_seqs - p,
+            slot_mapping=_to(step.slot_mapping, dev),
+            block_tables=_to(step.block_tables, dev),
+            seq_lens=_to(step.seq_lens, dev),
+            query_start_loc=_to(step.query_start_loc, dev),
+            max_seq_len=int(step.seq_lens.max()),
             max_query_len=int(query_len.max()),
-            seq_lens_cpu=seq_lens_out.tolist(),
+            seq_lens_cpu=step.seq_lens.tolist(),
             query_lens_cpu=query_len.tolist(),
         )
         hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True),
-            _to(positions, dev),
+            torch.tensor(step.input_ids, dtype=torch.long).to(dev, non_blocking=True),
+            _to(step.positions, dev),
             self.kv_cache,
             meta,
         )
-        if not sample_index:
+        if not step.sample_index:
             return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
-        return self.model.compute_logits(hidden[_to(np.asarray(sample_index, dtype=np.int64), dev)])
+        index = _to(np.asarray(step.sample_index, dtype=np.int64), dev)
+        return self.model.compute_logits(hidden[index])
 
-    def _move_blocks(self, out: SchedulerOutput) -> None:
+    def _move_blocks(self, out: SchedulerOutput | StepInput) -> None:
         """Swap out, swap in, then copy-on-write, before this step's K/V writes."""
         if self.swap_stream is not None:
             from pydaemon import ops

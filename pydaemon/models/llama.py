@@ -2,6 +2,10 @@
 
 Parameter names equal the Hugging Face checkpoint names (``model.layers.N.self_attn.q_proj
 .weight``, ...), so loading is a name match. No fused projections.
+
+Tensor parallel (Megatron): q/k/v and gate/up are column-parallel (each rank its heads /
+its MLP columns), o_proj and down_proj row-parallel with an all-reduce, embedding and LM head
+vocabulary-parallel. At TP=1 the layers are plain nn.Linear / nn.Embedding.
 """
 
 from __future__ import annotations
@@ -11,7 +15,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from pydaemon.attention_metadata import AttentionMetadata
+from pydaemon.distributed import parallel_state as ps
 from pydaemon.layers.attention import PagedAttention
+from pydaemon.layers.parallel_linear import (
+    column_linear,
+    lm_head,
+    parallel_logits,
+    row_linear,
+    vocab_embedding,
+)
 from pydaemon.layers.rms_norm import RMSNorm
 from pydaemon.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 from pydaemon.model_config import ModelConfig
@@ -20,14 +32,17 @@ from pydaemon.model_config import ModelConfig
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        check_tensor_parallel(config, ps.get_tp_world_size())
+        tp = ps.get_tp_world_size()
+        self.num_heads = config.num_attention_heads // tp  # this rank's heads
+        self.num_kv_heads = config.num_key_value_heads // tp
         self.head_dim = config.head_dim
-        h, d = config.hidden_size, config.head_dim
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=config.attention_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.attention_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.o_proj_bias)
+        h, d, bias = config.hidden_size, config.head_dim, config.attention_bias
+        num_q, num_kv = config.num_attention_heads * d, config.num_key_value_heads * d
+        self.q_proj = column_linear(h, num_q, bias, "q_proj out_features")
+        self.k_proj = column_linear(h, num_kv, bias, "k_proj out_features")
+        self.v_proj = column_linear(h, num_kv, bias, "v_proj out_features")
+        self.o_proj = row_linear(num_q, h, config.o_proj_bias, "o_proj in_features")
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, scale=d**-0.5)
 
     def forward(
@@ -53,9 +68,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(h, i, bias=bias)
-        self.up_proj = nn.Linear(h, i, bias=bias)
-        self.down_proj = nn.Linear(i, h, bias=bias)
+        self.gate_proj = column_linear(h, i, bias, "intermediate_size")
+        self.up_proj = column_linear(h, i, bias, "intermediate_size")
+        self.down_proj = row_linear(i, h, bias, "intermediate_size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden_size]
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -92,7 +107,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             [LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)]
         )
@@ -127,10 +142,13 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config)
         # Tied: the logits reuse model.embed_tokens.weight, there is no lm_head parameter.
         self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            None if config.tie_word_embeddings else lm_head(config.hidden_size, config.vocab_size)
         )
+        self.tp_size = ps.get_tp_world_size()
+
+    @staticmethod
+    def check_tensor_parallel(config: ModelConfig, tp: int) -> None:
+        check_tensor_parallel(config, tp)
 
     def forward(
         self,
@@ -141,7 +159,22 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden_size]
         return self.model(input_ids, positions, kv_cache, attn_metadata)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        # hidden_states: [N, hidden_size] -> [N, vocab_size] float32
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        # hidden_states: [N, hidden_size] -> [N, vocab_size] float32 (None on TP ranks > 0)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.tp_size > 1:
+            return parallel_logits(hidden_states, weight, self.config.vocab_size)
         return F.linear(hidden_states, weight).float()
+
+
+def check_tensor_parallel(config: ModelConfig, tp: int) -> None:
+    """Heads and MLP columns must split evenly over ``tp`` ranks (no head replication)."""
+    if tp < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+    for name in ("num_key_value_heads", "num_attention_heads", "intermediate_size"):
+        value = getattr(config, name)
+        if value % tp != 0:
+            raise ValueError(
+                f"{name} ({value}) is not divisible by tensor_parallel_size ({tp}): "
+                f"each rank must hold {name} / {tp} of them"
+            )

@@ -34,6 +34,7 @@ ENGINE_FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("--load-format", str, "auto | dummy (random weights, for benchmarks)"),
     ("--seed", int, "seed of the engine's sampling generator"),
     ("--watermark", float, "fraction of KV blocks kept free at admission"),
+    ("--tensor-parallel-size", int, "shard the model over this many GPUs (processes)"),
 )
 ENGINE_BOOL_FLAGS = (("--enable-prefix-caching", "automatic prefix caching"),)
 

@@ -1,0 +1,132 @@
+"""Megatron-style tensor-parallel layers, and factories that return the plain torch module
+at TP=1 (so the single-GPU model is exactly the unsharded one).
+
+- column-parallel linear: each rank holds ``out_features / tp`` output rows of the weight
+  (and of the bias); its output stays sharded (q/k/v by heads, gate/up by columns).
+- row-parallel linear: each rank holds ``in_features / tp`` input columns; the partial
+  products are summed by an all-reduce, then the (replicated) bias is added once.
+- vocabulary-parallel embedding / LM head: each rank holds ``ceil(vocab / tp)`` rows (the
+  last rank's tail is zero padding); a lookup is masked to the rank's rows and all-reduced;
+  logits are gathered along the vocabulary on rank 0.
+
+Every sharded module lists ``tp_shards``: parameter name -> (dim, size in the checkpoint),
+which the loader uses to read only this rank's slice (``shard_range``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pydaemon.distributed import parallel_state as ps
+
+
+def _split(size: int, tp: int, what: str) -> int:
+    if size % tp != 0:
+        raise ValueError(f"{what} ({size}) is not divisible by tensor_parallel_size ({tp})")
+    return size // tp
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, what: str) -> None:
+        super().__init__()
+        tp = ps.get_tp_world_size()
+        local = _split(out_features, tp, what)
+        self.weight = nn.Parameter(torch.empty(local, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(local), requires_grad=False) if bias else None
+        self.tp_shards = {"weight": (0, out_features), "bias": (0, out_features)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out / tp]
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, what: str) -> None:
+        super().__init__()
+        tp = ps.get_tp_world_size()
+        local = _split(in_features, tp, what)
+        self.weight = nn.Parameter(torch.empty(out_features, local), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.tp_shards = {"weight": (1, in_features)}  # the bias is replicated
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in / tp] -> [T, out]
+        out = ps.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [vocab_start, vocab_start + rows_per_rank) of the table; also the LM head weight."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        tp, rank = ps.get_tp_world_size(), ps.get_tp_rank()
+        self.vocab_size = vocab_size
+        self.rows_per_rank = math.ceil(vocab_size / tp)
+        self.vocab_start = rank * self.rows_per_rank
+        self.vocab_end = min(self.vocab_start + self.rows_per_rank, vocab_size)
+        self.weight = nn.Parameter(
+            torch.empty(self.rows_per_rank, hidden_size), requires_grad=False
+        )
+        self.tp_shards = {"weight": (0, vocab_size)}
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight).masked_fill(outside[:, None], 0.0)
+        return ps.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The LM head's vocabulary slice [rows_per_rank, hidden]; used through parallel_logits."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("use parallel_logits(hidden_states, lm_head.weight, vocab_size)")
+
+
+def parallel_logits(
+    hidden_states: torch.Tensor, weight: torch.Tensor, vocab_size: int
+) -> torch.Tensor | None:
+    """hidden_states: [N, hidden]; weight: [rows_per_rank, hidden] (this rank's vocab slice)
+    -> [N, vocab_size] float32 on rank 0, None on the other ranks."""
+    full = ps.gather_last_dim(F.linear(hidden_states, weight))
+    return None if full is None else full[:, :vocab_size].float()
+
+
+def column_linear(in_features: int, out_features: int, bias: bool, what: str) -> nn.Module:
+    if ps.get_tp_world_size() == 1:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return ColumnParallelLinear(in_features, out_features, bias, what)
+
+
+def row_linear(in_features: int, out_features: int, bias: bool, what: str) -> nn.Module:
+    if ps.get_tp_world_size() == 1:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return RowParallelLinear(in_features, out_features, bias, what)
+
+
+def vocab_embedding(vocab_size: int, hidden_size: int) -> nn.Module:
+    if ps.get_tp_world_size() == 1:
+        return nn.Embedding(vocab_size, hidden_size)
+    return VocabParallelEmbedding(vocab_size, hidden_size)
+
+
+def lm_head(hidden_size: int, vocab_size: int) -> nn.Module:
+    if ps.get_tp_world_size() == 1:
+        return nn.Linear(hidden_size, vocab_size, bias=False)
+    return ParallelLMHead(vocab_size, hidden_size)
+
+
+def shard_range(module: nn.Module, name: str) -> tuple[int, int, int, int] | None:
+    """-> (dim, start, stop, full_size) of this rank's slice of parameter ``name`` of
+    ``module`` in the checkpoint tensor, or None when the parameter is not sharded.
+    ``stop - start`` may be below the local size (vocabulary padding on the last rank)."""
+    shards = getattr(module, "tp_shards", None)
+    if not shards or name not in shards:
+        return None
+    dim, full_size = shards[name]
+    local = getattr(module, name).shape[dim]
+    start = ps.get_tp_rank() * local
+    return dim, start, max(start, min(start + local, full_size)), full_size
