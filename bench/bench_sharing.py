@@ -35,8 +35,9 @@ def measure(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
         engine.step()
         used = bm.num_used_blocks(Device.GPU)
         if used > peak["used"]:
-            referenced = sum(len(bm.block_table(s)) for s in bm.seq_ids()
-                             if bm.seq_device(s) == Device.GPU)
+            referenced = sum(
+                len(bm.block_table(s)) for s in bm.seq_ids() if bm.seq_device(s) == Device.GPU
+            )
             peak = {
                 "used": used,
                 "referenced_by_tables": referenced,
@@ -73,34 +74,58 @@ def main() -> None:
     rng = random.Random(0)
     llm_probe = LLM(args.model, device=args.device, num_kv_blocks=8)
     vocab = llm_probe.engine.vocab_size
-    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(*args.prompt_len))]
-               for _ in range(args.num_requests)]
+    prompts = [
+        [rng.randrange(3, vocab) for _ in range(rng.randint(*args.prompt_len))]
+        for _ in range(args.num_requests)
+    ]
     runs = {
-        "n=1 (baseline)": SamplingParams(n=1, temperature=0.8, seed=1, max_tokens=args.max_tokens, ignore_eos=True),
-        "n=4 parallel sampling": SamplingParams(n=4, temperature=0.8, seed=1, max_tokens=args.max_tokens, ignore_eos=True),
-        "beam width 4": SamplingParams(beam_width=4, n=4, temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True),
+        "n=1 (baseline)": SamplingParams(
+            n=1, temperature=0.8, seed=1, max_tokens=args.max_tokens, ignore_eos=True
+        ),
+        "n=4 parallel sampling": SamplingParams(
+            n=4, temperature=0.8, seed=1, max_tokens=args.max_tokens, ignore_eos=True
+        ),
+        "beam width 4": SamplingParams(
+            beam_width=4, n=4, temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True
+        ),
     }
     results = {}
     for name, params in runs.items():
-        llm = LLM(args.model, device=args.device, block_size=args.block_size, num_kv_blocks=8192,
-                  enable_prefix_caching=False)
+        llm = LLM(
+            args.model,
+            device=args.device,
+            block_size=args.block_size,
+            num_kv_blocks=8192,
+            enable_prefix_caching=False,
+        )
         results[name] = measure(llm, prompts, params)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "commit": commit,
         "command": " ".join(sys.argv),
-        "workload": {"model": args.model, "num_requests": args.num_requests,
-                     "prompt_len": list(args.prompt_len), "max_tokens": args.max_tokens,
-                     "block_size": args.block_size, "prefix_caching": False},
+        "workload": {
+            "model": args.model,
+            "num_requests": args.num_requests,
+            "prompt_len": list(args.prompt_len),
+            "max_tokens": args.max_tokens,
+            "block_size": args.block_size,
+            "prefix_caching": False,
+        },
         "results": results,
     }
-    print(f"{'run':24} {'peak used':>10} {'w/o sharing':>12} {'saved':>7} {'saved %':>8} {'waste %':>8}")
+    print(
+        f"{'run':24} {'peak used':>10} {'w/o sharing':>12} {'saved':>7} {'saved %':>8} {'waste %':>8}"
+    )
     for name, r in results.items():
-        print(f"{name:24} {r['peak_blocks_used']:>10} {r['blocks_needed_without_sharing']:>12} "
-              f"{r['blocks_saved_by_sharing']:>7} {100 * r['saved_fraction']:>7.1f}% "
-              f"{100 * r['kv_waste_fraction_at_peak']:>7.1f}%")
+        print(
+            f"{name:24} {r['peak_blocks_used']:>10} {r['blocks_needed_without_sharing']:>12} "
+            f"{r['blocks_saved_by_sharing']:>7} {100 * r['saved_fraction']:>7.1f}% "
+            f"{100 * r['kv_waste_fraction_at_peak']:>7.1f}%"
+        )
     if args.out:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
 

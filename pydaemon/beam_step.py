@@ -23,7 +23,7 @@ def advance_beams(
 ) -> None:
     """logprobs: [len(seqs), vocab] float32 log_softmax rows of the beams sampled this step."""
     pending: dict[int, torch.Tensor] = request.beam_pending
-    for seq, row in zip(seqs, logprobs):
+    for seq, row in zip(seqs, logprobs, strict=True):
         pending[seq.seq_id] = row
     live = request.seqs
     if any(s.seq_id not in pending for s in live):
@@ -33,7 +33,7 @@ def advance_beams(
     result = state.step(rows)
     children = []
     for parent_index, token, cumulative in zip(
-        result.parent_indices, result.token_ids, result.cumulative_logprobs
+        result.parent_indices, result.token_ids, result.cumulative_logprobs, strict=False
     ):
         parent = live[parent_index]
         child = engine._fork(request, parent, len(children), register=False)

@@ -165,9 +165,7 @@ class LLMEngine:
             if not prompt:
                 raise ValueError("prompt is empty")
             if self.tokenizer is None:
-                raise ValueError(
-                    "this model has no tokenizer.model: send the prompt as token ids"
-                )
+                raise ValueError("this model has no tokenizer.model: send the prompt as token ids")
             return prompt, self.tokenizer.encode(prompt)
         token_ids = list(prompt)
         if not token_ids:
@@ -185,7 +183,9 @@ class LLMEngine:
                 f"prompt has {len(token_ids)} tokens; the model's context is "
                 f"{self.max_model_len} (prompt + at least one new token must fit)"
             )
-        usable = self.runner.num_gpu_blocks - int(self.config.watermark * self.runner.num_gpu_blocks)
+        usable = self.runner.num_gpu_blocks - int(
+            self.config.watermark * self.runner.num_gpu_blocks
+        )
         needed = math.ceil((len(token_ids) + 1) / self.config.block_size)
         if needed > usable:
             raise ValueError(
@@ -235,7 +235,9 @@ class LLMEngine:
         logits = self.model_executor.execute(out, self.block_manager)
         sampling = [s for s in out.scheduled if s.do_sample]  # before num_computed moves
         self.scheduler.update_after_step(out)
-        self.peak_used_blocks = max(self.peak_used_blocks, self.block_manager.num_used_blocks(_core.Device.GPU))
+        self.peak_used_blocks = max(
+            self.peak_used_blocks, self.block_manager.num_used_blocks(_core.Device.GPU)
+        )
         self.num_prompt_tokens += sum(s.num_new_tokens for s in out.prefills)
         touched = self._sample_and_append(sampling, logits)
         now = time.monotonic()
@@ -273,7 +275,11 @@ class LLMEngine:
         if rows:
             result = self.runner.sample(logits, rows)
             for (request, seq), token, chosen, top in zip(
-                owners, result.sampled_token_ids, result.chosen_logprobs, result.logprobs
+                owners,
+                result.sampled_token_ids,
+                result.chosen_logprobs,
+                result.logprobs,
+                strict=False,
             ):
                 touched[request.request_id] = request
                 self.num_generation_tokens += 1
@@ -379,6 +385,10 @@ class LLMEngine:
     def warmup(self) -> None:
         """One tiny request end to end, so the first real request pays no start-up costs."""
         request_id = "__warmup__"
-        self.add_request(request_id, [min(1, self.vocab_size - 1)] * 4, SamplingParams(temperature=0.0, max_tokens=2))
+        self.add_request(
+            request_id,
+            [min(1, self.vocab_size - 1)] * 4,
+            SamplingParams(temperature=0.0, max_tokens=2),
+        )
         while request_id in self.requests:
             self.step()

@@ -30,7 +30,9 @@ class KVCacheSpec:
     def num_blocks_for_bytes(self, num_bytes: float) -> int:
         return int(num_bytes // self.block_bytes)
 
-    def allocate(self, num_blocks: int, device: torch.device, pin_memory: bool = False) -> torch.Tensor:
+    def allocate(
+        self, num_blocks: int, device: torch.device, pin_memory: bool = False
+    ) -> torch.Tensor:
         """kv_cache: [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]."""
         return torch.empty(
             (num_blocks, *self.block_shape), dtype=self.dtype, device=device, pin_memory=pin_memory

@@ -50,11 +50,13 @@ class LLM:
             raise ValueError("no prompts given")
         else:
             items = [p if isinstance(p, str) else list(p) for p in prompts]
-        params_list = _per_prompt(sampling_params or SamplingParams(), len(items), "sampling_params")
+        params_list = _per_prompt(
+            sampling_params or SamplingParams(), len(items), "sampling_params"
+        )
         priorities = _per_prompt(priority if priority is not None else 0, len(items), "priority")
         salts = _per_prompt(cache_salt, len(items), "cache_salt")
         ids = []
-        for item, params, prio, salt in zip(items, params_list, priorities, salts):
+        for item, params, prio, salt in zip(items, params_list, priorities, salts, strict=True):
             request_id = str(self._counter)
             self._counter += 1
             self.engine.add_request(request_id, item, params, priority=prio, cache_salt=salt)

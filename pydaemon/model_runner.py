@@ -90,10 +90,14 @@ class ModelRunner:
         # Tensor parallel: one block manager drives every rank, so all hold as many blocks.
         self.num_gpu_blocks = ps.min_across_ranks(self.num_gpu_blocks)
         max_useful = config.max_num_seqs * math.ceil(self.max_model_len / config.block_size) + 1
-        self.num_cpu_blocks = min(self.spec.num_blocks_for_bytes(config.swap_space * GiB), max_useful)
+        self.num_cpu_blocks = min(
+            self.spec.num_blocks_for_bytes(config.swap_space * GiB), max_useful
+        )
         pin = self.device.type == "cuda"
         self.kv_cache = self.spec.allocate(self.num_gpu_blocks, self.device)
-        self.cpu_kv_cache = self.spec.allocate(self.num_cpu_blocks, torch.device("cpu"), pin_memory=pin)
+        self.cpu_kv_cache = self.spec.allocate(
+            self.num_cpu_blocks, torch.device("cpu"), pin_memory=pin
+        )
         self.sampler = Sampler()
         self.swap_stream = None
         if uses_kernels(self.kv_cache):
@@ -102,8 +106,11 @@ class ModelRunner:
             self.swap_stream = SwapStream(self.kv_cache, self.cpu_kv_cache)
         logger.info(
             "KV cache: %d blocks of %d tokens on %s (%.2f GiB), %d swap blocks on the CPU",
-            self.num_gpu_blocks, config.block_size, self.device,
-            self.num_gpu_blocks * self.spec.block_bytes / GiB, self.num_cpu_blocks,
+            self.num_gpu_blocks,
+            config.block_size,
+            self.device,
+            self.num_gpu_blocks * self.spec.block_bytes / GiB,
+            self.num_cpu_blocks,
         )
 
     # ---- sizing -----------------------------------------------------------------------------
@@ -111,7 +118,9 @@ class ModelRunner:
         cfg = self.config
         max_useful = cfg.max_num_seqs * math.ceil(self.max_model_len / cfg.block_size) + 1
         if self.device.type != "cuda":
-            return max(1, min(self.spec.num_blocks_for_bytes(cfg.cpu_kv_cache_space * GiB), max_useful))
+            return max(
+                1, min(self.spec.num_blocks_for_bytes(cfg.cpu_kv_cache_space * GiB), max_useful)
+            )
         # Run the largest step once on a throw-away cache to measure peak activation memory.
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -181,7 +190,9 @@ class ModelRunner:
         query_start = np.fromiter(
             (s.seq.num_computed_tokens for s in scheduled), dtype=np.int32, count=num_seqs
         )
-        query_len = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int32, count=num_seqs)
+        query_len = np.fromiter(
+            (s.num_new_tokens for s in scheduled), dtype=np.int32, count=num_seqs
+        )
         num_tokens = int(query_len.sum())
         # Whole block tables (a chunked prefill holds blocks past this step's tokens).
         max_blocks = math.ceil(max(s.seq.num_slots for s in scheduled) / self.config.block_size)
@@ -194,10 +205,12 @@ class ModelRunner:
         input_ids: list[int] = []
         positions = np.empty(num_tokens, dtype=np.int64)
         cursor = 0
-        for s, start, n in zip(scheduled, query_start.tolist(), query_len.tolist()):
+        for s, start, n in zip(scheduled, query_start.tolist(), query_len.tolist(), strict=True):
             seq = s.seq
             if n == 1:
-                input_ids.append(seq.last_token_id if start == seq.num_tokens - 1 else seq.token_ids()[start])
+                input_ids.append(
+                    seq.last_token_id if start == seq.num_tokens - 1 else seq.token_ids()[start]
+                )
             else:
                 input_ids.extend(seq.token_ids()[start : start + n])
             positions[cursor : cursor + n] = np.arange(start, start + n)

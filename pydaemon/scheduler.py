@@ -117,8 +117,11 @@ class Scheduler:
         index = 0
         while index < len(self.running):
             request = self.running[index]
-            decoding = [s for s in request.seqs if s.num_computed_tokens >= len(s.prompt_token_ids)
-                        and s.num_uncomputed_tokens == 1]
+            decoding = [
+                s
+                for s in request.seqs
+                if s.num_computed_tokens >= len(s.prompt_token_ids) and s.num_uncomputed_tokens == 1
+            ]
             if not decoding:
                 index += 1
                 continue
@@ -253,7 +256,9 @@ class Scheduler:
         status = bm.can_swap_in(seq_ids)
         if status == _core.AllocStatus.NEVER:
             self.swapped.pop(0)
-            out.rejected.append((request, f"request {request.request_id!r} no longer fits the KV cache"))
+            out.rejected.append(
+                (request, f"request {request.request_id!r} no longer fits the KV cache")
+            )
             return True
         if status != _core.AllocStatus.OK:
             return False

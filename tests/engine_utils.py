@@ -64,4 +64,6 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 
 def random_prompts(count: int, vocab_size: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(3, vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(count)]
+    return [
+        [rng.randrange(3, vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(count)
+    ]

@@ -4,9 +4,8 @@ blocks freed, and request validation."""
 from __future__ import annotations
 
 import pytest
-import torch
-
 from engine_utils import hf_greedy, make_hf_model, random_prompts
+
 from pydaemon import LLM, SamplingParams
 from pydaemon._core import Device
 
@@ -29,7 +28,7 @@ def test_greedy_batch_matches_transformers(llama_gqa, block_size):
     prompts = random_prompts(5, 256, 3, 40, seed=block_size)
     llm = LLM(str(path), device="cpu", dtype="float32", block_size=block_size, num_kv_blocks=64)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
-    for prompt, out in zip(prompts, outputs):
+    for prompt, out in zip(prompts, outputs, strict=True):
         assert out.prompt_token_ids == prompt
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 32)
         assert out.outputs[0].finish_reason == "length"
@@ -42,7 +41,7 @@ def test_other_shapes_match_transformers(tmp_path, arch, heads, kv_heads):
     prompts = random_prompts(3, 256, 10, 33, seed=1)
     llm = LLM(str(path), device="cpu", dtype="float32", block_size=16, num_kv_blocks=32)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
-    for prompt, out in zip(prompts, outputs):
+    for prompt, out in zip(prompts, outputs, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 32)
 
 
@@ -136,7 +135,8 @@ def test_seeded_sampling_is_reproducible(llama_gqa):
     # Same seed, different batch around it: the same tokens.
     second = llm.generate(prompt_token_ids=prompts[::-1], sampling_params=params)[::-1]
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second]
-    other = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(
-        temperature=1.0, seed=99, max_tokens=16, ignore_eos=True))
+    other = llm.generate(
+        prompt_token_ids=prompts,
+        sampling_params=SamplingParams(temperature=1.0, seed=99, max_tokens=16, ignore_eos=True),
+    )
     assert [o.outputs[0].token_ids for o in other] != [o.outputs[0].token_ids for o in first]
-

@@ -17,9 +17,16 @@ PROMPT = [5, 17, 42, 9, 33, 71, 12, 88, 23, 54, 61]  # crosses a block of 8
 def _model(seed: int):
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )
     model = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():
@@ -35,13 +42,19 @@ def _model(seed: int):
 
 def _hf(model, width, num_return, length_penalty, early_stopping, max_new_tokens):
     out = model.generate(
-        torch.tensor([PROMPT]), attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
-        num_beams=width, num_return_sequences=num_return, length_penalty=length_penalty,
-        early_stopping=early_stopping, do_sample=False, max_new_tokens=max_new_tokens,
-        pad_token_id=0, return_dict_in_generate=True,
+        torch.tensor([PROMPT]),
+        attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
+        num_beams=width,
+        num_return_sequences=num_return,
+        length_penalty=length_penalty,
+        early_stopping=early_stopping,
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=0,
+        return_dict_in_generate=True,
     )
     lengths = (out.beam_indices >= 0).sum(dim=1).tolist()
-    return [seq[len(PROMPT):][:n] for seq, n in zip(out.sequences.tolist(), lengths)]
+    return [seq[len(PROMPT) :][:n] for seq, n in zip(out.sequences.tolist(), lengths, strict=True)]
 
 
 @pytest.mark.parametrize(
@@ -56,8 +69,12 @@ def test_beam_search_matches_transformers(
     expected = _hf(model, width, num_return, length_penalty, early_stopping, max_new_tokens)
     llm = LLM(str(tmp_path), device="cpu", dtype="float32", block_size=8, num_kv_blocks=64)
     params = SamplingParams(
-        beam_width=width, n=num_return, temperature=0.0, max_tokens=max_new_tokens,
-        length_penalty=length_penalty, early_stopping=early_stopping,
+        beam_width=width,
+        n=num_return,
+        temperature=0.0,
+        max_tokens=max_new_tokens,
+        length_penalty=length_penalty,
+        early_stopping=early_stopping,
     )
     out = llm.generate(prompt_token_ids=[PROMPT], sampling_params=params)[0]
     assert [c.token_ids for c in out.outputs] == expected
@@ -70,8 +87,9 @@ def test_beams_share_blocks(tmp_path):
     model.save_pretrained(tmp_path, safe_serialization=True)
     llm = LLM(str(tmp_path), device="cpu", dtype="float32", block_size=8, num_kv_blocks=64)
     engine = llm.engine
-    engine.add_request("b", PROMPT, SamplingParams(beam_width=4, temperature=0.0, max_tokens=8,
-                                                   ignore_eos=True))
+    engine.add_request(
+        "b", PROMPT, SamplingParams(beam_width=4, temperature=0.0, max_tokens=8, ignore_eos=True)
+    )
     engine.step()
     engine.step()
     request = engine.requests["b"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_utils import make_hf_model, random_prompts
+
 from pydaemon import LLM, SamplingParams
 from pydaemon._core import Device
 
@@ -25,17 +25,22 @@ def _tokens(outputs):
 
 def _all_free(llm: LLM) -> bool:
     bm = llm.engine.block_manager
-    return (
-        bm.num_free_blocks(Device.GPU) == bm.num_total_blocks(Device.GPU)
-        and bm.num_free_blocks(Device.CPU) == bm.num_total_blocks(Device.CPU)
-    )
+    return bm.num_free_blocks(Device.GPU) == bm.num_total_blocks(Device.GPU) and bm.num_free_blocks(
+        Device.CPU
+    ) == bm.num_total_blocks(Device.CPU)
 
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
     """Outputs with plenty of blocks and budget, no prefix caching."""
-    llm = LLM(model_dir, device="cpu", dtype="float32", num_kv_blocks=512,
-              max_num_batched_tokens=4096, enable_prefix_caching=False)
+    llm = LLM(
+        model_dir,
+        device="cpu",
+        dtype="float32",
+        num_kv_blocks=512,
+        max_num_batched_tokens=4096,
+        enable_prefix_caching=False,
+    )
     prompts = random_prompts(8, 256, 20, 70, seed=11)
     return prompts, llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
 
@@ -43,8 +48,14 @@ def reference(model_dir):
 @pytest.mark.parametrize("budget", [16, 37, 100])
 def test_chunked_prefill_equals_unchunked(model_dir, reference, budget):
     prompts, ref = reference
-    llm = LLM(model_dir, device="cpu", dtype="float32", num_kv_blocks=512,
-              max_num_seqs=8, max_num_batched_tokens=budget)
+    llm = LLM(
+        model_dir,
+        device="cpu",
+        dtype="float32",
+        num_kv_blocks=512,
+        max_num_seqs=8,
+        max_num_batched_tokens=budget,
+    )
     assert _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)) == _tokens(ref)
     assert _all_free(llm)
 
@@ -53,8 +64,15 @@ def test_chunked_prefill_equals_unchunked(model_dir, reference, budget):
 def test_preemption_keeps_outputs(model_dir, reference, mode):
     prompts, ref = reference
     # 8 prompts of 20..70 tokens + 24 new each need far more than 24 blocks of 8 tokens.
-    llm = LLM(model_dir, device="cpu", dtype="float32", block_size=8, num_kv_blocks=24,
-              preemption_mode=mode, watermark=0.0)
+    llm = LLM(
+        model_dir,
+        device="cpu",
+        dtype="float32",
+        block_size=8,
+        num_kv_blocks=24,
+        preemption_mode=mode,
+        watermark=0.0,
+    )
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     assert _tokens(outputs) == _tokens(ref)
     stats = llm.engine.get_stats()
@@ -70,13 +88,21 @@ def test_preemption_with_parallel_sampling_groups(model_dir, mode):
     prompts = random_prompts(6, 256, 10, 40, seed=3)
     params = [
         SamplingParams(n=3, temperature=0.8, seed=i, max_tokens=20, ignore_eos=True)
-        if i % 2 == 0 else GREEDY
+        if i % 2 == 0
+        else GREEDY
         for i in range(len(prompts))
     ]
     big = LLM(model_dir, device="cpu", dtype="float32", num_kv_blocks=512)
     ref = big.generate(prompt_token_ids=prompts, sampling_params=params)
-    small = LLM(model_dir, device="cpu", dtype="float32", block_size=8, num_kv_blocks=20,
-                preemption_mode=mode, watermark=0.0)
+    small = LLM(
+        model_dir,
+        device="cpu",
+        dtype="float32",
+        block_size=8,
+        num_kv_blocks=20,
+        preemption_mode=mode,
+        watermark=0.0,
+    )
     outputs = small.generate(prompt_token_ids=prompts, sampling_params=params)
     assert _tokens(outputs) == _tokens(ref)
     assert small.engine.get_stats().num_preemptions > 0
@@ -107,8 +133,9 @@ def test_prefix_cache_skips_work_and_keeps_outputs(model_dir):
     stats = llm.engine.get_stats()
     assert stats.prefix_cache_hit_tokens >= 2 * 64
     assert computed_rest < 2 * len(prompts[1])  # the 64 shared tokens were not recomputed
-    nocache = LLM(model_dir, device="cpu", dtype="float32", num_kv_blocks=128,
-                  enable_prefix_caching=False)
+    nocache = LLM(
+        model_dir, device="cpu", dtype="float32", num_kv_blocks=128, enable_prefix_caching=False
+    )
     ref = nocache.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     assert _tokens(first + rest) == _tokens(ref)
     assert rest[0].metrics.num_cached_tokens == 64
@@ -148,6 +175,7 @@ def test_parallel_sampling_shares_prompt_blocks(model_dir):
     assert _all_free(llm)
     again = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
     first = LLM(model_dir, device="cpu", dtype="float32", num_kv_blocks=64).generate(
-        prompt_token_ids=[prompt], sampling_params=params)[0]
+        prompt_token_ids=[prompt], sampling_params=params
+    )[0]
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in first.outputs]
     assert len({tuple(c.token_ids) for c in first.outputs}) > 1

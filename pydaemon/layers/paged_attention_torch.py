@@ -63,8 +63,12 @@ def paged_attention_torch(
     already written) are read through ``block_tables[i]``. Returns [T, num_heads, head_dim].
     """
     out = torch.empty_like(query)
-    num_prefill_tokens = paged_prefill_torch(query, key_cache, value_cache, attn_metadata, scale, out)
-    _paged_decode_torch(query, key_cache, value_cache, attn_metadata, scale, out, num_prefill_tokens)
+    num_prefill_tokens = paged_prefill_torch(
+        query, key_cache, value_cache, attn_metadata, scale, out
+    )
+    _paged_decode_torch(
+        query, key_cache, value_cache, attn_metadata, scale, out, num_prefill_tokens
+    )
     return out
 
 
