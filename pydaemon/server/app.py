@@ -229,8 +229,23 @@ async def serve(engine_factory: Callable[[], Any], options: ServerOptions) -> in
         server.notifier.status(f"start-up failed: {error}")
         await server.drain()
         return 1
-    await stopped
+    died = asyncio.create_task(_engine_death(server))
+    await asyncio.wait({stopped, died}, return_when=asyncio.FIRST_COMPLETED)
     if not start.done():
         start.cancel()
+    if died.done():
+        # A dead engine (e.g. a tensor-parallel worker gone) cannot serve again: exit non-zero
+        # so that systemd's Restart=on-failure brings up a fresh daemon.
+        logger.error("the engine failed: %r; draining and exiting", server.async_engine.error)
+        server.notifier.status(f"engine failed: {server.async_engine.error!r}")
+        await server.drain()
+        return 1
+    died.cancel()
     await server.drain()
     return 0
+
+
+async def _engine_death(server: PageddServer, poll_s: float = 0.5) -> None:
+    """Returns once the started engine's thread has died."""
+    while server.async_engine is None or server.async_engine.is_alive:
+        await asyncio.sleep(poll_s)
