@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = p.add_argument_group("pagedd engine")
     for flag, type_ in (("--block-size", int), ("--num-kv-blocks", int), ("--max-num-seqs", int),
                         ("--max-num-batched-tokens", int), ("--max-model-len", int),
-                        ("--gpu-memory-utilization", float), ("--preemption-mode", str)):  # fmt: skip
+                        ("--gpu-memory-utilization", float), ("--preemption-mode", str),
+                        ("--tensor-parallel-size", int)):  # fmt: skip
         e.add_argument(flag, type=type_, default=None)
     e.add_argument("--no-prefix-caching", action="store_true")
     h = p.add_argument_group("transformers peers")

@@ -42,7 +42,7 @@ class StepStats:
 def engine_kwargs(args) -> dict:
     keys = ("device", "dtype", "block_size", "num_kv_blocks", "gpu_memory_utilization",
             "max_num_seqs", "max_num_batched_tokens", "max_model_len", "preemption_mode",
-            "load_format", "seed")  # fmt: skip
+            "load_format", "seed", "tensor_parallel_size")  # fmt: skip
     kwargs = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     kwargs["enable_prefix_caching"] = not args.no_prefix_caching
     return kwargs
@@ -66,6 +66,7 @@ def run_pagedd(model: str, requests: list[WorkloadRequest], args) -> dict:
     wall_s = time.perf_counter() - start
     stats.restore()
     after = engine.get_stats()
+    engine.shutdown()  # stops tensor-parallel workers, if any
     num_output = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
     ttfts = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs
