@@ -135,11 +135,12 @@ class Scheduler:
             budget -= len(decoding)
             index += 1
         # 2. Prefill chunks of running requests.
+        decoding_ids = {s.seq.seq_id for s in out.decodes}  # a set: this runs per sequence
         for request in self.running:
             for seq in request.seqs:
                 if budget == 0:
                     break
-                if any(s.seq is seq for s in out.decodes) or seq.num_uncomputed_tokens == 0:
+                if seq.num_uncomputed_tokens == 0 or seq.seq_id in decoding_ids:
                     continue
                 budget -= self._schedule_prefill(request, seq, budget, out)
         # 3. Swapped requests come back, unless this step had to preempt.
