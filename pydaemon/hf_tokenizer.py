@@ -71,6 +71,14 @@ class HFTokenizer:
             self._add_bos = bool(config.get("add_bos_token", False))
         self._add_eos = bool(config.get("add_eos_token", False))
         is_bpe = isinstance(tokenizer.model, tokenizers.models.BPE)
+        # Byte-fallback pieces (<0xE2>...): the decoder turns a whole run of them into text
+        # or, when the run is not valid UTF-8, into one U+FFFD per byte.
+        self.byte_run_token_ids: set[int] = set()
+        if is_bpe and tokenizer.model.byte_fallback:
+            vocab = tokenizer.get_vocab()
+            self.byte_run_token_ids = {
+                vocab[p] for p in (f"<0x{b:02X}>" for b in range(256)) if p in vocab
+            }
         self._clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False)) and (
             not is_bpe
             or bool(
