@@ -90,6 +90,8 @@ def test_chat_prompt_and_reply(real):
     (want,) = hf_greedy(model_dir, [want_ids], MAX_TOKENS)
     assert out.outputs[0].token_ids == want
     assert out.outputs[0].text == ref.decode(want, skip_special_tokens=True)
+    with pytest.raises(ValueError, match="messages is empty"):
+        llm.chat([])
 
 
 def test_grpc_stream_text_and_messages(real):
