@@ -56,7 +56,10 @@ class HFTokenizer:
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
         self.bos_token_id = self._token_id("bos_token", config.get("bos_token_id"))
         eos_from_token = self._token_id("eos_token", None)
-        eos = [*(extra_eos_token_ids or []), *normalize_token_ids(config.get("eos_token_id"), "")]
+        eos = [
+            *(extra_eos_token_ids or []),
+            *normalize_token_ids(config.get("eos_token_id"), "eos_token_id"),
+        ]
         if eos_from_token is not None:
             eos.append(eos_from_token)
         eos = list(dict.fromkeys(eos))
