@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from pydaemon import __version__
 from pydaemon.async_engine import AsyncEngine, EngineDeadError
@@ -129,6 +130,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await self._read_frames(stream, request_iterator)
         except asyncio.CancelledError:
             raise
+        except DecodeError as e:  # an undecodable frame (bad UTF-8, garbage bytes)
+            stream.out.put_nowait(
+                _StreamFatal(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"a GenerateRequest frame could not be decoded: {e}",
+                )
+            )
         except Exception as e:  # noqa: BLE001 - the transport failed: the call is ending anyway
             logger.debug("reading the stream failed: %r", e)
             stream.out.put_nowait(_READER_DONE)
