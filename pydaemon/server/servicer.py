@@ -25,7 +25,12 @@ from pydaemon.async_engine import AsyncEngine, EngineDeadError
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 from pydaemon.proto.pagedd.v1 import generation_pb2_grpc as pb_grpc
 from pydaemon.server.frames import RequestAccount, error_frame
-from pydaemon.server.validation import RequestInvalid, check_request_id, to_engine_args
+from pydaemon.server.validation import (
+    RequestInvalid,
+    check_request_id,
+    check_text_size,
+    to_engine_args,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -197,7 +202,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             )
         engine = self.engine.engine
         args = to_engine_args(
-            start, vocab_size=engine.vocab_size, has_tokenizer=engine.tokenizer is not None
+            start,
+            vocab_size=engine.vocab_size,
+            has_tokenizer=engine.tokenizer is not None,
+            max_model_len=engine.max_model_len,
         )
         if self.engine.num_unscheduled >= self.options.max_queued_requests:
             raise RequestInvalid(
@@ -272,12 +280,22 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         )
 
     async def Tokenize(self, request, context) -> pb.TokenizeResponse:
-        tokenizer = (await self._require_engine(context)).engine.tokenizer
+        engine = (await self._require_engine(context)).engine
+        tokenizer = engine.tokenizer
         if tokenizer is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer")
-        # Tokenizers are read-only after loading, so encoding here races with nothing.
-        ids = tokenizer.encode(request.text, add_bos=request.add_bos)
-        return pb.TokenizeResponse(token_ids=ids, pieces=[tokenizer.decode([t]) for t in ids])
+        try:
+            check_text_size(request.text, engine.max_model_len, "Tokenize text")
+        except RequestInvalid as e:
+            await context.abort(e.code, e.message)
+
+        def tokenize() -> pb.TokenizeResponse:
+            # Tokenizers are read-only after loading, so encoding here races with nothing.
+            ids = tokenizer.encode(request.text, add_bos=request.add_bos)
+            return pb.TokenizeResponse(token_ids=ids, pieces=[tokenizer.decode([t]) for t in ids])
+
+        # Off the event loop: a long text must not stall every other stream.
+        return await asyncio.get_running_loop().run_in_executor(None, tokenize)
 
     async def GetServerStatus(self, request, context) -> pb.ServerStatus:
         s = await (await self._require_engine(context)).stats()
