@@ -26,7 +26,8 @@ from pydaemon.proto.pagedd.v1 import generation_pb2_grpc as pb_grpc
 from pydaemon.server.auth import ApiKeyInterceptor
 from pydaemon.server.errors import ExceptionInterceptor
 from pydaemon.server.health import Health
-from pydaemon.server.metrics import Metrics, MetricsServer
+from pydaemon.server.metrics import Metrics
+from pydaemon.server.metrics_http import MetricsServer
 from pydaemon.server.sd_notify import SdNotifier, watchdog_interval_s
 from pydaemon.server.servicer import GenerationServicer, ServingOptions
 
@@ -40,6 +41,7 @@ class ServerOptions:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
     api_key: str | None = None
+    metrics_auth: bool = True  # with api_key: /metrics requires it too
     tls_cert: str | None = None  # PEM file paths; both or neither
     tls_key: str | None = None
     max_message_bytes: int = 16 * 1024 * 1024
@@ -135,11 +137,17 @@ class PageddServer:
             self._is_loading = False
         self.async_engine = AsyncEngine(engine)
         self.async_engine.start()
+        self.metrics.set_baseline(self.async_engine.latest_stats)
         self.servicer.engine = self.async_engine
         o = self.options
         if o.metrics_port is not None:
-            self.metrics_server = MetricsServer(self.metrics, o.metrics_host, o.metrics_port)
-            self.metrics_server.start()
+            self.metrics_server = MetricsServer(
+                self.metrics.render,
+                o.metrics_host,
+                o.metrics_port,
+                api_key=o.api_key if o.metrics_auth else None,
+            )
+            await self.metrics_server.start()
         self.servicer.is_admitting = True
         await self.health.set_serving()
         stats = self.async_engine.latest_stats
@@ -207,7 +215,7 @@ class PageddServer:
         if self.async_engine is not None:
             await self.async_engine.shutdown()
         if self.metrics_server is not None:
-            self.metrics_server.stop()
+            await self.metrics_server.stop()
         logger.info("drained; exiting")
         self.is_drained.set()
 
