@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from grpc_reflection.v1alpha import reflection
 
 from pydaemon.async_engine import AsyncEngine
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
@@ -28,6 +27,7 @@ from pydaemon.server.errors import ExceptionInterceptor
 from pydaemon.server.health import Health
 from pydaemon.server.metrics import Metrics
 from pydaemon.server.metrics_http import MetricsServer
+from pydaemon.server.reflection import enable_server_reflection
 from pydaemon.server.sd_notify import SdNotifier, watchdog_interval_s
 from pydaemon.server.servicer import GenerationServicer, ServingOptions
 
@@ -100,12 +100,8 @@ class PageddServer:
 
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
         await self.health.set_starting()
-        reflection.enable_server_reflection(
-            (
-                pb.DESCRIPTOR.services_by_name["Generation"].full_name,
-                "grpc.health.v1.Health",
-                reflection.SERVICE_NAME,
-            ),
+        enable_server_reflection(
+            (pb.DESCRIPTOR.services_by_name["Generation"].full_name, "grpc.health.v1.Health"),
             server,
         )
         address = f"{o.host}:{o.port}"
@@ -232,8 +228,11 @@ async def serve(engine_factory: Callable[[], Any], options: ServerOptions) -> in
     await asyncio.wait({start, stopped}, return_when=asyncio.FIRST_COMPLETED)
     if start.done() and start.exception() is not None:
         error = start.exception()
-        # A bad setting (ValueError) is the operator's to fix: its message is enough.
-        logger.error("start-up failed: %s", error, exc_info=not isinstance(error, ValueError))
+        # A bad setting (ValueError) is the operator's to fix: its message is enough. Otherwise
+        # the traceback of the error itself (exc_info=True would log "NoneType: None" here).
+        logger.error(
+            "start-up failed: %s", error, exc_info=None if isinstance(error, ValueError) else error
+        )
         server.notifier.status(f"start-up failed: {error}")
         await server.drain()
         return 1

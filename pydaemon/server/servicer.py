@@ -187,7 +187,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except RequestInvalid as e:
             stream.out.put_nowait(error_frame(request_id, e.code, e.message))
             return
-        live = _Live(RequestAccount(request_id), f"{next(self._ids)}-{request_id}")
+        account = RequestAccount(request_id, num_sequences=args.params.n)
+        live = _Live(account, f"{next(self._ids)}-{request_id}")
         stream.live[request_id] = live
         live.task = asyncio.create_task(self._run(stream, live, args))
         if args.time_limit_s is not None:
@@ -272,8 +273,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             block_size=engine.config.block_size,
             num_gpu_blocks=stats.num_gpu_blocks,
             num_cpu_blocks=stats.num_cpu_blocks,
-            device=str(getattr(engine, "device", engine.config.device)),
-            dtype=str(getattr(engine, "dtype", engine.config.dtype)).removeprefix("torch."),
+            # The resolved device and dtype (the config may say "auto"), from rank 0's runner.
+            device=str(engine.runner.device),
+            dtype=str(engine.runner.dtype).removeprefix("torch."),
             eos_token_id=tokenizer.eos_token_id if tokenizer is not None else -1,
             has_tokenizer=tokenizer is not None,
             server_version=__version__,

@@ -57,6 +57,12 @@ class FakeConfig:
 
 
 @dataclass
+class FakeRunner:
+    device: str = "cpu"
+    dtype: str = "float32"
+
+
+@dataclass
 class _Req:
     request_id: str
     prompt: str | None
@@ -77,6 +83,7 @@ class FakeEngine:
         fail_on_step: int | None = None,
     ) -> None:
         self.config = FakeConfig()
+        self.runner = FakeRunner()
         self.tokenizer = FakeTokenizer()
         self.max_model_len = max_model_len
         self.vocab_size = FakeTokenizer.vocab_size
