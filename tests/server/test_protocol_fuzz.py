@@ -15,6 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
+from hypothesis import event as note
 from hypothesis import strategies as st
 from server_helpers import raw_generate
 
@@ -150,6 +151,9 @@ def _check_call(server, frames: list[bytes], starts: Counter) -> None:
             terminals[r.request_id] += 1
     if code == grpc.StatusCode.OK:  # every start got exactly one answer
         assert terminals == starts, (terminals, starts)
+    note(f"call {code.name}")
+    finished = sum(r.HasField("finished") for r in replies)
+    note(f"requests finished in the call: {min(finished, 2)}{'+' if finished >= 2 else ''}")
 
 
 @settings(max_examples=NUM_EXAMPLES or 40, deadline=None, derandomize=NUM_EXAMPLES is None,
@@ -162,11 +166,13 @@ def test_fuzzed_frames_get_an_answer_or_a_status(server, frames):
     _check_call(server, [f.SerializeToString() for f in frames], starts)
 
 
-VALID = pb.GenerateRequest(
-    start=pb.StartRequest(
-        request_id="v", token_ids=pb.TokenIds(ids=[5, 6]), sampling=pb.SamplingParams(max_tokens=2)
-    )  # fmt: skip
-).SerializeToString()
+def valid_frame(i: int) -> bytes:
+    start = pb.StartRequest(request_id=f"v{i}", token_ids=pb.TokenIds(ids=[5, 6]))
+    start.sampling.max_tokens = 2
+    return pb.GenerateRequest(start=start).SerializeToString()
+
+
+VALID = valid_frame(0)
 
 
 @st.composite
@@ -180,7 +186,13 @@ def mutated(draw) -> bytes:
 
 @settings(max_examples=NUM_EXAMPLES or 40, deadline=None, derandomize=NUM_EXAMPLES is None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
-@given(frames=st.lists(st.binary(max_size=64) | mutated() | st.just(VALID), min_size=1, max_size=4))
+@given(
+    frames=st.lists(
+        st.binary(max_size=64) | mutated() | st.integers(0, 9).map(valid_frame),
+        min_size=1,
+        max_size=4,
+    )
+)
 def test_raw_bytes_get_an_answer_or_a_status(server, frames):
     _check_call_raw(server, frames)
 
@@ -203,3 +215,5 @@ def _check_call_raw(server, frames: list[bytes]) -> None:
         starts = Counter(f.start.request_id for f in decoded if f.HasField("start"))
         terminals = Counter(r.request_id for r in replies if r.WhichOneof("event") != "delta")
         assert terminals == starts
+    note(f"call {code.name}")
+    note(f"a request finished: {any(r.HasField('finished') for r in replies)}")
