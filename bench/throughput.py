@@ -96,9 +96,7 @@ def run_backend(backend: str, args: argparse.Namespace) -> dict:
     vocab = None
     if args.model != "demo":
         vocab = json.loads((Path(args.model) / "config.json").read_text()).get("vocab_size")
-    demo = args.model == "demo"  # the demo model: 512 tokens of vocabulary and of context
-    requests = build_workload(args, vocab_size=vocab or (512 if demo else None),
-                              max_model_len=512 if demo else None)  # fmt: skip
+    requests = build_workload(args, vocab_size=vocab or (512 if args.model == "demo" else None))
     if backend == "pagedd":
         from bench.throughput_pagedd import run_pagedd
 

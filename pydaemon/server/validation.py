@@ -133,7 +133,8 @@ def to_engine_args(
             raise _invalid("prompt token_ids is empty")
         if num_ids > max_model_len:
             raise _invalid(
-                f"prompt token_ids has {num_ids} tokens, longer than max_model_len {max_model_len}"
+                f"prompt token_ids has {num_ids} tokens, longer than the context "
+                f"(max_model_len {max_model_len})"
             )
         ids = list(start.token_ids.ids)
         bad = [t for t in ids if t >= vocab_size]

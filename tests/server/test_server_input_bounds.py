@@ -103,7 +103,10 @@ def test_too_many_prompt_ids_named_before_the_engine(start_server):
     client = BidiClient(st.stub())
     client.start("r", [5] * 65).close_send()
     (frame,) = client.collect()["r"]
-    assert "prompt token_ids has 65 tokens, longer than max_model_len 64" in frame.error.message
+    assert (
+        "prompt token_ids has 65 tokens, longer than the context (max_model_len 64)"
+        in frame.error.message
+    )
     assert reached == []
 
 
