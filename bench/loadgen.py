@@ -135,7 +135,8 @@ async def run(args: argparse.Namespace) -> dict:
         if args.wait_ready > 0:
             await client.wait_ready(pool, args.wait_ready)
         info = await client.model_info(pool)
-        requests = build_workload(args, vocab_size=info.get("vocab_size") or None)
+        requests = build_workload(args, vocab_size=info.get("vocab_size") or None,
+                                  max_model_len=info.get("max_model_len") or None)  # fmt: skip
         sampling = pb.SamplingParams(
             temperature=args.temperature, ignore_eos=not args.no_ignore_eos
         )
