@@ -56,6 +56,39 @@ struct PagedDecodeParams {
 // longer than num_partitions * kPartitionSize gets NaN (the caller's max_seq_len was wrong).
 cudaError_t paged_attention_decode(const PagedDecodeParams& p, cudaStream_t stream);
 
+struct PagedPrefillParams {
+  void* out;                     // [num_tokens, num_q_heads, head_dim], contiguous
+  const void* query;             // [num_tokens, num_q_heads, head_dim], last dim contiguous
+  int64_t q_token_stride;        // elements
+  int64_t q_head_stride;         // elements
+  const void* key_cache;         // [num_blocks, num_kv_heads, block_size, head_dim]
+  const void* value_cache;       // same shape and strides as key_cache
+  int64_t kv_block_stride;       // elements between consecutive blocks
+  int64_t kv_head_stride;        // elements between consecutive kv heads of one block
+  const int32_t* block_tables;   // [num_seqs, max_num_blocks_per_seq]
+  int64_t block_table_stride;    // elements between rows
+  const int32_t* seq_lens;       // [num_seqs] context length after this step (cached + new)
+  const int32_t* query_start_loc;  // [num_seqs + 1] cumulative query lengths
+  int num_seqs;
+  int num_q_heads;
+  int num_kv_heads;              // num_q_heads % num_kv_heads == 0
+  int head_dim;                  // 64, 80, 96, 128 or 256
+  int block_size;                // 8, 16 or 32
+  int max_query_len;             // >= every query length (sizes the grid)
+  int block_m;                   // rows of a tile: 0 = default per head_dim, or 64 / 128
+  float scale;                   // softmax scale, usually head_dim ** -0.5
+  DType dtype;
+};
+
+// Causal attention of a packed batch of new tokens over their paged K/V (the cached prefix and
+// the new tokens themselves, already written by reshape_and_cache). Sequence s owns query rows
+// [query_start_loc[s], query_start_loc[s+1]); its query token j sits at position
+// seq_lens[s] - query_len + j and attends to positions [0, that]. Decode rows (query_len 1)
+// may be mixed in. Tensor cores (mma.sync, sm_80+), online softmax, and the query heads of a
+// kv head's group packed into one tile, so K/V are read once per kv head, never copied.
+// A sequence with query_len > seq_lens, or longer than max_query_len, gets NaN rows.
+cudaError_t paged_attention_prefill(const PagedPrefillParams& p, cudaStream_t stream);
+
 struct ReshapeAndCacheParams {
   const void* key;             // [num_tokens, num_kv_heads, head_dim], last dim contiguous
   const void* value;           // same shape

@@ -2,8 +2,9 @@
 the block table. Backend selection lives here and only here:
 
 - CUDA with the pagedd kernels (fp16/bf16): ``reshape_and_cache`` kernel for the cache
-  writes, the split-KV paged decode kernel for decode tokens, torch SDPA over K/V gathered
-  through the block table for prefill (chunks); no host-device sync.
+  writes, then ONE attention launch per layer: the tensor-core paged prefill kernel when the
+  step has prefill work (its decode rows ride along in the same launch), else the split-KV
+  paged decode kernel. No Python loop over sequences, no host-device sync.
 - otherwise (CPU, float32, or a build without kernels): the plain torch path.
 """
 
@@ -16,11 +17,7 @@ import torch
 from torch import nn
 
 from pydaemon.attention_metadata import AttentionMetadata
-from pydaemon.layers.paged_attention_torch import (
-    paged_attention_torch,
-    paged_prefill_torch,
-    write_kv_cache_torch,
-)
+from pydaemon.layers.paged_attention_torch import paged_attention_torch, write_kv_cache_torch
 
 # "auto": the CUDA kernels where they apply; "torch": always the torch path (debugging, A/B).
 BACKEND = os.environ.get("PAGEDD_ATTENTION_BACKEND", "auto")
@@ -78,18 +75,23 @@ class PagedAttention(nn.Module):
         from pydaemon import ops
 
         ops.reshape_and_cache(key, value, key_cache, value_cache, md.slot_mapping)
-        out = torch.empty_like(query)
-        start = paged_prefill_torch(query, key_cache, value_cache, md, self.scale, out)
-        if md.num_decodes > 0:
-            p = md.num_prefills
-            ops.paged_attention_decode(
-                query[start:],
+        if md.num_prefills > 0:
+            return ops.paged_attention_prefill(
+                query,
                 key_cache,
                 value_cache,
-                md.block_tables[p:],
-                md.seq_lens[p:],
-                max(md.seq_lens_cpu[p:]),  # host list: no device read-back
+                md.block_tables,
+                md.seq_lens,
+                md.query_start_loc,
+                md.max_query_len,  # host int: no device read-back
                 scale=self.scale,
-                out=out[start:],
             )
-        return out
+        return ops.paged_attention_decode(
+            query,
+            key_cache,
+            value_cache,
+            md.block_tables,
+            md.seq_lens,
+            max(md.seq_lens_cpu),  # host list: no device read-back
+            scale=self.scale,
+        )
