@@ -68,7 +68,7 @@ def flash_peer(q4, k, v, scale):
         return (lambda: run(ke, ve)), "flash (kv expanded)"
 
 
-def bench_prefill_shape(dtype, hq, hkv, head_dim, block_size, batch, prefix, q_len, block_ms):
+def bench_prefill_shape(dtype, hq, hkv, head_dim, block_size, batch, prefix, q_len, tiles):
     kv_cache, tables, seq_lens, starts, query = make_step(
         dtype, hq, hkv, head_dim, block_size, batch, prefix, q_len
     )
@@ -86,38 +86,43 @@ def bench_prefill_shape(dtype, hq, hkv, head_dim, block_size, batch, prefix, q_l
     t_peer = bench_ms(peer)["median_ms"]
     row.update(peer_ms=t_peer, peer_tflops=flops / (t_peer * 1e9))
     best = None
-    for bm in block_ms:
+    for tile in tiles:
+        bm, bn = (int(x) for x in tile.split("x"))
 
-        def ours(bm=bm):
+        def ours(bm=bm, bn=bn):
             ops.paged_attention_prefill(
                 query, key_cache, value_cache, tables, seq_lens, starts, q_len,
-                scale=scale, out=out, block_m=bm,
+                scale=scale, out=out, block_m=bm, block_n=bn,
             )  # fmt: skip
 
+        out.fill_(float("nan"))
         ours()
         err = ((out.float() - ref).norm() / ref.norm()).item()
         t = bench_ms(ours)["median_ms"]
-        row[f"bm{bm}_ms"] = t
-        row[f"bm{bm}_tflops"] = flops / (t * 1e9)
-        row[f"bm{bm}_rel_err_vs_peer"] = err
-        if best is None or t < row[f"bm{best}_ms"]:
-            best = bm
-    row.update(best_block_m=best, ours_ms=row[f"bm{best}_ms"])
+        row[f"{tile}_ms"] = t
+        row[f"{tile}_tflops"] = flops / (t * 1e9)
+        row[f"{tile}_rel_err_vs_peer"] = err
+        if best is None or t < row[f"{best}_ms"]:
+            best = tile
+    row.update(best_tile=best, ours_ms=row[f"{best}_ms"])
     row.update(ours_tflops=flops / (row["ours_ms"] * 1e9), speedup_vs_peer=t_peer / row["ours_ms"])
     return row
 
 
-def bench_decode_shape(dtype, hq, hkv, head_dim, block_size, batch, ctx):
+def bench_decode_shape(dtype, hq, hkv, head_dim, block_size, batch, ctx, tile):
     kv_cache, tables, seq_lens, starts, query = make_step(
         dtype, hq, hkv, head_dim, block_size, batch, ctx - 1, 1
     )
     key_cache, value_cache = kv_cache[:, 0, 0], kv_cache[:, 0, 1]
     out_p, out_d = torch.empty_like(query), torch.empty_like(query)
 
+    bm, bn = (int(x) for x in tile.split("x"))
+
     def via_prefill():
         ops.paged_attention_prefill(
-            query, key_cache, value_cache, tables, seq_lens, starts, 1, out=out_p
-        )
+            query, key_cache, value_cache, tables, seq_lens, starts, 1, out=out_p,
+            block_m=bm, block_n=bn,
+        )  # fmt: skip
 
     def via_decode():
         ops.paged_attention_decode(query, key_cache, value_cache, tables, seq_lens, ctx, out=out_d)
@@ -142,44 +147,54 @@ def main() -> None:
     ap.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("HQ", "HKV"))
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--block-ms", type=int, nargs="+", default=[64, 128])
-    ap.add_argument("--decode-batches", type=int, nargs="*", default=[8, 64, 256])
-    ap.add_argument("--decode-contexts", type=int, nargs="*", default=[1024, 4096])
+    ap.add_argument("--tiles", nargs="+", default=["128x64", "128x32", "64x64"],
+                    help="block_m x block_n shapes of the prefill kernel to time")  # fmt: skip
+    ap.add_argument("--decode-heads", nargs="*", default=["32/8", "32/32"])
+    ap.add_argument("--decode-batches", type=int, nargs="*", default=[8, 32, 64, 256])
+    ap.add_argument("--decode-contexts", type=int, nargs="*", default=[512, 4096, 16384])
+    ap.add_argument("--decode-tile", default="64x64", help="prefill-kernel tile for decodes")
     args = ap.parse_args()
     if not ops.is_available():
         sys.exit(f"GPU kernels unavailable: {ops.unavailable_reason()}")
     hq, hkv = args.heads
     rows, decode_rows = [], []
-    print(f"{'dtype':5} {'q_len':>5} {'prefix':>6} {'batch':>5} {'bm64 TF':>8} {'bm128 TF':>8} "
-          f"{'peer TF':>8} {'x peer':>7} {'err':>8}", flush=True)  # fmt: skip
+    tile_hdr = " ".join(f"{t + ' TF':>10}" for t in args.tiles)
+    print(f"{'dtype':5} {'q_len':>5} {'prefix':>6} {'batch':>5} {tile_hdr} {'peer TF':>8} "
+          f"{'x peer':>7} {'err':>8}", flush=True)  # fmt: skip
     for dname in args.dtypes:
         for q_len in args.q_lens:
             for prefix in (0, q_len):
                 batch = max(1, args.tokens // q_len)
                 r = bench_prefill_shape(DTYPES[dname], hq, hkv, args.head_dim, args.block_size,
-                                        batch, prefix, q_len, args.block_ms)  # fmt: skip
+                                        batch, prefix, q_len, args.tiles)  # fmt: skip
                 r.update(dtype=dname, q_len=q_len, prefix=prefix, batch=batch,
                          num_q_heads=hq, num_kv_heads=hkv, head_dim=args.head_dim,
                          block_size=args.block_size)  # fmt: skip
                 rows.append(r)
-                tf = [f"{r.get(f'bm{bm}_tflops', float('nan')):8.1f}" for bm in (64, 128)]
-                err = max(r[f"bm{bm}_rel_err_vs_peer"] for bm in args.block_ms)
-                print(f"{dname:5} {q_len:5} {prefix:6} {batch:5} {tf[0]} {tf[1]} "
+                tf = " ".join(f"{r[f'{t}_tflops']:10.1f}" for t in args.tiles)
+                err = max(r[f"{t}_rel_err_vs_peer"] for t in args.tiles)
+                print(f"{dname:5} {q_len:5} {prefix:6} {batch:5} {tf} "
                       f"{r['peer_tflops']:8.1f} {r['speedup_vs_peer']:7.2f} {err:8.1e}"
                       f"  [{r['peer']}]", flush=True)  # fmt: skip
     if args.decode_batches:
-        print(f"\ndecode steps (GQA {hq}/{hkv}, bf16): prefill kernel vs split-KV decode kernel")
-        print(f"{'batch':>5} {'ctx':>6} {'prefill us':>10} {'GB/s':>6} {'decode us':>10} "
-              f"{'GB/s':>6} {'diff':>8}")  # fmt: skip
-    for batch in args.decode_batches:
-        for ctx in args.decode_contexts:
-            d = bench_decode_shape(torch.bfloat16, hq, hkv, args.head_dim, args.block_size,
-                                   batch, ctx)  # fmt: skip
-            d.update(batch=batch, context=ctx)
-            decode_rows.append(d)
-            print(f"{batch:5} {ctx:6} {d['prefill_kernel_ms'] * 1e3:10.1f} "
-                  f"{d['prefill_kernel_gbs']:6.0f} {d['decode_kernel_ms'] * 1e3:10.1f} "
-                  f"{d['decode_kernel_gbs']:6.0f} {d['rel_diff']:8.1e}", flush=True)  # fmt: skip
+        print(
+            f"\ndecode steps (bf16): prefill kernel ({args.decode_tile}) vs split-KV decode kernel"
+        )
+        print(f"{'heads':6} {'batch':>5} {'ctx':>6} {'prefill us':>10} {'GB/s':>6} "
+              f"{'decode us':>10} {'GB/s':>6} {'diff':>8}")  # fmt: skip
+    for heads in args.decode_heads:
+        dq, dkv = (int(x) for x in heads.split("/"))
+        for batch in args.decode_batches:
+            for ctx in args.decode_contexts:
+                if 2 * batch * ctx * dkv * args.head_dim * 2 > 40e9:
+                    continue  # over 40 GB of K/V
+                d = bench_decode_shape(torch.bfloat16, dq, dkv, args.head_dim, args.block_size,
+                                       batch, ctx, args.decode_tile)  # fmt: skip
+                d.update(heads=heads, batch=batch, context=ctx, tile=args.decode_tile)
+                decode_rows.append(d)
+                print(f"{heads:6} {batch:5} {ctx:6} {d['prefill_kernel_ms'] * 1e3:10.1f} "
+                      f"{d['prefill_kernel_gbs']:6.0f} {d['decode_kernel_ms'] * 1e3:10.1f} "
+                      f"{d['decode_kernel_gbs']:6.0f} {d['rel_diff']:8.1e}", flush=True)  # fmt: skip
     result = {
         "benchmark": "paged prefill attention",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -256,7 +256,8 @@ void paged_attention_decode(Array out, Array query, Array key_cache, Array value
 
 void paged_attention_prefill(Array out, Array query, Array key_cache, Array value_cache,
                              Array block_tables, Array seq_lens, Array query_start_loc,
-                             double scale, int max_query_len, int block_m, uintptr_t stream) {
+                             double scale, int max_query_len, int block_m, int block_n,
+                             uintptr_t stream) {
   const int dev = current_device();
   const int64_t head_dim =
       check_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, dev);
@@ -274,9 +275,16 @@ void paged_attention_prefill(Array out, Array query, Array key_cache, Array valu
                            std::to_string(query.shape(0)) + "], got " +
                            std::to_string(max_query_len))
                               .c_str());
-  if (block_m != 0 && block_m != 64 && !(block_m == 128 && head_dim <= 128))
-    throw nb::value_error(("block_m must be 0 (default), 64, or 128 (head_dim <= 128), got " +
-                           std::to_string(block_m))
+  // Tile shapes built (0 = default): head_dim <= 128: 128x64, 128x32, 64x64; 256: 64x32.
+  const bool big = head_dim == 256;
+  const int bm = block_m ? block_m : (big ? 64 : 128), bn = block_n ? block_n : (big ? 32 : 64);
+  const bool built = big ? (bm == 64 && bn == 32)
+                         : ((bm == 128 && (bn == 32 || bn == 64)) || (bm == 64 && bn == 64));
+  if (!built)
+    throw nb::value_error(("block_m x block_n = " + std::to_string(block_m) + " x " +
+                           std::to_string(block_n) + " is not built for head_dim " +
+                           std::to_string(head_dim) +
+                           " (0 = default; 128x64, 128x32, 64x64, or 64x32 for 256)")
                               .c_str());
   if (num_seqs == 0 || query.shape(0) == 0) return;
 
@@ -300,6 +308,7 @@ void paged_attention_prefill(Array out, Array query, Array key_cache, Array valu
   p.block_size = (int)key_cache.shape(2);
   p.max_query_len = max_query_len;
   p.block_m = block_m;
+  p.block_n = block_n;
   p.scale = (float)scale;
   p.dtype = attention_dtype(query, "query");
   cudaError_t err;
@@ -455,13 +464,13 @@ void bind_cuda_ops(nb::module_& m) {
   m.def("paged_attention_prefill", &paged_attention_prefill, nb::arg("out").noconvert(),
         nb::arg("query"), nb::arg("key_cache"), nb::arg("value_cache"), nb::arg("block_tables"),
         nb::arg("seq_lens"), nb::arg("query_start_loc"), nb::arg("scale"),
-        nb::arg("max_query_len"), nb::arg("block_m"), nb::arg("stream"),
+        nb::arg("max_query_len"), nb::arg("block_m"), nb::arg("block_n"), nb::arg("stream"),
         "Causal paged attention of a packed batch of new tokens (prefill chunks and decodes),\n"
         "tensor cores, GQA-packed. out, query: [num_tokens, num_q_heads, head_dim]; key_cache,\n"
         "value_cache: [num_blocks, num_kv_heads, block_size, head_dim]; block_tables:\n"
         "[num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32 (context after the step);\n"
         "query_start_loc: [num_seqs + 1] int32; max_query_len: host int >= every query length;\n"
-        "block_m: rows per tile, 0 = default.");
+        "block_m, block_n: tile shape (tuning), 0 = default.");
   m.def("reshape_and_cache", &reshape_and_cache, nb::arg("key"), nb::arg("value"),
         nb::arg("key_cache").noconvert(), nb::arg("value_cache").noconvert(),
         nb::arg("slot_mapping"), nb::arg("stream"),

@@ -21,9 +21,10 @@
 
 namespace pagedd::cuda {
 
-template <int HEAD_DIM, int WARPS, int BLOCK_N>
+template <int HEAD_DIM, int WARPS, int ATOMS, int BLOCK_N>
 struct PrefillTile {
-  static constexpr int BLOCK_M = 16 * WARPS;
+  static constexpr int WARP_M = 16 * ATOMS;  // rows per warp: ATOMS mma tiles of 16 rows
+  static constexpr int BLOCK_M = WARP_M * WARPS;
   static constexpr int THREADS = 32 * WARPS;
   // Rows padded by 16 bytes: the 8 row addresses of an ldmatrix fall in distinct bank groups.
   static constexpr int ROW = HEAD_DIM + 8;
@@ -31,15 +32,17 @@ struct PrefillTile {
   static constexpr int K_STEPS = HEAD_DIM / 16;  // k steps of S = Q K^T
   static constexpr int D_TILES = HEAD_DIM / 8;   // n tiles of O
   static constexpr int N_TILES = BLOCK_N / 8;    // n tiles of S
-  static constexpr bool Q_IN_REGS = HEAD_DIM <= 128;
+  // One atom of Q fits in registers up to head 128; two atoms re-read Q from shared memory
+  // (as flash-attention 2 does) to leave room for twice the accumulators.
+  static constexpr bool Q_IN_REGS = ATOMS == 1 && HEAD_DIM <= 128;
   static constexpr size_t SMEM_BYTES = sizeof(uint16_t) * (BLOCK_M + 4 * BLOCK_N) * ROW;
   static_assert(HEAD_DIM % 16 == 0 && BLOCK_N % 16 == 0, "tile shape");
 };
 
-template <typename scalar_t, int HEAD_DIM, int WARPS, int BLOCK_N>
+template <typename scalar_t, int HEAD_DIM, int WARPS, int ATOMS, int BLOCK_N>
 __global__ void __launch_bounds__(32 * WARPS)
     paged_prefill_kernel(const PagedPrefillParams p, int block_shift) {
-  using T = PrefillTile<HEAD_DIM, WARPS, BLOCK_N>;
+  using T = PrefillTile<HEAD_DIM, WARPS, ATOMS, BLOCK_N>;
   using MMA = Mma<scalar_t>;
   constexpr int BM = T::BLOCK_M, BN = BLOCK_N, ROW = T::ROW, CHUNKS = T::CHUNKS;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -123,14 +126,27 @@ __global__ void __launch_bounds__(32 * WARPS)
 
   const float scale_log2 = p.scale * 1.4426950408889634f;
   const int quad_row = lane / 4, quad_col = 2 * (lane % 4);
-  const int r0 = warp * 16 + quad_row;  // this lane's rows: r0 and r0 + 8
-  const int pos[2] = {prefix + (m0 + r0) / group, prefix + (m0 + r0 + 8) / group};
-  float o[T::D_TILES][4];
+  const int warp_row = warp * T::WARP_M;  // first row of this warp; atom a adds 16 * a
+  int pos[ATOMS][2];  // positions of this lane's rows warp_row + 16a + quad_row (+ 8)
 #pragma unroll
-  for (int d = 0; d < T::D_TILES; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
-  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+  for (int a = 0; a < ATOMS; ++a)
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr)
+      pos[a][rr] = prefix + (m0 + warp_row + 16 * a + quad_row + 8 * rr) / group;
+  float o[ATOMS][T::D_TILES][4];
+  float row_max[ATOMS][2], row_sum[ATOMS][2];
+#pragma unroll
+  for (int a = 0; a < ATOMS; ++a) {
+#pragma unroll
+    for (int d = 0; d < T::D_TILES; ++d) o[a][d][0] = o[a][d][1] = o[a][d][2] = o[a][d][3] = 0.f;
+    row_max[a][0] = row_max[a][1] = -INFINITY;
+    row_sum[a][0] = row_sum[a][1] = 0.f;
+  }
   uint32_t q_frag[T::Q_IN_REGS ? T::K_STEPS : 1][4];
-  const scalar_t* q_lane = s_q + (warp * 16 + lane % 16) * ROW + (lane / 16) * 8;
+  const scalar_t* q_lane = s_q + (warp_row + lane % 16) * ROW + (lane / 16) * 8;
+  // A warp whose rows are all padding (short tiles: decode rows, sequence tails) only helps
+  // load K/V. The condition is warp-uniform, so the shuffles it guards stay legal.
+  const bool warp_active = m0 + warp_row < num_rows;
 
   for (int n = 0; n < num_n_tiles; ++n) {
     const int stage = n & 1;
@@ -138,117 +154,139 @@ __global__ void __launch_bounds__(32 * WARPS)
     cp_async_commit_group();
     cp_async_wait_group<1>();  // tile n (and Q) landed for this thread ...
     __syncthreads();           // ... and for every thread
-    if constexpr (T::Q_IN_REGS) {
-      if (n == 0) {
+    if (warp_active) {
+      if constexpr (T::Q_IN_REGS) {
+        if (n == 0) {
 #pragma unroll
-        for (int ks = 0; ks < T::K_STEPS; ++ks) ldmatrix_x4(q_frag[ks], q_lane + ks * 16);
-      }
-    }
-    const scalar_t* sk = s_k + stage * BN * ROW;
-    const scalar_t* sv = s_v + stage * BN * ROW;
-    // A warp whose 16 rows are all padding (short tiles: decode rows, sequence tails) only
-    // helps load K/V. The condition is warp-uniform, so the shuffles inside stay legal.
-    if (m0 + warp * 16 < num_rows) {
-
-      // S = Q K^T for this warp's 16 rows x BN keys.
-      float s[T::N_TILES][4];
-  #pragma unroll
-      for (int t = 0; t < T::N_TILES; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.f;
-      const scalar_t* k_lane = sk + (lane % 8 + (lane / 16) * 8) * ROW + ((lane / 8) % 2) * 8;
-  #pragma unroll
-      for (int ks = 0; ks < T::K_STEPS; ++ks) {
-        uint32_t a[4];
-        if constexpr (T::Q_IN_REGS) {
-  #pragma unroll
-          for (int j = 0; j < 4; ++j) a[j] = q_frag[ks][j];
-        } else {
-          ldmatrix_x4(a, q_lane + ks * 16);
+          for (int ks = 0; ks < T::K_STEPS; ++ks) ldmatrix_x4(q_frag[ks], q_lane + ks * 16);
         }
-  #pragma unroll
+      }
+      const scalar_t* sk = s_k + stage * BN * ROW;
+      const scalar_t* sv = s_v + stage * BN * ROW;
+
+      // S = Q K^T for this warp's rows x BN keys; each K fragment serves every atom.
+      float s[ATOMS][T::N_TILES][4];
+#pragma unroll
+      for (int a = 0; a < ATOMS; ++a)
+#pragma unroll
+        for (int t = 0; t < T::N_TILES; ++t) s[a][t][0] = s[a][t][1] = s[a][t][2] = s[a][t][3] = 0.f;
+      const scalar_t* k_lane = sk + (lane % 8 + (lane / 16) * 8) * ROW + ((lane / 8) % 2) * 8;
+#pragma unroll
+      for (int ks = 0; ks < T::K_STEPS; ++ks) {
+        uint32_t qa[ATOMS][4];
+#pragma unroll
+        for (int a = 0; a < ATOMS; ++a) {
+          if constexpr (T::Q_IN_REGS) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) qa[a][j] = q_frag[ks][j];
+          } else {
+            ldmatrix_x4(qa[a], q_lane + 16 * a * ROW + ks * 16);
+          }
+        }
+#pragma unroll
         for (int np = 0; np < T::N_TILES / 2; ++np) {
           uint32_t b[4];
           ldmatrix_x4(b, k_lane + np * 16 * ROW + ks * 16);
-          MMA::m16n8k16(s[2 * np], a, b[0], b[1]);
-          MMA::m16n8k16(s[2 * np + 1], a, b[2], b[3]);
+#pragma unroll
+          for (int a = 0; a < ATOMS; ++a) {
+            MMA::m16n8k16(s[a][2 * np], qa[a], b[0], b[1]);
+            MMA::m16n8k16(s[a][2 * np + 1], qa[a], b[2], b[3]);
+          }
         }
       }
 
-      // Scale (log2 domain) and causal mask; only tiles reaching past first_pos need the mask.
-      const bool need_mask = (n + 1) * BN - 1 > first_pos;
-  #pragma unroll
-      for (int t = 0; t < T::N_TILES; ++t)
-  #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = n * BN + t * 8 + quad_col + (e & 1);
-          s[t][e] = (need_mask && key > pos[e / 2]) ? -INFINITY : s[t][e] * scale_log2;
+      // Causal mask, only on tiles reaching past the block's first token.
+      if ((n + 1) * BN - 1 > first_pos) {
+#pragma unroll
+        for (int a = 0; a < ATOMS; ++a)
+#pragma unroll
+          for (int t = 0; t < T::N_TILES; ++t)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              if (n * BN + t * 8 + quad_col + (e & 1) > pos[a][e / 2]) s[a][t][e] = -INFINITY;
+      }
+      // Online softmax in the log2 domain (the scale folded into one FFMA per score, as the
+      // max of raw scores scales with them); the 4 lanes of a quad share a row.
+#pragma unroll
+      for (int a = 0; a < ATOMS; ++a) {
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          float mx = -INFINITY;
+#pragma unroll
+          for (int t = 0; t < T::N_TILES; ++t)
+            mx = fmaxf(mx, fmaxf(s[a][t][2 * rr], s[a][t][2 * rr + 1]));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          const float m_new = fmaxf(row_max[a][rr], mx * scale_log2);
+          const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with no key yet
+          const float alpha = fast_exp2(row_max[a][rr] - m_use);
+          row_max[a][rr] = m_new;
+          float sum = 0.f;
+#pragma unroll
+          for (int t = 0; t < T::N_TILES; ++t) {
+            s[a][t][2 * rr] = fast_exp2(fmaf(s[a][t][2 * rr], scale_log2, -m_use));
+            s[a][t][2 * rr + 1] = fast_exp2(fmaf(s[a][t][2 * rr + 1], scale_log2, -m_use));
+            sum += s[a][t][2 * rr] + s[a][t][2 * rr + 1];
+          }
+          row_sum[a][rr] = row_sum[a][rr] * alpha + sum;
+#pragma unroll
+          for (int d = 0; d < T::D_TILES; ++d)
+            o[a][d][2 * rr] *= alpha, o[a][d][2 * rr + 1] *= alpha;
         }
-
-      // Online softmax; the 4 lanes of a quad share a row.
-  #pragma unroll
-      for (int rr = 0; rr < 2; ++rr) {
-        float mx = -INFINITY;
-  #pragma unroll
-        for (int t = 0; t < T::N_TILES; ++t) mx = fmaxf(mx, fmaxf(s[t][2 * rr], s[t][2 * rr + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(row_max[rr], mx);
-        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with no key yet
-        const float alpha = exp2f(row_max[rr] - m_use);
-        row_max[rr] = m_new;
-        float sum = 0.f;
-  #pragma unroll
-        for (int t = 0; t < T::N_TILES; ++t) {
-          s[t][2 * rr] = exp2f(s[t][2 * rr] - m_use);
-          s[t][2 * rr + 1] = exp2f(s[t][2 * rr + 1] - m_use);
-          sum += s[t][2 * rr] + s[t][2 * rr + 1];
-        }
-        row_sum[rr] = row_sum[rr] * alpha + sum;
-  #pragma unroll
-        for (int d = 0; d < T::D_TILES; ++d) o[d][2 * rr] *= alpha, o[d][2 * rr + 1] *= alpha;
       }
 
-      // O += P V: two S tiles of 8 keys make one A fragment of 16 keys.
+      // O += P V: two S tiles of 8 keys make one A fragment of 16 keys; each V fragment
+      // serves every atom.
       const scalar_t* v_lane = sv + (lane % 8 + ((lane / 8) % 2) * 8) * ROW + (lane / 16) * 8;
-  #pragma unroll
+#pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) {
-        const uint32_t a[4] = {MMA::pack(s[2 * kk][0], s[2 * kk][1]),
-                               MMA::pack(s[2 * kk][2], s[2 * kk][3]),
-                               MMA::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                               MMA::pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-  #pragma unroll
+        uint32_t pa[ATOMS][4];
+#pragma unroll
+        for (int a = 0; a < ATOMS; ++a) {
+          pa[a][0] = MMA::pack(s[a][2 * kk][0], s[a][2 * kk][1]);
+          pa[a][1] = MMA::pack(s[a][2 * kk][2], s[a][2 * kk][3]);
+          pa[a][2] = MMA::pack(s[a][2 * kk + 1][0], s[a][2 * kk + 1][1]);
+          pa[a][3] = MMA::pack(s[a][2 * kk + 1][2], s[a][2 * kk + 1][3]);
+        }
+#pragma unroll
         for (int dp = 0; dp < T::D_TILES / 2; ++dp) {
           uint32_t b[4];
           ldmatrix_x4_trans(b, v_lane + kk * 16 * ROW + dp * 16);
-          MMA::m16n8k16(o[2 * dp], a, b[0], b[1]);
-          MMA::m16n8k16(o[2 * dp + 1], a, b[2], b[3]);
+#pragma unroll
+          for (int a = 0; a < ATOMS; ++a) {
+            MMA::m16n8k16(o[a][2 * dp], pa[a], b[0], b[1]);
+            MMA::m16n8k16(o[a][2 * dp + 1], pa[a], b[2], b[3]);
+          }
         }
       }
-    }  // active warp
+    }  // warp_active
     __syncthreads();  // every warp is done with this stage before it is refilled
   }
 
-  // Normalise and store this lane's two rows (pairs of elements, 4-byte stores).
+  // Normalise and store this lane's rows (pairs of elements, 4-byte stores).
 #pragma unroll
-  for (int rr = 0; rr < 2; ++rr) {
-    float l = row_sum[rr];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    const int i = m0 + r0 + 8 * rr;
-    if (i < num_rows) {
-      scalar_t* dst = out_row(i) + quad_col;
+  for (int a = 0; a < ATOMS; ++a)
 #pragma unroll
-      for (int d = 0; d < T::D_TILES; ++d)
-        *reinterpret_cast<uint32_t*>(dst + d * 8) =
-            MMA::pack(o[d][2 * rr] * inv, o[d][2 * rr + 1] * inv);
+    for (int rr = 0; rr < 2; ++rr) {
+      float l = row_sum[a][rr];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const int i = m0 + warp_row + 16 * a + quad_row + 8 * rr;
+      if (i < num_rows) {
+        scalar_t* dst = out_row(i) + quad_col;
+#pragma unroll
+        for (int d = 0; d < T::D_TILES; ++d)
+          *reinterpret_cast<uint32_t*>(dst + d * 8) =
+              MMA::pack(o[a][d][2 * rr] * inv, o[a][d][2 * rr + 1] * inv);
+      }
     }
-  }
 }
 
-template <typename scalar_t, int HEAD_DIM, int WARPS, int BLOCK_N>
+template <typename scalar_t, int HEAD_DIM, int WARPS, int ATOMS, int BLOCK_N>
 cudaError_t launch_paged_prefill_tiles(const PagedPrefillParams& p, cudaStream_t stream) {
-  using T = PrefillTile<HEAD_DIM, WARPS, BLOCK_N>;
-  auto kernel = paged_prefill_kernel<scalar_t, HEAD_DIM, WARPS, BLOCK_N>;
+  using T = PrefillTile<HEAD_DIM, WARPS, ATOMS, BLOCK_N>;
+  auto kernel = paged_prefill_kernel<scalar_t, HEAD_DIM, WARPS, ATOMS, BLOCK_N>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          (int)T::SMEM_BYTES);
   if (err != cudaSuccess) return err;
@@ -262,18 +300,26 @@ cudaError_t launch_paged_prefill_tiles(const PagedPrefillParams& p, cudaStream_t
   return cudaGetLastError();
 }
 
-// Tile shapes per head size: head_dim <= 128 keeps Q in registers with 64-key tiles; 256
-// reads Q from shared memory each step and takes 32-key tiles (register budget).
+// Tile shapes (block_m rows x block_n keys; 0 = default). head_dim <= 128: 128 x 64 by
+// default (4 warps x 2 atoms: each K/V fragment read from shared memory feeds two mma),
+// 128 x 32 (fewer registers), or 64 x 64 (4 warps x 1 atom, Q in registers: more blocks for
+// small batches). head_dim 256: 64 x 32 only (registers).
 template <typename scalar_t, int HEAD_DIM>
 cudaError_t launch_paged_prefill_typed(const PagedPrefillParams& p, cudaStream_t stream) {
+  const int block_m = p.block_m == 0 ? (HEAD_DIM == 256 ? 64 : 128) : p.block_m;
+  const int block_n = p.block_n == 0 ? (HEAD_DIM == 256 ? 32 : 64) : p.block_n;
   if constexpr (HEAD_DIM == 256) {
-    if (p.block_m != 0 && p.block_m != 64) return cudaErrorInvalidValue;
-    return launch_paged_prefill_tiles<scalar_t, HEAD_DIM, 4, 32>(p, stream);
+    if (block_m == 64 && block_n == 32)
+      return launch_paged_prefill_tiles<scalar_t, HEAD_DIM, 4, 1, 32>(p, stream);
   } else {
-    if (p.block_m == 128) return launch_paged_prefill_tiles<scalar_t, HEAD_DIM, 8, 64>(p, stream);
-    if (p.block_m != 0 && p.block_m != 64) return cudaErrorInvalidValue;
-    return launch_paged_prefill_tiles<scalar_t, HEAD_DIM, 4, 64>(p, stream);
+    if (block_m == 128 && block_n == 64)
+      return launch_paged_prefill_tiles<scalar_t, HEAD_DIM, 4, 2, 64>(p, stream);
+    if (block_m == 128 && block_n == 32)
+      return launch_paged_prefill_tiles<scalar_t, HEAD_DIM, 4, 2, 32>(p, stream);
+    if (block_m == 64 && block_n == 64)
+      return launch_paged_prefill_tiles<scalar_t, HEAD_DIM, 4, 1, 64>(p, stream);
   }
+  return cudaErrorInvalidValue;
 }
 
 template <int HEAD_DIM>

@@ -75,7 +75,8 @@ struct PagedPrefillParams {
   int head_dim;                  // 64, 80, 96, 128 or 256
   int block_size;                // 8, 16 or 32
   int max_query_len;             // >= every query length (sizes the grid)
-  int block_m;                   // rows of a tile: 0 = default per head_dim, or 64 / 128
+  int block_m;                   // tile rows (tuning): 0 = default for head_dim, 64 or 128
+  int block_n;                   // tile keys (tuning): 0 = default for head_dim, 32 or 64
   float scale;                   // softmax scale, usually head_dim ** -0.5
   DType dtype;
 };

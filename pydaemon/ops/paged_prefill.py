@@ -18,6 +18,7 @@ def paged_attention_prefill(
     scale: float | None = None,
     out: torch.Tensor | None = None,
     block_m: int = 0,
+    block_n: int = 0,
 ) -> torch.Tensor:
     """Causal attention of a step's new tokens over their paged K/V, one launch for the batch.
 
@@ -34,7 +35,7 @@ def paged_attention_prefill(
                      (rows past it get NaN, as do sequences with query_len > seq_len)
     scale:           softmax scale, default head_dim ** -0.5
     out:             optional [num_tokens, num_q_heads, head_dim] contiguous output
-    block_m:         rows per tile (tuning; 0 = the default for head_dim)
+    block_m, block_n: tile rows x keys (tuning; 0 = the default for head_dim)
     returns          out: [num_tokens, num_q_heads, head_dim], dtype of query
 
     Query lengths of 1 (decode rows) may be mixed with prefill chunks. head_dim in
@@ -55,6 +56,7 @@ def paged_attention_prefill(
         float(scale),
         int(max_query_len),
         int(block_m),
+        int(block_n),
         stream_handle(query.device),
     )
     return out

@@ -18,7 +18,7 @@ CHUNKS = [(0, 1), (0, 17), (5, 64), (16, 100), (37, 129), (0, 300), (250, 1), (1
           (64, 64), (3, 513)]  # fmt: skip
 
 
-def run_prefill(chunks, heads, head_dim, block_size, dtype, block_m=0, max_query_len=None):
+def run_prefill(chunks, heads, head_dim, block_size, dtype, tile=(0, 0), max_query_len=None):
     num_q_heads, num_kv_heads = heads
     query_lens = [q for _, q in chunks]
     batch = make_paged_batch([p + q for p, q in chunks], num_kv_heads, head_dim, block_size, dtype)
@@ -36,7 +36,8 @@ def run_prefill(chunks, heads, head_dim, block_size, dtype, block_m=0, max_query
         max(query_lens) if max_query_len is None else max_query_len,
         scale=scale,
         out=out,
-        block_m=block_m,
+        block_m=tile[0],
+        block_n=tile[1],
     )
     return out, query, batch, query_lens
 
@@ -62,10 +63,12 @@ def test_prefill_matches_reference(dtype, head_dim, block_size, heads):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("heads", [(8, 8), (16, 4), (16, 2)], ids=lambda h: f"q{h[0]}kv{h[1]}")
-def test_prefill_block_m_128_tiles(dtype, heads):
-    out, query, batch, query_lens = run_prefill(CHUNKS, heads, 128, 16, dtype, block_m=128)
-    ref = reference_prefill(query, batch, query_lens, 128**-0.5)
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"q{h[0]}kv{h[1]}")
+@pytest.mark.parametrize("tile", [(128, 32), (64, 64)], ids=lambda t: f"tile{t[0]}x{t[1]}")
+def test_prefill_other_tile_shapes(dtype, head_dim, heads, tile):
+    out, query, batch, query_lens = run_prefill(CHUNKS, heads, head_dim, 16, dtype, tile)
+    ref = reference_prefill(query, batch, query_lens, head_dim**-0.5)
     assert_close_per_seq(out, ref, query_lens, TOL[dtype])
 
 
@@ -122,8 +125,10 @@ def test_prefill_rejects_bad_arguments():
         ops.paged_attention_prefill(query, *args, starts[:2], 20)
     with pytest.raises(ValueError, match="max_query_len"):
         ops.paged_attention_prefill(query, *args, starts, 0)
-    with pytest.raises(ValueError, match="block_m"):
+    with pytest.raises(ValueError, match="block_m x block_n = 32 x 0 is not built"):
         ops.paged_attention_prefill(query, *args, starts, 20, block_m=32)
+    with pytest.raises(ValueError, match="block_m x block_n = 64 x 32 is not built"):
+        ops.paged_attention_prefill(query, *args, starts, 20, block_m=64, block_n=32)
     with pytest.raises(TypeError, match="query must be float16 or bfloat16"):
         ops.paged_attention_prefill(query.float(), *args, starts, 20)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
