@@ -40,7 +40,7 @@ if [[ $STAGES == *memcheck* ]]; then
     python3 -m pytest -q -p no:cacheprovider tests/gpu/test_prefill_kernel.py \
     tests/gpu/test_kernels.py -k "(reference and q16kv4 and 16-128) or mixed_step or odd_group \
     or bad_metadata or reshape_and_cache or copy_blocks or (tile and q16kv4 and 128-) \
-    or single_partition" >"$OUT/memcheck.log" 2>&1
+    or single_partition or decode_step" >"$OUT/memcheck.log" 2>&1
   summary "memcheck rc=$? ($((SECONDS - start)) s): $(grep -E "ERROR SUMMARY" "$OUT/memcheck.log" \
     | tail -1) / $(grep -E "passed|failed" "$OUT/memcheck.log" | tail -1)"
 fi

@@ -277,7 +277,7 @@ void paged_attention_prefill(Array out, Array query, Array key_cache, Array valu
                               .c_str());
   // Tile shapes built (0 = default): head_dim <= 128: 128x64, 128x32, 64x64; 256: 64x32.
   const bool big = head_dim == 256;
-  const int bm = block_m ? block_m : (big ? 64 : 128), bn = block_n ? block_n : (big ? 32 : 64);
+  const int bm = block_m ? block_m : (big ? 64 : 128), bn = block_n ? block_n : 32;
   const bool built = big ? (bm == 64 && bn == 32)
                          : ((bm == 128 && (bn == 32 || bn == 64)) || (bm == 64 && bn == 64));
   if (!built)

@@ -207,6 +207,7 @@ __global__ void __launch_bounds__(32 * WARPS)
       }
       // Online softmax in the log2 domain (the scale folded into one FFMA per score, as the
       // max of raw scores scales with them); the 4 lanes of a quad share a row.
+      float alpha[ATOMS][2];
 #pragma unroll
       for (int a = 0; a < ATOMS; ++a) {
 #pragma unroll
@@ -219,7 +220,7 @@ __global__ void __launch_bounds__(32 * WARPS)
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
           const float m_new = fmaxf(row_max[a][rr], mx * scale_log2);
           const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with no key yet
-          const float alpha = fast_exp2(row_max[a][rr] - m_use);
+          alpha[a][rr] = fast_exp2(row_max[a][rr] - m_use);
           row_max[a][rr] = m_new;
           float sum = 0.f;
 #pragma unroll
@@ -228,11 +229,22 @@ __global__ void __launch_bounds__(32 * WARPS)
             s[a][t][2 * rr + 1] = fast_exp2(fmaf(s[a][t][2 * rr + 1], scale_log2, -m_use));
             sum += s[a][t][2 * rr] + s[a][t][2 * rr + 1];
           }
-          row_sum[a][rr] = row_sum[a][rr] * alpha + sum;
-#pragma unroll
-          for (int d = 0; d < T::D_TILES; ++d)
-            o[a][d][2 * rr] *= alpha, o[a][d][2 * rr + 1] *= alpha;
+          row_sum[a][rr] = row_sum[a][rr] * alpha[a][rr] + sum;
         }
+      }
+      // Rescale O only when some row's max moved (after the first tiles it rarely does):
+      // the multiplies cost as many issue slots as this tile's mma.
+      bool unchanged = true;
+#pragma unroll
+      for (int a = 0; a < ATOMS; ++a) unchanged &= alpha[a][0] == 1.f && alpha[a][1] == 1.f;
+      if (!__all_sync(0xffffffffu, unchanged)) {
+#pragma unroll
+        for (int a = 0; a < ATOMS; ++a)
+#pragma unroll
+          for (int d = 0; d < T::D_TILES; ++d) {
+            o[a][d][0] *= alpha[a][0], o[a][d][1] *= alpha[a][0];
+            o[a][d][2] *= alpha[a][1], o[a][d][3] *= alpha[a][1];
+          }
       }
 
       // O += P V: two S tiles of 8 keys make one A fragment of 16 keys; each V fragment
@@ -300,14 +312,15 @@ cudaError_t launch_paged_prefill_tiles(const PagedPrefillParams& p, cudaStream_t
   return cudaGetLastError();
 }
 
-// Tile shapes (block_m rows x block_n keys; 0 = default). head_dim <= 128: 128 x 64 by
-// default (4 warps x 2 atoms: each K/V fragment read from shared memory feeds two mma),
-// 128 x 32 (fewer registers), or 64 x 64 (4 warps x 1 atom, Q in registers: more blocks for
-// small batches). head_dim 256: 64 x 32 only (registers).
+// Tile shapes (block_m rows x block_n keys; 0 = default). head_dim <= 128: 128 x 32 by
+// default (4 warps x 2 atoms: each K/V fragment read from shared memory feeds two mma; the
+// fastest on the H200 at 15 of 20 benchmarked shapes, bench/results/prefill_h200.md),
+// 128 x 64, or 64 x 64 (4 warps x 1 atom, Q in registers: the decode-step shape).
+// head_dim 256: 64 x 32 only (registers).
 template <typename scalar_t, int HEAD_DIM>
 cudaError_t launch_paged_prefill_typed(const PagedPrefillParams& p, cudaStream_t stream) {
   const int block_m = p.block_m == 0 ? (HEAD_DIM == 256 ? 64 : 128) : p.block_m;
-  const int block_n = p.block_n == 0 ? (HEAD_DIM == 256 ? 32 : 64) : p.block_n;
+  const int block_n = p.block_n == 0 ? 32 : p.block_n;
   if constexpr (HEAD_DIM == 256) {
     if (block_m == 64 && block_n == 32)
       return launch_paged_prefill_tiles<scalar_t, HEAD_DIM, 4, 1, 32>(p, stream);

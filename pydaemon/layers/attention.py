@@ -3,8 +3,10 @@ the block table. Backend selection lives here and only here:
 
 - CUDA with the pagedd kernels (fp16/bf16): ``reshape_and_cache`` kernel for the cache
   writes, then ONE attention launch per layer: the tensor-core paged prefill kernel when the
-  step has prefill work (its decode rows ride along in the same launch), else the split-KV
-  paged decode kernel. No Python loop over sequences, no host-device sync.
+  step has prefill work (its decode rows ride along in the same launch); for decode-only
+  steps, the same kernel with 64-row tiles where it wins (grouped heads, enough blocks, see
+  ``decode_on_tensor_cores``), else the split-KV paged decode kernel. No Python loop over
+  sequences, no host-device sync.
 - otherwise (CPU, float32, or a build without kernels): the plain torch path.
 """
 
@@ -43,6 +45,19 @@ def uses_kernels(cache: torch.Tensor) -> bool:
     )
 
 
+def decode_on_tensor_cores(num_seqs: int, num_kv_heads: int, group: int, max_seq_len: int) -> bool:
+    """Decode-only step: the tensor-core prefill kernel (query heads of a group as rows, one
+    block per sequence and kv head, no split-KV) or the split-KV CUDA-core decode kernel.
+
+    Measured on the H200 (bench/results/prefill_h200.md, head 128, GQA 32/8): the tensor-core
+    path reads K/V at 3.5-3.95 TB/s from 32 sequences up (1.25-1.4x the decode kernel) and
+    wins at 8 sequences of 512 tokens, but with 64 blocks or fewer and long contexts the
+    decode kernel's partitions win (8 x 4k: 76 vs 124 us). MHA stays on the decode kernel
+    (it streams at 96-101 % of the copy bandwidth there).
+    """
+    return group >= 4 and (num_seqs * num_kv_heads >= 256 or max_seq_len <= 512)
+
+
 class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
@@ -75,6 +90,24 @@ class PagedAttention(nn.Module):
         from pydaemon import ops
 
         ops.reshape_and_cache(key, value, key_cache, value_cache, md.slot_mapping)
+        num_kv_heads = key_cache.shape[1]  # this rank's, under tensor parallelism
+        group = query.shape[1] // num_kv_heads
+        max_seq_len = max(md.seq_lens_cpu)  # host list: no device read-back
+        if md.num_prefills == 0 and decode_on_tensor_cores(
+            md.num_seqs, num_kv_heads, group, max_seq_len
+        ):
+            return ops.paged_attention_prefill(
+                query,
+                key_cache,
+                value_cache,
+                md.block_tables,
+                md.seq_lens,
+                md.query_start_loc,
+                1,
+                scale=self.scale,
+                block_m=64,
+                block_n=64,
+            )
         if md.num_prefills > 0:
             return ops.paged_attention_prefill(
                 query,
@@ -92,6 +125,6 @@ class PagedAttention(nn.Module):
             value_cache,
             md.block_tables,
             md.seq_lens,
-            max(md.seq_lens_cpu),  # host list: no device read-back
+            max_seq_len,
             scale=self.scale,
         )

@@ -65,7 +65,7 @@ def test_prefill_matches_reference(dtype, head_dim, block_size, heads):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"q{h[0]}kv{h[1]}")
-@pytest.mark.parametrize("tile", [(128, 32), (64, 64)], ids=lambda t: f"tile{t[0]}x{t[1]}")
+@pytest.mark.parametrize("tile", [(128, 64), (64, 64)], ids=lambda t: f"tile{t[0]}x{t[1]}")
 def test_prefill_other_tile_shapes(dtype, head_dim, heads, tile):
     out, query, batch, query_lens = run_prefill(CHUNKS, heads, head_dim, 16, dtype, tile)
     ref = reference_prefill(query, batch, query_lens, head_dim**-0.5)
@@ -135,15 +135,14 @@ def test_prefill_rejects_bad_arguments():
         ops.paged_attention_prefill(query[:, :3], *args, starts, 20)
 
 
-def test_attention_layer_mixed_step_one_launch_matches_reference_and_torch_path():
-    """PagedAttention on CUDA: cache writes, then one prefill-kernel launch for prefill
-    chunks and decode rows; equal to the float64 reference and to the torch path."""
+def run_layer_step(chunks, num_q_heads, num_kv_heads, head_dim=128, bs=16):
+    """PagedAttention on CUDA for one step of (cached prefix, new tokens) sequences, prefill
+    chunks first: writes the new K/V through slot_mapping, then attends. Returns (out [T, Hq,
+    D], float64 reference, metadata)."""
     from pydaemon.attention_metadata import AttentionMetadata
     from pydaemon.layers.attention import PagedAttention, uses_kernels
-    from pydaemon.layers.paged_attention_torch import paged_attention_torch
 
-    chunks = [(0, 40), (20, 77), (99, 1), (15, 1)]  # two prefill chunks, then two decodes
-    num_q_heads, num_kv_heads, head_dim, bs, dtype = 16, 4, 128, 16, torch.bfloat16
+    dtype = torch.bfloat16
     query_lens = [q for _, q in chunks]
     seq_lens = [p + q for p, q in chunks]
     batch = make_paged_batch(seq_lens, num_kv_heads, head_dim, bs, dtype)
@@ -157,14 +156,17 @@ def test_attention_layer_mixed_step_one_launch_matches_reference_and_torch_path(
     query = torch.randn(num_tokens, num_q_heads, head_dim, device="cuda", dtype=dtype)
     key = torch.randn(num_tokens, num_kv_heads, head_dim, device="cuda", dtype=dtype)
     value = torch.randn(num_tokens, num_kv_heads, head_dim, device="cuda", dtype=dtype)
+    num_prefills = sum(1 for q in query_lens if q > 1)
+    num_prefill_tokens = sum(query_lens[:num_prefills])
+    starts = torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32)
     md = AttentionMetadata(
-        num_prefills=2,
-        num_prefill_tokens=117,
-        num_decode_tokens=2,
+        num_prefills=num_prefills,
+        num_prefill_tokens=num_prefill_tokens,
+        num_decode_tokens=num_tokens - num_prefill_tokens,
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device="cuda"),
         block_tables=batch.block_tables,
         seq_lens=batch.seq_lens,
-        query_start_loc=torch.tensor([0, 40, 117, 118, 119], dtype=torch.int32, device="cuda"),
+        query_start_loc=starts.cuda(),
         max_seq_len=max(seq_lens),
         max_query_len=max(query_lens),
         seq_lens_cpu=seq_lens,
@@ -174,7 +176,34 @@ def test_attention_layer_mixed_step_one_launch_matches_reference_and_torch_path(
     layer = PagedAttention(num_q_heads, num_kv_heads, head_dim, head_dim**-0.5)
     out = layer(query, key, value, batch.key_cache, batch.value_cache, md)
     out = out.view(num_tokens, num_q_heads, head_dim)
-    ref = reference_prefill(query, batch, query_lens, head_dim**-0.5)  # cache now holds new K/V
-    assert_close_per_seq(out, ref, query_lens, TOL[dtype])
-    torch_out = paged_attention_torch(query, batch.key_cache, batch.value_cache, md, head_dim**-0.5)
-    assert_close_per_seq(torch_out, ref, query_lens, TOL[dtype])
+    ref = reference_prefill(query, batch, query_lens, head_dim**-0.5)  # cache holds new K/V
+    return out, ref, md, query, batch
+
+
+def test_attention_layer_mixed_step_one_launch_matches_reference_and_torch_path():
+    """Cache writes, then one prefill-kernel launch for prefill chunks and decode rows; equal
+    to the float64 reference and to the torch path."""
+    from pydaemon.layers.paged_attention_torch import paged_attention_torch
+
+    chunks = [(0, 40), (20, 77), (99, 1), (15, 1)]  # two prefill chunks, then two decodes
+    out, ref, md, query, batch = run_layer_step(chunks, 16, 4)
+    query_lens = md.query_lens_cpu
+    assert_close_per_seq(out, ref, query_lens, TOL[torch.bfloat16])
+    torch_out = paged_attention_torch(query, batch.key_cache, batch.value_cache, md, 128**-0.5)
+    assert_close_per_seq(torch_out, ref, query_lens, TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize(
+    "num_seqs,ctx,heads",
+    [(40, 700, (32, 8)), (3, 3000, (32, 8)), (5, 300, (32, 8)), (9, 900, (16, 16))],
+    ids=["tensor-cores", "split-kv-long", "tensor-cores-short", "mha-split-kv"],
+)
+def test_attention_layer_decode_step_either_kernel(num_seqs, ctx, heads):
+    """Decode-only steps on both sides of decode_on_tensor_cores give the reference."""
+    from pydaemon.layers.attention import decode_on_tensor_cores
+
+    chunks = [(ctx - 1 - 7 * i, 1) for i in range(num_seqs)]
+    out, ref, md, *_ = run_layer_step(chunks, *heads)
+    expect_tc = decode_on_tensor_cores(num_seqs, heads[1], heads[0] // heads[1], ctx)
+    assert expect_tc == (heads == (32, 8) and num_seqs != 3)
+    assert_close_per_seq(out, ref, md.query_lens_cpu, TOL[torch.bfloat16])
