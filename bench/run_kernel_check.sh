@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One device call for the CUDA kernels: build _core (sm_90), kernel tests, a small
 # compute-sanitizer memcheck pass, and the prefill / decode benchmarks. Logs under $OUT.
-#   OUT=/tmp/kcheck bench/run_kernel_check.sh            (STAGES="build test memcheck bench")
+#   OUT=/tmp/kcheck bench/run_kernel_check.sh     (STAGES="build test memcheck bench w1")
 # Needs python3 with torch, nanobind, cmake, ninja, pytest and a CUDA toolkit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kernel_check}
-STAGES=${STAGES:-build test memcheck bench}
+STAGES=${STAGES:-build test memcheck bench w1}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 COMMIT=$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
@@ -28,8 +28,7 @@ fi
 
 if [[ $STAGES == *test* ]]; then
   start=$SECONDS
-  timeout 300 python3 -m pytest -q --maxfail=20 -p no:cacheprovider tests/gpu/test_prefill_kernel.py \
-    tests/gpu/test_kernels.py >"$OUT/tests.log" 2>&1
+  timeout 300 python3 -m pytest -q --maxfail=20 -p no:cacheprovider tests/gpu >"$OUT/tests.log" 2>&1
   summary "tests rc=$? ($((SECONDS - start)) s): $(tail -1 "$OUT/tests.log")"
   grep -E "^FAILED|^ERROR|Error|assert" "$OUT/tests.log" | head -20
 fi
@@ -48,5 +47,11 @@ fi
 if [[ $STAGES == *bench* ]]; then
   timeout 240 python3 bench/bench_prefill.py --commit "$COMMIT" --out "$OUT/prefill.json" \
     ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+fi
+if [[ $STAGES == *w1* ]]; then  # W1 offline, Llama-3-8B shape, dummy weights (BENCH.md)
+  start=$SECONDS
+  timeout 200 python3 bench/throughput.py --model-config llama3-8b --no-progress \
+    --out "$OUT/w1.json" >"$OUT/w1.log" 2>&1
+  summary "w1 rc=$? ($((SECONDS - start)) s):"; tail -8 "$OUT/w1.log" | tee -a "$OUT/summary.txt"
 fi
 cat "$OUT/summary.txt"
