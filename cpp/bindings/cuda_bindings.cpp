@@ -275,12 +275,9 @@ void paged_attention_prefill(Array out, Array query, Array key_cache, Array valu
                            std::to_string(query.shape(0)) + "], got " +
                            std::to_string(max_query_len))
                               .c_str());
-  // Tile shapes built (0 = default): head_dim <= 128: 128x64, 128x32, 64x64; 256: 64x32.
-  const bool big = head_dim == 256;
-  const int bm = block_m ? block_m : (big ? 64 : 128), bn = block_n ? block_n : 32;
-  const bool built = big ? (bm == 64 && bn == 32)
-                         : ((bm == 128 && (bn == 32 || bn == 64)) || (bm == 64 && bn == 64));
-  if (!built)
+  int bm = block_m, bn = block_n;
+  pagedd::cuda::prefill_tile_shape((int)head_dim, max_query_len, bm, bn);
+  if (!pagedd::cuda::prefill_tile_is_built((int)head_dim, bm, bn))
     throw nb::value_error(("block_m x block_n = " + std::to_string(block_m) + " x " +
                            std::to_string(block_n) + " is not built for head_dim " +
                            std::to_string(head_dim) +

@@ -169,7 +169,8 @@ __global__ void __launch_bounds__(32 * WARPS)
 #pragma unroll
       for (int a = 0; a < ATOMS; ++a)
 #pragma unroll
-        for (int t = 0; t < T::N_TILES; ++t) s[a][t][0] = s[a][t][1] = s[a][t][2] = s[a][t][3] = 0.f;
+        for (int t = 0; t < T::N_TILES; ++t)
+          s[a][t][0] = s[a][t][1] = s[a][t][2] = s[a][t][3] = 0.f;
       const scalar_t* k_lane = sk + (lane % 8 + (lane / 16) * 8) * ROW + ((lane / 8) % 2) * 8;
 #pragma unroll
       for (int ks = 0; ks < T::K_STEPS; ++ks) {
@@ -312,15 +313,12 @@ cudaError_t launch_paged_prefill_tiles(const PagedPrefillParams& p, cudaStream_t
   return cudaGetLastError();
 }
 
-// Tile shapes (block_m rows x block_n keys; 0 = default). head_dim <= 128: 128 x 32 by
-// default (4 warps x 2 atoms: each K/V fragment read from shared memory feeds two mma; the
-// fastest on the H200 at 15 of 20 benchmarked shapes, bench/results/prefill_h200.md),
-// 128 x 64, or 64 x 64 (4 warps x 1 atom, Q in registers: the decode-step shape).
-// head_dim 256: 64 x 32 only (registers).
+// Tile shapes: prefill_tile_shape / prefill_tile_is_built (pagedd_cuda.h). Two atoms per warp
+// (128 rows) let each K/V fragment read from shared memory feed two mma.
 template <typename scalar_t, int HEAD_DIM>
 cudaError_t launch_paged_prefill_typed(const PagedPrefillParams& p, cudaStream_t stream) {
-  const int block_m = p.block_m == 0 ? (HEAD_DIM == 256 ? 64 : 128) : p.block_m;
-  const int block_n = p.block_n == 0 ? 32 : p.block_n;
+  int block_m = p.block_m, block_n = p.block_n;
+  prefill_tile_shape(HEAD_DIM, p.max_query_len, block_m, block_n);
   if constexpr (HEAD_DIM == 256) {
     if (block_m == 64 && block_n == 32)
       return launch_paged_prefill_tiles<scalar_t, HEAD_DIM, 4, 1, 32>(p, stream);

@@ -90,6 +90,20 @@ struct PagedPrefillParams {
 // A sequence with query_len > seq_lens, or longer than max_query_len, gets NaN rows.
 cudaError_t paged_attention_prefill(const PagedPrefillParams& p, cudaStream_t stream);
 
+// The prefill tile (block_m rows x block_n keys) a call runs: block_m / block_n of 0 pick
+// the default, measured on the H200 (bench/results/prefill_h200.md): 128 x 32 below 2048
+// new tokens per sequence, 128 x 64 from there (longer tiles pay off with more keys per
+// row); 64 x 64 is the decode-step shape; head_dim 256 has 64 x 32 only (registers).
+inline void prefill_tile_shape(int head_dim, int max_query_len, int& block_m, int& block_n) {
+  if (block_m == 0) block_m = head_dim == 256 ? 64 : 128;
+  if (block_n == 0)
+    block_n = head_dim == 256 ? 32 : (block_m == 64 || max_query_len >= 2048 ? 64 : 32);
+}
+inline bool prefill_tile_is_built(int head_dim, int block_m, int block_n) {
+  if (head_dim == 256) return block_m == 64 && block_n == 32;
+  return (block_m == 128 && (block_n == 32 || block_n == 64)) || (block_m == 64 && block_n == 64);
+}
+
 struct ReshapeAndCacheParams {
   const void* key;             // [num_tokens, num_kv_heads, head_dim], last dim contiguous
   const void* value;           // same shape

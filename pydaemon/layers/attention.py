@@ -49,11 +49,10 @@ def decode_on_tensor_cores(num_seqs: int, num_kv_heads: int, group: int, max_seq
     """Decode-only step: the tensor-core prefill kernel (query heads of a group as rows, one
     block per sequence and kv head, no split-KV) or the split-KV CUDA-core decode kernel.
 
-    Measured on the H200 (bench/results/prefill_h200.md, head 128, GQA 32/8): the tensor-core
-    path reads K/V at 3.5-3.95 TB/s from 32 sequences up (1.25-1.4x the decode kernel) and
-    wins at 8 sequences of 512 tokens, but with 64 blocks or fewer and long contexts the
-    decode kernel's partitions win (8 x 4k: 76 vs 124 us). MHA stays on the decode kernel
-    (it streams at 96-101 % of the copy bandwidth there).
+    Measured on the H200 (bench/results/prefill_h200.md, head 128, GQA 32/8): from 32
+    sequences the tensor-core path is 1.26-1.5x the decode kernel (3.6-4.0 TB/s at contexts
+    >= 4k), and it wins at 8 sequences of 512 tokens; with few blocks and long contexts the
+    decode kernel's partitions win (8 x 4k: 75 vs 125 us). MHA stays on the decode kernel.
     """
     return group >= 4 and (num_seqs * num_kv_heads >= 256 or max_seq_len <= 512)
 

@@ -35,7 +35,8 @@ def paged_attention_prefill(
                      (rows past it get NaN, as do sequences with query_len > seq_len)
     scale:           softmax scale, default head_dim ** -0.5
     out:             optional [num_tokens, num_q_heads, head_dim] contiguous output
-    block_m, block_n: tile rows x keys (tuning; 0 = the default for head_dim)
+    block_m, block_n: tile rows x keys (tuning; 0 = the measured default, see
+                     prefill_tile_shape in cpp/cuda/pagedd_cuda.h)
     returns          out: [num_tokens, num_q_heads, head_dim], dtype of query
 
     Query lengths of 1 (decode rows) may be mixed with prefill chunks. head_dim in

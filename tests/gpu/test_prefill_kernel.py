@@ -129,6 +129,8 @@ def test_prefill_rejects_bad_arguments():
         ops.paged_attention_prefill(query, *args, starts, 20, block_m=32)
     with pytest.raises(ValueError, match="block_m x block_n = 64 x 32 is not built"):
         ops.paged_attention_prefill(query, *args, starts, 20, block_m=64, block_n=32)
+    with pytest.raises(ValueError, match="block_m x block_n = 0 x 48 is not built"):
+        ops.paged_attention_prefill(query, *args, starts, 20, block_n=48)
     with pytest.raises(TypeError, match="query must be float16 or bfloat16"):
         ops.paged_attention_prefill(query.float(), *args, starts, 20)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
