@@ -3,14 +3,18 @@
 // Grid (num_kv_heads, row tiles, num_seqs). The rows of a sequence are its query tokens times
 // the query heads of one kv head's group, packed token-major (row i = token i / group, head
 // i % group), so one thread block reads each K/V tile once for the whole group: GQA costs no
-// K/V copies and no re-reads. A block owns BLOCK_M = 16 * WARPS rows; each warp owns 16.
-// Per K/V tile of BLOCK_N keys (read through the block table by cp.async into a two-stage
-// shared-memory ring, so the next tile loads while this one is used):
-//   S = Q K^T      ldmatrix + mma.m16n8k16, fp32 accumulators, Q fragments kept in registers
+// K/V copies and no re-reads. A block of WARPS warps owns BLOCK_M = 16 * ATOMS * WARPS rows;
+// each warp owns ATOMS mma tiles of 16 rows, so every K/V fragment it reads from shared memory
+// feeds ATOMS mma. Per K/V tile of BLOCK_N keys (read through the block table by cp.async into
+// a two-stage shared-memory ring, so the next tile loads while this one is used):
+//   S = Q K^T      ldmatrix + mma.m16n8k16, fp32 accumulators (Q fragments stay in registers
+//                  with one atom, are re-read from shared memory with two)
 //   causal mask    only on tiles that reach past the block's first token
-//   online softmax row max / sum across the 4 lanes sharing a row, exp2 with folded scale
+//   online softmax row max / sum across the 4 lanes sharing a row, exp2 with folded scale;
+//                  O is rescaled only when some row's max moved
 //   O += P V       P converted in registers to the A fragment, V through ldmatrix.trans
-// Heavier (later) row tiles are launched first.
+// Heavier (later) row tiles are launched first. Warps whose rows are all padding (decode rows
+// of a 128-row tile) only help load.
 #pragma once
 
 #include <cmath>
