@@ -12,7 +12,7 @@ import time
 
 from pydaemon import _core
 from pydaemon.config import EngineConfig
-from pydaemon.engine_stats import EngineStats, resolve_model_dir
+from pydaemon.engine_stats import EngineStats, resolve_model_dir, served_model_name
 from pydaemon.model_runner import ModelRunner, SampleRow
 from pydaemon.output_processor import OutputProcessor
 from pydaemon.outputs import RequestMetrics, RequestOutput
@@ -29,7 +29,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         model_dir = resolve_model_dir(config.model)
-        self.model_name = "demo" if config.model == "demo" else model_dir.name
+        self.model_name = served_model_name(config.model, model_dir)
         runner_config = config.__class__(**{**config.__dict__, "model": str(model_dir)})
         self.tp_executor = None  # TensorParallelExecutor when tensor_parallel_size > 1
         if config.tensor_parallel_size > 1:

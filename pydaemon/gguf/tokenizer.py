@@ -4,11 +4,11 @@ Supported: ``tokenizer.ggml.model == "gpt2"`` (byte-level BPE: the vocabulary is
 spelled in GPT-2's byte alphabet, merges are "a b" strings). The pre-tokenizer follows
 ``tokenizer.ggml.pre`` as llama.cpp does (``llama-vocab.cpp``); an unknown one is an error
 naming it rather than a silently different split. Tokens typed CONTROL (3) become special
-added tokens, USER_DEFINED (4) plain added tokens, so both are matched whole in text. BOS is
-prepended by the post-processor only when ``tokenizer.ggml.add_bos_token`` says so.
+added tokens, USER_DEFINED (4) plain added tokens, so both are matched whole in text.
 
-The returned config holds what a ``tokenizer_config.json`` would: the special tokens as
-strings, ``add_bos_token``, ``add_eos_token``, and the ``chat_template`` from the metadata.
+There is no post-processor: the returned config holds what a ``tokenizer_config.json`` would
+(the special tokens as strings, ``add_bos_token`` and ``add_eos_token`` from the metadata,
+which decide whether BOS / EOS are added, and the ``chat_template``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
 
 from pydaemon.gguf.reader import GGUFFile
@@ -109,9 +109,7 @@ def load_gguf_tokenizer(f: GGUFFile) -> GGUFTokenizer:
             if kind_ == TOKEN_TYPE_USER_DEFINED and t in vocab
         ]
     )
-    config = _tokenizer_config(f, tokens)
-    tok.post_processor = _post_processor(f, config)
-    return GGUFTokenizer(tok, config, f.get("tokenizer.chat_template"))
+    return GGUFTokenizer(tok, _tokenizer_config(f, tokens), f.get("tokenizer.chat_template"))
 
 
 def _pre_tokenizer(f: GGUFFile) -> pre_tokenizers.PreTokenizer:
@@ -137,6 +135,7 @@ def _pre_tokenizer(f: GGUFFile) -> pre_tokenizers.PreTokenizer:
 
 def _tokenizer_config(f: GGUFFile, tokens: list[str]) -> dict[str, Any]:
     config: dict[str, Any] = {
+        "name_or_path": f.path.stem,
         "add_bos_token": bool(f.get("tokenizer.ggml.add_bos_token", False)),
         "add_eos_token": bool(f.get("tokenizer.ggml.add_eos_token", False)),
     }
@@ -158,18 +157,3 @@ def _tokenizer_config(f: GGUFFile, tokens: list[str]) -> dict[str, Any]:
     if chat_template is not None:
         config["chat_template"] = chat_template
     return config
-
-
-def _post_processor(f: GGUFFile, config: dict[str, Any]) -> processors.PostProcessor | None:
-    """BOS / EOS around the text when the file asks for them (as llama.cpp adds them)."""
-    bos = config.get("bos_token") if config["add_bos_token"] else None
-    eos = config.get("eos_token") if config["add_eos_token"] else None
-    if bos is None and eos is None:
-        return None
-    special = []
-    if bos is not None:
-        special.append((bos, int(f.require("tokenizer.ggml.bos_token_id"))))
-    if eos is not None:
-        special.append((eos, int(f.require("tokenizer.ggml.eos_token_id"))))
-    single = " ".join(t for t in (bos, "$A", eos) if t is not None)
-    return processors.TemplateProcessing(single=single, special_tokens=special)
