@@ -92,6 +92,12 @@ def load_gguf_tokenizer(f: GGUFFile) -> GGUFTokenizer:
             token = "".join(spell[b] for b in token.encode("utf-8"))
         vocab.setdefault(token, index)
     pairs = [tuple(m.split(" ", 1)) for m in merges]
+    for pair in pairs:  # tokenizers panics on these; name the bad merge instead
+        if len(pair) != 2 or pair[0] + pair[1] not in vocab or not set(pair) <= vocab.keys():
+            raise ValueError(
+                f"{f.path.name}: tokenizer.ggml.merges has {' '.join(pair)!r}, whose parts or "
+                "result are not in the vocabulary"
+            )
     tok = Tokenizer(BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
     tok.pre_tokenizer = _pre_tokenizer(f)
     tok.decoder = decoders.ByteLevel()
