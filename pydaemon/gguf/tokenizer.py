@@ -6,20 +6,20 @@ spelled in GPT-2's byte alphabet, merges are "a b" strings). The pre-tokenizer f
 naming it rather than a silently different split. Tokens typed CONTROL (3) become special
 added tokens, USER_DEFINED (4) plain added tokens, so both are matched whole in text.
 
-There is no post-processor: the returned config holds what a ``tokenizer_config.json`` would
-(the special tokens as strings, ``add_bos_token`` and ``add_eos_token`` from the metadata,
-which decide whether BOS / EOS are added, and the ``chat_template``).
+Returned as an HFTokenizer configured as by a ``tokenizer_config.json``: the special tokens
+as strings, ``add_bos_token`` / ``add_eos_token`` from the metadata (there is no
+post-processor, so these decide whether BOS / EOS are added) and the ``chat_template``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
 
 from pydaemon.gguf.reader import GGUFFile
+from pydaemon.hf_tokenizer import HFTokenizer
 
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
@@ -50,13 +50,6 @@ _PRE_TOKENIZERS: dict[str, str] = {
 }
 
 
-@dataclass
-class GGUFTokenizer:
-    tokenizer: Tokenizer
-    config: dict[str, Any] = field(default_factory=dict)  # as in tokenizer_config.json
-    chat_template: str | None = None
-
-
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table (the alphabet of byte-level BPE)."""
     printable = [
@@ -73,7 +66,7 @@ def bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-def load_gguf_tokenizer(f: GGUFFile) -> GGUFTokenizer:
+def load_gguf_tokenizer(f: GGUFFile) -> HFTokenizer:
     kind = f.get("tokenizer.ggml.model")
     if kind is None:
         raise ValueError(f"{f.path.name} has no tokenizer (no tokenizer.ggml.model)")
@@ -115,7 +108,9 @@ def load_gguf_tokenizer(f: GGUFFile) -> GGUFTokenizer:
             if kind_ == TOKEN_TYPE_USER_DEFINED and t in vocab
         ]
     )
-    return GGUFTokenizer(tok, _tokenizer_config(f, tokens), f.get("tokenizer.chat_template"))
+    return HFTokenizer.from_tokenizer_object(
+        tok, _tokenizer_config(f, tokens), f.get("tokenizer.chat_template")
+    )
 
 
 def _pre_tokenizer(f: GGUFFile) -> pre_tokenizers.PreTokenizer:
