@@ -122,6 +122,21 @@ class Tokenizer:
 AnyTokenizer = Tokenizer | HFTokenizer
 
 
+def encode_chat(
+    tokenizer: AnyTokenizer | None,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    tools: list | None = None,
+    **kwargs: Any,
+) -> tuple[str, list[int]]:
+    """-> (prompt text, its token ids) of a conversation. The template writes the BOS itself,
+    so none is added (as transformers' ``apply_chat_template(tokenize=True)``)."""
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer: chat messages need tokenizer.json")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt, tools, **kwargs)
+    return text, tokenizer.encode(text, add_bos=False)
+
+
 def load_tokenizer(model_dir: str | Path) -> AnyTokenizer | None:
     """-> the directory's tokenizer: ``tokenizer.json`` (preferred, as transformers does) or
     ``tokenizer.model``; None, with a warning, when it has neither. A .gguf file: the
