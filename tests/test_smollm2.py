@@ -4,6 +4,10 @@ prompts, tokenization, streamed text, and a factual answer. One model of each pe
 
 from __future__ import annotations
 
+import io
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from gguf_utils import transformers_gguf_model
@@ -101,11 +105,11 @@ def test_greedy_matches_transformers(llm, reference):
 
 
 def test_capital_of_france(llm):
-    prompt = _chat_prompt(llm, CONVERSATIONS[0])
-    out = llm.generate(prompt, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))[0]
+    out = llm.chat(CONVERSATIONS[0], SamplingParams(max_tokens=MAX_NEW, temperature=0.0))[0]
     completion = out.outputs[0]
     assert "Paris" in completion.text
     assert completion.finish_reason == "stop"  # ended by <|im_end|>, not by max_tokens
+    assert out.prompt == _chat_prompt(llm, CONVERSATIONS[0])
 
 
 def test_streamed_text_equals_decode(llm):
@@ -123,3 +127,25 @@ def test_streamed_text_equals_decode(llm):
                 finished = out.finished
     assert len(deltas) > 1 and len(token_ids) > 1
     assert "".join(deltas) == llm.tokenizer.decode(token_ids)
+
+
+def test_chat_over_grpc_with_pagedd_generate(llm):
+    """Out of the box: the daemon on the default model answers `pagedd generate --chat`.
+    Last in the module: the server's AsyncEngine takes the engine over."""
+    sys.path.insert(0, str(Path(__file__).parent / "server"))
+    from server_helpers import ServerThread
+
+    from pydaemon.cli import build_parser
+    from pydaemon.server.app import ServerOptions
+    from pydaemon.server.client import run_generate
+
+    st = ServerThread(ServerOptions(port=0))
+    st.start(lambda: llm.engine, timeout=120)
+    try:
+        question = CONVERSATIONS[0][0]["content"]
+        argv = ["generate", "--server", st.address, "--chat", "--temperature", "0", question]
+        out, err = io.StringIO(), io.StringIO()
+        assert run_generate(build_parser().parse_args(argv), out, err) == 0, err.getvalue()
+        assert "Paris" in out.getvalue()
+    finally:
+        st.close()

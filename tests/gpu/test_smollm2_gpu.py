@@ -83,6 +83,8 @@ def test_bf16_kernels_follow_float32_greedy(record_property):
     for key, value in report.items():
         record_property(key, value)
     print(f"\nSmolLM2 bf16 (kernels) vs float32: {report}")
-    # bf16 keeps 8 mantissa bits: a flip is allowed only where float32 itself nearly ties.
-    assert float(gaps.max()) < 0.25, report
-    assert agreement > 0.95, report
+    # bf16 keeps 8 mantissa bits (and rounds the dequantized weights): a flip is allowed only
+    # where float32 itself nearly ties. On the CPU torch path, bf16 over 2 x 64 tokens gave
+    # agreement 0.98 and a largest gap of 0.03 std; a broken kernel gives gaps of whole stds.
+    assert float(gaps.max()) < 0.1, report
+    assert agreement > 0.9, report
