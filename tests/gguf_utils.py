@@ -88,7 +88,12 @@ def write_gguf(
     writer.add_feed_forward_length(hf_config["intermediate_size"])
     writer.add_head_count(hf_config["num_attention_heads"])
     writer.add_head_count_kv(hf_config["num_key_value_heads"])
-    writer.add_rope_dimension_count(hf_config["hidden_size"] // hf_config["num_attention_heads"])
+    head_dim = (
+        hf_config.get("head_dim") or hf_config["hidden_size"] // hf_config["num_attention_heads"]
+    )
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(hf_config.get("rope_theta", 10000.0))
     writer.add_layer_norm_rms_eps(hf_config.get("rms_norm_eps", 1e-6))
     writer.add_vocab_size(hf_config["vocab_size"])

@@ -80,13 +80,16 @@ def test_rotary_permutation_is_undone_exactly(tmp_path, hf_llama):
         assert torch.equal(param, state_dict[name]), name
 
 
-@pytest.mark.parametrize("arch,block_size", [("llama", 16), ("qwen2", 8)])
+@pytest.mark.parametrize("arch,block_size", [("llama", 16), ("qwen2", 8), ("qwen3", 32)])
 def test_greedy_matches_transformers(tmp_path, arch, block_size):
     """Random float32 weights through GGUF: token for token equal to transformers' GGUF model
-    (qwen2: stored unpermuted, with q/k/v biases)."""
+    (qwen2: stored unpermuted, with q/k/v biases, tied; qwen3: q/k norms, head_dim 128 over
+    hidden 256 / 4 heads)."""
     import transformers
 
     overrides = {**SHAPE, "tie_word_embeddings": arch == "qwen2"}
+    if arch == "qwen3":  # transformers' GGUF loader ignores key_length: Qwen3Config's default
+        overrides["head_dim"] = 128
     d = save_hf_model(tmp_path, arch, seed=3, **overrides)
     hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
     state_dict = dict(hf.state_dict())
@@ -96,7 +99,9 @@ def test_greedy_matches_transformers(tmp_path, arch, block_size):
     ref_model, _ = transformers_gguf_model(path)
     model, config = load_model(path, dtype="float32")
     assert config.tie_word_embeddings == (arch == "qwen2")
-    assert (model.model.layers[0].self_attn.q_proj.bias is not None) == (arch == "qwen2")
+    attn = model.model.layers[0].self_attn
+    assert (attn.q_proj.bias is not None) == (arch == "qwen2")
+    assert (attn.q_norm is not None) == (arch == "qwen3")
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 272, size=n).tolist() for n in (5, 17, 33)]
     ours = Driver(model, block_size).generate(prompts, 16)
@@ -180,3 +185,22 @@ def test_not_a_gguf_file(tmp_path):
     path.write_bytes(b"not a gguf file at all")
     with pytest.raises(ValueError, match="not a readable GGUF file"):
         load_model_config(path)
+
+
+def test_tensor_parallel_matches_one_rank(tmp_path, hf_llama):
+    """Two gloo ranks each dequantize the file and keep their slice: same greedy tokens."""
+    from pydaemon import LLM, SamplingParams
+
+    _, state_dict, cfg = hf_llama
+    path = str(write_gguf(tmp_path / "m.gguf", state_dict, cfg, weight_type="Q4_K"))
+    prompts = [list(range(5, 5 + n)) for n in (3, 11, 20)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    common = dict(device="cpu", dtype="float32", num_kv_blocks=64, max_num_seqs=4, block_size=8)
+    one = LLM(path, **common).generate(prompt_token_ids=prompts, sampling_params=params)
+    llm = LLM(path, tensor_parallel_size=2, **common)
+    try:
+        two = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+        assert llm.engine.runner.model.model.layers[0].self_attn.q_proj.weight.shape == (128, 256)
+    finally:
+        llm.engine.shutdown()

@@ -15,7 +15,11 @@ from pydaemon.gguf.reader import GGUFFile
 from pydaemon.model_config import ModelConfig
 
 # general.architecture -> the Hugging Face architecture pagedd serves it as.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 # {arch}.<key> -> config.json key
 _KEYS = {

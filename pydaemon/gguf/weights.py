@@ -3,7 +3,8 @@
 llama.cpp's converter permutes the rows of the query and key projections of ``llama``
 models (weights and biases) so that rotary pairs are interleaved, GPT-J style; this undoes it
 exactly as transformers' GGUF loader does (``LlamaTensorProcessor._reverse_permute_weights``)
-so the rotate-half RoPE of the model sees the original layout. ``qwen2`` is stored unpermuted.
+so the rotate-half RoPE of the model sees the original layout. ``qwen2`` and ``qwen3`` are
+stored unpermuted.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 _PERMUTED_ARCHITECTURES = ("llama",)
