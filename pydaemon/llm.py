@@ -50,7 +50,9 @@ class LLM:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or to
         several; each is rendered by the model's chat template. ``prompt`` of each output is
         the rendered text."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not messages:
+            raise ValueError("messages is empty: give a conversation or a list of them")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
         texts, token_ids = [], []
         for conversation in conversations:
             text, ids = encode_chat(

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from pydaemon.tokenizer_files import normalize_token_ids
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -151,21 +153,11 @@ class ModelConfig:
             mlp_bias=False if is_qwen2 else bool(cfg.get("mlp_bias", False)),
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=normalize_eos(eos),
+            eos_token_ids=normalize_token_ids(eos, "config.json eos_token_id"),
             qk_norm=arch == "Qwen3ForCausalLM",
             layer_sliding_windows=windows,
             raw=dict(cfg),
         )
-
-
-def normalize_eos(eos: int | list[int] | None) -> list[int]:
-    if eos is None:
-        return []
-    if isinstance(eos, int):
-        return [eos]
-    if isinstance(eos, list) and all(isinstance(e, int) for e in eos):
-        return list(eos)
-    raise ValueError(f"eos_token_id must be an int or a list of ints, got {eos!r}")
 
 
 def resolve_dtype(config: ModelConfig, dtype: str | torch.dtype = "auto") -> torch.dtype:

@@ -53,6 +53,9 @@ class Tokenizer:
         } | self.eos_token_ids
         if self.bos_token_id is not None:
             self.special_token_ids.add(self.bos_token_id)
+        # SentencePiece decodes byte pieces one by one (unlike tokenizers' ByteFallback runs),
+        # so no token's text waits on the next: see HFTokenizer.byte_run_token_ids.
+        self.byte_run_token_ids: set[int] = set()
         tokenizer_config = read_tokenizer_config(model_dir)
         self.chat_template: str | None = load_chat_template(model_dir, tokenizer_config)
         self.special_tokens_map: dict[str, str] = {

@@ -66,9 +66,11 @@ def test_generation_defaults_fill_unset_fields_only(start_server):
     client = BidiClient(st.stub())
     client.start("d", [5], sampling=pb.SamplingParams(max_tokens=1))
     client.start("o", [5], sampling=pb.SamplingParams(max_tokens=1, temperature=0.0, top_p=1.0))
+    client.start("b", [5], sampling=pb.SamplingParams(max_tokens=1, beam_width=2, temperature=0))
     client.close_send()
     client.collect()
-    (_, defaulted), (_, overridden) = engine.added[-2:]
+    (_, defaulted), (_, overridden), (_, beam) = engine.added[-3:]
+    assert (beam.top_k, beam.top_p) == (0, 1.0)  # beam search takes no sampling defaults
     assert (defaulted.temperature, defaulted.top_k, defaulted.top_p) == (0.5, 7, 0.75)
     assert defaulted.repetition_penalty == 1.0  # the model sets no default for it
     assert (overridden.temperature, overridden.top_k, overridden.top_p) == (0.0, 7, 1.0)
