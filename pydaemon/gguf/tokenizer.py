@@ -77,8 +77,13 @@ def load_gguf_tokenizer(f: GGUFFile) -> HFTokenizer:
     tokens: list[str] = f.require("tokenizer.ggml.tokens")
     merges: list[str] = f.require("tokenizer.ggml.merges")
     token_types: list[int] = f.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    alphabet = set(bytes_to_unicode().values())
+    if len(token_types) != len(tokens):
+        raise ValueError(
+            f"{f.path.name}: tokenizer.ggml.token_type has {len(token_types)} entries for "
+            f"{len(tokens)} tokens"
+        )
     spell = bytes_to_unicode()
+    alphabet = set(spell.values())
     vocab: dict[str, int] = {}
     for index, token in enumerate(tokens):
         if not set(token) <= alphabet:  # written as raw text: respell it in the byte alphabet
@@ -97,15 +102,15 @@ def load_gguf_tokenizer(f: GGUFFile) -> HFTokenizer:
     tok.add_special_tokens(
         [
             AddedToken(t, normalized=False, special=True)
-            for t, kind_ in zip(tokens, token_types, strict=True)
-            if kind_ == TOKEN_TYPE_CONTROL and set(t) <= alphabet
+            for t, token_type in zip(tokens, token_types, strict=True)
+            if token_type == TOKEN_TYPE_CONTROL and set(t) <= alphabet
         ]
     )
     tok.add_tokens(
         [
             AddedToken(t, normalized=False, special=False)
-            for t, kind_ in zip(tokens, token_types, strict=True)
-            if kind_ == TOKEN_TYPE_USER_DEFINED and t in vocab
+            for t, token_type in zip(tokens, token_types, strict=True)
+            if token_type == TOKEN_TYPE_USER_DEFINED and t in vocab
         ]
     )
     return HFTokenizer.from_tokenizer_object(
