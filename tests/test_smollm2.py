@@ -71,6 +71,8 @@ def test_default_model_is_smollm2(llm):
     assert (config.num_attention_heads, config.num_key_value_heads) == (9, 3)
     assert config.tie_word_embeddings and config.rope_theta == 100000.0
     assert llm.tokenizer.eos_token_ids == {2} and llm.tokenizer.vocab_size == 49152
+    defaults = llm.get_default_sampling_params()  # the model card's, as the file has none
+    assert (defaults.temperature, defaults.top_p) == (0.2, 0.9)
 
 
 def test_tokenizer_matches_transformers(llm, reference):
