@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from pydaemon.default_model import DEFAULT_MODEL
+
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
@@ -23,7 +25,7 @@ class EngineConfig:
     gloo on CPUs), started by the engine itself.
     """
 
-    model: str = "demo"
+    model: str = DEFAULT_MODEL
     device: str = "auto"
     dtype: str = "auto"
     block_size: int = 16
@@ -78,7 +80,9 @@ class EngineConfig:
         ):
             raise bad("tensor_parallel_size", "must be a positive integer")
         if not self.model:
-            raise bad("model", "must name 'demo' or a model directory")
+            raise bad(
+                "model", f"must name {DEFAULT_MODEL!r}, 'demo', a model directory or a .gguf file"
+            )
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -12,7 +12,8 @@ import time
 
 from pydaemon import _core
 from pydaemon.config import EngineConfig
-from pydaemon.engine_stats import EngineStats, resolve_model_dir
+from pydaemon.default_model import DEFAULT_GENERATION_CONFIG, DEFAULT_MODEL, is_default_model
+from pydaemon.engine_stats import EngineStats, resolve_model_dir, served_model_name
 from pydaemon.generation_config import GenerationDefaults
 from pydaemon.model_runner import ModelRunner, SampleRow
 from pydaemon.output_processor import OutputProcessor
@@ -31,7 +32,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         model_dir = resolve_model_dir(config.model)
-        self.model_name = "demo" if config.model == "demo" else model_dir.name
+        self.model_name = served_model_name(config.model, model_dir)
         runner_config = config.__class__(**{**config.__dict__, "model": str(model_dir)})
         self.tp_executor = None  # TensorParallelExecutor when tensor_parallel_size > 1
         if config.tensor_parallel_size > 1:
@@ -46,7 +47,11 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size
         self.tokenizer = load_tokenizer(model_dir)
-        self.generation_defaults = GenerationDefaults.from_model_dir(model_dir)
+        self.generation_defaults = (
+            GenerationDefaults.from_dict(DEFAULT_GENERATION_CONFIG, DEFAULT_MODEL)
+            if is_default_model(config.model)
+            else GenerationDefaults.from_model_dir(model_dir)
+        )
         if self.runner.max_num_batched_tokens < config.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.runner.max_num_batched_tokens}) must be >= "

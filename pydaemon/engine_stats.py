@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from pydaemon.default_model import DEFAULT_MODEL, default_model_path, is_default_model
+from pydaemon.gguf.reader import is_gguf_file
+
 
 @dataclass
 class EngineStats:
@@ -31,11 +34,26 @@ class EngineStats:
 
 
 def resolve_model_dir(model: str) -> Path:
+    """-> the model directory or .gguf file that ``model`` names."""
     if model == "demo":
         from pydaemon.demo_model import demo_model_dir
 
         return demo_model_dir()
+    if is_default_model(model):
+        return default_model_path()
     path = Path(model).expanduser()
-    if not path.is_dir():
-        raise ValueError(f"model {model!r} is neither 'demo' nor a model directory")
+    if not (path.is_dir() or is_gguf_file(path)):
+        raise ValueError(
+            f"model {model!r} is neither 'demo', {DEFAULT_MODEL!r}, a model directory nor a "
+            ".gguf file"
+        )
     return path
+
+
+def served_model_name(model: str, path: Path) -> str:
+    """The name clients see: 'demo', the default model's, a directory's or a file's stem."""
+    if model == "demo":
+        return "demo"
+    if is_default_model(model):
+        return DEFAULT_MODEL
+    return path.stem if is_gguf_file(path) else path.name

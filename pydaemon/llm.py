@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 
 from pydaemon.config import EngineConfig
+from pydaemon.default_model import DEFAULT_MODEL
 from pydaemon.engine import LLMEngine
 from pydaemon.outputs import CompletionOutput, RequestOutput
 from pydaemon.sampling_params import SamplingParams
@@ -18,12 +19,13 @@ class LLM:
 
     ``sampling_params=None`` takes the model's generation_config.json defaults.
 
-    ``LLM(model="demo" | "/path/to/hf-dir", device="auto"|"cpu"|"cuda", dtype="auto",
+    ``LLM(model="SmolLM2-135M-Instruct" (the default) | "demo" | "/path/to/hf-dir" |
+    "/path/to/file.gguf", device="auto"|"cpu"|"cuda", dtype="auto",
     block_size=16, num_kv_blocks=None, max_num_seqs=256, max_num_batched_tokens=None,
     load_format="auto"|"dummy", seed=0, ...)``: every EngineConfig field is accepted.
     """
 
-    def __init__(self, model: str = "demo", **kwargs) -> None:
+    def __init__(self, model: str = DEFAULT_MODEL, **kwargs) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._counter = 0
 

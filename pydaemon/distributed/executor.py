@@ -31,7 +31,7 @@ import torch
 from pydaemon.config import EngineConfig
 from pydaemon.distributed import parallel_state as ps
 from pydaemon.distributed.worker import WorkerArgs, worker_main
-from pydaemon.model_config import ModelConfig
+from pydaemon.model_loader import load_model_config
 from pydaemon.model_runner import ModelRunner, resolve_device
 from pydaemon.models import get_model_class
 from pydaemon.scheduler import SchedulerOutput
@@ -59,7 +59,7 @@ class TensorParallelExecutor:
         tp = config.tensor_parallel_size
         if tp < 2:
             raise ValueError(f"TensorParallelExecutor needs tensor_parallel_size >= 2, got {tp}")
-        model_config = ModelConfig.from_model_dir(config.model)
+        model_config = load_model_config(config.model)
         get_model_class(model_config.architecture).check_tensor_parallel(model_config, tp)
         device = resolve_device(config.device, 0, tp)
         backend = "nccl" if device.type == "cuda" else "gloo"

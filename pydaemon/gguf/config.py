@@ -1,0 +1,94 @@
+"""A GGUF file's metadata as pagedd's ModelConfig.
+
+The ``{arch}.*`` keys are renamed to their ``config.json`` names (as transformers' GGUF loader
+does), then go through ``ModelConfig.from_dict`` so every check of a Hugging Face config
+applies. Tied embeddings: the file has no ``output.weight``. Attention bias: the file has
+``blk.0.attn_q.bias``. RoPE frequencies stored as a ``rope_freqs.weight`` tensor (Llama 3.1
+style scaling) and partial rotary embeddings are unsupported and said so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydaemon.gguf.reader import GGUFFile
+from pydaemon.model_config import ModelConfig
+
+# general.architecture -> the Hugging Face architecture pagedd serves it as.
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+# {arch}.<key> -> config.json key
+_KEYS = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "rope.freq_base": "rope_theta",
+    "vocab_size": "vocab_size",
+}
+
+
+def gguf_config_dict(f: GGUFFile) -> dict[str, Any]:
+    """-> the ``config.json`` this file's metadata describes."""
+    arch = f.architecture
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"{f.path.name}: unsupported GGUF architecture {arch!r} "
+            f"(supported: {', '.join(GGUF_ARCHITECTURES)})"
+        )
+    cfg: dict[str, Any] = {"architectures": [GGUF_ARCHITECTURES[arch]], "model_type": arch}
+    for key, name in _KEYS.items():
+        value = f.get(f"{arch}.{key}")
+        if value is not None:
+            cfg[name] = value
+    for key in ("block_count", "embedding_length", "feed_forward_length", "attention.head_count"):
+        f.require(f"{arch}.{key}")
+    if "vocab_size" not in cfg:  # older files: the vocabulary, else the embedding's rows
+        tokens = f.get("tokenizer.ggml.tokens")
+        cfg["vocab_size"] = len(tokens) if tokens else f.shape("token_embd.weight")[0]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    rope_dim = f.get(f"{arch}.rope.dimension_count", head_dim)
+    if rope_dim != head_dim:
+        raise ValueError(
+            f"{f.path.name}: unsupported partial rotary embedding "
+            f"({arch}.rope.dimension_count={rope_dim}, head_dim={head_dim})"
+        )
+    cfg.update(_rope_scaling(f, arch))
+    cfg["tie_word_embeddings"] = not f.has_tensor("output.weight")
+    cfg["attention_bias"] = f.has_tensor("blk.0.attn_q.bias")
+    for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
+        value = f.get(f"tokenizer.ggml.{key}")
+        if value is not None:
+            cfg[name] = int(value)
+    return cfg
+
+
+def load_gguf_config(f: GGUFFile) -> ModelConfig:
+    cfg = gguf_config_dict(f)
+    try:
+        return ModelConfig.from_dict(cfg)
+    except ValueError as e:
+        raise ValueError(f"{f.path.name}: {e}") from e
+
+
+def _rope_scaling(f: GGUFFile, arch: str) -> dict[str, Any]:
+    if f.has_tensor("rope_freqs.weight"):
+        raise ValueError(
+            f"{f.path.name}: unsupported RoPE frequency factors (tensor rope_freqs.weight, "
+            "Llama 3.1-style scaling)"
+        )
+    kind = f.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return {}
+    if kind != "linear":
+        raise ValueError(f"{f.path.name}: unsupported {arch}.rope.scaling.type {kind!r}")
+    factor = f.require(f"{arch}.rope.scaling.factor")
+    return {"rope_scaling": {"rope_type": "linear", "factor": float(factor)}}
