@@ -5,12 +5,14 @@ of ``tokens[prefix_offset:read_offset]`` (already emitted) and of ``tokens[prefi
 the delta is the difference. Decoding both from the same start token makes SentencePiece's
 stripping of a leading space cancel out, so the first generated token keeps its space. A
 window whose text ends in U+FFFD (an incomplete UTF-8 sequence from byte-fallback pieces) is
-held back until the character is complete.
+held back until the character is complete. With ``skip_special_tokens`` the special ids are
+dropped on the way in (the tokenizers drop them before decoding too), so a window never starts
+with a skipped token, which would let the decoder strip the next token's leading space.
 """
 
 from __future__ import annotations
 
-from pydaemon.tokenizer import Tokenizer
+from pydaemon.tokenizer import AnyTokenizer
 
 # Prompt tokens decoded before the first generated one, so its leading space is kept.
 _INITIAL_WINDOW = 5
@@ -19,11 +21,12 @@ _REPLACEMENT = "\ufffd"
 
 class IncrementalDetokenizer:
     def __init__(
-        self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True
+        self, tokenizer: AnyTokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.token_ids: list[int] = list(prompt_token_ids)
+        self._skipped: set[int] = tokenizer.special_token_ids if skip_special_tokens else set()
+        self.token_ids: list[int] = [t for t in prompt_token_ids if t not in self._skipped]
         self.prefix_offset = max(len(self.token_ids) - _INITIAL_WINDOW, 0)
         self.read_offset = len(self.token_ids)
         self._chunks: list[str] = []
@@ -35,7 +38,7 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: list[int]) -> str:
         """Appends generated tokens; returns the new text (possibly empty)."""
-        self.token_ids.extend(token_ids)
+        self.token_ids.extend(t for t in token_ids if t not in self._skipped)
         return self._emit(final=False)
 
     def flush(self) -> str:

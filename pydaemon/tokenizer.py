@@ -1,19 +1,29 @@
-"""SentencePiece tokenizer of a model directory (``tokenizer.model``).
+"""SentencePiece tokenizer of a model directory (``tokenizer.model``), and ``load_tokenizer``.
 
-BOS/EOS come from ``generation_config.json``, then ``config.json``, then the SentencePiece
-model itself, in that order of preference. ``eos_token_id`` may be a list in the configs;
-``eos_token_ids`` holds all of them.
+BOS comes from ``generation_config.json``, then ``config.json``, then the SentencePiece model.
+EOS: every id of ``generation_config.json`` and ``config.json`` (``eos_token_id`` may be a list),
+else the SentencePiece model's; ``eos_token_ids`` holds all of them. The chat template and the
+named special tokens come from ``tokenizer_config.json`` when there is one.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 from pathlib import Path
 from typing import Any
 
 import sentencepiece as spm
 
-from pydaemon.model_config import normalize_eos
+from pydaemon.chat_template import load_chat_template, render_chat_template
+from pydaemon.hf_tokenizer import TOKENIZER_JSON, HFTokenizer
+from pydaemon.tokenizer_files import (
+    model_bos_token_id,
+    model_eos_token_ids,
+    named_special_tokens,
+    read_tokenizer_config,
+)
+
+logger = logging.getLogger(__name__)
 
 TOKENIZER_FILE = "tokenizer.model"
 
@@ -24,13 +34,14 @@ class Tokenizer:
         if not model_file.is_file():
             raise FileNotFoundError(f"tokenizer model not found: {model_file}")
         self.sp = spm.SentencePieceProcessor(model_file=str(model_file))
-        configs = _read_configs(Path(model_dir) if model_dir else model_file.parent)
-        bos = _first_present(configs, "bos_token_id")
+        model_dir = Path(model_dir) if model_dir else model_file.parent
+        self.name = model_dir.name
+        bos = model_bos_token_id(model_dir)
         sp_bos = self.sp.bos_id()
         self.bos_token_id: int | None = (
             bos if bos is not None else (sp_bos if sp_bos >= 0 else None)
         )
-        eos = normalize_eos(_first_present(configs, "eos_token_id"))
+        eos = model_eos_token_ids(model_dir)
         if not eos and self.sp.eos_id() >= 0:
             eos = [self.sp.eos_id()]
         self.eos_token_ids: set[int] = set(eos)
@@ -41,6 +52,22 @@ class Tokenizer:
         } | self.eos_token_ids
         if self.bos_token_id is not None:
             self.special_token_ids.add(self.bos_token_id)
+        tokenizer_config = read_tokenizer_config(model_dir)
+        self.chat_template: str | None = load_chat_template(model_dir, tokenizer_config)
+        self.special_tokens_map: dict[str, str] = {
+            **self._own_special_tokens(),
+            **named_special_tokens(tokenizer_config),
+        }
+
+    def _own_special_tokens(self) -> dict[str, str]:
+        out = {}
+        if self.bos_token_id is not None:
+            out["bos_token"] = self.sp.id_to_piece(self.bos_token_id)
+        if self.eos_token_id is not None:
+            out["eos_token"] = self.sp.id_to_piece(self.eos_token_id)
+        if self.sp.unk_id() >= 0:
+            out["unk_token"] = self.sp.id_to_piece(self.sp.unk_id())
+        return out
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         ids = self.sp.encode(text)
@@ -72,27 +99,40 @@ class Tokenizer:
     def id_to_piece(self, token_id: int) -> str:
         return self.sp.id_to_piece(token_id)
 
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """The prompt text for ``messages`` (see :meth:`HFTokenizer.apply_chat_template`)."""
+        return render_chat_template(
+            self.chat_template,
+            messages,
+            model_name=self.name,
+            special_tokens=self.special_tokens_map,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            **kwargs,
+        )
 
-def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
-    """-> the directory's tokenizer, or None when it has no ``tokenizer.model``."""
-    path = Path(model_dir) / TOKENIZER_FILE
-    if not path.is_file():
-        return None
-    return Tokenizer(path, model_dir)
+
+AnyTokenizer = Tokenizer | HFTokenizer
 
 
-def _read_configs(model_dir: Path) -> list[dict[str, Any]]:
-    out = []
-    for name in ("generation_config.json", "config.json"):
-        path = model_dir / name
-        if path.is_file():
-            with open(path, encoding="utf-8") as f:
-                out.append(json.load(f))
-    return out
-
-
-def _first_present(configs: list[dict[str, Any]], key: str) -> Any:
-    for cfg in configs:
-        if cfg.get(key) is not None:
-            return cfg[key]
+def load_tokenizer(model_dir: str | Path) -> AnyTokenizer | None:
+    """-> the directory's tokenizer: ``tokenizer.json`` (preferred, as transformers does) or
+    ``tokenizer.model``; None, with a warning, when it has neither."""
+    model_dir = Path(model_dir)
+    if (model_dir / TOKENIZER_JSON).is_file():
+        return HFTokenizer.from_dir(model_dir)
+    path = model_dir / TOKENIZER_FILE
+    if path.is_file():
+        return Tokenizer(path, model_dir)
+    logger.warning(
+        "model %s has no tokenizer (neither tokenizer.json nor tokenizer.model): "
+        "requests must send token ids, and responses carry no text",
+        model_dir,
+    )
     return None

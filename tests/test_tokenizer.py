@@ -68,7 +68,8 @@ def test_bos_eos_preference(demo_dir, tmp_path):
     assert t.eos_token_ids == {3} and t.bos_token_id == 4
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5]}))
     t = load_tokenizer(tmp_path)
-    assert t.eos_token_ids == {2, 5} and t.eos_token_id == 2 and t.bos_token_id == 4
+    # Every EOS id of both files, generation_config.json's first.
+    assert t.eos_token_ids == {2, 3, 5} and t.eos_token_id == 2 and t.bos_token_id == 4
 
 
 def test_no_tokenizer_is_none(tmp_path):
@@ -145,3 +146,20 @@ def test_demo_model_dir_cached_and_runs(demo_dir, tok):
     assert cfg.vocab_size == tok.vocab_size
     out = Driver(model, block_size=16).generate([tok.encode("Once upon a time")], 8)[0]
     assert len(out) == 8 and isinstance(tok.decode(out), str)
+
+
+def test_sentencepiece_equals_transformers(demo_dir, tmp_path):
+    """Same ids and text as transformers' LlamaTokenizer on the same tokenizer.model.
+
+    (Texts that start with a space or hold special-token text are left out: there
+    transformers 5's conversion of the model departs from SentencePiece, which we follow.)"""
+    transformers = pytest.importorskip("transformers")
+    shutil.copy(demo_dir / "tokenizer.model", tmp_path / "tokenizer.model")
+    config = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "add_bos_token": True}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    ours = load_tokenizer(tmp_path)
+    for text in [t for t in TEXTS if not t[0].isspace()]:
+        assert ours.encode(text) == ref.encode(text), text
+        ids = ours.encode(text) + [ours.eos_token_id]
+        assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
