@@ -1,5 +1,5 @@
-"""`pagedd serve --http-port`: the OpenAI API of a real daemon process, and SIGTERM draining an
-HTTP stream in flight (the stream completes, the daemon exits 0)."""
+"""`pagedd serve --http-port`: the OpenAI API of a real daemon process (chat out of the box),
+and SIGTERM draining an HTTP stream in flight (the stream completes, the daemon exits 0)."""
 
 from __future__ import annotations
 
@@ -53,6 +53,13 @@ def test_sigterm_drains_an_http_stream_and_exits_0():
     try:
         _wait_healthy(http_port, proc)
         conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=30)
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 3,
+                "ignore_eos": True}  # fmt: skip
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(chat),
+                     headers={"Content-Type": "application/json"})  # fmt: skip
+        reply = json.loads(conn.getresponse().read())  # the demo model's template, out of the box
+        assert reply["usage"]["completion_tokens"] == 3, reply
+        assert reply["choices"][0]["message"]["role"] == "assistant"
         body = {"model": MODEL, "prompt": "Hello world", "max_tokens": 40, "temperature": 0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
         conn.request("POST", "/v1/completions", body=json.dumps(body),
