@@ -30,7 +30,13 @@ def build_app(serving: OpenAIServing) -> web.Application:
 
     def card() -> ModelCard:
         m = serving.model
-        return ModelCard(id=m.name, created=m.created, root=m.name, max_model_len=m.max_model_len)
+        return ModelCard(
+            id=m.name,
+            created=m.created,
+            root=m.name,
+            max_model_len=m.max_model_len,
+            vocab_size=m.vocab_size,
+        )
 
     def as_json(model) -> web.Response:
         return web.Response(text=model.model_dump_json(), content_type="application/json")

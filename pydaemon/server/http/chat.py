@@ -116,7 +116,7 @@ class ChatFormatter:
     def usage_chunk(self, usage: Usage) -> str:
         return self._chunk([], usage)
 
-    def response(self, acc: Accumulator) -> ChatCompletionResponse:
+    def response_json(self, acc: Accumulator) -> str:
         choices = []
         for c in acc.choices:
             logprobs = None
@@ -126,5 +126,7 @@ class ChatFormatter:
             choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
                                       logprobs=logprobs, finish_reason=c.finish_reason,
                                       stop_reason=c.stop_reason))  # fmt: skip
-        return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model,
-                                      choices=choices, usage=acc.usage())  # fmt: skip
+        response = ChatCompletionResponse(id=self.request_id, created=self.created,
+                                          model=self.model, choices=choices,
+                                          usage=acc.usage())  # fmt: skip
+        return response.model_dump_json()

@@ -61,6 +61,8 @@ class CompletionFormatter:
         self.n = body.n
         self.has_logprobs = body.logprobs is not None
         self.echo = [p.text or "" for p in prompts] if body.echo else None
+        # Without return_token_ids the field is left out, not written as null.
+        self._exclude = None if body.return_token_ids else {"choices": {"__all__": {"token_ids"}}}
         self._tokenizer = tokenizer
         self._prompts = prompts
 
@@ -70,7 +72,7 @@ class CompletionFormatter:
     def _chunk(self, choices: list[CompletionChoice]) -> str:
         return CompletionResponse(
             id=self.request_id, created=self.created, model=self.model, choices=choices
-        ).model_dump_json()
+        ).model_dump_json(exclude=self._exclude)
 
     def start_chunks(self, acc: Accumulator) -> list[str]:
         if not self.echo:
@@ -88,7 +90,8 @@ class CompletionFormatter:
                 logprobs = completion_logprobs(d.choice.texts, out.token_ids, out.logprobs, offset)
             choice = CompletionChoice(index=d.choice.index, text=out.text, logprobs=logprobs,
                                       finish_reason=out.finish_reason,
-                                      stop_reason=out.stop_reason)  # fmt: skip
+                                      stop_reason=out.stop_reason,
+                                      token_ids=out.token_ids)  # fmt: skip
             chunks.append(self._chunk([choice]))
         return chunks
 
@@ -101,7 +104,7 @@ class CompletionFormatter:
             id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage
         ).model_dump_json()
 
-    def response(self, acc: Accumulator) -> CompletionResponse:
+    def response_json(self, acc: Accumulator) -> str:
         choices = []
         for c in acc.choices:
             logprobs = None
@@ -113,6 +116,8 @@ class CompletionFormatter:
                 )
             choices.append(CompletionChoice(index=c.index, text=self._echo(c.index) + c.text,
                                             logprobs=logprobs, finish_reason=c.finish_reason,
-                                            stop_reason=c.stop_reason))  # fmt: skip
-        return CompletionResponse(id=self.request_id, created=self.created, model=self.model,
-                                  choices=choices, usage=acc.usage())  # fmt: skip
+                                            stop_reason=c.stop_reason,
+                                            token_ids=c.token_ids))  # fmt: skip
+        response = CompletionResponse(id=self.request_id, created=self.created, model=self.model,
+                                      choices=choices, usage=acc.usage())  # fmt: skip
+        return response.model_dump_json(exclude=self._exclude)

@@ -112,6 +112,7 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    return_token_ids: bool = False  # vLLM's extra: each choice (chunk) carries its token ids
 
     def check(self) -> None:
         if self.suffix:

@@ -47,6 +47,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids: this choice's (new) tokens
 
 
 class CompletionResponse(BaseModel):
@@ -132,6 +133,7 @@ class ModelCard(BaseModel):
     owned_by: str = "pagedd"
     root: str
     max_model_len: int
+    vocab_size: int  # pagedd's extra: the range of token-id prompts
 
 
 class ModelList(BaseModel):

@@ -17,7 +17,6 @@ import logging
 from typing import Protocol
 
 from aiohttp import web
-from pydantic import BaseModel
 
 from pydaemon.sampling_params import SamplingParams
 from pydaemon.server.http.accumulator import Accumulator, ChoiceDelta, ChoiceState
@@ -39,7 +38,7 @@ class Formatter(Protocol):
     def delta_chunks(self, deltas: list[ChoiceDelta]) -> list[str]: ...
     def abort_chunks(self, choices: list[ChoiceState]) -> list[str]: ...
     def usage_chunk(self, usage: Usage) -> str: ...
-    def response(self, acc: Accumulator) -> BaseModel: ...
+    def response_json(self, acc: Accumulator) -> str: ...
 
 
 async def respond(
@@ -86,7 +85,7 @@ async def _collect(live: LiveRequest, acc: Accumulator, outputs, formatter) -> w
             raise
         _uncancel()
         acc.abort_unfinished()
-    return web.Response(text=formatter.response(acc).model_dump_json(),
+    return web.Response(text=formatter.response_json(acc),
                         content_type="application/json")  # fmt: skip
 
 
