@@ -122,3 +122,4 @@ class HttpServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        self.serving.close()

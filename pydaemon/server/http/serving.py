@@ -58,7 +58,14 @@ class OpenAIServing:
 
     @property
     def is_serving(self) -> bool:
-        return self.is_admitting and self.engine.is_alive
+        return self.is_admitting and self.engine is not None and self.engine.is_alive
+
+    def close(self) -> None:
+        """Drops the engine, tokenizer and metrics once the server has stopped: aiohttp keeps
+        the handlers (and so this object) in a module-level cache for the process's life."""
+        self.is_admitting = False
+        self.engine = self.tokenizer = self.metrics = None
+        self.num_queued = lambda: 0
 
     def admit(self, model_name: str) -> None:
         if not self.is_serving:
