@@ -12,6 +12,7 @@ import uuid
 from aiohttp import web
 
 from pydaemon.server.http.accumulator import Accumulator, ChoiceDelta, ChoiceState
+from pydaemon.server.http.chunk_template import TEXT_MARKER, ChunkTemplate
 from pydaemon.server.http.engine_stream import EnginePrompt
 from pydaemon.server.http.errors import bad_request
 from pydaemon.server.http.logprobs import TokenTexts, chat_logprobs
@@ -76,6 +77,19 @@ class ChatFormatter:
         self.has_logprobs = body.logprobs
         self._tokenizer = tokenizer
         self._prompt = prompt
+        self._templates: dict[int, ChunkTemplate] = {}  # choice index -> its text-chunk template
+
+    def _template(self, index: int) -> ChunkTemplate:
+        template = self._templates.get(index)
+        if template is None:
+            choice = ChatChunkChoice(index=index, delta=DeltaMessage(content=TEXT_MARKER))
+            template = ChunkTemplate(
+                ChatCompletionChunk(
+                    id=self.request_id, created=self.created, model=self.model, choices=[choice]
+                )
+            )
+            self._templates[index] = template
+        return template
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         return ChatCompletionChunk(
@@ -95,6 +109,9 @@ class ChatFormatter:
         chunks = []
         for d in deltas:
             out = d.output
+            if out.finish_reason is None and not (self.has_logprobs and out.logprobs):
+                chunks.append(self._template(d.choice.index).render(out.text))
+                continue
             logprobs = None
             if self.has_logprobs and out.logprobs is not None:
                 logprobs = chat_logprobs(

@@ -8,6 +8,7 @@ import uuid
 from aiohttp import web
 
 from pydaemon.server.http.accumulator import Accumulator, ChoiceDelta, ChoiceState
+from pydaemon.server.http.chunk_template import IDS_MARKER, TEXT_MARKER, ChunkTemplate
 from pydaemon.server.http.engine_stream import EnginePrompt
 from pydaemon.server.http.errors import bad_request
 from pydaemon.server.http.logprobs import TokenTexts, completion_logprobs
@@ -63,6 +64,8 @@ class CompletionFormatter:
         self.echo = [p.text or "" for p in prompts] if body.echo else None
         # Without return_token_ids the field is left out, not written as null.
         self._exclude = None if body.return_token_ids else {"choices": {"__all__": {"token_ids"}}}
+        self._return_token_ids = body.return_token_ids
+        self._templates: dict[int, ChunkTemplate] = {}  # choice index -> its text-chunk template
         self._tokenizer = tokenizer
         self._prompts = prompts
 
@@ -74,6 +77,18 @@ class CompletionFormatter:
             id=self.request_id, created=self.created, model=self.model, choices=choices
         ).model_dump_json(exclude=self._exclude)
 
+    def _template(self, index: int) -> ChunkTemplate:
+        template = self._templates.get(index)
+        if template is None:
+            ids = IDS_MARKER if self._return_token_ids else None
+            choice = CompletionChoice(index=index, text=TEXT_MARKER, token_ids=ids)
+            chunk = CompletionResponse(
+                id=self.request_id, created=self.created, model=self.model, choices=[choice]
+            )
+            template = ChunkTemplate(chunk, self._exclude, has_ids=self._return_token_ids)
+            self._templates[index] = template
+        return template
+
     def start_chunks(self, acc: Accumulator) -> list[str]:
         if not self.echo:
             return []
@@ -84,6 +99,9 @@ class CompletionFormatter:
         chunks = []
         for d in deltas:
             out = d.output
+            if out.finish_reason is None and not (self.has_logprobs and out.logprobs):
+                chunks.append(self._template(d.choice.index).render(out.text, out.token_ids))
+                continue
             logprobs = None
             if self.has_logprobs and out.logprobs is not None:
                 offset = len(self._echo(d.choice.index)) + d.text_offset
