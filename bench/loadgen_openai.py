@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import time
 
 import aiohttp
@@ -39,9 +40,8 @@ class OpenAIPool:
     """The same surface as loadgen_client.ChannelPool, over the OpenAI HTTP API."""
 
     def __init__(self, options: ClientOptions, model: str | None = None) -> None:
-        if options.tls_ca:
-            raise ValueError("--protocol openai speaks plain HTTP: drop --tls-ca")
-        self.base_url = f"http://{options.target}"
+        self._ssl = ssl.create_default_context(cafile=options.tls_ca) if options.tls_ca else None
+        self.base_url = f"{'https' if options.tls_ca else 'http'}://{options.target}"
         self.model = model
         self.timeout_s = options.timeout_s
         headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
@@ -51,7 +51,8 @@ class OpenAIPool:
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:  # created on the running loop
-            connector = aiohttp.TCPConnector(limit=0)  # one connection per request in flight
+            # One connection per request in flight.
+            connector = aiohttp.TCPConnector(limit=0, ssl=self._ssl if self._ssl else True)
             timeout = aiohttp.ClientTimeout(total=self.timeout_s)
             self._session = aiohttp.ClientSession(
                 headers=self._headers, connector=connector, timeout=timeout

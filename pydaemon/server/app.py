@@ -156,7 +156,9 @@ class PageddServer:
             else ""
         )
         if self.http is not None:
-            metrics_where += f"; OpenAI API on http://{o.http_host}:{self.http.port}/v1"
+            metrics_where += (
+                f"; OpenAI API on {self.http.scheme}://{o.http_host}:{self.http.port}/v1"
+            )
         logger.info(
             "serving model %s (max_model_len %d, %d KV blocks of %d tokens, %d CPU swap blocks) "
             "on %s%s",
@@ -177,6 +179,8 @@ class PageddServer:
             host=o.http_host,
             port=o.http_port,
             api_key=o.api_key,
+            tls_cert=o.tls_cert,
+            tls_key=o.tls_key,
             max_queued_requests=o.serving.max_queued_requests,
             stall_timeout_s=o.serving.stall_timeout_s,
             max_body_bytes=o.max_message_bytes,

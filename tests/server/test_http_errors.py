@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import http.client
+import json
+import shutil
+import ssl
+import subprocess
+
 import pytest
 from http_helpers import MODEL, openai_client, post, request, start_http_server
 
@@ -125,3 +131,26 @@ def _serving(**kw):
     from pydaemon.server.servicer import ServingOptions
 
     return ServingOptions(**kw)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make a certificate")
+def test_tls_cert_serves_https(tmp_path):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)  # fmt: skip
+    st = start_http_server(tls_cert=str(cert), tls_key=str(key))
+    try:
+        port = st.server.http.port
+        context = ssl.create_default_context(cafile=str(cert))
+        conn = http.client.HTTPSConnection("localhost", port, timeout=10, context=context)
+        conn.request("GET", "/v1/models")
+        assert json.loads(conn.getresponse().read())["data"][0]["id"] == MODEL
+        conn.close()
+        plain = http.client.HTTPConnection("localhost", port, timeout=10)
+        with pytest.raises((http.client.HTTPException, ConnectionError)):
+            plain.request("GET", "/v1/models")
+            plain.getresponse()
+        plain.close()
+    finally:
+        st.close()

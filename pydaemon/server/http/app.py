@@ -8,6 +8,7 @@ Routes: ``GET /v1/models``, ``GET /v1/models/{model}``, ``POST /v1/completions``
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import Callable
 
 from aiohttp import web
@@ -107,7 +108,8 @@ class HttpServer:
         runner = web.AppRunner(build_app(self.serving), handler_cancellation=True,
                                access_log=None, shutdown_timeout=1.0)  # fmt: skip
         await runner.setup()
-        site = web.TCPSite(runner, self.options.host, self.options.port, reuse_port=False)
+        site = web.TCPSite(runner, self.options.host, self.options.port, reuse_port=False,
+                           ssl_context=self._ssl_context())  # fmt: skip
         try:
             await site.start()
         except OSError:
@@ -116,6 +118,17 @@ class HttpServer:
         self._runner = runner
         self.port = runner.addresses[0][1]
         return self.port
+
+    def _ssl_context(self) -> ssl.SSLContext | None:
+        if not self.options.tls_cert:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.options.tls_cert, self.options.tls_key)
+        return context
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.options.tls_cert else "http"
 
     async def stop(self) -> None:
         """Closes the listener and every connection (after the drain ended the requests)."""

@@ -29,6 +29,8 @@ class HttpOptions:
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port (see HttpServer.port)
     api_key: str | None = None
+    tls_cert: str | None = None  # PEM files: serve HTTPS (the same pair as gRPC's TLS)
+    tls_key: str | None = None
     max_queued_requests: int = 1024  # beyond this many unscheduled requests: 429
     stall_timeout_s: float = 30.0  # a streaming client not reading this long is dropped
     max_body_bytes: int = 16 * 1024 * 1024
