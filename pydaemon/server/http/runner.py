@@ -59,6 +59,7 @@ async def respond(
                 try:
                     first = await outputs.__anext__()
                 except ValueError as e:  # refused by the engine: nothing was sent yet
+                    live.is_failed = True
                     raise bad_request(str(e)) from None
                 except asyncio.CancelledError:
                     if not live.is_aborted_by_server:
@@ -66,17 +67,20 @@ async def respond(
                     _uncancel()
                     raise ApiError(503, "the server is shutting down", code="not_serving") from None
                 except Exception as e:
+                    live.is_failed = True
                     raise _engine_error(serving, e) from None
                 deltas = acc.add(*first)
                 if stream:
                     return await _stream(request, serving, live, acc, deltas, outputs,
                                          formatter, include_usage)  # fmt: skip
-                return await _collect(live, acc, outputs, formatter)
+                return await _collect(serving, live, acc, outputs, formatter)
         finally:
-            serving.observe(acc, "aborted" if live.is_aborted_by_server else None)
+            if not live.is_failed:  # failures are errors, not finished requests (as in gRPC)
+                serving.observe(acc, "aborted" if live.is_aborted_by_server else None)
 
 
-async def _collect(live: LiveRequest, acc: Accumulator, outputs, formatter) -> web.Response:
+async def _collect(serving, live: LiveRequest, acc: Accumulator, outputs,
+                   formatter) -> web.Response:  # fmt: skip
     try:
         async for item in outputs:
             acc.add(*item)
@@ -85,6 +89,9 @@ async def _collect(live: LiveRequest, acc: Accumulator, outputs, formatter) -> w
             raise
         _uncancel()
         acc.abort_unfinished()
+    except Exception as e:  # a later prompt of a batch refused, or the engine failed
+        live.is_failed = True
+        raise _engine_error(serving, e) from None
     return web.Response(text=formatter.response_json(acc),
                         content_type="application/json")  # fmt: skip
 
@@ -106,6 +113,7 @@ async def _stream(request, serving, live, acc, deltas, outputs, formatter,
         except (asyncio.TimeoutError, ConnectionResetError):
             raise
         except Exception as e:  # noqa: BLE001 - after the headers: an error event ends the stream
+            live.is_failed = True
             await events.send([error_event(_engine_error(serving, e))])
             return await events.close()
         if include_usage:

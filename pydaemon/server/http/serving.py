@@ -40,6 +40,7 @@ class HttpOptions:
 class LiveRequest:
     task: asyncio.Task
     is_aborted_by_server: bool = False  # cancelled by the drain, not by the client leaving
+    is_failed: bool = False  # answered with an error (not counted as a finished request)
 
 
 class OpenAIServing:
