@@ -186,8 +186,14 @@ class PageddServer:
             max_body_bytes=o.max_message_bytes,
         )
         async_engine = self.async_engine
-        self.http = HttpServer(async_engine, engine.tokenizer, model, options, self.metrics,
-                               num_queued=lambda: async_engine.num_unscheduled)  # fmt: skip
+        self.http = HttpServer(
+            async_engine,
+            engine.tokenizer,
+            model,
+            options,
+            self.metrics,
+            num_queued=lambda: async_engine.num_unscheduled,
+        )
         await self.http.start()
 
     @property

@@ -48,8 +48,9 @@ def build_app(serving: OpenAIServing) -> web.Application:
     async def get_model(request: web.Request) -> web.Response:
         name = request.match_info["model"]
         if name != serving.model.name:
-            raise ApiError(404, f"model {name!r} does not exist", param="model",
-                           code="model_not_found")  # fmt: skip
+            raise ApiError(
+                404, f"model {name!r} does not exist", param="model", code="model_not_found"
+            )
         return as_json(card())
 
     async def completions(request: web.Request) -> web.StreamResponse:
@@ -67,9 +68,11 @@ def build_app(serving: OpenAIServing) -> web.Application:
         if serving.metrics is None:
             raise ApiError(404, "metrics are not collected by this server")
         return web.Response(
-            text=serving.metrics.render(), content_type="text/plain", charset="utf-8",
+            text=serving.metrics.render(),
+            content_type="text/plain",
+            charset="utf-8",
             headers={"X-Content-Type-Options": "nosniff"},
-        )  # fmt: skip
+        )
 
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)
@@ -84,8 +87,15 @@ class HttpServer:
     """The OpenAI-compatible API on its own port, on the caller's event loop (the gRPC
     server's), over the same engine client."""
 
-    def __init__(self, engine, tokenizer, model: ServedModel, options: HttpOptions,
-                 metrics=None, num_queued: Callable[[], int] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        model: ServedModel,
+        options: HttpOptions,
+        metrics=None,
+        num_queued: Callable[[], int] | None = None,
+    ) -> None:
         self.options = options
         self.serving = OpenAIServing(engine, tokenizer, model, options, metrics, num_queued)
         self.port: int | None = None
@@ -105,11 +115,20 @@ class HttpServer:
         """Listens; returns the port (useful with port 0)."""
         # handler_cancellation: a client that disconnects cancels its handler, and so aborts
         # its engine request at once instead of at the next failed write.
-        runner = web.AppRunner(build_app(self.serving), handler_cancellation=True,
-                               access_log=None, shutdown_timeout=1.0)  # fmt: skip
+        runner = web.AppRunner(
+            build_app(self.serving),
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=1.0,
+        )
         await runner.setup()
-        site = web.TCPSite(runner, self.options.host, self.options.port, reuse_port=False,
-                           ssl_context=self._ssl_context())  # fmt: skip
+        site = web.TCPSite(
+            runner,
+            self.options.host,
+            self.options.port,
+            reuse_port=False,
+            ssl_context=self._ssl_context(),
+        )
         try:
             await site.start()
         except OSError:

@@ -68,8 +68,14 @@ def _render(serving: OpenAIServing, body: ChatCompletionRequest) -> str:
 
 
 class ChatFormatter:
-    def __init__(self, request_id: str, model: str, tokenizer, prompt: EnginePrompt,
-                 body: ChatCompletionRequest) -> None:  # fmt: skip
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        tokenizer,
+        prompt: EnginePrompt,
+        body: ChatCompletionRequest,
+    ) -> None:
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
@@ -93,17 +99,21 @@ class ChatFormatter:
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         return ChatCompletionChunk(
-            id=self.request_id, created=self.created, model=self.model, choices=choices,
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
             usage=usage,
-        ).model_dump_json()  # fmt: skip
+        ).model_dump_json()
 
     def start_chunks(self, acc: Accumulator) -> list[str]:
         """OpenAI's first chunk of each choice names the role."""
         return [
-            self._chunk([ChatChunkChoice(index=c.index,
-                                         delta=DeltaMessage(role="assistant", content=""))])
+            self._chunk(
+                [ChatChunkChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))]
+            )
             for c in acc.choices
-        ]  # fmt: skip
+        ]
 
     def delta_chunks(self, deltas: list[ChoiceDelta]) -> list[str]:
         chunks = []
@@ -117,18 +127,23 @@ class ChatFormatter:
                 logprobs = chat_logprobs(
                     d.choice.texts, out.token_ids, out.logprobs, self.top_logprobs
                 )
-            choice = ChatChunkChoice(index=d.choice.index, delta=DeltaMessage(content=out.text),
-                                     logprobs=logprobs, finish_reason=out.finish_reason,
-                                     stop_reason=out.stop_reason)  # fmt: skip
+            choice = ChatChunkChoice(
+                index=d.choice.index,
+                delta=DeltaMessage(content=out.text),
+                logprobs=logprobs,
+                finish_reason=out.finish_reason,
+                stop_reason=out.stop_reason,
+            )
             chunks.append(self._chunk([choice]))
         return chunks
 
     def abort_chunks(self, choices: list[ChoiceState]) -> list[str]:
         return [
-            self._chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(),
-                                         finish_reason="abort")])
+            self._chunk(
+                [ChatChunkChoice(index=c.index, delta=DeltaMessage(), finish_reason="abort")]
+            )
             for c in choices
-        ]  # fmt: skip
+        ]
 
     def usage_chunk(self, usage: Usage) -> str:
         return self._chunk([], usage)
@@ -140,10 +155,20 @@ class ChatFormatter:
             if self.has_logprobs:
                 texts = TokenTexts(self._tokenizer, self._prompt.token_ids)
                 logprobs = chat_logprobs(texts, c.token_ids, c.positions, self.top_logprobs)
-            choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                                      logprobs=logprobs, finish_reason=c.finish_reason,
-                                      stop_reason=c.stop_reason))  # fmt: skip
-        response = ChatCompletionResponse(id=self.request_id, created=self.created,
-                                          model=self.model, choices=choices,
-                                          usage=acc.usage())  # fmt: skip
+            choices.append(
+                ChatChoice(
+                    index=c.index,
+                    message=ChatResponseMessage(content=c.text),
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+            )
+        response = ChatCompletionResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=acc.usage(),
+        )
         return response.model_dump_json()

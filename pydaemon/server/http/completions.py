@@ -28,8 +28,15 @@ async def create_completion(serving: OpenAIServing, request: web.Request) -> web
     formatter = CompletionFormatter(
         f"cmpl-{uuid.uuid4().hex}", serving.model.name, serving.tokenizer, prompts, body
     )
-    return await respond(serving, request, prompts, params, formatter,
-                         stream=body.stream, include_usage=body.include_usage)  # fmt: skip
+    return await respond(
+        serving,
+        request,
+        prompts,
+        params,
+        formatter,
+        stream=body.stream,
+        include_usage=body.include_usage,
+    )
 
 
 def _prompts(serving: OpenAIServing, prompt, echo: bool) -> list[EnginePrompt]:
@@ -54,8 +61,14 @@ def _prompts(serving: OpenAIServing, prompt, echo: bool) -> list[EnginePrompt]:
 
 
 class CompletionFormatter:
-    def __init__(self, request_id: str, model: str, tokenizer,
-                 prompts: list[EnginePrompt], body: CompletionRequest) -> None:  # fmt: skip
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        tokenizer,
+        prompts: list[EnginePrompt],
+        body: CompletionRequest,
+    ) -> None:
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
@@ -92,8 +105,10 @@ class CompletionFormatter:
     def start_chunks(self, acc: Accumulator) -> list[str]:
         if not self.echo:
             return []
-        return [self._chunk([CompletionChoice(index=c.index, text=self._echo(c.index))])
-                for c in acc.choices]  # fmt: skip
+        return [
+            self._chunk([CompletionChoice(index=c.index, text=self._echo(c.index))])
+            for c in acc.choices
+        ]
 
     def delta_chunks(self, deltas: list[ChoiceDelta]) -> list[str]:
         chunks = []
@@ -106,16 +121,22 @@ class CompletionFormatter:
             if self.has_logprobs and out.logprobs is not None:
                 offset = len(self._echo(d.choice.index)) + d.text_offset
                 logprobs = completion_logprobs(d.choice.texts, out.token_ids, out.logprobs, offset)
-            choice = CompletionChoice(index=d.choice.index, text=out.text, logprobs=logprobs,
-                                      finish_reason=out.finish_reason,
-                                      stop_reason=out.stop_reason,
-                                      token_ids=out.token_ids)  # fmt: skip
+            choice = CompletionChoice(
+                index=d.choice.index,
+                text=out.text,
+                logprobs=logprobs,
+                finish_reason=out.finish_reason,
+                stop_reason=out.stop_reason,
+                token_ids=out.token_ids,
+            )
             chunks.append(self._chunk([choice]))
         return chunks
 
     def abort_chunks(self, choices: list[ChoiceState]) -> list[str]:
-        return [self._chunk([CompletionChoice(index=c.index, text="", finish_reason="abort")])
-                for c in choices]  # fmt: skip
+        return [
+            self._chunk([CompletionChoice(index=c.index, text="", finish_reason="abort")])
+            for c in choices
+        ]
 
     def usage_chunk(self, usage: Usage) -> str:
         return CompletionResponse(
@@ -132,10 +153,21 @@ class CompletionFormatter:
                 logprobs = completion_logprobs(
                     texts, c.token_ids, c.positions, len(self._echo(c.index))
                 )
-            choices.append(CompletionChoice(index=c.index, text=self._echo(c.index) + c.text,
-                                            logprobs=logprobs, finish_reason=c.finish_reason,
-                                            stop_reason=c.stop_reason,
-                                            token_ids=c.token_ids))  # fmt: skip
-        response = CompletionResponse(id=self.request_id, created=self.created, model=self.model,
-                                      choices=choices, usage=acc.usage())  # fmt: skip
+            choices.append(
+                CompletionChoice(
+                    index=c.index,
+                    text=self._echo(c.index) + c.text,
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                    token_ids=c.token_ids,
+                )
+            )
+        response = CompletionResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=acc.usage(),
+        )
         return response.model_dump_json(exclude=self._exclude)

@@ -31,8 +31,9 @@ class EngineRequestFailed(ValueError):
     """The engine refused or failed a request (e.g. a prompt that can never fit)."""
 
 
-async def _one(engine, request_id: str, prompt: EnginePrompt,
-               params: SamplingParams) -> AsyncIterator[RequestOutput]:  # fmt: skip
+async def _one(
+    engine, request_id: str, prompt: EnginePrompt, params: SamplingParams
+) -> AsyncIterator[RequestOutput]:
     async for output in engine.generate(request_id, prompt.token_ids, params):
         if output.error is not None:
             raise EngineRequestFailed(output.error)

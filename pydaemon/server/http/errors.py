@@ -42,8 +42,9 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
 
 
-def error_response(status: int, message: str, *, param: str | None = None,
-                   code: str | None = None) -> web.Response:  # fmt: skip
+def error_response(
+    status: int, message: str, *, param: str | None = None, code: str | None = None
+) -> web.Response:
     body = ErrorResponse(
         error=ErrorInfo(
             message=message,

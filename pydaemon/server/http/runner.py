@@ -58,29 +58,28 @@ async def respond(
             async with contextlib.aclosing(outputs):
                 try:
                     first = await outputs.__anext__()
-                except ValueError as e:  # refused by the engine: nothing was sent yet
-                    live.is_failed = True
-                    raise bad_request(str(e)) from None
                 except asyncio.CancelledError:
                     if not live.is_aborted_by_server:
                         raise
                     _uncancel()
                     raise ApiError(503, "the server is shutting down", code="not_serving") from None
-                except Exception as e:
+                except Exception as e:  # e.g. refused by the engine: nothing was sent yet
                     live.is_failed = True
                     raise _engine_error(serving, e) from None
                 deltas = acc.add(*first)
                 if stream:
-                    return await _stream(request, serving, live, acc, deltas, outputs,
-                                         formatter, include_usage)  # fmt: skip
+                    return await _stream(
+                        request, serving, live, acc, deltas, outputs, formatter, include_usage
+                    )
                 return await _collect(serving, live, acc, outputs, formatter)
         finally:
             if not live.is_failed:  # failures are errors, not finished requests (as in gRPC)
                 serving.observe(acc, "aborted" if live.is_aborted_by_server else None)
 
 
-async def _collect(serving, live: LiveRequest, acc: Accumulator, outputs,
-                   formatter) -> web.Response:  # fmt: skip
+async def _collect(
+    serving, live: LiveRequest, acc: Accumulator, outputs, formatter
+) -> web.Response:
     try:
         async for item in outputs:
             acc.add(*item)
@@ -92,17 +91,17 @@ async def _collect(serving, live: LiveRequest, acc: Accumulator, outputs,
     except Exception as e:  # a later prompt of a batch refused, or the engine failed
         live.is_failed = True
         raise _engine_error(serving, e) from None
-    return web.Response(text=formatter.response_json(acc),
-                        content_type="application/json")  # fmt: skip
+    return web.Response(text=formatter.response_json(acc), content_type="application/json")
 
 
-async def _stream(request, serving, live, acc, deltas, outputs, formatter,
-                  include_usage) -> web.StreamResponse:  # fmt: skip
+async def _stream(
+    request, serving, live, acc, deltas, outputs, formatter, include_usage
+) -> web.StreamResponse:
     events = EventStream(request, serving.options.stall_timeout_s)
     try:
         await events.open()
-        await events.send(formatter.start_chunks(acc) + formatter.delta_chunks(deltas))
         try:
+            await events.send(formatter.start_chunks(acc) + formatter.delta_chunks(deltas))
             async for item in outputs:
                 await events.send(formatter.delta_chunks(acc.add(*item)))
         except asyncio.CancelledError:

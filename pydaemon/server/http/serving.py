@@ -48,8 +48,15 @@ class OpenAIServing:
     ``num_queued``: requests posted to the engine and not yet scheduled (from every front end),
     for admission control."""
 
-    def __init__(self, engine, tokenizer, model: ServedModel, options: HttpOptions,
-                 metrics=None, num_queued: Callable[[], int] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        model: ServedModel,
+        options: HttpOptions,
+        metrics=None,
+        num_queued: Callable[[], int] | None = None,
+    ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model = model
