@@ -145,7 +145,8 @@ class PageddServer:
             self.metrics_server = MetricsServer(self.metrics, o.metrics_host, o.metrics_port)
             self.metrics_server.start()
         if o.http_port is not None:
-            await self._start_http(engine)
+            model = ServedModel(engine.model_name, engine.max_model_len, engine.vocab_size)
+            await self._start_http(model, engine.tokenizer)
         self.servicer.is_admitting = True
         await self.health.set_serving()
         stats = self.async_engine.latest_stats
@@ -172,9 +173,8 @@ class PageddServer:
         )
         self.notifier.ready(f"serving {engine.model_name} on {where}")
 
-    async def _start_http(self, engine: Any) -> None:
+    async def _start_http(self, model: ServedModel, tokenizer: Any) -> None:
         o = self.options
-        model = ServedModel(engine.model_name, engine.max_model_len, engine.vocab_size)
         options = HttpOptions(
             host=o.http_host,
             port=o.http_port,
@@ -188,7 +188,7 @@ class PageddServer:
         async_engine = self.async_engine
         self.http = HttpServer(
             async_engine,
-            engine.tokenizer,
+            tokenizer,
             model,
             options,
             self.metrics,

@@ -36,7 +36,8 @@ async def create_chat_completion(
     body = ChatCompletionRequest.model_validate_json(await request.read())
     body.check()
     serving.admit(body.model)
-    prompt = EnginePrompt(serving.encode(_render(serving, body), add_bos=False, param="messages"))
+    rendered = _render(serving, body)
+    prompt = EnginePrompt(await serving.encode(rendered, add_bos=False, param="messages"))
     max_tokens = serving.resolve_max_tokens(len(prompt.token_ids), body.requested_max_tokens)
     params = body.sampling_params(max_tokens, body.engine_logprobs)
     formatter = ChatFormatter(

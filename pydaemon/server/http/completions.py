@@ -22,7 +22,7 @@ async def create_completion(serving: OpenAIServing, request: web.Request) -> web
     body = CompletionRequest.model_validate_json(await request.read())
     body.check()
     serving.admit(body.model)
-    prompts = _prompts(serving, body.prompt, body.echo)
+    prompts = await _prompts(serving, body.prompt, body.echo)
     max_tokens = min(serving.resolve_max_tokens(len(p.token_ids), body.max_tokens) for p in prompts)
     params = body.sampling_params(max_tokens, body.logprobs, body.best_of)
     formatter = CompletionFormatter(
@@ -39,7 +39,7 @@ async def create_completion(serving: OpenAIServing, request: web.Request) -> web
     )
 
 
-def _prompts(serving: OpenAIServing, prompt, echo: bool) -> list[EnginePrompt]:
+async def _prompts(serving: OpenAIServing, prompt, echo: bool) -> list[EnginePrompt]:
     """str | list[str] | list[int] | list[list[int]] -> one EnginePrompt per prompt."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
@@ -49,7 +49,7 @@ def _prompts(serving: OpenAIServing, prompt, echo: bool) -> list[EnginePrompt]:
     for i, p in enumerate(prompt):
         param = "prompt" if len(prompt) == 1 else f"prompt.{i}"
         if isinstance(p, str):
-            out.append(EnginePrompt(serving.encode(p, add_bos=True, param=param), p))
+            out.append(EnginePrompt(await serving.encode(p, add_bos=True, param=param), p))
             continue
         vocab_size = serving.model.vocab_size
         bad = [t for t in p if not 0 <= t < vocab_size]

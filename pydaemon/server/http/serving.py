@@ -100,12 +100,14 @@ class OpenAIServing:
 
     # ---- prompts -----------------------------------------------------------------------
 
-    def encode(self, text: str, *, add_bos: bool, param: str) -> list[int]:
+    async def encode(self, text: str, *, add_bos: bool, param: str) -> list[int]:
+        """Token ids of a prompt, tokenized off the event loop (a long prompt takes ms)."""
         if self.tokenizer is None:
             raise bad_request("this model has no tokenizer: send the prompt as token ids", param)
         if not text:
             raise bad_request(f"{param} is empty", param)
-        return self.tokenizer.encode(text, add_bos=add_bos)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self.tokenizer.encode, text, add_bos)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
