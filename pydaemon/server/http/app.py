@@ -10,15 +10,18 @@ from __future__ import annotations
 import logging
 import ssl
 from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
 
 from pydaemon.server.http.auth import api_key_middleware
 from pydaemon.server.http.chat import create_chat_completion
 from pydaemon.server.http.completions import create_completion
+from pydaemon.server.http.engine_stream import GenerateClient
 from pydaemon.server.http.errors import ApiError, error_middleware, error_response
 from pydaemon.server.http.responses import ModelCard, ModelList
 from pydaemon.server.http.serving import HttpOptions, OpenAIServing, ServedModel
+from pydaemon.server.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 
@@ -89,11 +92,11 @@ class HttpServer:
 
     def __init__(
         self,
-        engine,
-        tokenizer,
+        engine: GenerateClient,
+        tokenizer: Any,
         model: ServedModel,
         options: HttpOptions,
-        metrics=None,
+        metrics: Metrics | None = None,
         num_queued: Callable[[], int] | None = None,
     ) -> None:
         self.options = options

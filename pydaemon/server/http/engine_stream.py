@@ -1,9 +1,9 @@
 """The engine requests of one HTTP request (one per prompt) as one stream of outputs.
 
-Only the engine client's public surface is used: ``generate`` (an async iterator of
-RequestOutput deltas that aborts its request when left early) and nothing else. Leaving this
-stream early (client gone, error, drain) closes every per-prompt iterator, which aborts the
-engine requests and frees their KV blocks before the engine's next step.
+Only the engine client's public surface is used (``GenerateClient``): ``generate``, an async
+iterator of RequestOutput deltas that aborts its request when left early. Leaving this stream
+early (client gone, error, drain) closes every per-prompt iterator, which aborts the engine
+requests and frees their KV blocks before the engine's next step.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from pydaemon.outputs import RequestOutput
 from pydaemon.sampling_params import SamplingParams
@@ -27,12 +28,23 @@ class EnginePrompt:
     text: str | None = None  # the prompt as text, when known (echo)
 
 
+class GenerateClient(Protocol):
+    """What the HTTP layer uses of the engine client (AsyncEngine / EngineClient)."""
+
+    def generate(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]: ...
+
+    @property
+    def is_alive(self) -> bool: ...
+
+
 class EngineRequestFailed(ValueError):
     """The engine refused or failed a request (e.g. a prompt that can never fit)."""
 
 
 async def _one(
-    engine, request_id: str, prompt: EnginePrompt, params: SamplingParams
+    engine: GenerateClient, request_id: str, prompt: EnginePrompt, params: SamplingParams
 ) -> AsyncIterator[RequestOutput]:
     async for output in engine.generate(request_id, prompt.token_ids, params):
         if output.error is not None:
@@ -41,7 +53,7 @@ async def _one(
 
 
 async def generate_all(
-    engine, request_id: str, prompts: list[EnginePrompt], params: SamplingParams
+    engine: GenerateClient, request_id: str, prompts: list[EnginePrompt], params: SamplingParams
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Yields (prompt index, delta) until every prompt's request finished.
 

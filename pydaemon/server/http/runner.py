@@ -14,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import AsyncIterator
 from typing import Protocol
 
 from aiohttp import web
 
+from pydaemon.outputs import RequestOutput
 from pydaemon.sampling_params import SamplingParams
 from pydaemon.server.http.accumulator import Accumulator, ChoiceDelta, ChoiceState
 from pydaemon.server.http.engine_stream import EnginePrompt, generate_all
@@ -78,7 +80,11 @@ async def respond(
 
 
 async def _collect(
-    serving, live: LiveRequest, acc: Accumulator, outputs, formatter
+    serving: OpenAIServing,
+    live: LiveRequest,
+    acc: Accumulator,
+    outputs: AsyncIterator[tuple[int, RequestOutput]],
+    formatter: Formatter,
 ) -> web.Response:
     try:
         async for item in outputs:
@@ -95,7 +101,14 @@ async def _collect(
 
 
 async def _stream(
-    request, serving, live, acc, deltas, outputs, formatter, include_usage
+    request: web.Request,
+    serving: OpenAIServing,
+    live: LiveRequest,
+    acc: Accumulator,
+    deltas: list[ChoiceDelta],
+    outputs: AsyncIterator[tuple[int, RequestOutput]],
+    formatter: Formatter,
+    include_usage: bool,
 ) -> web.StreamResponse:
     events = EventStream(request, serving.options.stall_timeout_s)
     try:

@@ -10,10 +10,13 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from pydaemon.server.http.accumulator import Accumulator
+from pydaemon.server.http.engine_stream import GenerateClient
 from pydaemon.server.http.errors import ApiError, bad_request
 from pydaemon.server.http.protocol import InvalidParam
+from pydaemon.server.metrics import Metrics
 
 
 @dataclass(frozen=True)
@@ -44,17 +47,18 @@ class LiveRequest:
 
 
 class OpenAIServing:
-    """``engine``: the engine client (``generate``, ``abort``, ``stats``, ``is_alive``);
-    ``num_queued``: requests posted to the engine and not yet scheduled (from every front end),
-    for admission control."""
+    """``engine``: the engine client; ``tokenizer``: the model's (``encode``, ``decode``,
+    ``apply_chat_template``), or None; ``metrics``: the daemon's Prometheus registry;
+    ``num_queued``: requests posted to the engine and not yet scheduled (from every front
+    end), for admission control."""
 
     def __init__(
         self,
-        engine,
-        tokenizer,
+        engine: GenerateClient,
+        tokenizer: Any,
         model: ServedModel,
         options: HttpOptions,
-        metrics=None,
+        metrics: Metrics | None = None,
         num_queued: Callable[[], int] | None = None,
     ) -> None:
         self.engine = engine
