@@ -169,7 +169,11 @@ def test_chat_content_parts_render_like_plain_text(client):
             "response_format",
             "only response_format",
         ),  # fmt: skip
-        ({"messages": MESSAGES, "max_completion_tokens": 4000}, "max_tokens", "context length"),
+        (
+            {"messages": MESSAGES, "max_completion_tokens": 4000},
+            "max_completion_tokens",
+            "context length",
+        ),  # fmt: skip
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
             "messages.0.content.str",

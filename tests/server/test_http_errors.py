@@ -64,8 +64,11 @@ def test_bad_parameter_is_400_naming_it(server, body, param, words):
 
 
 def test_prompt_longer_than_the_context_is_400(server):
-    error = _error(post(server, COMPLETIONS, {"model": MODEL, "prompt": [7] * 2048}), 400)
-    assert "maximum context length is 2048" in error["message"]
+    for max_tokens in (None, 1):
+        body = {"model": MODEL, "prompt": [7] * 2048, "max_tokens": max_tokens}
+        error = _error(post(server, COMPLETIONS, body), 400)
+        assert "maximum context length is 2048" in error["message"]
+        assert error["param"] == "prompt"
 
 
 def test_body_that_is_not_json_is_400(server):

@@ -38,7 +38,14 @@ async def create_chat_completion(
     serving.admit(body.model)
     rendered = _render(serving, body)
     prompt = EnginePrompt(await serving.encode(rendered, add_bos=False, param="messages"))
-    max_tokens = serving.resolve_max_tokens(len(prompt.token_ids), body.requested_max_tokens)
+    max_tokens = serving.resolve_max_tokens(
+        len(prompt.token_ids),
+        body.requested_max_tokens,
+        prompt_param="messages",
+        max_tokens_param=(
+            "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        ),
+    )
     params = body.sampling_params(max_tokens, body.engine_logprobs)
     formatter = ChatFormatter(
         f"chatcmpl-{uuid.uuid4().hex}", serving.model.name, serving.tokenizer, prompt, body

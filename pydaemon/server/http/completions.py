@@ -23,7 +23,12 @@ async def create_completion(serving: OpenAIServing, request: web.Request) -> web
     body.check()
     serving.admit(body.model)
     prompts = await _prompts(serving, body.prompt, body.echo)
-    max_tokens = min(serving.resolve_max_tokens(len(p.token_ids), body.max_tokens) for p in prompts)
+    max_tokens = min(
+        serving.resolve_max_tokens(
+            len(p.token_ids), body.max_tokens, prompt_param="prompt", max_tokens_param="max_tokens"
+        )
+        for p in prompts
+    )
     params = body.sampling_params(max_tokens, body.logprobs, body.best_of)
     formatter = CompletionFormatter(
         f"cmpl-{uuid.uuid4().hex}", serving.model.name, serving.tokenizer, prompts, body

@@ -116,27 +116,36 @@ class OpenAIServing:
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
 
-    def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
-        """``max_tokens`` checked against the context (None: all of what is left)."""
+    def resolve_max_tokens(
+        self,
+        num_prompt_tokens: int,
+        max_tokens: int | None,
+        *,
+        prompt_param: str,
+        max_tokens_param: str,
+    ) -> int:
+        """``max_tokens`` checked against the context (None: all of what is left); errors
+        name the request field (``prompt_param``, ``max_tokens_param``)."""
         room = self.model.max_model_len - num_prompt_tokens
+        if room < 1:
+            raise bad_request(
+                f"the prompt has {num_prompt_tokens} tokens; this model's maximum context "
+                f"length is {self.model.max_model_len}, which leaves no room for output",
+                prompt_param,
+            )
         if max_tokens is None:
-            if room < 1:
-                raise bad_request(
-                    f"the prompt has {num_prompt_tokens} tokens; this model's maximum context "
-                    f"length is {self.model.max_model_len}, which leaves no room for output",
-                    "messages",
-                )
             return room
         if max_tokens < 1:
             raise InvalidParam(
-                f"max_tokens must be a positive integer (got {max_tokens})", "max_tokens"
+                f"{max_tokens_param} must be a positive integer (got {max_tokens})",
+                max_tokens_param,
             )
         if max_tokens > room:
             raise bad_request(
                 f"this model's maximum context length is {self.model.max_model_len} tokens; "
                 f"you requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in "
                 f"the prompt, {max_tokens} for the output)",
-                "max_tokens",
+                max_tokens_param,
             )
         return max_tokens
 
