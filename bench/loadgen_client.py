@@ -282,7 +282,15 @@ async def model_info(pool: ChannelPool) -> dict:
     info = await pool.stubs[0].GetModelInfo(
         pb.GetModelInfoRequest(), metadata=pool.metadata, timeout=10
     )
-    return {f.name: getattr(info, f.name) for f in pb.ModelInfo.DESCRIPTOR.fields}
+    out: dict = {}
+    for f in pb.ModelInfo.DESCRIPTOR.fields:  # as JSON-ready values
+        value = getattr(info, f.name)
+        if f.message_type is not None:
+            value = {g.name: v for g, v in value.ListFields()}
+        elif not isinstance(value, (str, int, float, bool)):
+            value = list(value)  # a repeated field
+        out[f.name] = value
+    return out
 
 
 async def wait_ready(pool: ChannelPool, timeout_s: float) -> None:

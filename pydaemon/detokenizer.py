@@ -5,7 +5,9 @@ of ``tokens[prefix_offset:read_offset]`` (already emitted) and of ``tokens[prefi
 the delta is the difference. Decoding both from the same start token makes SentencePiece's
 stripping of a leading space cancel out, so the first generated token keeps its space. A
 window whose text ends in U+FFFD (an incomplete UTF-8 sequence from byte-fallback pieces) is
-held back until the character is complete. With ``skip_special_tokens`` the special ids are
+held back until the character is complete, and so is a window that ends in a byte-fallback
+piece (``<0xE2>``): the decoder turns a whole run of them into text or, if the run is not
+valid UTF-8, into one U+FFFD per byte, so a run's text is known only once it has ended. With ``skip_special_tokens`` the special ids are
 dropped on the way in (the tokenizers drop them before decoding too), so a window never starts
 with a skipped token, which would let the decoder strip the next token's leading space.
 """
@@ -53,7 +55,10 @@ class IncrementalDetokenizer:
             self.token_ids[self.prefix_offset : self.read_offset], self.skip_special_tokens
         )
         new_text = decode(self.token_ids[self.prefix_offset :], self.skip_special_tokens)
-        if not final and new_text.endswith(_REPLACEMENT):
+        if not final and (
+            new_text.endswith(_REPLACEMENT)
+            or self.token_ids[-1] in self.tokenizer.byte_run_token_ids
+        ):
             return ""
         # The window may hold a partial character from the prompt: compare lengths, not bytes.
         delta = new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""

@@ -13,6 +13,7 @@ import time
 from pydaemon import _core
 from pydaemon.config import EngineConfig
 from pydaemon.engine_stats import EngineStats, resolve_model_dir
+from pydaemon.generation_config import GenerationDefaults
 from pydaemon.model_runner import ModelRunner, SampleRow
 from pydaemon.output_processor import OutputProcessor
 from pydaemon.outputs import RequestMetrics, RequestOutput
@@ -21,6 +22,7 @@ from pydaemon.sampling import make_generator
 from pydaemon.sampling_params import SamplingParams
 from pydaemon.scheduler import ScheduledSeq, Scheduler
 from pydaemon.tokenizer import load_tokenizer
+from pydaemon.tokenizer_files import model_eos_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,7 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size
         self.tokenizer = load_tokenizer(model_dir)
+        self.generation_defaults = GenerationDefaults.from_model_dir(model_dir)
         if self.runner.max_num_batched_tokens < config.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.runner.max_num_batched_tokens}) must be >= "
@@ -64,19 +67,18 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
         )
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
-        self.eos_token_ids = self._eos_token_ids()
+        self.eos_token_ids = self._eos_token_ids(model_dir)
         self.requests: dict[str, Request] = {}
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.peak_used_blocks = 0
 
-    def _eos_token_ids(self) -> set[int]:
+    def _eos_token_ids(self, model_dir) -> set[int]:
+        """Every id that ends a sequence: generation_config.json's, config.json's, the tokenizer's."""
+        ids = set(model_eos_token_ids(model_dir)) | set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
-            return set(self.tokenizer.eos_token_ids)
-        eos = self.model_config.eos_token_id
-        if eos is None:
-            return set()
-        return {eos} if isinstance(eos, int) else set(eos)
+            ids |= self.tokenizer.eos_token_ids
+        return ids
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(
@@ -129,7 +131,10 @@ class LLMEngine:
             if not prompt:
                 raise ValueError("prompt is empty")
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer.model: send the prompt as token ids")
+                raise ValueError(
+                    "this model has no tokenizer (tokenizer.json or tokenizer.model): "
+                    "send the prompt as token ids"
+                )
             return prompt, self.tokenizer.encode(prompt)
         token_ids = list(prompt)
         if not token_ids:

@@ -56,7 +56,10 @@ class HFTokenizer:
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
         self.bos_token_id = self._token_id("bos_token", config.get("bos_token_id"))
         eos_from_token = self._token_id("eos_token", None)
-        eos = [*(extra_eos_token_ids or []), *normalize_token_ids(config.get("eos_token_id"), "")]
+        eos = [
+            *(extra_eos_token_ids or []),
+            *normalize_token_ids(config.get("eos_token_id"), "eos_token_id"),
+        ]
         if eos_from_token is not None:
             eos.append(eos_from_token)
         eos = list(dict.fromkeys(eos))
@@ -71,6 +74,14 @@ class HFTokenizer:
             self._add_bos = bool(config.get("add_bos_token", False))
         self._add_eos = bool(config.get("add_eos_token", False))
         is_bpe = isinstance(tokenizer.model, tokenizers.models.BPE)
+        # Byte-fallback pieces (<0xE2>...): the decoder turns a whole run of them into text
+        # or, when the run is not valid UTF-8, into one U+FFFD per byte.
+        self.byte_run_token_ids: set[int] = set()
+        if is_bpe and tokenizer.model.byte_fallback:
+            vocab = tokenizer.get_vocab()
+            self.byte_run_token_ids = {
+                vocab[p] for p in (f"<0x{b:02X}>" for b in range(256)) if p in vocab
+            }
         self._clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False)) and (
             not is_bpe
             or bool(

@@ -10,10 +10,13 @@ from pydaemon.config import EngineConfig
 from pydaemon.engine import LLMEngine
 from pydaemon.outputs import CompletionOutput, RequestOutput
 from pydaemon.sampling_params import SamplingParams
+from pydaemon.tokenizer import encode_chat
 
 
 class LLM:
     """Generate from many prompts at once through the paged engine.
+
+    ``sampling_params=None`` takes the model's generation_config.json defaults.
 
     ``LLM(model="demo" | "/path/to/hf-dir", device="auto"|"cpu"|"cuda", dtype="auto",
     block_size=16, num_kv_blocks=None, max_num_seqs=256, max_num_batched_tokens=None,
@@ -27,6 +30,44 @@ class LLM:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults."""
+        return self.engine.generation_defaults.sampling_params()
+
+    def chat(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or to
+        several; each is rendered by the model's chat template. ``prompt`` of each output is
+        the rendered text."""
+        if not messages:
+            raise ValueError("messages is empty: give a conversation or a list of them")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        texts, token_ids = [], []
+        for conversation in conversations:
+            text, ids = encode_chat(
+                self.tokenizer,
+                list(conversation),
+                add_generation_prompt,
+                tools,
+                **(chat_template_kwargs or {}),
+            )
+            texts.append(text)
+            token_ids.append(ids)
+        outputs = self.generate(
+            sampling_params=sampling_params, prompt_token_ids=token_ids, use_tqdm=use_tqdm
+        )
+        for output, text in zip(outputs, texts, strict=True):
+            output.prompt = text
+        return outputs
 
     def generate(
         self,
@@ -51,7 +92,7 @@ class LLM:
         else:
             items = [p if isinstance(p, str) else list(p) for p in prompts]
         params_list = _per_prompt(
-            sampling_params or SamplingParams(), len(items), "sampling_params"
+            sampling_params or self.get_default_sampling_params(), len(items), "sampling_params"
         )
         priorities = _per_prompt(priority if priority is not None else 0, len(items), "priority")
         salts = _per_prompt(cache_salt, len(items), "cache_salt")

@@ -1,8 +1,10 @@
 """Model configuration read from a Hugging Face ``config.json``.
 
-Supported architectures: ``LlamaForCausalLM``, ``MistralForCausalLM`` (without a sliding
-window shorter than the context), ``Qwen2ForCausalLM`` (without sliding window; q/k/v
-projections always carry a bias). Both the old (``rope_theta`` + ``rope_scaling``) and the
+Supported architectures: ``LlamaForCausalLM``, ``MistralForCausalLM`` (sliding window on every
+layer when ``sliding_window`` is set), ``Qwen2ForCausalLM`` (q/k/v projections always carry a
+bias; sliding window with ``use_sliding_window`` on the layers ``layer_types`` names, or on
+layers >= ``max_window_layers``), ``Qwen3ForCausalLM`` (dense; RMSNorm of q and k per head;
+sliding window as Qwen2). Both the old (``rope_theta`` + ``rope_scaling``) and the
 transformers 5.x (``rope_parameters``) ways of writing RoPE settings are accepted.
 Every unsupported architecture or option is a ``ValueError`` naming it.
 """
@@ -16,12 +18,21 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+from pydaemon.tokenizer_files import normalize_token_ids
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
+_QWEN_ARCHS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 _DTYPES = {
     "float32": torch.float32,
@@ -64,7 +75,15 @@ class ModelConfig:
     torch_dtype: str | None  # as written in the config ("bfloat16", ...), None if absent
     bos_token_id: int | None
     eos_token_ids: list[int] = field(default_factory=list)
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
+    # Per layer: the attention window in tokens (a query sees itself and the window - 1
+    # tokens before it), or None for full causal attention.
+    layer_sliding_windows: list[int | None] = field(default_factory=list)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def has_sliding_window(self) -> bool:
+        return any(w is not None for w in self.layer_sliding_windows)
 
     @property
     def max_model_len(self) -> int:
@@ -107,11 +126,12 @@ class ModelConfig:
             )
         head_dim = cfg.get("head_dim") or hidden_size // num_heads
         max_pos = int(cfg.get("max_position_embeddings", 2048))
-        _check_sliding_window(arch, cfg, max_pos)
+        num_layers = int(cfg["num_hidden_layers"])
+        windows = _layer_sliding_windows(arch, cfg, num_layers, max_pos)
         if cfg.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError(f"unsupported partial_rotary_factor {cfg['partial_rotary_factor']}")
         rope_theta, rope_scaling = _rope(cfg, max_pos)
-        is_qwen2 = arch == "Qwen2ForCausalLM"
+        is_qwen2 = arch == "Qwen2ForCausalLM"  # Qwen3 takes attention_bias from the config
         attention_bias = True if is_qwen2 else bool(cfg.get("attention_bias", False))
         eos = cfg.get("eos_token_id")
         return cls(
@@ -119,7 +139,7 @@ class ModelConfig:
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden_size,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
             head_dim=int(head_dim),
@@ -133,19 +153,11 @@ class ModelConfig:
             mlp_bias=False if is_qwen2 else bool(cfg.get("mlp_bias", False)),
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=normalize_eos(eos),
+            eos_token_ids=normalize_token_ids(eos, "config.json eos_token_id"),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            layer_sliding_windows=windows,
             raw=dict(cfg),
         )
-
-
-def normalize_eos(eos: int | list[int] | None) -> list[int]:
-    if eos is None:
-        return []
-    if isinstance(eos, int):
-        return [eos]
-    if isinstance(eos, list) and all(isinstance(e, int) for e in eos):
-        return list(eos)
-    raise ValueError(f"eos_token_id must be an int or a list of ints, got {eos!r}")
 
 
 def resolve_dtype(config: ModelConfig, dtype: str | torch.dtype = "auto") -> torch.dtype:
@@ -183,17 +195,33 @@ def _architecture(cfg: dict[str, Any]) -> str:
     return archs[0]
 
 
-def _check_sliding_window(arch: str, cfg: dict[str, Any], max_pos: int) -> None:
+def _layer_sliding_windows(
+    arch: str, cfg: dict[str, Any], num_layers: int, max_pos: int
+) -> list[int | None]:
+    """Each layer's window, as transformers reads these configs; a window that covers the
+    whole context is no window."""
     window = cfg.get("sliding_window")
-    if arch == "Qwen2ForCausalLM":
-        if cfg.get("use_sliding_window", False):
-            raise ValueError("unsupported option use_sliding_window=true (Qwen2 sliding window)")
-        return
-    if window is not None and int(window) < max_pos:
+    if arch in _QWEN_ARCHS and not cfg.get("use_sliding_window", False):
+        window = None
+    if arch not in ("MistralForCausalLM", *_QWEN_ARCHS) or window is None:
+        return [None] * num_layers
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"sliding_window must be a positive integer, got {window!r}")
+    if window >= max_pos:
+        return [None] * num_layers
+    # Mistral windows every layer (transformers ignores layer_types there).
+    layer_types = cfg.get("layer_types") if arch in _QWEN_ARCHS else None
+    if layer_types is None:
+        first = int(cfg.get("max_window_layers", 28)) if arch in _QWEN_ARCHS else 0
+        return [window if i >= first else None for i in range(num_layers)]
+    if len(layer_types) != num_layers or any(
+        t not in ("sliding_attention", "full_attention") for t in layer_types
+    ):
         raise ValueError(
-            f"unsupported sliding_window={window} (smaller than max_position_embeddings="
-            f"{max_pos}); set it to null to run with full attention"
+            f"layer_types must list 'sliding_attention' or 'full_attention' for each of the "
+            f"{num_layers} layers, got {layer_types!r}"
         )
+    return [window if t == "sliding_attention" else None for t in layer_types]
 
 
 def _rope(cfg: dict[str, Any], max_pos: int) -> tuple[float, RopeScaling | None]:

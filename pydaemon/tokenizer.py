@@ -52,6 +52,9 @@ class Tokenizer:
         } | self.eos_token_ids
         if self.bos_token_id is not None:
             self.special_token_ids.add(self.bos_token_id)
+        # SentencePiece decodes byte pieces one by one (unlike tokenizers' ByteFallback runs),
+        # so no token's text waits on the next: see HFTokenizer.byte_run_token_ids.
+        self.byte_run_token_ids: set[int] = set()
         tokenizer_config = read_tokenizer_config(model_dir)
         self.chat_template: str | None = load_chat_template(model_dir, tokenizer_config)
         self.special_tokens_map: dict[str, str] = {
@@ -119,6 +122,21 @@ class Tokenizer:
 
 
 AnyTokenizer = Tokenizer | HFTokenizer
+
+
+def encode_chat(
+    tokenizer: AnyTokenizer | None,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    tools: list | None = None,
+    **kwargs: Any,
+) -> tuple[str, list[int]]:
+    """-> (prompt text, its token ids) of a conversation. The template writes the BOS itself,
+    so none is added (as transformers' ``apply_chat_template(tokenize=True)``)."""
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer: chat messages need tokenizer.json")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt, tools, **kwargs)
+    return text, tokenizer.encode(text, add_bos=False)
 
 
 def load_tokenizer(model_dir: str | Path) -> AnyTokenizer | None:

@@ -139,15 +139,21 @@ def save_hf_model(tmp_path: Path, arch: str = "llama", seed: int = 0, **override
         kw.setdefault("sliding_window", None)
         config = transformers.MistralConfig(**kw)
         cls = transformers.MistralForCausalLM
+    elif arch == "qwen3":
+        kw.setdefault("head_dim", 32)  # not hidden_size / num_heads, as in real Qwen3 configs
+        config = transformers.Qwen3Config(**kw)
+        cls = transformers.Qwen3ForCausalLM
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
     model = cls(config).float().eval()
-    if arch == "qwen2":  # biases are zero-initialised; make them matter
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("bias"):
-                    p.normal_(0.0, 0.1)
+    # Biases are zero- and q/k norms one-initialised: make them matter.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.normal_(1.0, 0.3)
     out = tmp_path / f"{arch}-{seed}"
     model.save_pretrained(out, safe_serialization=True)
     return out

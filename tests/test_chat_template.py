@@ -176,3 +176,25 @@ def test_sentencepiece_tokenizer_renders_like_transformers(tmp_path):
         "eos_token": "</s>",
         "unk_token": "<unk>",
     }
+
+
+def test_jinja_features_as_transformers(pair):
+    """{% generation %}, loop controls, namespace, dict(), tojson options, raise_exception
+    inside a branch not taken."""
+    _, ours, ref = pair
+    template = (
+        "{% set ns = namespace(n=0) %}{% for m in messages %}"
+        "{% if m.role == 'system' %}{% continue %}{% endif %}"
+        "{% set ns.n = ns.n + 1 %}{% if ns.n > 2 %}{% break %}{% endif %}"
+        "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}"
+        "{% else %}{{ dict(r=m.role, c=m.content) | tojson(sort_keys=True) }}{% endif %}"
+        "{% if m.role == 'nobody' %}{{ raise_exception('unreachable') }}{% endif %}"
+        "{% endfor %}{{ ns.n }}{{ eos_token }}"
+    )
+    own, ours.chat_template = ours.chat_template, template
+    try:
+        for messages in CHATS:
+            got = ours.apply_chat_template(messages, add_generation_prompt=False)
+            assert got == _ref_render(ref, messages, chat_template=template)
+    finally:
+        ours.chat_template = own

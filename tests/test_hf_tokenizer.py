@@ -84,10 +84,27 @@ def test_multibyte_character_split_across_tokens(pair):
     rocket = ours.encode("Hi 🦾", add_bos=False)[len(prompt) - (ours.bos_token_id is not None) :]
     assert len(rocket) >= 2  # an unseen 4-byte emoji is never one token here
     detok = IncrementalDetokenizer(ours, prompt)
-    deltas = [detok.add([t]) for t in rocket]
+    deltas = [detok.add([t]) for t in rocket] + [detok.flush()]
     assert "".join(deltas) == detok.text == ref.decode(prompt + rocket)[len(ref.decode(prompt)) :]
-    assert detok.text.endswith("🦾") and deltas[-1].endswith("🦾")
+    assert detok.text.endswith("🦾") and "".join(deltas).endswith("🦾")
     assert all("\ufffd" not in d for d in deltas)
+
+
+def test_byte_fallback_run_decoded_as_a_whole(pair):
+    """tokenizers' ByteFallback decodes a run of <0xNN> pieces all or nothing: 'AB' then a
+    stray 0xE5 makes the whole run U+FFFDs, so the stream waits for the run's end."""
+    ours, ref = pair
+    if not ours.byte_run_token_ids:
+        pytest.skip("no byte-fallback pieces in a byte-level BPE")
+    vocab = ref.get_vocab()
+    run = [vocab["<0x41>"], vocab["<0x42>"], vocab["<0xE5>"]]
+    after = ours.encode(" think", add_bos=False)
+    prompt = ours.encode("Hi")
+    detok = IncrementalDetokenizer(ours, prompt)
+    deltas = [detok.add([t]) for t in run + after] + [detok.flush()]
+    want = ref.decode(prompt + run + after, skip_special_tokens=True)
+    assert want.count("\ufffd") == 3
+    assert "".join(deltas) == want[len(ref.decode(prompt, skip_special_tokens=True)) :]
 
 
 def test_generated_special_tokens_in_stream(pair):

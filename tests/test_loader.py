@@ -79,14 +79,40 @@ def test_config_rope_formats():
         ({"architectures": ["GPT2LMHeadModel"]}, "GPT2LMHeadModel"),
         ({"hidden_act": "gelu"}, "gelu"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "yarn"),
-        ({"architectures": ["MistralForCausalLM"], "sliding_window": 128}, "sliding_window"),
-        ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True}, "sliding"),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": 0}, "sliding_window"),
+        (
+            {
+                "architectures": ["Qwen2ForCausalLM"],
+                "use_sliding_window": True,
+                "sliding_window": 8,
+                "layer_types": ["sliding_attention"],
+            },
+            "layer_types",
+        ),
         ({"num_key_value_heads": 3}, "num_key_value_heads"),
     ],
 )
 def test_config_rejects_unsupported(overrides, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_dict({**BASE, **overrides})
+
+
+def test_sliding_window_per_layer():
+    def windows(**cfg):
+        return ModelConfig.from_dict({**BASE, "num_hidden_layers": 3, **cfg}).layer_sliding_windows
+
+    mistral = {"architectures": ["MistralForCausalLM"]}
+    assert windows(**mistral, sliding_window=16) == [16, 16, 16]
+    assert windows(**mistral, sliding_window=None) == [None] * 3
+    assert windows(**mistral, sliding_window=1 << 20) == [None] * 3  # covers the context
+    assert windows(sliding_window=16) == [None] * 3  # Llama has no window
+    qwen2 = {"architectures": ["Qwen2ForCausalLM"], "sliding_window": 16}
+    assert windows(**qwen2) == [None] * 3  # use_sliding_window defaults to false
+    assert windows(**qwen2, use_sliding_window=True, max_window_layers=1) == [None, 16, 16]
+    types = ["sliding_attention", "full_attention", "sliding_attention"]
+    assert windows(**qwen2, use_sliding_window=True, layer_types=types) == [16, None, 16]
+    qwen3 = ModelConfig.from_dict({**BASE, "architectures": ["Qwen3ForCausalLM"]})
+    assert qwen3.qk_norm and not qwen3.has_sliding_window
 
 
 def test_mistral_without_window_ok():

@@ -30,6 +30,18 @@ CONFIGS = {
         },
     ),
     "mistral-mqa": ("mistral", {"num_key_value_heads": 1}),
+    "qwen3-qknorm": ("qwen3", {}),
+    "qwen3-bias-mha": ("qwen3", {"attention_bias": True, "num_key_value_heads": 4}),
+    # Windows shorter than most prompts + outputs (every layer / layers >= max_window_layers).
+    "mistral-window": ("mistral", {"sliding_window": 8}),
+    "qwen2-window": (
+        "qwen2",
+        {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 1},
+    ),
+    "qwen3-window": (
+        "qwen3",
+        {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 0},
+    ),
 }
 
 
@@ -75,6 +87,12 @@ def _hf_ref(name: str, model_dir) -> list[list[int]]:
         ("qwen2-bias", 32),
         ("llama3-rope-tied", 16),
         ("mistral-mqa", 32),
+        ("qwen3-qknorm", 8),
+        ("qwen3-bias-mha", 16),
+        ("mistral-window", 8),
+        ("mistral-window", 16),
+        ("qwen2-window", 8),
+        ("qwen3-window", 16),
     ],
 )
 def test_greedy_matches_hf_batched(model_dirs, name, block_size):
@@ -95,7 +113,7 @@ def test_loaded_config_flags(model_dirs):
     assert tied.lm_head is None and tied.config.rope_scaling.rope_type == "llama3"
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias"])
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias", "mistral-window"])
 def test_prefill_mixed_with_decodes(model_dirs, name):
     """A new prompt is prefilled in the same step as two running sequences decode."""
     model_dir, model = model_dirs(name)
@@ -114,11 +132,13 @@ def test_prefill_mixed_with_decodes(model_dirs, name):
     assert b.token_ids[len(pb) : len(pb) + MAX_NEW] == ref[3]
 
 
-@pytest.mark.parametrize("block_size", [8, 16])
-def test_chunked_prefill(model_dirs, block_size):
+@pytest.mark.parametrize(
+    "name,block_size", [("llama-gqa", 8), ("llama-gqa", 16), ("mistral-window", 8)]
+)
+def test_chunked_prefill(model_dirs, name, block_size):
     """A prompt prefilled in two chunks (the second one with a cached prefix), next to a
     full prefill and then a decode."""
-    model_dir, model = model_dirs("llama-gqa")
+    model_dir, model = model_dirs(name)
     pa, pb = PROMPTS[3], PROMPTS[0]
     drv = Driver(model, block_size)
     a, b = Seq(list(pa)), Seq(list(pb))
@@ -127,7 +147,7 @@ def test_chunked_prefill(model_dirs, block_size):
     drv.step([a, b], [len(pa) - 13, 1], num_prefills=1)
     while len(a.token_ids) < len(pa) + MAX_NEW:
         drv.step([a, b], [1, 1], num_prefills=0)
-    ref = _hf_ref("llama-gqa", model_dir)
+    ref = _hf_ref(name, model_dir)
     assert a.token_ids[len(pa) :] == ref[3]
     assert b.token_ids[len(pb) : len(pb) + MAX_NEW] == ref[0]
 
@@ -140,7 +160,9 @@ def test_logits_dtype_and_shape(model_dirs):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias", "llama3-rope-tied"])
+@pytest.mark.parametrize(
+    "name", ["llama-gqa", "qwen2-bias", "llama3-rope-tied", "qwen3-qknorm", "mistral-window"]
+)
 @pytest.mark.parametrize("block_size", [16])
 def test_greedy_matches_hf_on_cuda(model_dirs, name, block_size):
     """The torch path on CUDA tensors, against transformers on CPU."""

@@ -13,8 +13,9 @@ from pydaemon.layers.attention import PagedAttention
 from pydaemon.layers.paged_attention_torch import write_kv_cache_torch
 
 
-def _reference(q, k, v, scale):
-    # q: [q_len, Hq, D]; k, v: [s_len, Hkv, D] (whole context), float64, causal at the end.
+def _reference(q, k, v, scale, sliding_window=None):
+    # q: [q_len, Hq, D]; k, v: [s_len, Hkv, D] (whole context), float64, causal at the end;
+    # with a window, query position p sees keys (p - sliding_window, p].
     q_len, num_heads, _ = q.shape
     s_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
@@ -22,10 +23,14 @@ def _reference(q, k, v, scale):
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
     q_pos = torch.arange(s_len - q_len, s_len)[:, None]
-    scores = scores.masked_fill(torch.arange(s_len)[None, :] > q_pos, float("-inf"))
+    k_pos = torch.arange(s_len)[None, :]
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    if sliding_window is not None:
+        scores = scores.masked_fill(k_pos <= q_pos - sliding_window, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
+@pytest.mark.parametrize("sliding_window", [None, 6, 24])
 @pytest.mark.parametrize("block_size", [8, 16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (4, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -42,9 +47,26 @@ def _reference(q, k, v, scale):
         ),
     ],
 )
-def test_paged_attention_matches_dense(block_size, num_heads, num_kv_heads, dtype, device):
+def test_paged_attention_matches_dense(
+    block_size, num_heads, num_kv_heads, dtype, device, sliding_window
+):
+    _check_against_dense(block_size, num_heads, num_kv_heads, dtype, device, sliding_window)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("sliding_window", [None, 6])
+def test_windowed_layer_where_kernels_apply(sliding_window):
+    """head_dim 64 in bf16 on CUDA: the kernels write the cache; a window routes the
+    attention to the torch path."""
+    _check_against_dense(16, 8, 2, torch.bfloat16, "cuda", sliding_window, head_dim=64)
+
+
+def _check_against_dense(
+    block_size, num_heads, num_kv_heads, dtype, device, sliding_window, head_dim=32
+):
     torch.manual_seed(0)
-    head_dim, num_blocks = 32, 64
+    num_blocks = 64
     # (seq_len, query_len): full prefills, a chunked prefill, then decodes.
     specs = [(19, 19), (40, 7), (1, 1), (33, 1), (5, 1), (64, 1), (17, 1)]
     num_prefills = 3
@@ -98,7 +120,7 @@ def test_paged_attention_matches_dense(block_size, num_heads, num_kv_heads, dtyp
         query_lens_cpu=query_lens,
     )
     scale = 1 / math.sqrt(head_dim)
-    layer = PagedAttention(num_heads, num_kv_heads, head_dim, scale)
+    layer = PagedAttention(num_heads, num_kv_heads, head_dim, scale, sliding_window)
     out = layer(
         torch.cat(queries).to(device, dtype),
         torch.stack(new_k).to(device, dtype),
@@ -111,7 +133,13 @@ def test_paged_attention_matches_dense(block_size, num_heads, num_kv_heads, dtyp
     # The reference sees the cache's rounding of K/V, so only the attention math differs.
     ref = torch.cat(
         [
-            _reference(q.to(dtype).double(), k.to(dtype).double(), v.to(dtype).double(), scale)
+            _reference(
+                q.to(dtype).double(),
+                k.to(dtype).double(),
+                v.to(dtype).double(),
+                scale,
+                sliding_window,
+            )
             for q, (k, v) in zip(queries, contexts, strict=True)
         ]
     ).reshape(out.shape)

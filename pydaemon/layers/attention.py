@@ -5,6 +5,9 @@ the block table. Backend selection lives here and only here:
   writes, the split-KV paged decode kernel for decode tokens, torch SDPA over K/V gathered
   through the block table for prefill (chunks); no host-device sync.
 - otherwise (CPU, float32, or a build without kernels): the plain torch path.
+
+A layer with a sliding window (Mistral, Qwen2/3) keeps the kernel cache writes but attends on
+the torch path, which applies the window (the CUDA decode kernel has none).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from torch import nn
 from pydaemon.attention_metadata import AttentionMetadata
 from pydaemon.layers.paged_attention_torch import (
     paged_attention_torch,
+    paged_decode_torch,
     paged_prefill_torch,
     write_kv_cache_torch,
 )
@@ -47,7 +51,14 @@ def uses_kernels(cache: torch.Tensor) -> bool:
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(
@@ -57,6 +68,7 @@ class PagedAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window  # tokens a query sees (itself included); None: all
 
     def forward(
         self,
@@ -71,7 +83,9 @@ class PagedAttention(nn.Module):
             out = self._forward_cuda(query, key, value, key_cache, value_cache, attn_metadata)
         else:
             write_kv_cache_torch(key, value, key_cache, value_cache, attn_metadata.slot_mapping)
-            out = paged_attention_torch(query, key_cache, value_cache, attn_metadata, self.scale)
+            out = paged_attention_torch(
+                query, key_cache, value_cache, attn_metadata, self.scale, self.sliding_window
+            )
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
 
     def _forward_cuda(self, query, key, value, key_cache, value_cache, md: AttentionMetadata):
@@ -79,8 +93,11 @@ class PagedAttention(nn.Module):
 
         ops.reshape_and_cache(key, value, key_cache, value_cache, md.slot_mapping)
         out = torch.empty_like(query)
-        start = paged_prefill_torch(query, key_cache, value_cache, md, self.scale, out)
-        if md.num_decodes > 0:
+        window = self.sliding_window
+        start = paged_prefill_torch(query, key_cache, value_cache, md, self.scale, out, window)
+        if window is not None:
+            paged_decode_torch(query, key_cache, value_cache, md, self.scale, out, start, window)
+        elif md.num_decodes > 0:
             p = md.num_prefills
             ops.paged_attention_decode(
                 query[start:],

@@ -6,6 +6,9 @@ cached prefix) are handled one by one with SDPA; all decode sequences of the ste
 into one padded gather + masked softmax. Only the host lists of the metadata
 (``seq_lens_cpu``, ``query_lens_cpu``) drive Python control flow, so no device tensor is read
 back.
+
+``sliding_window`` (Mistral, Qwen2/3 windowed layers): a query at position ``p`` sees only the
+keys at positions ``(p - sliding_window, p]``, as transformers' sliding-window mask does.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ def paged_attention_torch(
     value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
     attn_metadata: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of the step's query tokens over their sequences' cached K/V.
 
@@ -64,10 +68,10 @@ def paged_attention_torch(
     """
     out = torch.empty_like(query)
     num_prefill_tokens = paged_prefill_torch(
-        query, key_cache, value_cache, attn_metadata, scale, out
+        query, key_cache, value_cache, attn_metadata, scale, out, sliding_window
     )
-    _paged_decode_torch(
-        query, key_cache, value_cache, attn_metadata, scale, out, num_prefill_tokens
+    paged_decode_torch(
+        query, key_cache, value_cache, attn_metadata, scale, out, num_prefill_tokens, sliding_window
     )
     return out
 
@@ -79,6 +83,7 @@ def paged_prefill_torch(
     attn_metadata: AttentionMetadata,
     scale: float,
     out: torch.Tensor,  # [T, num_heads, head_dim], written for the prefill tokens
+    sliding_window: int | None = None,
 ) -> int:
     """Attention of the prefill sequences (the first ``num_prefills``), one SDPA call each.
     Returns the number of prefill tokens written."""
@@ -98,27 +103,31 @@ def paged_prefill_torch(
             k = k.repeat_interleave(group, dim=0)
             v = v.repeat_interleave(group, dim=0)
         q = query[start : start + q_len].transpose(0, 1)  # [Hq, q_len, D]
-        if q_len == s_len:
+        if q_len == s_len and (sliding_window is None or sliding_window >= s_len):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         else:
-            # Query token j sits at position s_len - q_len + j and sees keys [0, that].
+            # Query token j sits at position s_len - q_len + j and sees keys [0, that]
+            # (within the window when there is one).
             q_pos = torch.arange(s_len - q_len, s_len, device=query.device)
             k_pos = torch.arange(s_len, device=query.device)
             mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, s_len]
+            if sliding_window is not None:
+                mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         out[start : start + q_len] = o.transpose(0, 1)
         start += q_len
     return start
 
 
-def _paged_decode_torch(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+def paged_decode_torch(
+    query: torch.Tensor,  # [T, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
     attn_metadata: AttentionMetadata,
     scale: float,
-    out: torch.Tensor,
-    start: int,
+    out: torch.Tensor,  # [T, num_heads, head_dim], written for the decode tokens
+    start: int,  # the first decode token
+    sliding_window: int | None = None,
 ) -> None:
     """All decode sequences at once: one padded gather and a masked softmax."""
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -137,7 +146,11 @@ def _paged_decode_torch(
         q = query[start : start + num_decodes].view(num_decodes, num_kv_heads, group, head_dim)
         scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [N, Hkv, G, L]
         lens = attn_metadata.seq_lens[num_prefills:].to(device=query.device, dtype=torch.int64)
-        pad = torch.arange(max_len, device=query.device)[None, :] >= lens[:, None]  # [N, L]
+        k_pos = torch.arange(max_len, device=query.device)[None, :]
+        pad = k_pos >= lens[:, None]  # [N, L]
+        if sliding_window is not None:
+            # The query sits at position lens - 1 and sees (lens - 1 - window, lens - 1].
+            pad |= k_pos <= lens[:, None] - 1 - sliding_window
         scores.masked_fill_(pad[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
         # Padding slots may hold anything (even NaN/inf in never-written blocks): 0 * NaN = NaN.

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral without sliding window, Qwen2 with q/k/v bias).
+"""Llama-family decoder: Llama 2/3, Mistral (sliding window), Qwen2 (q/k/v bias, sliding
+window), Qwen3 dense (RMSNorm of q and k per head, before RoPE).
 
 Parameter names equal the Hugging Face checkpoint names (``model.layers.N.self_attn.q_proj
 .weight``, ...), so loading is a name match. No fused projections.
@@ -30,7 +31,7 @@ from pydaemon.model_config import ModelConfig
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         check_tensor_parallel(config, ps.get_tp_world_size())
         tp = ps.get_tp_world_size()
@@ -43,7 +44,13 @@ class LlamaAttention(nn.Module):
         self.k_proj = column_linear(h, num_kv, bias, "k_proj out_features")
         self.v_proj = column_linear(h, num_kv, bias, "v_proj out_features")
         self.o_proj = row_linear(num_q, h, config.o_proj_bias, "o_proj in_features")
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, scale=d**-0.5)
+        # Qwen3: q and k normalised per head over head_dim (weights shared by all heads).
+        self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        window = config.layer_sliding_windows[layer_idx] if config.layer_sliding_windows else None
+        self.attn = PagedAttention(
+            self.num_heads, self.num_kv_heads, d, scale=d**-0.5, sliding_window=window
+        )
 
     def forward(
         self,
@@ -58,6 +65,9 @@ class LlamaAttention(nn.Module):
         q = self.q_proj(hidden_states).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(hidden_states).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden_states).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         out = self.attn(q, k, v, key_cache, value_cache, attn_metadata)
@@ -77,9 +87,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, layer_idx)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -109,7 +119,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)]
+            [LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)

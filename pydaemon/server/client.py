@@ -30,7 +30,16 @@ SAMPLING_FLAGS = (
 
 
 def add_generate_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("prompt", help="prompt text")
+    parser.add_argument("prompt", nargs="?", default=None, help="prompt text")
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as a user message, rendered by the model's chat template",
+    )
+    parser.add_argument("--system", default=None, help="with --chat: a system message first")
+    parser.add_argument(
+        "--token-ids", default=None, help="prompt as comma-separated token ids, e.g. 1,2,3"
+    )
     parser.add_argument("--server", default="127.0.0.1:50051", help="HOST:PORT of the daemon")
     parser.add_argument("-n", type=int, default=None, help="number of output sequences")
     for flag, _, type_, help_text in SAMPLING_FLAGS:
@@ -53,12 +62,36 @@ def _start_request(args: argparse.Namespace) -> pb.StartRequest:
         sampling.n = args.n
     if args.ignore_eos:
         sampling.ignore_eos = True
-    return pb.StartRequest(
+    start = pb.StartRequest(
         request_id=uuid.uuid4().hex[:12],
-        text=args.prompt,
         sampling=sampling,
         time_limit_ms=int(args.time_limit * 1000),
     )
+    if args.token_ids is not None:
+        if args.prompt is not None or args.chat:
+            raise ValueError("--token-ids replaces the prompt text: give one or the other")
+        start.token_ids.ids[:] = _parse_token_ids(args.token_ids)
+    elif args.prompt is None:
+        raise ValueError("give a prompt, or --token-ids")
+    elif args.chat:
+        if args.system is not None:
+            start.messages.messages.add(role="system", content=args.system)
+        start.messages.messages.add(role="user", content=args.prompt)
+    else:
+        if args.system is not None:
+            raise ValueError("--system needs --chat")
+        start.text = args.prompt
+    return start
+
+
+def _parse_token_ids(value: str) -> list[int]:
+    try:
+        ids = [int(part) for part in value.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--token-ids must be comma-separated integers, got {value!r}") from None
+    if not ids or any(i < 0 for i in ids):
+        raise ValueError(f"--token-ids must be non-negative integers, got {value!r}")
+    return ids
 
 
 def _channel(args: argparse.Namespace) -> grpc.Channel:
@@ -69,7 +102,11 @@ def _channel(args: argparse.Namespace) -> grpc.Channel:
 
 
 def run_generate(args: argparse.Namespace, out=sys.stdout, err=sys.stderr) -> int:
-    start = _start_request(args)
+    try:
+        start = _start_request(args)
+    except ValueError as e:
+        print(f"pagedd generate: {e}", file=err)
+        return 2
     api_key = args.api_key or os.environ.get(API_KEY_ENV)
     metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
     n = start.sampling.n if start.sampling.HasField("n") else 1

@@ -24,6 +24,7 @@ from pydaemon.async_engine import AsyncEngine, EngineDeadError
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 from pydaemon.proto.pagedd.v1 import generation_pb2_grpc as pb_grpc
 from pydaemon.server.frames import RequestAccount, error_frame
+from pydaemon.server.model_prompt import apply_model_prompt
 from pydaemon.server.validation import RequestInvalid, check_request_id, to_engine_args
 
 logger = logging.getLogger(__name__)
@@ -188,6 +189,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 grpc.StatusCode.UNAVAILABLE, "server is not serving (starting or draining)"
             )
         engine = self.engine.engine
+        start = apply_model_prompt(start, engine.tokenizer, engine.generation_defaults)
         args = to_engine_args(
             start, vocab_size=engine.vocab_size, has_tokenizer=engine.tokenizer is not None
         )
@@ -258,9 +260,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             num_cpu_blocks=stats.num_cpu_blocks,
             device=str(getattr(engine, "device", engine.config.device)),
             dtype=str(getattr(engine, "dtype", engine.config.dtype)).removeprefix("torch."),
-            eos_token_id=tokenizer.eos_token_id if tokenizer is not None else -1,
+            eos_token_id=_first_eos(engine),
             has_tokenizer=tokenizer is not None,
             server_version=__version__,
+            eos_token_ids=sorted(engine.eos_token_ids),
+            generation_defaults=pb.GenerationDefaults(**engine.generation_defaults.as_dict()),
+            has_chat_template=tokenizer is not None and tokenizer.chat_template is not None,
         )
 
     async def Tokenize(self, request, context) -> pb.TokenizeResponse:
@@ -283,6 +288,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             uptime_s=time.monotonic() - self._started_at,
             **fields,
         )
+
+
+def _first_eos(engine) -> int:
+    tokenizer = engine.tokenizer
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return tokenizer.eos_token_id
+    return min(engine.eos_token_ids, default=-1)
 
 
 async def _write_with_timeout(context, item, timeout_s: float) -> None:

@@ -12,14 +12,31 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from pydaemon.chat_template import render_chat_template
+from pydaemon.generation_config import GenerationDefaults
 from pydaemon.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pydaemon.sampling_params import SamplingParams
 
 
 class FakeTokenizer:
     eos_token_id = 2
+    eos_token_ids = {2}
     bos_token_id = 1
     vocab_size = 64
+    chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<a>"
+
+    def apply_chat_template(
+        self, messages, add_generation_prompt=True, tools=None, **kwargs
+    ) -> str:
+        return render_chat_template(
+            self.chat_template,
+            messages,
+            model_name="fake",
+            special_tokens={},
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            **kwargs,
+        )
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         ids = [3 + ord(c) % 61 for c in text]
@@ -78,6 +95,8 @@ class FakeEngine:
     ) -> None:
         self.config = FakeConfig()
         self.tokenizer = FakeTokenizer()
+        self.eos_token_ids = FakeTokenizer.eos_token_ids
+        self.generation_defaults = GenerationDefaults()
         self.max_model_len = max_model_len
         self.vocab_size = FakeTokenizer.vocab_size
         self.model_name = "fake"
@@ -87,6 +106,7 @@ class FakeEngine:
         self.num_steps = 0
         self.stats = FakeStats(num_gpu_blocks=num_gpu_blocks, num_free_gpu_blocks=num_gpu_blocks)
         self._reqs: dict[str, _Req] = {}
+        self.added: list[tuple[list[int], SamplingParams]] = []  # (prompt ids, params) each
         self.warmed_up = False
 
     def warmup(self) -> None:
@@ -130,6 +150,7 @@ class FakeEngine:
             num_blocks=num_blocks,
         )
         self.stats.num_prompt_tokens += len(ids)
+        self.added.append((ids, params))
 
     def abort_request(self, request_id: str) -> bool:
         req = self._reqs.pop(request_id, None)
