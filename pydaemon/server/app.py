@@ -145,7 +145,12 @@ class PageddServer:
             self.metrics_server = MetricsServer(self.metrics, o.metrics_host, o.metrics_port)
             self.metrics_server.start()
         if o.http_port is not None:
-            model = ServedModel(engine.model_name, engine.max_model_len, engine.vocab_size)
+            model = ServedModel(
+                engine.model_name,
+                engine.max_model_len,
+                engine.vocab_size,
+                engine.generation_defaults,
+            )
             await self._start_http(model, engine.tokenizer)
         self.servicer.is_admitting = True
         await self.health.set_serving()

@@ -196,3 +196,22 @@ def shared_tokenizer():
     from conftest import shared_demo_engine
 
     return shared_demo_engine().tokenizer
+
+
+def test_generation_config_defaults_fill_unset_fields(monkeypatch):
+    from conftest import shared_demo_engine
+
+    from pydaemon.generation_config import GenerationDefaults
+
+    monkeypatch.setattr(shared_demo_engine(), "generation_defaults", GenerationDefaults(0.0))
+    st = start_http_server()  # reads the model's defaults when it starts
+    try:
+        client = openai_client(st)
+        kw = dict(model=MODEL, prompt=PROMPT, max_tokens=8, extra_body=NO_EOS)
+        greedy = client.completions.create(temperature=0, **kw).choices[0].text
+        assert client.completions.create(**kw).choices[0].text == greedy  # the default: greedy
+        sampled = {client.completions.create(temperature=1.0, seed=s, **kw).choices[0].text
+                   for s in range(3)}  # fmt: skip
+        assert sampled != {greedy}  # the request's own temperature wins
+    finally:
+        st.close()

@@ -46,7 +46,9 @@ async def create_chat_completion(
             "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         ),
     )
-    params = body.sampling_params(max_tokens, body.engine_logprobs)
+    params = body.sampling_params(
+        max_tokens, body.engine_logprobs, defaults=serving.model.generation_defaults
+    )
     formatter = ChatFormatter(
         f"chatcmpl-{uuid.uuid4().hex}", serving.model.name, serving.tokenizer, prompt, body
     )

@@ -29,7 +29,9 @@ async def create_completion(serving: OpenAIServing, request: web.Request) -> web
         )
         for p in prompts
     )
-    params = body.sampling_params(max_tokens, body.logprobs, body.best_of)
+    params = body.sampling_params(
+        max_tokens, body.logprobs, body.best_of, serving.model.generation_defaults
+    )
     formatter = CompletionFormatter(
         f"cmpl-{uuid.uuid4().hex}", serving.model.name, serving.tokenizer, prompts, body
     )

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pydaemon.generation_config import GenerationDefaults
 from pydaemon.sampling_params import SamplingParams
 
 MAX_STOP_STRINGS = 16
@@ -75,9 +76,14 @@ class _SamplingRequest(BaseModel):
             )
 
     def sampling_params(
-        self, max_tokens: int, logprobs: int | None, best_of: int | None = None
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        best_of: int | None = None,
+        defaults: GenerationDefaults | None = None,
     ) -> SamplingParams:
-        """-> SamplingParams; a bad value raises InvalidParam naming the request field."""
+        """-> SamplingParams, the model's generation_config.json ``defaults`` under the fields
+        the request set; a bad value raises InvalidParam naming the request field."""
         self._check_common()
         kwargs: dict[str, Any] = {
             "n": self.n,
@@ -96,7 +102,7 @@ class _SamplingRequest(BaseModel):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
         try:
-            return SamplingParams(**kwargs)
+            return (defaults or GenerationDefaults()).sampling_params(**kwargs)
         except ValueError as e:
             # "SamplingParams.top_p must be in (0, 1] (got 2.0)" -> param "top_p"
             message = str(e).removeprefix("SamplingParams.")

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydaemon.generation_config import GenerationDefaults
 from pydaemon.server.http.accumulator import Accumulator
 from pydaemon.server.http.engine_stream import GenerateClient
 from pydaemon.server.http.errors import ApiError, bad_request
@@ -24,6 +25,8 @@ class ServedModel:
     name: str  # what clients put in "model"
     max_model_len: int  # prompt + output tokens
     vocab_size: int
+    # generation_config.json's sampling defaults, for the fields a request leaves unset
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
