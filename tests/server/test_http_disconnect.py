@@ -3,6 +3,7 @@ requests past the grace period with finish_reason "abort"; /metrics counts HTTP 
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import threading
@@ -116,4 +117,40 @@ def test_drain_past_the_grace_period_answers_abort(start_server):
     body = whole["r"].json()
     assert whole["r"].status == 200 and body["choices"][0]["finish_reason"] == "abort"
     assert 0 < body["usage"]["completion_tokens"] < 1000
+    conn.close()
+
+
+def test_a_client_that_stops_reading_is_dropped_after_the_stall_timeout(start_server, monkeypatch):
+    from aiohttp import web
+    from conftest import shared_demo_engine
+
+    from pydaemon.server.servicer import ServingOptions
+
+    # A client that stops reading, as the server sees it: after the first two chunks, writes
+    # to the event stream never complete (the socket buffers are full).
+    real_write = web.StreamResponse.write
+    num_writes = {"n": 0}
+
+    async def write(self, data):
+        if self.content_type == "text/event-stream":
+            num_writes["n"] += 1
+            if num_writes["n"] > 2:
+                await asyncio.Event().wait()
+        return await real_write(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", write)
+    st = start_server(shared_demo_engine, http_port=0, serving=ServingOptions(stall_timeout_s=0.3))
+    total = st.stats().num_gpu_blocks
+    before = st.stats().num_generation_tokens
+    conn, response = _open_stream(st, LONG)
+    assert _first_event(response)["choices"][0]["index"] == 0
+    deadline = time.monotonic() + 30
+    while st.server.http.num_live_requests and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert st.server.http.num_live_requests == 0
+    assert st.wait_all_blocks_free().num_free_gpu_blocks == total
+    assert st.stats().num_generation_tokens - before < 1000  # cut short
+    assert _finished_count(st, "cancelled") == 1
+    with pytest.raises((http.client.HTTPException, ConnectionError)):
+        response.read()  # the server closed the connection mid-stream
     conn.close()
