@@ -146,7 +146,8 @@ async def run(args: argparse.Namespace) -> dict:
         if args.wait_ready > 0:
             await pool.wait_ready(args.wait_ready)
         info = await pool.info()
-        requests = build_workload(args, vocab_size=info.get("vocab_size") or None)
+        requests = build_workload(args, vocab_size=info.get("vocab_size") or None,
+                                  max_model_len=info.get("max_model_len") or None)  # fmt: skip
         sampling = pool.sampling(args.temperature, not args.no_ignore_eos)
         result = {
             "meta": {

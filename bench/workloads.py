@@ -34,7 +34,7 @@ W1_OUTPUT_LEN = 256
 W1_TOKEN_LOW, W1_TOKEN_HIGH = 100, 30000
 W1_MIN_LEN, W1_MAX_LEN = 64, 1024
 
-WORKLOADS = ("w1", "fixed", "uniform", "sharegpt", "shared-prefix", "jsonl")
+WORKLOADS = ("auto", "w1", "fixed", "uniform", "sharegpt", "shared-prefix", "jsonl")
 
 
 @dataclass
@@ -217,8 +217,10 @@ def summarize(requests: list[WorkloadRequest]) -> dict[str, int | None]:
 
 def add_workload_flags(parser) -> None:
     g = parser.add_argument_group("workload")
-    g.add_argument("--workload", choices=WORKLOADS, default="w1",
-                   help="w1: BENCH.md's W1 (token ids in [100, 30000), 64..1024 long, 256 out); "
+    g.add_argument("--workload", choices=WORKLOADS, default="auto",
+                   help="auto (default): w1 when the model's vocabulary and context can take it, "
+                        "else uniform lengths that fit the model (e.g. the demo model); "
+                        "w1: BENCH.md's W1 (token ids in [100, 30000), 64..1024 long, 256 out); "
                         "fixed / uniform lengths; sharegpt: long-tailed lengths, input "
                         "LogNormal(median 128, sigma 1.0) clipped to [4, 2048], output "
                         "LogNormal(median 128, sigma 0.9) clipped to [4, 1024]; shared-prefix: "
@@ -248,10 +250,24 @@ def _pair(text: str, flag: str) -> tuple[int, int]:
     return a, b
 
 
-def build_workload(args, vocab_size: int | None = None) -> list[WorkloadRequest]:
-    """The workload the flags describe; ``vocab_size`` bounds synthetic token ids."""
+def build_workload(
+    args, vocab_size: int | None = None, max_model_len: int | None = None
+) -> list[WorkloadRequest]:
+    """The workload the flags describe; ``vocab_size`` bounds synthetic token ids and, with
+    ``max_model_len``, decides what ``auto`` means."""
     n = args.num_requests
     out_len = args.output_len or W1_OUTPUT_LEN
+    if args.workload == "auto":
+        w1_fits = (vocab_size is None or vocab_size >= W1_TOKEN_HIGH) and (
+            max_model_len is None or max_model_len >= W1_MAX_LEN + out_len
+        )
+        if w1_fits:
+            args.workload = "w1"
+        else:  # uniform lengths, prompt + output within the context
+            limit = max_model_len or W1_MAX_LEN + out_len
+            args.workload = "uniform"
+            args.input_range = f"4,{max(4, limit // 2)}"
+            args.output_range = f"4,{max(4, min(out_len, limit // 4))}"
     if args.workload == "w1":
         if vocab_size is not None and vocab_size < W1_TOKEN_HIGH:
             raise ValueError(f"W1's token ids reach {W1_TOKEN_HIGH - 1} but the model's vocabulary "

@@ -25,12 +25,29 @@ transformers' semantics, reproduced operation for operation (float32, same tie-b
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
 _NEG = -1.0e9  # transformers' "very large negative" score
+# Below this |log(length ** length_penalty)| the power is a finite float32 and the score is
+# computed with transformers' own operations (bit-identical); above it, in log space.
+_MAX_LOG_DENOMINATOR = 80.0
+
+
+def length_normalized(values: torch.Tensor, length: int, length_penalty: float) -> torch.Tensor:
+    """values / length ** length_penalty, never raising OverflowError.
+
+    values: [k] float32 cumulative logprobs (<= 0). For moderate penalties this is exactly
+    transformers' expression; otherwise sign(v) * exp(log|v| - length_penalty * log(length)),
+    which saturates to 0 or -inf instead of overflowing."""
+    log_denominator = length_penalty * math.log(length)
+    if abs(log_denominator) < _MAX_LOG_DENOMINATOR:
+        return values / (length**length_penalty)
+    v = values.to(torch.float64)
+    return (v.sign() * torch.exp(torch.log(v.abs()) - log_denominator)).to(values.dtype)
 
 
 @dataclass
@@ -90,6 +107,10 @@ class BeamSearchState:
             raise ValueError(f"BeamSearchState: max_new_tokens must be >= 1 (got {max_new_tokens})")
         if prompt_len < 0:
             raise ValueError(f"BeamSearchState: prompt_len must be >= 0 (got {prompt_len})")
+        if not math.isfinite(length_penalty):
+            raise ValueError(
+                f"BeamSearchState: length_penalty must be finite (got {length_penalty})"
+            )
         self.beam_width = beam_width
         self.num_return = num_return
         self.length_penalty = float(length_penalty)
@@ -189,7 +210,7 @@ class BeamSearchState:
         top_w_mask = torch.zeros_like(hits_stop)
         top_w_mask[:width] = True
         just_finished = hits_stop & top_w_mask
-        scores = top_values / ((self.num_generated + 1) ** self.length_penalty)
+        scores = length_normalized(top_values, self.num_generated + 1, self.length_penalty)
         beams_full = bool(self.is_finished.all()) and self.early_stopping is True
         scores += torch.tensor(beams_full).to(torch.float32) * _NEG
         scores += torch.tensor(not self.can_improve).to(torch.float32) * _NEG
@@ -212,7 +233,7 @@ class BeamSearchState:
             best_length = self.max_new_tokens
         else:
             best_length = self.num_generated
-        best_possible = self.running_scores[:1] / (best_length**self.length_penalty)
+        best_possible = length_normalized(self.running_scores[:1], best_length, self.length_penalty)
         worst_finished = torch.where(
             self.is_finished, self.finished_scores.min(), torch.tensor(_NEG)
         )

@@ -1,4 +1,5 @@
-"""The `pagedd` command line: `pagedd serve` (the daemon) and `pagedd generate` (a client)."""
+"""The `pagedd` command line: `pagedd serve` (the daemon), `pagedd generate` (a client) and
+`pagedd info | status | health` (operator queries of a running daemon)."""
 
 from __future__ import annotations
 
@@ -49,7 +50,14 @@ def _generate(args: argparse.Namespace) -> int:
     return run_generate(args)
 
 
+def _admin(args: argparse.Namespace) -> int:
+    from pydaemon.server.admin import run_admin
+
+    return run_admin(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from pydaemon.server.admin import add_admin_parsers
     from pydaemon.server.client import add_generate_flags
     from pydaemon.server.settings import add_serve_flags
 
@@ -62,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_flags(serve)
     generate = sub.add_parser("generate", help="stream a completion from a running daemon")
     add_generate_flags(generate)
+    add_admin_parsers(sub)
     return parser
 
 
@@ -72,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args)
     if args.command == "generate":
         return _generate(args)
+    if args.command in ("info", "status", "health"):
+        return _admin(args)
     parser.print_help()
     return 0
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
 MAX_N = 256
+# Beam scores divide by length ** length_penalty; beyond this the scores carry no information.
+MAX_ABS_LENGTH_PENALTY = 10.0
 
 
 @dataclass
@@ -88,6 +90,13 @@ class SamplingParams:
                 raise bad("temperature", "must be 0 with beam search (beam_width > 1)")
             if self.n > self.beam_width:
                 raise bad("n", "must not exceed beam_width with beam search")
+        # `not a <= x <= b` is also true for NaN.
+        if not -MAX_ABS_LENGTH_PENALTY <= self.length_penalty <= MAX_ABS_LENGTH_PENALTY:
+            raise bad(
+                "length_penalty",
+                f"must be a finite number in [-{MAX_ABS_LENGTH_PENALTY:g}, "
+                f"{MAX_ABS_LENGTH_PENALTY:g}]",
+            )
         if self.best_of > self.n and self.temperature == 0.0 and not self.is_beam_search:
             raise bad("best_of", "greater than n needs sampling (temperature > 0)")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pydaemon.beam_search import BeamSearchState
+from pydaemon.beam_search import BeamSearchState, length_normalized
 
 transformers = pytest.importorskip("transformers")
 
@@ -177,3 +177,32 @@ def test_min_new_tokens_blocks_eos() -> None:
     logprobs = torch.tensor([[-0.1, -2.0, -3.0, -4.0]])
     assert 0 not in state.step(logprobs).token_ids and state.num_generated == 1
     assert state.is_finished.sum() == 0
+
+
+@pytest.mark.parametrize("lp", [200.0, 1e10, -1e10, -200.0])
+def test_extreme_length_penalty_never_overflows(lp) -> None:
+    """`length ** length_penalty` overflowed a float (OverflowError killed the engine); the
+    score is now taken in log space and saturates instead."""
+    torch.manual_seed(0)
+    max_new = 64
+    state = BeamSearchState(3, 2, lp, "never", [0], prompt_len=4, max_new_tokens=max_new)
+    while not state.is_done:
+        state.step(torch.randn(state.num_live_beams, 16).log_softmax(-1))
+    best = state.finalize()
+    assert len(best) == 2
+    assert not any(torch.isnan(torch.tensor([h.score for h in best])))
+
+
+def test_length_normalized_is_transformers_expression_when_finite() -> None:
+    values = torch.tensor([-3.5, -0.25, -12.0])
+    for length, lp in ((7, 1.0), (64, 2.0), (3, -0.5), (100, 10.0)):
+        assert torch.equal(length_normalized(values, length, lp), values / (length**lp))
+    # far beyond float range: saturates (to -0 or -inf) in log space, no OverflowError
+    assert length_normalized(values, 64, 200.0).abs().max() < 1e-30
+    assert torch.isinf(length_normalized(values, 64, -200.0)).all()
+
+
+@pytest.mark.parametrize("lp", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_length_penalty_rejected(lp) -> None:
+    with pytest.raises(ValueError, match="length_penalty"):
+        BeamSearchState(2, 1, lp, False, [0], prompt_len=3, max_new_tokens=4)

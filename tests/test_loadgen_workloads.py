@@ -94,5 +94,28 @@ def test_flags_build_the_workload():
     assert all(49 <= t < 50 for r in reqs for t in r.prompt)  # [min(100, 49), 50)
     args = p.parse_args(["--num-requests", "2", "--output-len", "3"])
     assert [r.prompt for r in wl.build_workload(args)] == _w1_by_definition()[:2]
+    args = p.parse_args(["--workload", "w1"])
     with pytest.raises(ValueError, match="vocabulary has 512"):
         wl.build_workload(args, vocab_size=512)
+
+
+def test_default_workload_fits_the_demo_model():
+    """The default used to be W1, whose ids and lengths the demo model cannot take."""
+    from pydaemon.config import EngineConfig
+    from pydaemon.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model="demo", device="cpu", num_kv_blocks=64))
+    p = argparse.ArgumentParser()
+    p.add_argument("--seed", type=int, default=0)
+    wl.add_workload_flags(p)
+    args = p.parse_args(["--num-requests", "50"])
+    reqs = wl.build_workload(args, vocab_size=engine.vocab_size, max_model_len=engine.max_model_len)
+    assert args.workload == "uniform" and len(reqs) == 50
+    for r in reqs:
+        assert r.prompt_len + r.output_len <= engine.max_model_len
+        assert all(0 <= t < engine.vocab_size for t in r.prompt)
+    args = p.parse_args(["--num-requests", "2"])
+    assert (
+        wl.build_workload(args, vocab_size=128256, max_model_len=8192)[0].prompt
+        == (_w1_by_definition()[0])
+    )

@@ -125,12 +125,11 @@ void check_cuda_error(cudaError_t err, const char* what) {
 
 cudaStream_t as_stream(uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
 
-void paged_attention_decode(Array out, Array query, Array key_cache, Array value_cache,
-                            Array block_tables, Array seq_lens, double scale, int max_seq_len,
-                            nb::object tmp_out_obj, nb::object exp_sums_obj,
-                            nb::object max_logits_obj, uintptr_t stream) {
-  const int dev = current_device();
-  const DType dtype = attention_dtype(query, "query");
+// Shared checks of the attention kernels' query / cache arguments; returns head_dim.
+int64_t check_attention_args(const Array& out, const Array& query, const Array& key_cache,
+                             const Array& value_cache, const Array& block_tables,
+                             const Array& seq_lens, int dev) {
+  attention_dtype(query, "query");
   check_same_dtype(out, "out", query, "query");
   check_same_dtype(key_cache, "key_cache", query, "query");
   check_same_dtype(value_cache, "value_cache", query, "query");
@@ -146,8 +145,7 @@ void paged_attention_decode(Array out, Array query, Array key_cache, Array value
   check_ndim(value_cache, "value_cache", 4);
   check_ndim(block_tables, "block_tables", 2);
   check_ndim(seq_lens, "seq_lens", 1);
-  const int64_t num_seqs = query.shape(0), num_q_heads = query.shape(1),
-                head_dim = query.shape(2);
+  const int64_t num_q_heads = query.shape(1), head_dim = query.shape(2);
   const int64_t num_kv_heads = key_cache.shape(1), block_size = key_cache.shape(2);
   if (head_dim != 64 && head_dim != 80 && head_dim != 96 && head_dim != 128 && head_dim != 256)
     throw nb::value_error(("head_dim (query.shape[2]) must be 64, 80, 96, 128 or 256, got " +
@@ -170,17 +168,30 @@ void paged_attention_decode(Array out, Array query, Array key_cache, Array value
   }
   check_contiguous_from(key_cache, "key_cache", 2);
   if (query.stride(2) != 1) throw nb::value_error("query's last dim must be contiguous");
-  if (query.stride(0) % 8 != 0 || query.stride(1) % 8 != 0 ||
-      key_cache.stride(0) % 8 != 0 || key_cache.stride(1) % 8 != 0)
+  if (query.stride(0) % 8 != 0 || query.stride(1) % 8 != 0 || key_cache.stride(0) % 8 != 0 ||
+      key_cache.stride(1) % 8 != 0)
     throw nb::value_error("query and key_cache strides must be multiples of 8 elements");
   for (int i = 0; i < 3; ++i) check_dim(out, "out", i, query.shape(i), "query's shape");
   check_contiguous_from(out, "out", 0);
-  check_dim(block_tables, "block_tables", 0, num_seqs, "num_seqs");
-  check_dim(seq_lens, "seq_lens", 0, num_seqs, "num_seqs");
   if (block_tables.stride(1) != 1 && block_tables.shape(1) > 1)
     throw nb::value_error("block_tables' last dim must be contiguous");
-  if (seq_lens.stride(0) != 1 && num_seqs > 1)
+  if (seq_lens.stride(0) != 1 && seq_lens.shape(0) > 1)
     throw nb::value_error("seq_lens must be contiguous");
+  return head_dim;
+}
+
+void paged_attention_decode(Array out, Array query, Array key_cache, Array value_cache,
+                            Array block_tables, Array seq_lens, double scale, int max_seq_len,
+                            nb::object tmp_out_obj, nb::object exp_sums_obj,
+                            nb::object max_logits_obj, uintptr_t stream) {
+  const int dev = current_device();
+  const int64_t head_dim =
+      check_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, dev);
+  const DType dtype = attention_dtype(query, "query");
+  const int64_t num_seqs = query.shape(0), num_q_heads = query.shape(1);
+  const int64_t block_size = key_cache.shape(2);
+  check_dim(block_tables, "block_tables", 0, num_seqs, "num_seqs");
+  check_dim(seq_lens, "seq_lens", 0, num_seqs, "num_seqs");
   if (num_seqs == 0) return;
   if (num_seqs > 65535) throw nb::value_error("at most 65535 sequences per call");
   if (max_seq_len > block_tables.shape(1) * block_size)
@@ -230,7 +241,7 @@ void paged_attention_decode(Array out, Array query, Array key_cache, Array value
   p.num_partitions = num_partitions;
   p.num_seqs = (int)num_seqs;
   p.num_q_heads = (int)num_q_heads;
-  p.num_kv_heads = (int)num_kv_heads;
+  p.num_kv_heads = (int)key_cache.shape(1);
   p.head_dim = (int)head_dim;
   p.block_size = (int)block_size;
   p.scale = (float)scale;
@@ -241,6 +252,68 @@ void paged_attention_decode(Array out, Array query, Array key_cache, Array value
     err = pagedd::cuda::paged_attention_decode(p, as_stream(stream));
   }
   check_cuda_error(err, "paged_attention_decode");
+}
+
+void paged_attention_prefill(Array out, Array query, Array key_cache, Array value_cache,
+                             Array block_tables, Array seq_lens, Array query_start_loc,
+                             double scale, int max_query_len, int block_m, int block_n,
+                             uintptr_t stream) {
+  const int dev = current_device();
+  const int64_t head_dim =
+      check_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, dev);
+  check_dtype(query_start_loc, "query_start_loc", kInt, 32, "int32");
+  check_cuda(query_start_loc, "query_start_loc", dev);
+  check_ndim(query_start_loc, "query_start_loc", 1);
+  const int64_t num_seqs = seq_lens.shape(0);
+  check_dim(query_start_loc, "query_start_loc", 0, num_seqs + 1, "num_seqs + 1");
+  check_dim(block_tables, "block_tables", 0, num_seqs, "num_seqs");
+  if (query_start_loc.stride(0) != 1)
+    throw nb::value_error("query_start_loc must be contiguous");
+  if (num_seqs > 65535) throw nb::value_error("at most 65535 sequences per call");
+  if (num_seqs > 0 && (max_query_len < 1 || max_query_len > query.shape(0)))
+    throw nb::value_error(("max_query_len must be in [1, num_tokens = " +
+                           std::to_string(query.shape(0)) + "], got " +
+                           std::to_string(max_query_len))
+                              .c_str());
+  int bm = block_m, bn = block_n;
+  pagedd::cuda::prefill_tile_shape((int)head_dim, max_query_len, bm, bn);
+  if (!pagedd::cuda::prefill_tile_is_built((int)head_dim, bm, bn))
+    throw nb::value_error(("block_m x block_n = " + std::to_string(block_m) + " x " +
+                           std::to_string(block_n) + " is not built for head_dim " +
+                           std::to_string(head_dim) +
+                           " (0 = default; 128x64, 128x32, 64x64, or 64x32 for 256)")
+                              .c_str());
+  if (num_seqs == 0 || query.shape(0) == 0) return;
+
+  pagedd::cuda::PagedPrefillParams p{};
+  p.out = out.data();
+  p.query = query.data();
+  p.q_token_stride = query.stride(0);
+  p.q_head_stride = query.stride(1);
+  p.key_cache = key_cache.data();
+  p.value_cache = value_cache.data();
+  p.kv_block_stride = key_cache.stride(0);
+  p.kv_head_stride = key_cache.stride(1);
+  p.block_tables = static_cast<const int32_t*>(block_tables.data());
+  p.block_table_stride = block_tables.stride(0);
+  p.seq_lens = static_cast<const int32_t*>(seq_lens.data());
+  p.query_start_loc = static_cast<const int32_t*>(query_start_loc.data());
+  p.num_seqs = (int)num_seqs;
+  p.num_q_heads = (int)query.shape(1);
+  p.num_kv_heads = (int)key_cache.shape(1);
+  p.head_dim = (int)head_dim;
+  p.block_size = (int)key_cache.shape(2);
+  p.max_query_len = max_query_len;
+  p.block_m = block_m;
+  p.block_n = block_n;
+  p.scale = (float)scale;
+  p.dtype = attention_dtype(query, "query");
+  cudaError_t err;
+  {
+    nb::gil_scoped_release release;
+    err = pagedd::cuda::paged_attention_prefill(p, as_stream(stream));
+  }
+  check_cuda_error(err, "paged_attention_prefill");
 }
 
 void reshape_and_cache(Array key, Array value, Array key_cache, Array value_cache,
@@ -385,6 +458,16 @@ void bind_cuda_ops(nb::module_& m) {
         "seq_lens: [num_seqs] int32 (each <= max_seq_len); tmp_out: [num_seqs, num_q_heads,\n"
         "num_partitions, head_dim] f32, exp_sums / max_logits: [num_seqs, num_q_heads,\n"
         "num_partitions] f32 (None when max_seq_len <= partition_size).");
+  m.def("paged_attention_prefill", &paged_attention_prefill, nb::arg("out").noconvert(),
+        nb::arg("query"), nb::arg("key_cache"), nb::arg("value_cache"), nb::arg("block_tables"),
+        nb::arg("seq_lens"), nb::arg("query_start_loc"), nb::arg("scale"),
+        nb::arg("max_query_len"), nb::arg("block_m"), nb::arg("block_n"), nb::arg("stream"),
+        "Causal paged attention of a packed batch of new tokens (prefill chunks and decodes),\n"
+        "tensor cores, GQA-packed. out, query: [num_tokens, num_q_heads, head_dim]; key_cache,\n"
+        "value_cache: [num_blocks, num_kv_heads, block_size, head_dim]; block_tables:\n"
+        "[num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32 (context after the step);\n"
+        "query_start_loc: [num_seqs + 1] int32; max_query_len: host int >= every query length;\n"
+        "block_m, block_n: tile shape (tuning), 0 = default.");
   m.def("reshape_and_cache", &reshape_and_cache, nb::arg("key"), nb::arg("value"),
         nb::arg("key_cache").noconvert(), nb::arg("value_cache").noconvert(),
         nb::arg("slot_mapping"), nb::arg("stream"),

@@ -393,7 +393,9 @@ cudaError_t launch_paged_decode_typed(const PagedDecodeParams& p, cudaStream_t s
   }));
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || p.num_partitions == 1) return err;
-  const size_t smem = sizeof(float) * p.num_partitions;
+  // Padded by 4 floats: ptxas merges the guarded tail reads of s_weights into one wider
+  // load (compute-sanitizer memcheck flagged a 12-byte read past the end).
+  const size_t smem = sizeof(float) * (p.num_partitions + 4);
   if (smem > 48 * 1024) {
     err = cudaFuncSetAttribute(paged_decode_reduce_kernel<scalar_t, HEAD_DIM>,
                                cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);

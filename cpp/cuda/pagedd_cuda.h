@@ -56,6 +56,54 @@ struct PagedDecodeParams {
 // longer than num_partitions * kPartitionSize gets NaN (the caller's max_seq_len was wrong).
 cudaError_t paged_attention_decode(const PagedDecodeParams& p, cudaStream_t stream);
 
+struct PagedPrefillParams {
+  void* out;                     // [num_tokens, num_q_heads, head_dim], contiguous
+  const void* query;             // [num_tokens, num_q_heads, head_dim], last dim contiguous
+  int64_t q_token_stride;        // elements
+  int64_t q_head_stride;         // elements
+  const void* key_cache;         // [num_blocks, num_kv_heads, block_size, head_dim]
+  const void* value_cache;       // same shape and strides as key_cache
+  int64_t kv_block_stride;       // elements between consecutive blocks
+  int64_t kv_head_stride;        // elements between consecutive kv heads of one block
+  const int32_t* block_tables;   // [num_seqs, max_num_blocks_per_seq]
+  int64_t block_table_stride;    // elements between rows
+  const int32_t* seq_lens;       // [num_seqs] context length after this step (cached + new)
+  const int32_t* query_start_loc;  // [num_seqs + 1] cumulative query lengths
+  int num_seqs;
+  int num_q_heads;
+  int num_kv_heads;              // num_q_heads % num_kv_heads == 0
+  int head_dim;                  // 64, 80, 96, 128 or 256
+  int block_size;                // 8, 16 or 32
+  int max_query_len;             // >= every query length (sizes the grid)
+  int block_m;                   // tile rows (tuning): 0 = default for head_dim, 64 or 128
+  int block_n;                   // tile keys (tuning): 0 = default for head_dim, 32 or 64
+  float scale;                   // softmax scale, usually head_dim ** -0.5
+  DType dtype;
+};
+
+// Causal attention of a packed batch of new tokens over their paged K/V (the cached prefix and
+// the new tokens themselves, already written by reshape_and_cache). Sequence s owns query rows
+// [query_start_loc[s], query_start_loc[s+1]); its query token j sits at position
+// seq_lens[s] - query_len + j and attends to positions [0, that]. Decode rows (query_len 1)
+// may be mixed in. Tensor cores (mma.sync, sm_80+), online softmax, and the query heads of a
+// kv head's group packed into one tile, so K/V are read once per kv head, never copied.
+// A sequence with query_len > seq_lens, or longer than max_query_len, gets NaN rows.
+cudaError_t paged_attention_prefill(const PagedPrefillParams& p, cudaStream_t stream);
+
+// The prefill tile (block_m rows x block_n keys) a call runs: block_m / block_n of 0 pick
+// the default, measured on the H200 (bench/results/prefill_h200.md): 128 x 32 below 2048
+// new tokens per sequence, 128 x 64 from there (longer tiles pay off with more keys per
+// row); 64 x 64 is the decode-step shape; head_dim 256 has 64 x 32 only (registers).
+inline void prefill_tile_shape(int head_dim, int max_query_len, int& block_m, int& block_n) {
+  if (block_m == 0) block_m = head_dim == 256 ? 64 : 128;
+  if (block_n == 0)
+    block_n = head_dim == 256 ? 32 : (block_m == 64 || max_query_len >= 2048 ? 64 : 32);
+}
+inline bool prefill_tile_is_built(int head_dim, int block_m, int block_n) {
+  if (head_dim == 256) return block_m == 64 && block_n == 32;
+  return (block_m == 128 && (block_n == 32 || block_n == 64)) || (block_m == 64 && block_n == 64);
+}
+
 struct ReshapeAndCacheParams {
   const void* key;             // [num_tokens, num_kv_heads, head_dim], last dim contiguous
   const void* value;           // same shape

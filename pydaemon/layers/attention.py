@@ -2,8 +2,11 @@
 the block table. Backend selection lives here and only here:
 
 - CUDA with the pagedd kernels (fp16/bf16): ``reshape_and_cache`` kernel for the cache
-  writes, the split-KV paged decode kernel for decode tokens, torch SDPA over K/V gathered
-  through the block table for prefill (chunks); no host-device sync.
+  writes, then ONE attention launch per layer: the tensor-core paged prefill kernel when the
+  step has prefill work (its decode rows ride along in the same launch); for decode-only
+  steps, the same kernel with 64-row tiles where it wins (grouped heads, enough blocks, see
+  ``decode_on_tensor_cores``), else the split-KV paged decode kernel. No Python loop over
+  sequences, no host-device sync.
 - otherwise (CPU, float32, or a build without kernels): the plain torch path.
 
 A layer with a sliding window (Mistral, Qwen2/3) keeps the kernel cache writes but attends on
@@ -19,12 +22,7 @@ import torch
 from torch import nn
 
 from pydaemon.attention_metadata import AttentionMetadata
-from pydaemon.layers.paged_attention_torch import (
-    paged_attention_torch,
-    paged_decode_torch,
-    paged_prefill_torch,
-    write_kv_cache_torch,
-)
+from pydaemon.layers.paged_attention_torch import paged_attention_torch, write_kv_cache_torch
 
 # "auto": the CUDA kernels where they apply; "torch": always the torch path (debugging, A/B).
 BACKEND = os.environ.get("PAGEDD_ATTENTION_BACKEND", "auto")
@@ -48,6 +46,18 @@ def uses_kernels(cache: torch.Tensor) -> bool:
         and cache.shape[-1] in KERNEL_HEAD_DIMS
         and _kernels_available()
     )
+
+
+def decode_on_tensor_cores(num_seqs: int, num_kv_heads: int, group: int, max_seq_len: int) -> bool:
+    """Decode-only step: the tensor-core prefill kernel (query heads of a group as rows, one
+    block per sequence and kv head, no split-KV) or the split-KV CUDA-core decode kernel.
+
+    Measured on the H200 (bench/results/prefill_h200.md, head 128, GQA 32/8): from 32
+    sequences the tensor-core path is 1.26-1.5x the decode kernel (3.6-4.0 TB/s at contexts
+    >= 4k), and it wins at 8 sequences of 512 tokens; with few blocks and long contexts the
+    decode kernel's partitions win (8 x 4k: 75 vs 125 us). MHA stays on the decode kernel.
+    """
+    return group >= 4 and (num_seqs * num_kv_heads >= 256 or max_seq_len <= 512)
 
 
 class PagedAttention(nn.Module):
@@ -92,21 +102,46 @@ class PagedAttention(nn.Module):
         from pydaemon import ops
 
         ops.reshape_and_cache(key, value, key_cache, value_cache, md.slot_mapping)
-        out = torch.empty_like(query)
-        window = self.sliding_window
-        start = paged_prefill_torch(query, key_cache, value_cache, md, self.scale, out, window)
-        if window is not None:
-            paged_decode_torch(query, key_cache, value_cache, md, self.scale, out, start, window)
-        elif md.num_decodes > 0:
-            p = md.num_prefills
-            ops.paged_attention_decode(
-                query[start:],
+        if self.sliding_window is not None:
+            # The CUDA attention kernels have no window: windowed layers attend on the torch path.
+            return paged_attention_torch(
+                query, key_cache, value_cache, md, self.scale, self.sliding_window
+            )
+        num_kv_heads = key_cache.shape[1]  # this rank's, under tensor parallelism
+        group = query.shape[1] // num_kv_heads
+        max_seq_len = max(md.seq_lens_cpu)  # host list: no device read-back
+        if md.num_prefills == 0 and decode_on_tensor_cores(
+            md.num_seqs, num_kv_heads, group, max_seq_len
+        ):
+            return ops.paged_attention_prefill(
+                query,
                 key_cache,
                 value_cache,
-                md.block_tables[p:],
-                md.seq_lens[p:],
-                max(md.seq_lens_cpu[p:]),  # host list: no device read-back
+                md.block_tables,
+                md.seq_lens,
+                md.query_start_loc,
+                1,
                 scale=self.scale,
-                out=out[start:],
+                block_m=64,
+                block_n=64,
             )
-        return out
+        if md.num_prefills > 0:
+            return ops.paged_attention_prefill(
+                query,
+                key_cache,
+                value_cache,
+                md.block_tables,
+                md.seq_lens,
+                md.query_start_loc,
+                md.max_query_len,  # host int: no device read-back
+                scale=self.scale,
+            )
+        return ops.paged_attention_decode(
+            query,
+            key_cache,
+            value_cache,
+            md.block_tables,
+            md.seq_lens,
+            max_seq_len,
+            scale=self.scale,
+        )

@@ -4,6 +4,8 @@
     if ops.is_available():
         out = ops.paged_attention_decode(query, key_cache, value_cache, block_tables,
                                          seq_lens, max_seq_len)
+        out = ops.paged_attention_prefill(query, key_cache, value_cache, block_tables,
+                                          seq_lens, query_start_loc, max_query_len)
 
 ``is_available()`` is False (and ``unavailable_reason()`` says why) when ``_core`` was built
 without CUDA kernels or no CUDA device is visible; every wrapper then raises RuntimeError.
@@ -16,6 +18,7 @@ from pydaemon.ops.paged_attention import (
     num_partitions,
     paged_attention_decode,
 )
+from pydaemon.ops.paged_prefill import paged_attention_prefill
 
 __all__ = [
     "PARTITION_SIZE",
@@ -25,6 +28,7 @@ __all__ = [
     "is_available",
     "num_partitions",
     "paged_attention_decode",
+    "paged_attention_prefill",
     "reshape_and_cache",
     "swap_blocks",
     "unavailable_reason",

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from grpc_reflection.v1alpha import reflection
 
 from pydaemon.async_engine import AsyncEngine
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
@@ -27,7 +26,9 @@ from pydaemon.server.auth import ApiKeyInterceptor
 from pydaemon.server.errors import ExceptionInterceptor
 from pydaemon.server.health import Health
 from pydaemon.server.http import HttpOptions, HttpServer, ServedModel
-from pydaemon.server.metrics import Metrics, MetricsServer
+from pydaemon.server.metrics import Metrics
+from pydaemon.server.metrics_http import MetricsServer
+from pydaemon.server.reflection import enable_server_reflection
 from pydaemon.server.sd_notify import SdNotifier, watchdog_interval_s
 from pydaemon.server.servicer import GenerationServicer, ServingOptions
 
@@ -43,6 +44,7 @@ class ServerOptions:
     http_host: str = "127.0.0.1"
     http_port: int | None = None  # None: no OpenAI HTTP API; 0: any free port
     api_key: str | None = None
+    metrics_auth: bool = True  # with api_key: /metrics requires it too
     tls_cert: str | None = None  # PEM file paths; both or neither
     tls_key: str | None = None
     max_message_bytes: int = 16 * 1024 * 1024
@@ -102,12 +104,8 @@ class PageddServer:
 
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
         await self.health.set_starting()
-        reflection.enable_server_reflection(
-            (
-                pb.DESCRIPTOR.services_by_name["Generation"].full_name,
-                "grpc.health.v1.Health",
-                reflection.SERVICE_NAME,
-            ),
+        enable_server_reflection(
+            (pb.DESCRIPTOR.services_by_name["Generation"].full_name, "grpc.health.v1.Health"),
             server,
         )
         address = f"{o.host}:{o.port}"
@@ -139,11 +137,17 @@ class PageddServer:
             self._is_loading = False
         self.async_engine = AsyncEngine(engine)
         self.async_engine.start()
+        self.metrics.set_baseline(self.async_engine.latest_stats)
         self.servicer.engine = self.async_engine
         o = self.options
         if o.metrics_port is not None:
-            self.metrics_server = MetricsServer(self.metrics, o.metrics_host, o.metrics_port)
-            self.metrics_server.start()
+            self.metrics_server = MetricsServer(
+                self.metrics.render,
+                o.metrics_host,
+                o.metrics_port,
+                api_key=o.api_key if o.metrics_auth else None,
+            )
+            await self.metrics_server.start()
         if o.http_port is not None:
             model = ServedModel(
                 engine.model_name,
@@ -184,6 +188,7 @@ class PageddServer:
             host=o.http_host,
             port=o.http_port,
             api_key=o.api_key,
+            metrics_auth=o.metrics_auth,
             tls_cert=o.tls_cert,
             tls_key=o.tls_key,
             max_queued_requests=o.serving.max_queued_requests,
@@ -256,7 +261,7 @@ class PageddServer:
         if self.async_engine is not None:
             await self.async_engine.shutdown()
         if self.metrics_server is not None:
-            self.metrics_server.stop()
+            await self.metrics_server.stop()
         logger.info("drained; exiting")
         self.is_drained.set()
 
@@ -273,8 +278,11 @@ async def serve(engine_factory: Callable[[], Any], options: ServerOptions) -> in
     await asyncio.wait({start, stopped}, return_when=asyncio.FIRST_COMPLETED)
     if start.done() and start.exception() is not None:
         error = start.exception()
-        # A bad setting (ValueError) is the operator's to fix: its message is enough.
-        logger.error("start-up failed: %s", error, exc_info=not isinstance(error, ValueError))
+        # A bad setting (ValueError) is the operator's to fix: its message is enough. Otherwise
+        # the traceback of the error itself (exc_info=True would log "NoneType: None" here).
+        logger.error(
+            "start-up failed: %s", error, exc_info=None if isinstance(error, ValueError) else error
+        )
         server.notifier.status(f"start-up failed: {error}")
         await server.drain()
         return 1

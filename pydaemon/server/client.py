@@ -40,7 +40,7 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--token-ids", default=None, help="prompt as comma-separated token ids, e.g. 1,2,3"
     )
-    parser.add_argument("--server", default="127.0.0.1:50051", help="HOST:PORT of the daemon")
+    add_connection_flags(parser)
     parser.add_argument("-n", type=int, default=None, help="number of output sequences")
     for flag, _, type_, help_text in SAMPLING_FLAGS:
         parser.add_argument(flag, type=type_, default=None, help=help_text or None)
@@ -48,7 +48,13 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     parser.add_argument("--time-limit", type=float, default=0.0, help="request time limit (s)")
     parser.add_argument("--timeout", type=float, default=None, help="gRPC deadline (s)")
-    parser.add_argument("--api-key", default=None, help=f"bearer token (or ${API_KEY_ENV})")
+
+
+def add_connection_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--server", default="127.0.0.1:50051", help="HOST:PORT of the daemon")
+    parser.add_argument(
+        "--api-key", default=None, help=f"bearer token (better: ${API_KEY_ENV}, not in `ps`)"
+    )
     parser.add_argument("--tls-ca", default=None, help="PEM CA bundle: connect with TLS")
 
 
@@ -94,11 +100,17 @@ def _parse_token_ids(value: str) -> list[int]:
     return ids
 
 
-def _channel(args: argparse.Namespace) -> grpc.Channel:
+def open_channel(args: argparse.Namespace) -> grpc.Channel:
+    """A channel to ``args.server``, with TLS when ``args.tls_ca`` names a CA bundle."""
     if args.tls_ca:
         with open(args.tls_ca, "rb") as f:
             return grpc.secure_channel(args.server, grpc.ssl_channel_credentials(f.read()))
     return grpc.insecure_channel(args.server)
+
+
+def auth_metadata(args: argparse.Namespace) -> tuple | None:
+    api_key = args.api_key or os.environ.get(API_KEY_ENV)
+    return (("authorization", f"Bearer {api_key}"),) if api_key else None
 
 
 def run_generate(args: argparse.Namespace, out=sys.stdout, err=sys.stderr) -> int:
@@ -107,12 +119,11 @@ def run_generate(args: argparse.Namespace, out=sys.stdout, err=sys.stderr) -> in
     except ValueError as e:
         print(f"pagedd generate: {e}", file=err)
         return 2
-    api_key = args.api_key or os.environ.get(API_KEY_ENV)
-    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+    metadata = auth_metadata(args)
     n = start.sampling.n if start.sampling.HasField("n") else 1
     texts: dict[int, list[str]] = {}
     logprobs: list[str] = []
-    with _channel(args) as channel:
+    with open_channel(args) as channel:
         call = pb_grpc.GenerationStub(channel).Generate(
             iter([pb.GenerateRequest(start=start)]), timeout=args.timeout, metadata=metadata
         )

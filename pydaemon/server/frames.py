@@ -22,6 +22,7 @@ class RequestAccount:
     """What one request produced so far: enough to write its Finished frame."""
 
     request_id: str  # the client's id
+    num_sequences: int = 1  # outputs the client asked for (n): each gets a finish reason
     num_prompt_tokens: int = 0
     num_completion_tokens: int = 0
     num_tokens_by_index: dict[int, int] = field(default_factory=dict)
@@ -71,7 +72,7 @@ class RequestAccount:
 
     def finished(self, reason: int | None = None) -> pb.GenerateResponse:
         """The Finished frame; ``reason`` overrides the engine's (cancelled, time limit...)."""
-        n = max(self.finish_reasons, default=-1) + 1
+        n = max(max(self.finish_reasons, default=-1) + 1, self.num_sequences)
         per_seq = [self.finish_reasons.get(i, reason or pb.FINISH_REASON_ABORTED) for i in range(n)]
         if reason is None:
             reason = per_seq[0] if per_seq else pb.FINISH_REASON_ABORTED

@@ -1,4 +1,4 @@
-"""Prometheus metrics in the text exposition format, served over HTTP by the standard library.
+"""Prometheus metrics in the text exposition format (served by metrics_http.MetricsServer).
 
 Gauges and counters come from the engine's latest EngineStats (refreshed by the engine thread
 after every step); latency histograms are fed by the servicer as requests finish.
@@ -7,7 +7,6 @@ after every step); latency histograms are fed by the servicer as requests finish
 from __future__ import annotations
 
 import bisect
-import http.server
 import threading
 from collections.abc import Callable
 
@@ -79,7 +78,7 @@ class Histogram:
 
 
 class Metrics:
-    """Thread-safe: observed on the asyncio loop, rendered on the HTTP thread."""
+    """Observed on the asyncio loop and rendered there; the lock keeps it safe from any thread."""
 
     def __init__(self, stats_fn: Callable[[], object]) -> None:
         self._stats_fn = stats_fn
@@ -96,6 +95,13 @@ class Metrics:
             "pagedd_e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS_S
         )
         self.finished: dict[str, int] = {}
+        self._baseline: dict[str, int] = {}  # engine counters before serving (the warm-up)
+
+    def set_baseline(self, stats: object) -> None:
+        """Counters start from here: what the warm-up request did is not reported."""
+        self._baseline = {
+            attr: getattr(stats, attr, 0) for _, attr, kind, _ in _STATS if kind == "counter"
+        }
 
     def observe_request(self, account, finish_reason: int) -> None:
         timings = account.timings_ms()
@@ -124,13 +130,15 @@ class Metrics:
         lines = []
         for name, attr, kind, help_text in _STATS:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-            lines.append(f"{name} {getattr(stats, attr, 0)}")
+            lines.append(f"{name} {getattr(stats, attr, 0) - self._baseline.get(attr, 0)}")
         used = stats.num_gpu_blocks - stats.num_free_gpu_blocks
-        hit_rate = (
-            stats.prefix_cache_hit_tokens / stats.prefix_cache_query_tokens
-            if stats.prefix_cache_query_tokens
-            else 0.0
+        hit_tokens = stats.prefix_cache_hit_tokens - self._baseline.get(
+            "prefix_cache_hit_tokens", 0
         )
+        query_tokens = stats.prefix_cache_query_tokens - self._baseline.get(
+            "prefix_cache_query_tokens", 0
+        )
+        hit_rate = hit_tokens / query_tokens if query_tokens else 0.0
         lines += [
             "# HELP pagedd_kv_blocks_used Accelerator KV blocks in use.",
             "# TYPE pagedd_kv_blocks_used gauge",
@@ -152,37 +160,3 @@ class Metrics:
             for hist in (self.ttft, self.tpot, self.e2e):
                 lines += hist.render()
         return "\n".join(lines) + "\n"
-
-
-class MetricsServer:
-    """GET /metrics on its own thread."""
-
-    def __init__(self, metrics: Metrics, host: str, port: int) -> None:
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                if self.path.split("?")[0] != "/metrics":
-                    self.send_error(404, "only /metrics is served here")
-                    return
-                body = metrics.render().encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args) -> None:  # noqa: A002
-                pass  # scrapes every few seconds would flood the log
-
-        self.httpd = http.server.ThreadingHTTPServer((host, port), Handler)
-        self.httpd.daemon_threads = True
-        self.port = self.httpd.server_address[1]
-        self._thread = threading.Thread(
-            target=self.httpd.serve_forever, name="pagedd-metrics", daemon=True
-        )
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from pydaemon import __version__
 from pydaemon.async_engine import AsyncEngine, EngineDeadError
@@ -25,7 +26,12 @@ from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 from pydaemon.proto.pagedd.v1 import generation_pb2_grpc as pb_grpc
 from pydaemon.server.frames import RequestAccount, error_frame
 from pydaemon.server.model_prompt import apply_model_prompt
-from pydaemon.server.validation import RequestInvalid, check_request_id, to_engine_args
+from pydaemon.server.validation import (
+    RequestInvalid,
+    check_request_id,
+    check_text_size,
+    to_engine_args,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +136,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await self._read_frames(stream, request_iterator)
         except asyncio.CancelledError:
             raise
+        except DecodeError as e:  # an undecodable frame (bad UTF-8, garbage bytes)
+            stream.out.put_nowait(
+                _StreamFatal(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"a GenerateRequest frame could not be decoded: {e}",
+                )
+            )
         except Exception as e:  # noqa: BLE001 - the transport failed: the call is ending anyway
             logger.debug("reading the stream failed: %r", e)
             stream.out.put_nowait(_READER_DONE)
@@ -175,7 +188,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except RequestInvalid as e:
             stream.out.put_nowait(error_frame(request_id, e.code, e.message))
             return
-        live = _Live(RequestAccount(request_id), f"{next(self._ids)}-{request_id}")
+        account = RequestAccount(request_id, num_sequences=args.params.n)
+        live = _Live(account, f"{next(self._ids)}-{request_id}")
         stream.live[request_id] = live
         live.task = asyncio.create_task(self._run(stream, live, args))
         if args.time_limit_s is not None:
@@ -191,7 +205,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         engine = self.engine.engine
         start = apply_model_prompt(start, engine.tokenizer, engine.generation_defaults)
         args = to_engine_args(
-            start, vocab_size=engine.vocab_size, has_tokenizer=engine.tokenizer is not None
+            start,
+            vocab_size=engine.vocab_size,
+            has_tokenizer=engine.tokenizer is not None,
+            max_model_len=engine.max_model_len,
         )
         if self.engine.num_unscheduled >= self.options.max_queued_requests:
             raise RequestInvalid(
@@ -258,8 +275,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             block_size=engine.config.block_size,
             num_gpu_blocks=stats.num_gpu_blocks,
             num_cpu_blocks=stats.num_cpu_blocks,
-            device=str(getattr(engine, "device", engine.config.device)),
-            dtype=str(getattr(engine, "dtype", engine.config.dtype)).removeprefix("torch."),
+            # The resolved device and dtype (the config may say "auto"), from rank 0's runner.
+            device=str(engine.runner.device),
+            dtype=str(engine.runner.dtype).removeprefix("torch."),
             eos_token_id=_first_eos(engine),
             has_tokenizer=tokenizer is not None,
             server_version=__version__,
@@ -269,12 +287,22 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         )
 
     async def Tokenize(self, request, context) -> pb.TokenizeResponse:
-        tokenizer = (await self._require_engine(context)).engine.tokenizer
+        engine = (await self._require_engine(context)).engine
+        tokenizer = engine.tokenizer
         if tokenizer is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer")
-        # Tokenizers are read-only after loading, so encoding here races with nothing.
-        ids = tokenizer.encode(request.text, add_bos=request.add_bos)
-        return pb.TokenizeResponse(token_ids=ids, pieces=[tokenizer.decode([t]) for t in ids])
+        try:
+            check_text_size(request.text, engine.max_model_len, "Tokenize text")
+        except RequestInvalid as e:
+            await context.abort(e.code, e.message)
+
+        def tokenize() -> pb.TokenizeResponse:
+            # Tokenizers are read-only after loading, so encoding here races with nothing.
+            ids = tokenizer.encode(request.text, add_bos=request.add_bos)
+            return pb.TokenizeResponse(token_ids=ids, pieces=[tokenizer.decode([t]) for t in ids])
+
+        # Off the event loop: a long text must not stall every other stream.
+        return await asyncio.get_running_loop().run_in_executor(None, tokenize)
 
     async def GetServerStatus(self, request, context) -> pb.ServerStatus:
         s = await (await self._require_engine(context)).stats()

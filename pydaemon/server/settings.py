@@ -28,7 +28,7 @@ ENGINE_FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("--cpu-kv-cache-space", float, "GiB of KV cache when running on CPU"),
     ("--swap-space", float, "GiB of CPU swap space for preempted sequences"),
     ("--max-num-seqs", int, "most sequences per step"),
-    ("--max-num-batched-tokens", int, "token budget per step"),
+    ("--max-num-batched-tokens", int, "token budget per step (default: 4096 on CUDA, 512 on CPU)"),
     ("--max-model-len", int, "longest prompt + output (default: the model's)"),
     ("--preemption-mode", str, "auto | recompute | swap"),
     ("--load-format", str, "auto | dummy (random weights, for benchmarks)"),
@@ -37,6 +37,7 @@ ENGINE_FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("--tensor-parallel-size", int, "shard the model over this many GPUs (processes)"),
 )
 ENGINE_BOOL_FLAGS = (("--enable-prefix-caching", "automatic prefix caching"),)
+SERVER_BOOL_FLAGS = (("--metrics-auth", True, "with an API key, /metrics requires it too"),)
 
 # (flag, type, default, help). Keys map onto ServerOptions / ServingOptions.
 SERVER_FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
@@ -46,7 +47,14 @@ SERVER_FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
     ("--metrics-port", int, None, "serve Prometheus metrics on this port (default: off)"),
     ("--http-host", str, "127.0.0.1", "address of the OpenAI-compatible HTTP API"),
     ("--http-port", int, None, "serve the OpenAI-compatible HTTP API on this port (default: off)"),
-    ("--api-key", str, None, f"require 'authorization: Bearer KEY' (or set ${API_KEY_ENV})"),
+    (
+        "--api-key",
+        str,
+        None,
+        "require 'authorization: Bearer KEY' on every call but health; visible in the process "
+        f"list: prefer ${API_KEY_ENV} or --api-key-file",
+    ),
+    ("--api-key-file", str, None, "read the API key from this file (first line)"),
     ("--tls-cert", str, None, "PEM certificate chain: serve TLS (with --tls-key)"),
     ("--tls-key", str, None, "PEM private key"),
     ("--max-queued-requests", int, 1024, "beyond this many waiting requests: RESOURCE_EXHAUSTED"),
@@ -72,16 +80,41 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config", metavar="FILE.toml", help="settings file (same keys as the flags)"
     )
+    from pydaemon.config import EngineConfig
+
+    defaults = EngineConfig()
     group = parser.add_argument_group("engine")
     for flag, type_, help_text in ENGINE_FLAGS:
-        group.add_argument(flag, type=type_, default=None, help=help_text)
+        group.add_argument(
+            flag,
+            type=type_,
+            default=None,
+            help=_with_default(help_text, getattr(defaults, _key(flag))),
+        )
     for flag, help_text in ENGINE_BOOL_FLAGS:
         group.add_argument(
-            flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            flag,
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help=_with_default(help_text, "on" if getattr(defaults, _key(flag)) else "off"),
         )
     group = parser.add_argument_group("server")
     for flag, type_, default, help_text in SERVER_FLAGS:
-        group.add_argument(flag, type=type_, default=None, help=f"{help_text} (default: {default})")
+        group.add_argument(flag, type=type_, default=None, help=_with_default(help_text, default))
+    for flag, default, help_text in SERVER_BOOL_FLAGS:
+        group.add_argument(
+            flag,
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help=_with_default(help_text, "on" if default else "off"),
+        )
+
+
+def _with_default(help_text: str, default: Any) -> str:
+    """The help line with its default, unless the line already says it or there is none."""
+    if default is None or "(default" in help_text:
+        return help_text
+    return f"{help_text} (default: {default})"
 
 
 def load_toml(path: str) -> dict[str, Any]:
@@ -101,7 +134,9 @@ def load_toml(path: str) -> dict[str, Any]:
         raise ValueError(f"--config {path}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"--config {path}: not valid TOML: {e}") from None
-    known = {_key(f[0]) for f in (*ENGINE_FLAGS, *ENGINE_BOOL_FLAGS, *SERVER_FLAGS)}
+    known = {
+        _key(f[0]) for f in (*ENGINE_FLAGS, *ENGINE_BOOL_FLAGS, *SERVER_FLAGS, *SERVER_BOOL_FLAGS)
+    }
     out = {}
     for raw_key, value in data.items():
         key = raw_key.replace("-", "_")
@@ -116,11 +151,14 @@ def load_toml(path: str) -> dict[str, Any]:
 def resolve(args: argparse.Namespace) -> tuple[dict[str, Any], ServerOptions, str]:
     """(EngineConfig kwargs, ServerOptions, log level) from defaults, TOML and flags."""
     values: dict[str, Any] = {_key(f[0]): f[2] for f in SERVER_FLAGS}
+    values.update({_key(f[0]): f[1] for f in SERVER_BOOL_FLAGS})
     if args.config:
         values.update(load_toml(args.config))
     values.update(
         {k: v for k, v in vars(args).items() if v is not None and k not in ("config", "command")}
     )
+    if values.get("api_key_file") and not values.get("api_key"):
+        values["api_key"] = _read_key_file(values["api_key_file"])
     if not values.get("api_key"):
         values["api_key"] = os.environ.get(API_KEY_ENV) or None
     engine_keys = {_key(f[0]) for f in (*ENGINE_FLAGS, *ENGINE_BOOL_FLAGS)}
@@ -136,6 +174,7 @@ def resolve(args: argparse.Namespace) -> tuple[dict[str, Any], ServerOptions, st
         http_host=values["http_host"],
         http_port=values["http_port"],
         api_key=values["api_key"],
+        metrics_auth=values["metrics_auth"],
         tls_cert=values["tls_cert"],
         tls_key=values["tls_key"],
         max_message_bytes=values["max_message_bytes"],
@@ -145,3 +184,14 @@ def resolve(args: argparse.Namespace) -> tuple[dict[str, Any], ServerOptions, st
         serving=serving,
     )
     return engine_kwargs, options, values["log_level"]
+
+
+def _read_key_file(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            key = f.readline().strip()
+    except OSError as e:
+        raise ValueError(f"--api-key-file {path}: {e.strerror}") from None
+    if not key:
+        raise ValueError(f"--api-key-file {path}: the first line is empty")
+    return key

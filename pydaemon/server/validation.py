@@ -12,6 +12,11 @@ from pydaemon.sampling_params import SamplingParams
 MAX_REQUEST_ID_LEN = 256
 MAX_CACHE_SALT_LEN = 256
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+# A text longer than max_model_len * this many UTF-8 bytes cannot fit in the context (no
+# real token is that long), so it is refused before anyone spends seconds tokenizing it.
+MAX_PROMPT_BYTES_PER_TOKEN = 64
 
 # proto field name -> SamplingParams field name (the same everywhere).
 _OPTIONAL_SAMPLING_FIELDS = (
@@ -74,6 +79,16 @@ def to_sampling_params(msg: pb.SamplingParams, vocab_size: int) -> SamplingParam
     }
     if len(msg.stop) > MAX_STOP_STRINGS:
         raise _invalid(f"sampling.stop has {len(msg.stop)} strings, at most {MAX_STOP_STRINGS}")
+    longest = max((len(s) for s in msg.stop), default=0)
+    if longest > MAX_STOP_STRING_CHARS:
+        raise _invalid(
+            f"sampling.stop has a string of {longest} characters, at most {MAX_STOP_STRING_CHARS}"
+        )
+    if len(msg.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise _invalid(
+            f"sampling.stop_token_ids has {len(msg.stop_token_ids)} ids, "
+            f"at most {MAX_STOP_TOKEN_IDS}"
+        )
     bad_ids = [t for t in msg.stop_token_ids if t >= vocab_size]
     if bad_ids:
         raise _invalid(
@@ -87,8 +102,21 @@ def to_sampling_params(msg: pb.SamplingParams, vocab_size: int) -> SamplingParam
         raise _invalid(f"sampling: {e}") from None
 
 
-def to_engine_args(start: pb.StartRequest, *, vocab_size: int, has_tokenizer: bool) -> EngineArgs:
-    """Checks what can be checked without the engine; the engine checks lengths."""
+def check_text_size(text: str, max_model_len: int, what: str = "prompt text") -> None:
+    """Refuses a text too long for any prompt of this model, before tokenizing it."""
+    limit = max_model_len * MAX_PROMPT_BYTES_PER_TOKEN
+    if len(text) > limit or len(text.encode()) > limit:
+        raise _invalid(
+            f"{what} is {len(text.encode())} bytes: it cannot fit in max_model_len "
+            f"{max_model_len} tokens (at most {limit} bytes are accepted)"
+        )
+
+
+def to_engine_args(
+    start: pb.StartRequest, *, vocab_size: int, has_tokenizer: bool, max_model_len: int
+) -> EngineArgs:
+    """Checks what can be checked without the engine, cheapest first; the engine checks the
+    exact token length."""
     which = start.WhichOneof("prompt")
     if which is None:
         raise _invalid("prompt is not set: give prompt text or token_ids")
@@ -97,11 +125,18 @@ def to_engine_args(start: pb.StartRequest, *, vocab_size: int, has_tokenizer: bo
             raise _invalid("prompt text is empty")
         if not has_tokenizer:
             raise _invalid("this model has no tokenizer: send token_ids, not text")
+        check_text_size(start.text, max_model_len)
         prompt: str | list[int] = start.text
     else:
-        ids = list(start.token_ids.ids)
-        if not ids:
+        num_ids = len(start.token_ids.ids)
+        if not num_ids:
             raise _invalid("prompt token_ids is empty")
+        if num_ids > max_model_len:
+            raise _invalid(
+                f"prompt token_ids has {num_ids} tokens, longer than the context "
+                f"(max_model_len {max_model_len})"
+            )
+        ids = list(start.token_ids.ids)
         bad = [t for t in ids if t >= vocab_size]
         if bad:
             raise _invalid(

@@ -83,3 +83,35 @@ def reference_decode(query: torch.Tensor, batch: PagedBatch, scale: float) -> to
         p = torch.softmax((q @ k.transpose(1, 2)) * scale, dim=-1)
         out[s] = (p @ v).squeeze(1)
     return out
+
+
+def reference_prefill(
+    query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim], sequences packed in order
+    batch: PagedBatch,
+    query_lens: list[int],
+    scale: float,
+    chunk: int = 2048,
+) -> torch.Tensor:
+    """float64 causal attention of each sequence's last query_lens[s] tokens over its cache.
+
+    Query token j of sequence s sits at position seq_len - query_len + j and sees keys
+    [0, that]. Computed per head in query chunks, so 16k x 16k stays small. -> float64 query.shape
+    """
+    num_q_heads = query.shape[1]
+    out = torch.zeros(query.shape, dtype=torch.float64, device=query.device)
+    start = 0
+    for s, (n, q_len) in enumerate(zip(batch.seq_lens_cpu, query_lens, strict=True)):
+        k, v = gather_kv(batch, s)  # [num_kv_heads, n, head_dim]
+        group = num_q_heads // k.shape[0]
+        k_pos = torch.arange(n, device=query.device)
+        for h in range(num_q_heads):
+            kh, vh = k[h // group].double(), v[h // group].double()
+            for c0 in range(0, q_len, chunk):
+                c1 = min(q_len, c0 + chunk)
+                q = query[start + c0 : start + c1, h].double()  # [c, head_dim]
+                q_pos = torch.arange(n - q_len + c0, n - q_len + c1, device=query.device)
+                scores = (q @ kh.T) * scale  # [c, n]
+                scores.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
+                out[start + c0 : start + c1, h] = torch.softmax(scores, dim=-1) @ vh
+        start += q_len
+    return out

@@ -74,6 +74,12 @@ class FakeConfig:
 
 
 @dataclass
+class FakeRunner:
+    device: str = "cpu"
+    dtype: str = "float32"
+
+
+@dataclass
 class _Req:
     request_id: str
     prompt: str | None
@@ -94,6 +100,7 @@ class FakeEngine:
         fail_on_step: int | None = None,
     ) -> None:
         self.config = FakeConfig()
+        self.runner = FakeRunner()
         self.tokenizer = FakeTokenizer()
         self.eos_token_ids = FakeTokenizer.eos_token_ids
         self.generation_defaults = GenerationDefaults()

@@ -136,3 +136,9 @@ def joined_ids(frames: list[pb.GenerateResponse], index: int = 0) -> list[int]:
         if f.HasField("delta") and f.delta.index == index
         for t in f.delta.token_ids
     ]
+
+
+def raw_generate(channel: grpc.Channel, frames: list[bytes], timeout: float = 30.0) -> list[bytes]:
+    """One Generate call sending pre-serialised (possibly malformed) frames; the raw replies."""
+    call = channel.stream_stream("/pagedd.v1.Generation/Generate")  # no (de)serializers: bytes
+    return list(call(iter(frames), timeout=timeout))

@@ -92,7 +92,7 @@ def test_body_too_large_is_413(server):
     _error(post(server, COMPLETIONS, big), 413)
 
 
-def test_api_key_401_and_health_stays_open():
+def test_api_key_401_and_health_stays_open_metrics_as_metrics_auth_says():
     st = start_http_server(api_key="s3cret")
     try:
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
@@ -104,7 +104,16 @@ def test_api_key_401_and_health_stays_open():
         assert post(st, COMPLETIONS, body, {"Authorization": "Bearer s3cret"}).status == 200
         assert openai_client(st, api_key="s3cret").models.list().data[0].id == MODEL
         assert request(st, "GET", "/health").status == 200
+        assert _error(request(st, "GET", "/metrics"), 401)["code"] == "invalid_api_key"
+        assert (
+            request(st, "GET", "/metrics", headers={"Authorization": "Bearer s3cret"}).status == 200
+        )
+    finally:
+        st.close()
+    st = start_http_server(api_key="s3cret", metrics_auth=False)
+    try:
         assert request(st, "GET", "/metrics").status == 200
+        assert post(st, COMPLETIONS, {"model": MODEL, "prompt": "hi"}).status == 401
     finally:
         st.close()
 

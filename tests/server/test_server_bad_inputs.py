@@ -91,6 +91,14 @@ CASES = [
         ("error", INVALID, "temperature"),
     ),
     ("cache_salt too long", [start(cache_salt="s" * 1000)], ("error", INVALID, "cache_salt")),
+    *(
+        (
+            f"beam length_penalty {lp}",
+            [start(sampling=SP(beam_width=2, temperature=0, length_penalty=lp))],
+            ("error", INVALID, "length_penalty"),
+        )
+        for lp in (1e10, 200.0, float("nan"), float("inf"), float("-inf"))
+    ),
 ]
 
 

@@ -29,7 +29,9 @@ logger = logging.getLogger(__name__)
 def build_app(serving: OpenAIServing) -> web.Application:
     middlewares = [error_middleware]
     if serving.options.api_key:
-        middlewares.insert(0, api_key_middleware(serving.options.api_key))
+        middlewares.insert(
+            0, api_key_middleware(serving.options.api_key, serving.options.metrics_auth)
+        )
     app = web.Application(middlewares=middlewares, client_max_size=serving.options.max_body_bytes)
 
     def card() -> ModelCard:

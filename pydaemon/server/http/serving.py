@@ -35,6 +35,7 @@ class HttpOptions:
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port (see HttpServer.port)
     api_key: str | None = None
+    metrics_auth: bool = True  # with api_key: /metrics requires it too
     tls_cert: str | None = None  # PEM files: serve HTTPS (the same pair as gRPC's TLS)
     tls_key: str | None = None
     max_queued_requests: int = 1024  # beyond this many unscheduled requests: 429

@@ -1,0 +1,215 @@
+"""Paged prefill attention vs torch SDPA's flash kernel (shapes: shared BENCH.md), TFLOP/s.
+
+    PYTHONPATH=. python bench/bench_prefill.py --out bench/results/prefill.json
+
+FLOPs counted per call: 4 * head_dim * num_q_heads * (keys each query token sees), i.e. the
+causal half only (a query at position p sees p + 1 keys, the cached prefix included). The
+peer is aten's flash-attention forward (the kernel SDPA's flash backend runs) on the same
+tokens stored contiguously, [batch, heads, len, head_dim], causal aligned to the lower right
+(so a chunk after a cached prefix sees the whole prefix), grouped K/V heads passed as such.
+A second table times decode steps (one query token per sequence) through the prefill kernel
+against the split-KV decode kernel, to pick per shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.bench_attention import git_commit  # noqa: E402
+from bench.timing import bench_ms  # noqa: E402
+from pydaemon import ops  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def make_step(dtype, num_q_heads, num_kv_heads, head_dim, block_size, batch, prefix, q_len):
+    """A paged cache holding prefix + q_len tokens per sequence, shuffled block tables."""
+    ctx = prefix + q_len
+    blocks_per_seq = -(-ctx // block_size)
+    num_blocks = batch * blocks_per_seq
+    kv_cache = torch.randn(
+        num_blocks, 1, 2, num_kv_heads, block_size, head_dim, device="cuda", dtype=dtype
+    )
+    block_tables = torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_seq).int()
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    starts = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * q_len
+    query = torch.randn(batch * q_len, num_q_heads, head_dim, device="cuda", dtype=dtype)
+    return kv_cache, block_tables, seq_lens, starts, query
+
+
+def contiguous_kv(cache, block_tables, ctx):
+    """[num_blocks, H, bs, D] paged -> [batch, H, ctx, D] contiguous."""
+    g = cache[block_tables.long()]  # [batch, blocks, H, bs, D]
+    b, nb, h, bs, d = g.shape
+    return g.permute(0, 2, 1, 3, 4).reshape(b, h, nb * bs, d)[:, :, :ctx].contiguous()
+
+
+def flash_peer(q4, k, v, scale):
+    """aten flash forward, causal lower-right; GQA heads natively, else expanded K/V."""
+
+    def run(kk, vv):
+        return torch.ops.aten._scaled_dot_product_flash_attention(
+            q4, kk, vv, 0.0, True, False, scale=scale
+        )[0]
+
+    try:
+        run(k, v)
+        return (lambda: run(k, v)), "flash (gqa native)"
+    except RuntimeError:
+        g = q4.shape[1] // k.shape[1]
+        ke, ve = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+        return (lambda: run(ke, ve)), "flash (kv expanded)"
+
+
+def bench_prefill_shape(dtype, hq, hkv, head_dim, block_size, batch, prefix, q_len, tiles):
+    kv_cache, tables, seq_lens, starts, query = make_step(
+        dtype, hq, hkv, head_dim, block_size, batch, prefix, q_len
+    )
+    key_cache, value_cache = kv_cache[:, 0, 0], kv_cache[:, 0, 1]
+    scale = head_dim**-0.5
+    out = torch.empty_like(query)
+    ctx = prefix + q_len
+    k, v = contiguous_kv(key_cache, tables, ctx), contiguous_kv(value_cache, tables, ctx)
+    q4 = query.view(batch, q_len, hq, head_dim).transpose(1, 2).contiguous()
+    peer, peer_mode = flash_peer(q4, k, v, scale)
+    ref = peer().transpose(1, 2).reshape(batch * q_len, hq, head_dim).float()
+    keys_seen = batch * (q_len * prefix + q_len * (q_len + 1) // 2)
+    flops = 4 * head_dim * hq * keys_seen
+    row = {"peer": peer_mode, "flops": flops}
+    t_peer = bench_ms(peer)["median_ms"]
+    row.update(peer_ms=t_peer, peer_tflops=flops / (t_peer * 1e9))
+    best = None
+    for tile in tiles:
+        bm, bn = (int(x) for x in tile.split("x"))
+
+        def ours(bm=bm, bn=bn):
+            ops.paged_attention_prefill(
+                query, key_cache, value_cache, tables, seq_lens, starts, q_len,
+                scale=scale, out=out, block_m=bm, block_n=bn,
+            )  # fmt: skip
+
+        out.fill_(float("nan"))
+        ours()
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        t = bench_ms(ours)["median_ms"]
+        row[f"{tile}_ms"] = t
+        row[f"{tile}_tflops"] = flops / (t * 1e9)
+        row[f"{tile}_rel_err_vs_peer"] = err
+        if best is None or t < row[f"{best}_ms"]:
+            best = tile
+    row.update(best_tile=best, ours_ms=row[f"{best}_ms"])
+    row.update(ours_tflops=flops / (row["ours_ms"] * 1e9), speedup_vs_peer=t_peer / row["ours_ms"])
+    return row
+
+
+def bench_decode_shape(dtype, hq, hkv, head_dim, block_size, batch, ctx, tile):
+    kv_cache, tables, seq_lens, starts, query = make_step(
+        dtype, hq, hkv, head_dim, block_size, batch, ctx - 1, 1
+    )
+    key_cache, value_cache = kv_cache[:, 0, 0], kv_cache[:, 0, 1]
+    out_p, out_d = torch.empty_like(query), torch.empty_like(query)
+
+    bm, bn = (int(x) for x in tile.split("x"))
+
+    def via_prefill():
+        ops.paged_attention_prefill(
+            query, key_cache, value_cache, tables, seq_lens, starts, 1, out=out_p,
+            block_m=bm, block_n=bn,
+        )  # fmt: skip
+
+    def via_decode():
+        ops.paged_attention_decode(query, key_cache, value_cache, tables, seq_lens, ctx, out=out_d)
+
+    via_prefill(), via_decode()
+    err = ((out_p.float() - out_d.float()).norm() / out_d.float().norm()).item()
+    num_bytes = 2 * batch * ctx * hkv * head_dim * 2 + 2 * query.numel() * 2
+    t_p, t_d = bench_ms(via_prefill)["median_ms"], bench_ms(via_decode)["median_ms"]
+    return {"prefill_kernel_ms": t_p, "decode_kernel_ms": t_d, "bytes": num_bytes,
+            "prefill_kernel_gbs": num_bytes / (t_p * 1e6),
+            "decode_kernel_gbs": num_bytes / (t_d * 1e6), "rel_diff": err}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=None, help="JSON output path")
+    ap.add_argument("--commit", default=None, help="commit to record (default: git HEAD)")
+    ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    ap.add_argument("--q-lens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
+    ap.add_argument("--tokens", type=int, default=16384, help="new tokens per call (batch = "
+                    "tokens // q_len, at least 1)")  # fmt: skip
+    ap.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("HQ", "HKV"))
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--tiles", nargs="+", default=["128x64", "128x32", "64x64"],
+                    help="block_m x block_n shapes of the prefill kernel to time")  # fmt: skip
+    ap.add_argument("--decode-heads", nargs="*", default=["32/8", "32/32"])
+    ap.add_argument("--decode-batches", type=int, nargs="*", default=[8, 32, 64, 256])
+    ap.add_argument("--decode-contexts", type=int, nargs="*", default=[512, 4096, 16384])
+    ap.add_argument("--decode-tile", default="64x64", help="prefill-kernel tile for decodes")
+    args = ap.parse_args()
+    if not ops.is_available():
+        sys.exit(f"GPU kernels unavailable: {ops.unavailable_reason()}")
+    hq, hkv = args.heads
+    rows, decode_rows = [], []
+    tile_hdr = " ".join(f"{t + ' TF':>10}" for t in args.tiles)
+    print(f"{'dtype':5} {'q_len':>5} {'prefix':>6} {'batch':>5} {tile_hdr} {'peer TF':>8} "
+          f"{'x peer':>7} {'err':>8}", flush=True)  # fmt: skip
+    for dname in args.dtypes:
+        for q_len in args.q_lens:
+            for prefix in (0, q_len):
+                batch = max(1, args.tokens // q_len)
+                r = bench_prefill_shape(DTYPES[dname], hq, hkv, args.head_dim, args.block_size,
+                                        batch, prefix, q_len, args.tiles)  # fmt: skip
+                r.update(dtype=dname, q_len=q_len, prefix=prefix, batch=batch,
+                         num_q_heads=hq, num_kv_heads=hkv, head_dim=args.head_dim,
+                         block_size=args.block_size)  # fmt: skip
+                rows.append(r)
+                tf = " ".join(f"{r[f'{t}_tflops']:10.1f}" for t in args.tiles)
+                err = max(r[f"{t}_rel_err_vs_peer"] for t in args.tiles)
+                print(f"{dname:5} {q_len:5} {prefix:6} {batch:5} {tf} "
+                      f"{r['peer_tflops']:8.1f} {r['speedup_vs_peer']:7.2f} {err:8.1e}"
+                      f"  [{r['peer']}]", flush=True)  # fmt: skip
+    if args.decode_batches:
+        print(
+            f"\ndecode steps (bf16): prefill kernel ({args.decode_tile}) vs split-KV decode kernel"
+        )
+        print(f"{'heads':6} {'batch':>5} {'ctx':>6} {'prefill us':>10} {'GB/s':>6} "
+              f"{'decode us':>10} {'GB/s':>6} {'diff':>8}")  # fmt: skip
+    for heads in args.decode_heads:
+        dq, dkv = (int(x) for x in heads.split("/"))
+        for batch in args.decode_batches:
+            for ctx in args.decode_contexts:
+                if 2 * batch * ctx * dkv * args.head_dim * 2 > 40e9:
+                    continue  # over 40 GB of K/V
+                d = bench_decode_shape(torch.bfloat16, dq, dkv, args.head_dim, args.block_size,
+                                       batch, ctx, args.decode_tile)  # fmt: skip
+                d.update(heads=heads, batch=batch, context=ctx, tile=args.decode_tile)
+                decode_rows.append(d)
+                print(f"{heads:6} {batch:5} {ctx:6} {d['prefill_kernel_ms'] * 1e3:10.1f} "
+                      f"{d['prefill_kernel_gbs']:6.0f} {d['decode_kernel_ms'] * 1e3:10.1f} "
+                      f"{d['decode_kernel_gbs']:6.0f} {d['rel_diff']:8.1e}", flush=True)  # fmt: skip
+    result = {
+        "benchmark": "paged prefill attention",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(),
+        "commit": args.commit or git_commit(),
+        "command": " ".join(sys.argv),
+        "torch": torch.__version__,
+        "rows": rows,
+        "decode_rows": decode_rows,
+    }
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Paged prefill attention (packed new tokens of any lengths, causal) on the GPU."""
+
+from __future__ import annotations
+
+import torch
+
+from pydaemon.ops._core_ext import core, stream_handle
+
+
+def paged_attention_prefill(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+    block_m: int = 0,
+    block_n: int = 0,
+) -> torch.Tensor:
+    """Causal attention of a step's new tokens over their paged K/V, one launch for the batch.
+
+    query:           [num_tokens, num_q_heads, head_dim] fp16/bf16, last dim contiguous;
+                     sequence s owns rows [query_start_loc[s], query_start_loc[s + 1])
+    key_cache:       [num_blocks, num_kv_heads, block_size, head_dim] (kv_cache[:, l, 0]),
+                     already holding this step's K (reshape_and_cache runs first)
+    value_cache:     same shape, dtype and strides as key_cache
+    block_tables:    [num_seqs, max_num_blocks_per_seq] int32 on the GPU
+    seq_lens:        [num_seqs] int32 on the GPU, context length after this step; query token
+                     j of sequence s sits at position seq_lens[s] - query_len_s + j
+    query_start_loc: [num_seqs + 1] int32 on the GPU, cumulative query lengths
+    max_query_len:   host int >= every query length: sizes the grid without a device read
+                     (rows past it get NaN, as do sequences with query_len > seq_len)
+    scale:           softmax scale, default head_dim ** -0.5
+    out:             optional [num_tokens, num_q_heads, head_dim] contiguous output
+    block_m, block_n: tile rows x keys (tuning; 0 = the measured default, see
+                     prefill_tile_shape in cpp/cuda/pagedd_cuda.h)
+    returns          out: [num_tokens, num_q_heads, head_dim], dtype of query
+
+    Query lengths of 1 (decode rows) may be mixed with prefill chunks. head_dim in
+    {64, 80, 96, 128, 256}, block_size in {8, 16, 32}. Runs on the current stream.
+    """
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    core().paged_attention_prefill(
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        float(scale),
+        int(max_query_len),
+        int(block_m),
+        int(block_n),
+        stream_handle(query.device),
+    )
+    return out

@@ -1,0 +1,81 @@
+"""Operator-facing settings: `serve --help` shows real defaults, the API key can come from a
+file, and every `pagedd` command line in the docs parses."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from pydaemon.cli import build_parser
+from pydaemon.server.settings import resolve
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _serve_help() -> str:
+    parser = build_parser()
+    serve = parser._subparsers._group_actions[0].choices["serve"]  # noqa: SLF001 - argparse
+    return " ".join(serve.format_help().split())
+
+
+def test_serve_help_shows_defaults_once():
+    text = _serve_help()
+    assert "(default: None)" not in text
+    assert text.count("(default: off)") == 2  # --metrics-port, --http-port
+    for expected in (
+        "tokens per KV block (8, 16, 32) (default: 16)",
+        "most sequences per step (default: 512)",
+        "gRPC port (default: 50051)",
+        "automatic prefix caching (default: on)",
+        "--max-num-batched-tokens MAX_NUM_BATCHED_TOKENS token budget per step (default: 4096",
+    ):
+        assert expected in text, expected
+    assert "prefer $PAGEDD_API_KEY or --api-key-file" in text
+
+
+def test_api_key_file(tmp_path, monkeypatch):
+    monkeypatch.delenv("PAGEDD_API_KEY", raising=False)
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret\n")
+    args = build_parser().parse_args(["serve", "--api-key-file", str(key_file)])
+    _, options, _ = resolve(args)
+    assert options.api_key == "s3cret" and options.metrics_auth
+    key_file.write_text("\n")
+    with pytest.raises(ValueError, match="first line is empty"):
+        resolve(args)
+    args = build_parser().parse_args(["serve", "--api-key-file", str(tmp_path / "missing")])
+    with pytest.raises(ValueError, match="--api-key-file"):
+        resolve(args)
+    args = build_parser().parse_args(["serve", "--no-metrics-auth"])
+    assert resolve(args)[1].metrics_auth is False
+
+
+def _doc_commands() -> list[str]:
+    """`pagedd ...` lines of the shell blocks in README.md and docs/."""
+    commands = []
+    for path in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))):
+        in_shell = False
+        for line in path.read_text().splitlines():
+            if line.startswith("```"):
+                in_shell = line.strip() == "```bash"
+                continue
+            if in_shell:
+                line = re.sub(r"^(\.venv/bin/|/opt/pagedd/\.venv/bin/)", "", line.strip())
+                if line.startswith("pagedd "):
+                    commands.append(line.split("  #")[0].split(";")[0].rstrip(" &\\"))
+    return commands
+
+
+def test_every_documented_command_parses():
+    commands = _doc_commands()
+    assert len(commands) >= 8
+    parser = build_parser()
+    for command in commands:
+        argv = shlex.split(command)[1:]
+        try:
+            parser.parse_args(argv)
+        except SystemExit:
+            pytest.fail(f"documented command does not parse: {command}")
