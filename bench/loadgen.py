@@ -5,7 +5,8 @@
     PYTHONPATH=. python bench/loadgen.py --sweep-rates 2,4,8,16,inf --num-requests 200 ...
 
 Each request is its own Generate call, spread over a pool of channels (one HTTP/2
-connection each). Arrivals: all at once (default, ``--request-rate inf``), Poisson at a rate,
+connection each); with ``--protocol openai``, its own streamed POST /v1/completions (one
+HTTP/1.1 connection each, see bench/loadgen_openai.py). Arrivals: all at once (default, ``--request-rate inf``), Poisson at a rate,
 or gamma gaps with ``--burstiness``. Metrics follow vLLM's benchmark_serving (see
 bench/loadgen_metrics.py). Writes a JSON file with every figure and every request's timings,
 prints a summary table, and draws PNG plots next to the JSON when matplotlib is installed.
@@ -29,13 +30,17 @@ from bench.loadgen_env import environment, write_json  # noqa: E402
 from bench.loadgen_metrics import aggregate, parse_slo, timeseries  # noqa: E402
 from bench.loadgen_report import summary_table, sweep_table  # noqa: E402
 from bench.workloads import add_workload_flags, build_workload, summarize  # noqa: E402
-from pydaemon.proto.pagedd.v1 import generation_pb2 as pb  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="loadgen", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--server", default="127.0.0.1:50051", help="HOST:PORT of the daemon")
+    p.add_argument("--protocol", choices=("grpc", "openai"), default="grpc",
+                   help="gRPC Generate (default) or the OpenAI HTTP API (--server is then the "
+                        "--http-port address; streamed /v1/completions)")  # fmt: skip
+    p.add_argument("--model", default=None,
+                   help="model name for --protocol openai (default: the server's only model)")  # fmt: skip
     p.add_argument("--num-channels", type=int, default=8, help="gRPC channels (HTTP/2 connections)")
     p.add_argument("--api-key", default=None, help="bearer token (or $PAGEDD_API_KEY)")
     p.add_argument("--tls-ca", default=None, help="PEM CA bundle: connect with TLS")
@@ -83,7 +88,7 @@ def _rates(args: argparse.Namespace) -> list[float]:
 
 
 async def _one_rate(pool, requests, sampling, args, rate: float, slo, percentiles, label) -> dict:
-    before = await client.server_status(pool.stubs[0], pool.metadata)
+    before = await pool.status()
     samples: list[dict] = []
     t0 = time.perf_counter()
     poller = (asyncio.create_task(client.poll_status(pool, args.status_interval, t0, samples))
@@ -96,7 +101,7 @@ async def _one_rate(pool, requests, sampling, args, rate: float, slo, percentile
     )  # fmt: skip
     if poller is not None:
         poller.cancel()
-    after = await client.server_status(pool.stubs[0], pool.metadata)
+    after = await pool.status()
     run = {
         "config": {
             "workload": args.workload,
@@ -105,6 +110,7 @@ async def _one_rate(pool, requests, sampling, args, rate: float, slo, percentile
             "max_concurrency": args.max_concurrency,
             "seed": args.seed,
             "num_channels": args.num_channels,
+            "protocol": args.protocol,
         },  # fmt: skip
         "metrics": aggregate(records, duration, slo, percentiles),
         "timeseries": timeseries(records, duration),
@@ -130,20 +136,24 @@ async def run(args: argparse.Namespace) -> dict:
     options = client.ClientOptions(args.server, args.num_channels,
                                    args.api_key or os.environ.get("PAGEDD_API_KEY"),
                                    args.tls_ca, args.timeout)  # fmt: skip
-    pool = client.ChannelPool(options)
+    if args.protocol == "openai":
+        from bench.loadgen_openai import OpenAIPool
+
+        pool = OpenAIPool(options, model=args.model)
+    else:
+        pool = client.ChannelPool(options)
     try:
         if args.wait_ready > 0:
-            await client.wait_ready(pool, args.wait_ready)
-        info = await client.model_info(pool)
+            await pool.wait_ready(args.wait_ready)
+        info = await pool.info()
         requests = build_workload(args, vocab_size=info.get("vocab_size") or None,
                                   max_model_len=info.get("max_model_len") or None)  # fmt: skip
-        sampling = pb.SamplingParams(
-            temperature=args.temperature, ignore_eos=not args.no_ignore_eos
-        )
+        sampling = pool.sampling(args.temperature, not args.no_ignore_eos)
         result = {
             "meta": {
                 **environment(),
                 "server": args.server,
+                "protocol": args.protocol,
                 "model_info": info,
                 "benchmark": "loadgen",
             },  # fmt: skip

@@ -1,5 +1,6 @@
 """The load generator's gRPC side: a channel pool, arrival processes, one Generate call per
-request, timestamps of every streamed chunk, and a poller of the server's live counters."""
+request, timestamps of every streamed chunk, and a poller of the server's live counters.
+(bench/loadgen_openai.py is the same through the OpenAI HTTP API.)"""
 
 from __future__ import annotations
 
@@ -79,6 +80,25 @@ class ChannelPool:
     def stub(self) -> pb_grpc.GenerationStub:
         self._next = (self._next + 1) % len(self.stubs)
         return self.stubs[self._next]
+
+    # The surface run_load and loadgen.py use; bench/loadgen_openai.py's OpenAIPool has it too.
+
+    @staticmethod
+    def sampling(temperature: float, ignore_eos: bool) -> pb.SamplingParams:
+        return pb.SamplingParams(temperature=temperature, ignore_eos=ignore_eos)
+
+    async def send(self, request_id: str, req: WorkloadRequest, sampling: pb.SamplingParams,
+                   record: RequestRecord, t0: float, timeout_s: float | None) -> None:  # fmt: skip
+        await run_one(self, start_frame(request_id, req, sampling), record, t0, timeout_s)
+
+    async def status(self) -> dict | None:
+        return await server_status(self.stubs[0], self.metadata)
+
+    async def info(self) -> dict:
+        return await model_info(self)
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        await wait_ready(self, timeout_s)
 
     async def close(self) -> None:
         for c in self.channels:
@@ -185,9 +205,9 @@ class Progress:
 
 
 async def run_load(
-    pool: ChannelPool,
+    pool,
     requests: list[WorkloadRequest],
-    sampling: pb.SamplingParams,
+    sampling,
     *,
     rate: float = float("inf"),
     burstiness: float = 1.0,
@@ -198,7 +218,8 @@ async def run_load(
     on_tick: Callable[[float], None] | None = None,
 ) -> tuple[list[RequestRecord], float]:
     """Runs every request under the arrival process; returns the records and the duration
-    (first send to last terminal frame, in s)."""
+    (first send to last terminal frame, in s). ``pool``: a ChannelPool (gRPC) or an
+    OpenAIPool (HTTP); ``sampling``: what its ``sampling()`` built."""
     offsets = arrival_offsets(len(requests), rate, burstiness, seed)
     semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     records = [RequestRecord(i, r.prompt_len, r.output_len) for i, r in enumerate(requests)]
@@ -206,14 +227,13 @@ async def run_load(
     t0 = time.perf_counter()
 
     async def one(i: int) -> None:
-        frame = start_frame(f"{run_id}-{i}", requests[i], sampling)
         records[i].scheduled_s = time.perf_counter() - t0
         if semaphore is not None:
             await semaphore.acquire()
         try:
             if progress:
                 progress.in_flight += 1
-            await run_one(pool, frame, records[i], t0, timeout_s)
+            await pool.send(f"{run_id}-{i}", requests[i], sampling, records[i], t0, timeout_s)
         finally:
             if semaphore is not None:
                 semaphore.release()
@@ -249,11 +269,10 @@ async def server_status(channel_stub: pb_grpc.GenerationStub, metadata) -> dict 
     return {name: getattr(s, name) for name in STATUS_FIELDS}
 
 
-async def poll_status(pool: ChannelPool, interval_s: float, t0: float, out: list[dict]) -> None:
+async def poll_status(pool, interval_s: float, t0: float, out: list[dict]) -> None:
     """Appends the server's counters every ``interval_s`` until cancelled."""
-    stub = pool.stubs[0]
     while True:
-        status = await server_status(stub, pool.metadata)
+        status = await pool.status()
         if status is not None:
             out.append({"time_s": time.perf_counter() - t0, **status})
         await asyncio.sleep(interval_s)

@@ -9,10 +9,11 @@
 #   w1_64_peers.json       the first 64 W1 requests through pagedd, transformers continuous
 #                          batching and static generate (batch 64), with ratios (--compare)
 #   w1_loadgen.json/.png   full W1 all at once through a running daemon (gRPC overhead)
+#   w1_openai.json/.png    the same through the daemon's OpenAI HTTP API (HTTP overhead)
 #   sweep.json/_sweep.png  a short Poisson rate sweep on W1 prompts
 #   summary.md             the final table (also printed), *.log the pieces' output
 # Each piece has its own time limit (500 s in all; LIMIT_W1=120, LIMIT_PEERS=190,
-# LIMIT_LOADGEN=130 (includes the daemon's start-up), LIMIT_SWEEP=60 override them); one that
+# LIMIT_LOADGEN=130 (includes the daemon's start-up), LIMIT_OPENAI=100, LIMIT_SWEEP=60 override them); one that
 # fails or runs over is reported and skipped. For a smoke run elsewhere: MODEL_DIR=<dir> DEVICE=cpu WORKLOAD="--workload fixed
 # --input-len 32 --output-len 8 --num-requests 16" (defaults: the Llama-3-8B shape, cuda, W1).
 set -uo pipefail
@@ -21,6 +22,7 @@ PY=${PYTHON:-python}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-bench/results/gpu_suite_$(date +%Y%m%d_%H%M%S)}
 PORT=${PORT:-50651}
+HTTP_PORT=${HTTP_PORT:-50652}
 mkdir -p "$OUT"
 DEVICE=${DEVICE:-cuda}
 WORKLOAD=${WORKLOAD:---workload w1}
@@ -60,11 +62,13 @@ fi
 # 3. the daemon, then full W1 through loadgen, then a short rate sweep
 stamp "starting the daemon on port $PORT"
 $PY -m pydaemon serve --model "$MODEL" --load-format dummy --device "$DEVICE" --port "$PORT" \
-  --log-level warning >"$OUT/daemon.log" 2>&1 &
+  --http-port "$HTTP_PORT" --log-level warning >"$OUT/daemon.log" 2>&1 &
 DAEMON=$!
 trap 'kill $DAEMON 2>/dev/null; wait $DAEMON 2>/dev/null; [ -n "$TMP_MODEL" ] && rm -rf "$TMP_MODEL"' EXIT
 piece w1_loadgen "${LIMIT_LOADGEN:-130}" $PY bench/loadgen.py --server "127.0.0.1:$PORT" --wait-ready 90 \
   $WORKLOAD --num-channels 8 --no-progress --out "$OUT/w1_loadgen.json"
+piece w1_openai "${LIMIT_OPENAI:-100}" $PY bench/loadgen.py --protocol openai \
+  --server "127.0.0.1:$HTTP_PORT" --wait-ready 30 $WORKLOAD --no-progress --out "$OUT/w1_openai.json"
 piece sweep "${LIMIT_SWEEP:-60}" $PY bench/loadgen.py --server "127.0.0.1:$PORT" --wait-ready 10 \
   $WORKLOAD --num-requests 48 --sweep-rates 4,16,64 --slo ttft_ms=1000,tpot_ms=100 \
   --no-progress --quiet --out "$OUT/sweep.json"

@@ -64,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedd", description="pagedd inference daemon")
     parser.add_argument("--version", action="version", version=f"pagedd {__version__}")
     sub = parser.add_subparsers(dest="command")
-    serve = sub.add_parser("serve", help="run the gRPC daemon")
+    serve = sub.add_parser(
+        "serve", help="run the daemon (gRPC; --http-port adds the OpenAI HTTP API)"
+    )
     add_serve_flags(serve)
     generate = sub.add_parser("generate", help="stream a completion from a running daemon")
     add_generate_flags(generate)

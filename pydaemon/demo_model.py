@@ -1,8 +1,8 @@
 """The built-in demo model, ``model="demo"``: a tiny Llama with deterministic random weights
 and a real SentencePiece tokenizer trained on a small embedded English corpus.
 
-Nothing is downloaded. It is built once into a cache directory (``$PAGEDD_CACHE/demo-v1``,
-default ``~/.cache/pagedd/demo-v1``) through a temporary directory and an atomic rename, so
+Nothing is downloaded. It is built once into a cache directory (``$PAGEDD_CACHE/demo-v2``,
+default ``~/.cache/pagedd/demo-v2``) through a temporary directory and an atomic rename, so
 concurrent first uses are safe. Its output is gibberish: it exists so that the daemon runs
 out of the box and so tests have a real tokenizer.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-DEMO_VERSION = "demo-v1"
+DEMO_VERSION = "demo-v2"  # v2: ships a chat template
 DEMO_VOCAB_SIZE = 512
 
 DEMO_CONFIG = {
@@ -40,6 +40,15 @@ DEMO_CONFIG = {
     "eos_token_id": 2,
     "vocab_size": DEMO_VOCAB_SIZE,
 }
+
+# A plain "Role: text" chat format the tokenizer can spell (SentencePiece does not parse special
+# tokens out of text, so the template writes none; chat prompts are encoded without a BOS).
+DEMO_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ message['role'] | capitalize }}: {{ message['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
 
 _CORPUS = """\
 PagedAttention stores the keys and values of every sequence in fixed-size blocks.
@@ -86,7 +95,8 @@ def demo_model_dir(cache_dir: str | Path | None = None) -> Path:
 
 
 def build_demo_model(out_dir: str | Path) -> None:
-    """Writes config.json, generation_config.json, tokenizer.model, model.safetensors."""
+    """Writes config.json, generation_config.json, tokenizer.model, chat_template.jinja and
+    model.safetensors."""
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
@@ -95,6 +105,7 @@ def build_demo_model(out_dir: str | Path) -> None:
     (out_dir / "config.json").write_text(json.dumps(DEMO_CONFIG, indent=2) + "\n")
     gen = {"bos_token_id": 1, "eos_token_id": 2}
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    (out_dir / "chat_template.jinja").write_text(DEMO_CHAT_TEMPLATE)
     save_file(_random_weights(), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
 

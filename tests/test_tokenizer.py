@@ -130,6 +130,7 @@ def test_demo_model_deterministic(tmp_path):
     build_demo_model(b)
     names = sorted(p.name for p in a.iterdir())
     assert names == [
+        "chat_template.jinja",
         "config.json",
         "generation_config.json",
         "model.safetensors",

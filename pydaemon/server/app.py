@@ -25,6 +25,7 @@ from pydaemon.proto.pagedd.v1 import generation_pb2_grpc as pb_grpc
 from pydaemon.server.auth import ApiKeyInterceptor
 from pydaemon.server.errors import ExceptionInterceptor
 from pydaemon.server.health import Health
+from pydaemon.server.http import HttpOptions, HttpServer, ServedModel
 from pydaemon.server.metrics import Metrics
 from pydaemon.server.metrics_http import MetricsServer
 from pydaemon.server.reflection import enable_server_reflection
@@ -40,6 +41,8 @@ class ServerOptions:
     port: int = 50051  # 0: any free port (see PageddServer.port)
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
+    http_host: str = "127.0.0.1"
+    http_port: int | None = None  # None: no OpenAI HTTP API; 0: any free port
     api_key: str | None = None
     metrics_auth: bool = True  # with api_key: /metrics requires it too
     tls_cert: str | None = None  # PEM file paths; both or neither
@@ -66,6 +69,7 @@ class PageddServer:
         self.metrics = Metrics(self._stats)
         self.servicer = GenerationServicer(options.serving, self.metrics)
         self.metrics_server: MetricsServer | None = None
+        self.http: HttpServer | None = None  # the OpenAI API, when http_port is set
         self.port: int | None = None
         self._server: grpc.aio.Server | None = None
         self._watchdog_task: asyncio.Task | None = None
@@ -144,6 +148,14 @@ class PageddServer:
                 api_key=o.api_key if o.metrics_auth else None,
             )
             await self.metrics_server.start()
+        if o.http_port is not None:
+            model = ServedModel(
+                engine.model_name,
+                engine.max_model_len,
+                engine.vocab_size,
+                engine.generation_defaults,
+            )
+            await self._start_http(model, engine.tokenizer)
         self.servicer.is_admitting = True
         await self.health.set_serving()
         stats = self.async_engine.latest_stats
@@ -153,6 +165,10 @@ class PageddServer:
             if self.metrics_server
             else ""
         )
+        if self.http is not None:
+            metrics_where += (
+                f"; OpenAI API on {self.http.scheme}://{o.http_host}:{self.http.port}/v1"
+            )
         logger.info(
             "serving model %s (max_model_len %d, %d KV blocks of %d tokens, %d CPU swap blocks) "
             "on %s%s",
@@ -165,6 +181,36 @@ class PageddServer:
             metrics_where,
         )
         self.notifier.ready(f"serving {engine.model_name} on {where}")
+
+    async def _start_http(self, model: ServedModel, tokenizer: Any) -> None:
+        o = self.options
+        options = HttpOptions(
+            host=o.http_host,
+            port=o.http_port,
+            api_key=o.api_key,
+            metrics_auth=o.metrics_auth,
+            tls_cert=o.tls_cert,
+            tls_key=o.tls_key,
+            max_queued_requests=o.serving.max_queued_requests,
+            stall_timeout_s=o.serving.stall_timeout_s,
+            max_body_bytes=o.max_message_bytes,
+        )
+        async_engine = self.async_engine
+        self.http = HttpServer(
+            async_engine,
+            tokenizer,
+            model,
+            options,
+            self.metrics,
+            num_queued=lambda: async_engine.num_unscheduled,
+        )
+        await self.http.start()
+
+    @property
+    def num_live_requests(self) -> int:
+        """Requests in flight through gRPC and HTTP."""
+        num_http = self.http.num_live_requests if self.http is not None else 0
+        return self.servicer.num_live_requests + num_http
 
     # ---- watchdog ----------------------------------------------------------------------
 
@@ -191,21 +237,25 @@ class PageddServer:
             return
         grace = self.options.grace_period_s
         self.servicer.is_admitting = False
+        if self.http is not None:
+            self.http.stop_admitting()
         await self.health.set_not_serving()
-        num_live = self.servicer.num_live_requests
+        num_live = self.num_live_requests
         logger.info("draining: %d live requests, grace period %.1f s", num_live, grace)
         self.notifier.stopping(f"draining {num_live} requests")
         deadline = time.monotonic() + grace
-        while self.servicer.num_live_requests and time.monotonic() < deadline:
+        while self.num_live_requests and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if self.servicer.num_live_requests:
-            logger.warning(
-                "grace period over: aborting %d requests", self.servicer.num_live_requests
-            )
+        if self.num_live_requests:
+            logger.warning("grace period over: aborting %d requests", self.num_live_requests)
             self.servicer.abort_all()
+            if self.http is not None:
+                self.http.abort_all()
             await asyncio.sleep(0.1)  # lets the writers send the Finished(ABORTED) frames
         if self._server is not None:
             await self._server.stop(grace=1.0)
+        if self.http is not None:
+            await self.http.stop()
         if self._watchdog_task is not None:
             self._watchdog_task.cancel()
         if self.async_engine is not None:

@@ -105,15 +105,25 @@ class Metrics:
 
     def observe_request(self, account, finish_reason: int) -> None:
         timings = account.timings_ms()
-        tpot = account.time_per_output_token_s()
-        reason = pb.FinishReason.Name(finish_reason).removeprefix("FINISH_REASON_").lower()
+        ttft_ms = timings.get("time_to_first_token_ms")
+        self.observe(
+            pb.FinishReason.Name(finish_reason).removeprefix("FINISH_REASON_").lower(),
+            ttft_s=None if ttft_ms is None else ttft_ms / 1e3,
+            tpot_s=account.time_per_output_token_s(),
+            e2e_s=timings["total_ms"] / 1e3,
+        )
+
+    def observe(
+        self, finish_reason: str, *, ttft_s: float | None, tpot_s: float | None, e2e_s: float
+    ) -> None:
+        """One finished request, from any front end (gRPC or HTTP)."""
         with self._lock:
-            if "time_to_first_token_ms" in timings:
-                self.ttft.observe(timings["time_to_first_token_ms"] / 1e3)
-            if tpot is not None:
-                self.tpot.observe(tpot)
-            self.e2e.observe(timings["total_ms"] / 1e3)
-            self.finished[reason] = self.finished.get(reason, 0) + 1
+            if ttft_s is not None:
+                self.ttft.observe(ttft_s)
+            if tpot_s is not None:
+                self.tpot.observe(tpot_s)
+            self.e2e.observe(e2e_s)
+            self.finished[finish_reason] = self.finished.get(finish_reason, 0) + 1
 
     def render(self) -> str:
         stats = self._stats_fn()

@@ -50,6 +50,8 @@ SERVER_FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
     ("--port", int, 50051, "gRPC port"),
     ("--metrics-host", str, "127.0.0.1", "address of the Prometheus endpoint"),
     ("--metrics-port", int, None, "serve Prometheus metrics on this port (default: off)"),
+    ("--http-host", str, "127.0.0.1", "address of the OpenAI-compatible HTTP API"),
+    ("--http-port", int, None, "serve the OpenAI-compatible HTTP API on this port (default: off)"),
     (
         "--api-key",
         str,
@@ -174,6 +176,8 @@ def resolve(args: argparse.Namespace) -> tuple[dict[str, Any], ServerOptions, st
         port=values["port"],
         metrics_host=values["metrics_host"],
         metrics_port=values["metrics_port"],
+        http_host=values["http_host"],
+        http_port=values["http_port"],
         api_key=values["api_key"],
         metrics_auth=values["metrics_auth"],
         tls_cert=values["tls_cert"],
