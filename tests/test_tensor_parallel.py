@@ -36,7 +36,7 @@ def _is_gone(pid: int) -> bool:
 
 def _worker_pids(llm_or_engine) -> list[int]:
     engine = getattr(llm_or_engine, "engine", llm_or_engine)
-    return [p.pid for p in engine.tp_executor.workers]
+    return [p.pid for p in engine.core.executor.workers]
 
 
 def _tokens(outputs) -> list[list[int]]:
@@ -188,5 +188,5 @@ def test_daemon_streams_like_tp1_then_fails_cleanly_when_a_worker_dies():
         assert f"rank 1 (pid {pid})" in str(server.server.async_engine.error)
     finally:
         server.close()
-    assert engines[0].tp_executor._is_closed, "the drain did not shut the engine down"
+    assert engines[0].core.executor._is_closed, "the drain did not shut the engine down"
     assert all(_is_gone(pid) for pid in _worker_pids(engines[0]))
