@@ -11,7 +11,6 @@ front end's (``LLMEngine`` in-process, or the daemon's front end over a socket).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from pydaemon import _core
 from pydaemon.beam_search import BeamSearchState
@@ -19,26 +18,12 @@ from pydaemon.config import EngineConfig
 from pydaemon.engine_core_types import EngineCoreOutputs, EngineCoreRequest
 from pydaemon.engine_stats import EngineStats
 from pydaemon.model_config import ModelConfig
+from pydaemon.model_info import ModelInfo
 from pydaemon.model_runner import ModelRunner
 from pydaemon.outputs import RequestMetrics
 from pydaemon.request import Request, Sequence
 from pydaemon.scheduler import Scheduler
 from pydaemon.stop_checker import StopChecker
-
-
-@dataclass
-class ModelInfo:
-    """What a front end needs to know about the served model (plain, picklable)."""
-
-    max_model_len: int
-    vocab_size: int
-    block_size: int
-    max_num_seqs: int
-    num_gpu_blocks: int
-    num_cpu_blocks: int
-    device: str  # the real one, e.g. "cuda:0", never "auto"
-    dtype: str  # e.g. "bfloat16"
-    eos_token_ids: list[int]  # from the model's config (the front end's tokenizer may add)
 
 
 class EngineCore:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pydaemon.engine_stats import EngineStats
+from pydaemon.model_info import ModelInfo
 from pydaemon.outputs import RequestMetrics, TokenLogprobs
 from pydaemon.sampling_params import SamplingParams
 
@@ -43,11 +44,45 @@ class EngineCoreOutput:
     request_id: str
     seqs: list[SeqOutput]
     finished: bool = False  # no more outputs for this request
-    metrics: RequestMetrics | None = None
+    metrics: RequestMetrics | None = None  # set when it changes (first token, finish)
     error: str | None = None  # the core failed or rejected the request
 
 
 @dataclass
 class EngineCoreOutputs:
     outputs: list[EngineCoreOutput] = field(default_factory=list)
-    stats: EngineStats | None = None  # set when asked for (the process transport)
+    # Below: only over the process transport (one message per step).
+    rejected: list[tuple[str, str]] = field(default_factory=list)  # (request_id, why) at add
+    stats: EngineStats | None = None  # when asked for, and a few times a second
+    fatal_error: str | None = None  # the core failed and exits after this message
+
+
+@dataclass
+class CoreCommands:
+    """Front end -> engine-core process: everything since the last message, batched."""
+
+    adds: list[EngineCoreRequest] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+    finish_seqs: list[tuple[str, int]] = field(default_factory=list)  # stop strings matched
+    want_stats: bool = False
+    shutdown: bool = False
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.adds or self.aborts or self.finish_seqs or self.want_stats) and (
+            not self.shutdown
+        )
+
+
+@dataclass
+class CoreReady:
+    """The engine-core process's first message once its model is loaded and warm."""
+
+    model_info: ModelInfo
+    stats: EngineStats
+
+
+@dataclass
+class CoreStartupFailed:
+    message: str
+    is_bad_setting: bool  # a ValueError: the operator's to fix, its message is enough

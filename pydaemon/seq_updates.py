@@ -85,11 +85,14 @@ class SeqUpdater:
         for request_id, request in touched.items():
             if request.is_finished:
                 continue  # failed: its output is already final
+            output = outputs[request_id]
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
+                output.metrics = request.metrics  # sent when it changes, not every step
             if not request.seqs:
                 self._finish(request, now)
-                outputs[request_id].finished = True
+                output.finished = True
+                output.metrics = request.metrics
         return EngineCoreOutputs([o for o in outputs.values() if o.seqs or o.finished])
 
     # ---- one request ------------------------------------------------------------------------
@@ -178,4 +181,4 @@ class SeqUpdater:
 
 
 def _output(request: Request) -> EngineCoreOutput:
-    return EngineCoreOutput(request.request_id, [], metrics=request.metrics)
+    return EngineCoreOutput(request.request_id, [])

@@ -1,11 +1,12 @@
 """The Generation service: validates, converts and forwards; never touches engine internals.
 
 One Generate call carries many requests. A reader task turns client frames into request
-tasks (one asyncio task per request, consuming AsyncEngine.generate); every frame for the
+tasks (one asyncio task per request, consuming EngineClient.generate); every frame for the
 client goes through one queue to the single writer (the handler coroutine itself). Every way
 a request can end early — cancel frame, closed stream, expired deadline, time limit, stalled
 client, drain — cancels its task, and the task's cancellation aborts the engine request
-(freeing its blocks before the engine's next step).
+(freeing its blocks before the engine's next step). If the engine-core process dies, every
+stream ends with UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from pydaemon import __version__
-from pydaemon.async_engine import AsyncEngine, EngineDeadError
+from pydaemon.engine_client import EngineClient, EngineCoreDiedError, EngineDeadError
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 from pydaemon.proto.pagedd.v1 import generation_pb2_grpc as pb_grpc
 from pydaemon.server.frames import RequestAccount, error_frame
@@ -63,7 +64,7 @@ class _Stream:
 
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, options: ServingOptions, metrics=None) -> None:
-        self.engine: AsyncEngine | None = None  # set once the model is loaded and warmed
+        self.engine: EngineClient | None = None  # set once the model is loaded and warmed
         self.options = options
         self.metrics = metrics
         self.is_admitting = False  # True once ready, False again when draining
@@ -187,10 +188,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             raise RequestInvalid(
                 grpc.StatusCode.UNAVAILABLE, "server is not serving (starting or draining)"
             )
-        engine = self.engine.engine
-        args = to_engine_args(
-            start, vocab_size=engine.vocab_size, has_tokenizer=engine.tokenizer is not None
-        )
+        info = self.engine.model_info
+        args = to_engine_args(start, vocab_size=info.vocab_size, has_tokenizer=info.has_tokenizer)
         if self.engine.num_unscheduled >= self.options.max_queued_requests:
             raise RequestInvalid(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -220,6 +219,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             final = account.finished(live.cancel_reason or pb.FINISH_REASON_CANCELLED)
         except ValueError as e:
             final = error_frame(account.request_id, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except EngineCoreDiedError as e:
+            if stream.is_open:  # the whole stream ends UNAVAILABLE, not just this request
+                stream.out.put_nowait(_StreamFatal(grpc.StatusCode.UNAVAILABLE, str(e)))
         except EngineDeadError as e:
             final = error_frame(account.request_id, grpc.StatusCode.INTERNAL, str(e))
         except Exception as e:  # noqa: BLE001 - one request's failure must not end the stream
@@ -239,37 +241,38 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     # ---- unary calls -------------------------------------------------------------------
 
-    async def _require_engine(self, context) -> AsyncEngine:
+    async def _require_engine(self, context) -> EngineClient:
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
         return self.engine
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
-        await self._require_engine(context)
-        engine = self.engine.engine
+        info = (await self._require_engine(context)).model_info
         stats = self.engine.latest_stats
-        tokenizer = engine.tokenizer
         return pb.ModelInfo(
-            model_name=engine.model_name,
-            max_model_len=engine.max_model_len,
-            vocab_size=engine.vocab_size,
-            block_size=engine.config.block_size,
+            model_name=info.model_name,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+            block_size=info.block_size,
             num_gpu_blocks=stats.num_gpu_blocks,
             num_cpu_blocks=stats.num_cpu_blocks,
-            device=str(getattr(engine, "device", engine.config.device)),
-            dtype=str(getattr(engine, "dtype", engine.config.dtype)).removeprefix("torch."),
-            eos_token_id=tokenizer.eos_token_id if tokenizer is not None else -1,
-            has_tokenizer=tokenizer is not None,
+            device=info.device,
+            dtype=info.dtype,
+            eos_token_id=info.eos_token_id,
+            has_tokenizer=info.has_tokenizer,
             server_version=__version__,
         )
 
     async def Tokenize(self, request, context) -> pb.TokenizeResponse:
-        tokenizer = (await self._require_engine(context)).engine.tokenizer
+        tokenizer = (await self._require_engine(context)).tokenizer
         if tokenizer is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer")
-        # Tokenizers are read-only after loading, so encoding here races with nothing.
-        ids = tokenizer.encode(request.text, add_bos=request.add_bos)
-        return pb.TokenizeResponse(token_ids=ids, pieces=[tokenizer.decode([t]) for t in ids])
+
+        def tokenize() -> pb.TokenizeResponse:  # off the event loop (read-only tokenizer)
+            ids = tokenizer.encode(request.text, add_bos=request.add_bos)
+            return pb.TokenizeResponse(token_ids=ids, pieces=[tokenizer.decode([t]) for t in ids])
+
+        return await asyncio.get_running_loop().run_in_executor(None, tokenize)
 
     async def GetServerStatus(self, request, context) -> pb.ServerStatus:
         s = await (await self._require_engine(context)).stats()
