@@ -26,7 +26,7 @@ class EngineCoreRequest:
     cache_salt: str = ""
 
 
-@dataclass
+@dataclass(slots=True)  # one per sequence per step: slots make it cheaper to build
 class SeqOutput:
     """One sequence's news in one step. For beam search (reported once, at the end) the
     whole hypotheses, ``index`` being the rank."""
@@ -39,7 +39,7 @@ class SeqOutput:
     stop_reason: int | None = None  # the stop token id that matched
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineCoreOutput:
     request_id: str
     seqs: list[SeqOutput]

@@ -101,7 +101,8 @@ class Request:
     @property
     def forks_at_first_sample(self) -> bool:
         """n > 1 (best_of): the prompt sequence forks into all of them at its first sample."""
-        return not self.is_forked and not self.params.is_beam_search and self.num_expected_seqs > 1
+        params = self.params
+        return not self.is_forked and params.best_of > 1 and params.beam_width == 1
 
     @property
     def is_finished(self) -> bool:

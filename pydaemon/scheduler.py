@@ -123,35 +123,23 @@ class Scheduler:
         self._plan = plan
         budget = self.max_num_batched_tokens
         # 1. Decodes of running requests, preempting from the tail when blocks run out.
-        index = 0
-        while index < len(self.running):
-            request = self.running[index]
-            decoding = [
-                s
-                for s in request.seqs
-                if s.num_computed_tokens >= len(s.prompt_token_ids) and s.num_uncomputed_tokens == 1
-            ]
-            if not decoding:
-                index += 1
-                continue
-            if len(decoding) > budget:
-                index += 1  # budget spent; it keeps its blocks and runs next step
-                continue
-            if not self._reserve_decode_slots(request, decoding, plan):
-                continue  # preempted itself: running[index] is now the next request
-            for seq in decoding:
-                plan.decodes.append(ScheduledSeq(request, seq, 1))
-            budget -= len(decoding)
-            index += 1
+        pending_prefill: set[str] = set()  # requests with work besides their decodes
+        decodes = [(r, self._split_decoding(r, pending_prefill)) for r in self.running]
+        if not self._reserve_all_decode_slots(decodes, budget, plan):
+            self._reserve_decode_slots_in_order(budget, plan, pending_prefill)
+        budget -= len(plan.decodes)
         # 2. Prefill chunks of running requests.
-        decoding_ids = {s.seq.seq_id for s in plan.decodes}  # a set: this runs per sequence
-        for request in self.running:
-            for seq in request.seqs:
-                if budget == 0:
-                    break
-                if seq.num_uncomputed_tokens == 0 or seq.seq_id in decoding_ids:
+        if pending_prefill:
+            decoding_ids = {s.seq.seq_id for s in plan.decodes}  # a set: runs per sequence
+            for request in self.running:
+                if request.request_id not in pending_prefill:
                     continue
-                budget -= self._schedule_prefill(request, seq, budget, plan)
+                for seq in request.seqs:
+                    if budget == 0:
+                        break
+                    if seq.num_uncomputed_tokens == 0 or seq.seq_id in decoding_ids:
+                        continue
+                    budget -= self._schedule_prefill(request, seq, budget, plan)
         # 3. Swapped requests come back, unless this step had to preempt.
         if not plan.preempted:
             while self.swapped and budget > 0:
@@ -164,15 +152,17 @@ class Scheduler:
                     budget -= self._schedule_after_resume(request, seq, budget, plan)
         # 4. Admit waiting requests.
         if not plan.preempted and not self.swapped:
+            num_running_seqs = self.num_running_seqs()
             while self.waiting and budget > 0:
                 request = self.waiting[0]
-                if self.num_running_seqs() + request.num_expected_seqs > self.max_num_seqs:
+                if num_running_seqs + request.num_expected_seqs > self.max_num_seqs:
                     break
                 admitted = self._admit(request, plan)
                 if admitted is None:
                     continue  # rejected: try the next one
                 if not admitted:
                     break  # head of line waits for blocks
+                num_running_seqs += len(request.seqs)
                 for seq in request.seqs:
                     budget -= self._schedule_after_resume(request, seq, budget, plan)
         out = build_scheduler_output(plan, self.blocks, self.finished_request_ids)
@@ -194,6 +184,55 @@ class Scheduler:
         return outputs
 
     # ---- helpers ----------------------------------------------------------------------------
+    @staticmethod
+    def _split_decoding(request: Request, pending_prefill: set[str]) -> list[Sequence]:
+        """The request's sequences that decode one token now; notes whether it has more."""
+        decoding = []
+        for seq in request.seqs:
+            num_uncomputed = seq.num_tokens - seq.num_computed_tokens
+            if num_uncomputed == 1 and seq.output_token_ids:
+                decoding.append(seq)
+            elif num_uncomputed:
+                pending_prefill.add(request.request_id)
+        return decoding
+
+    def _reserve_all_decode_slots(
+        self, decodes: list[tuple[Request, list[Sequence]]], budget: int, plan: StepPlan
+    ) -> bool:
+        """The common case in one check: every decode fits the budget and the free blocks.
+        False (nothing done) when some request must wait or be preempted."""
+        num_decodes = sum(len(d) for _, d in decodes)
+        if num_decodes > budget:
+            return False
+        needing = [s for _, d in decodes for s in d if s.num_slots < s.num_tokens]
+        if not self.blocks.can_append_slots(needing):
+            return False
+        for seq in needing:
+            self.blocks.append_slot(seq)
+        plan.decodes.extend(ScheduledSeq(r, s, 1) for r, d in decodes for s in d)
+        return True
+
+    def _reserve_decode_slots_in_order(
+        self, budget: int, plan: StepPlan, pending_prefill: set[str]
+    ) -> None:
+        """Request by request in priority order, preempting from the tail when blocks run out."""
+        index = 0
+        while index < len(self.running):
+            request = self.running[index]
+            decoding = self._split_decoding(request, pending_prefill)
+            if not decoding:
+                index += 1
+                continue
+            if len(decoding) > budget:
+                pending_prefill.add(request.request_id)  # what budget is left may take some
+                index += 1  # it keeps its blocks and runs next step
+                continue
+            if not self._reserve_decode_slots(request, decoding, plan):
+                continue  # preempted itself: running[index] is now the next request
+            plan.decodes.extend(ScheduledSeq(request, seq, 1) for seq in decoding)
+            budget -= len(decoding)
+            index += 1
+
     def _reserve_decode_slots(
         self, request: Request, decoding: list[Sequence], plan: StepPlan
     ) -> bool:

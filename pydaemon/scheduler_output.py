@@ -43,18 +43,6 @@ class CachedSeqData:
     new_block_ids: list[tuple[int, list[int]] | None] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)  # before this step
 
-    def append(
-        self,
-        seq_id: int,
-        new_token_ids: list[int],
-        new_block_ids: tuple[int, list[int]] | None,
-        num_computed_tokens: int,
-    ) -> None:
-        self.seq_ids.append(seq_id)
-        self.new_token_ids.append(new_token_ids)
-        self.new_block_ids.append(new_block_ids)
-        self.num_computed_tokens.append(num_computed_tokens)
-
 
 @dataclass
 class SchedulerOutput:

@@ -26,18 +26,26 @@ def build_scheduler_output(
     )
     blocks.blocks_to_copy, blocks.finished_seq_ids = [], []
     cached = out.scheduled_cached_seqs
+    # The columns, appended to directly: this loop runs once per scheduled sequence.
+    num_scheduled, new_seqs = out.num_scheduled_tokens, out.scheduled_new_seqs
+    seq_ids, new_token_ids = cached.seq_ids, cached.new_token_ids
+    new_block_ids, num_computed = cached.new_block_ids, cached.num_computed_tokens
     for scheduled in plan.scheduled:
         request, seq = scheduled.request, scheduled.seq
-        out.num_scheduled_tokens[seq.seq_id] = scheduled.num_new_tokens
+        num_scheduled[seq.seq_id] = scheduled.num_new_tokens
+        num_tokens = len(seq.prompt_token_ids) + len(seq.output_token_ids)
         if not seq.is_in_runner:
-            out.scheduled_new_seqs.append(_new_seq_data(request, seq, blocks))
+            new_seqs.append(_new_seq_data(request, seq, blocks))
         else:
-            num_prompt = len(seq.prompt_token_ids)
-            new_tokens = seq.output_token_ids[seq.num_sent_tokens - num_prompt :]
-            seq.num_sent_tokens = seq.num_tokens
-            delta = blocks.take_block_delta(seq)
-            cached.append(seq.seq_id, new_tokens, delta, seq.num_computed_tokens)
-        is_sampled = seq.num_computed_tokens + scheduled.num_new_tokens == seq.num_tokens
+            seq_ids.append(seq.seq_id)
+            num_unsent = num_tokens - seq.num_sent_tokens  # output tokens, one per decode
+            new_token_ids.append(seq.output_token_ids[-num_unsent:] if num_unsent else [])
+            seq.num_sent_tokens = num_tokens
+            new_block_ids.append(
+                None if seq.changed_block_start is None else blocks.take_block_delta(seq)
+            )
+            num_computed.append(seq.num_computed_tokens)
+        is_sampled = seq.num_computed_tokens + scheduled.num_new_tokens == num_tokens
         if is_sampled and request.forks_at_first_sample:
             out.num_samples[seq.seq_id] = request.num_expected_seqs
     return out

@@ -44,10 +44,13 @@ class SeqUpdater:
     def update(self, plan: StepPlan, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         now = time.monotonic()
         by_seq_id: dict[int, ScheduledSeq] = {}
+        block_size = self.blocks.block_size
         for scheduled in plan.scheduled:
             seq = scheduled.seq
-            seq.num_computed_tokens += scheduled.num_new_tokens
-            self.blocks.mark_computed(seq)
+            before = seq.num_computed_tokens
+            seq.num_computed_tokens = after = before + scheduled.num_new_tokens
+            if after // block_size > before // block_size:  # a block just filled up
+                self.blocks.mark_computed(seq)
             by_seq_id[seq.seq_id] = scheduled
             if scheduled.request.metrics.first_scheduled_time is None:
                 scheduled.request.metrics.first_scheduled_time = now
@@ -64,7 +67,9 @@ class SeqUpdater:
             if request.is_finished:
                 continue  # failed earlier in this step
             touched[request.request_id] = request
-            output = outputs.setdefault(request.request_id, _output(request))
+            output = outputs.get(request.request_id)
+            if output is None:
+                output = outputs[request.request_id] = EngineCoreOutput(request.request_id, [])
             try:
                 self._append(request, by_seq_id[seq_id].seq, token_ids, chosen, logprobs, output)
             except Exception as e:  # noqa: BLE001 - one request's failure is that request's
@@ -76,7 +81,7 @@ class SeqUpdater:
         for request_id, items in beams.items():
             request = by_seq_id[items[0][1].seq_id].request
             touched[request_id] = request
-            output = outputs.setdefault(request_id, _output(request))
+            output = outputs.setdefault(request_id, EngineCoreOutput(request_id, []))
             rows = ro.beam_logprobs[torch.tensor([row for row, _ in items])]
             try:
                 self._beam_step(request, [seq for _, seq in items], rows, output)
@@ -107,18 +112,22 @@ class SeqUpdater:
     ) -> None:
         """One sampled token per sequence; a forking sequence's n samples go to n sequences."""
         targets = [seq]
-        if request.forks_at_first_sample:
+        if len(token_ids) > 1:
+            if not request.forks_at_first_sample:
+                raise RuntimeError(f"{len(token_ids)} samples for a sequence that does not fork")
             targets += [self._fork(request, seq, k) for k in range(1, len(token_ids))]
             request.is_forked = True
+        checker = request.stop_checker
         for target, token_id, chosen, top in zip(
             targets, token_ids, chosen_logprobs, logprobs, strict=True
         ):
-            target.output_token_ids.append(token_id)
+            output_token_ids = target.output_token_ids
+            output_token_ids.append(token_id)
             target.cumulative_logprob += chosen
             self.num_generation_tokens += 1
-            decision = request.stop_checker.check(token_id, len(target.output_token_ids), "", 0)
-            finish_reason, stop_reason = decision.finish_reason, decision.stop_reason
-            if finish_reason is None and target.num_tokens >= self.max_model_len:
+            finish_reason, stop_reason = checker.check_token(token_id, len(output_token_ids))
+            num_tokens = len(target.prompt_token_ids) + len(output_token_ids)
+            if finish_reason is None and num_tokens >= self.max_model_len:
                 finish_reason = "length"
             output.seqs.append(
                 SeqOutput(
@@ -178,7 +187,3 @@ class SeqUpdater:
             f"internal error while processing request {request.request_id!r}: {error!r}",
             now,
         )
-
-
-def _output(request: Request) -> EngineCoreOutput:
-    return EngineCoreOutput(request.request_id, [])

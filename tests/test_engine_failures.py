@@ -37,7 +37,7 @@ def _tokens(outputs, index: int = 0) -> list[int]:
 
 
 class _ExplodingStopChecker:
-    def check(self, *args):
+    def check_token(self, token_id: int, num_output_tokens: int):
         raise RuntimeError("boom in the stop check")
 
 
