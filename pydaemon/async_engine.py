@@ -273,11 +273,3 @@ class AsyncEngine(EngineClient):
                 loop.call_soon_threadsafe(_put_many, items)
             except RuntimeError:  # that loop is closed: nobody is listening any more
                 pass
-
-    def _deliver(self, output: RequestOutput) -> None:
-        sink = self._sinks.get(output.request_id)
-        if sink is None:  # aborted by the client since it was stepped
-            return
-        if output.finished:
-            del self._sinks[output.request_id]
-        _send(sink, output)

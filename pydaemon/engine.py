@@ -16,7 +16,7 @@ from pydaemon.engine_core import EngineCore, ModelInfo
 from pydaemon.engine_core_types import EngineCoreRequest
 from pydaemon.engine_stats import EngineStats, resolve_model_dir
 from pydaemon.output_processor import OutputProcessor
-from pydaemon.outputs import RequestOutput
+from pydaemon.outputs import RequestMetrics, RequestOutput
 from pydaemon.sampling_params import SamplingParams
 from pydaemon.tokenizer import load_tokenizer
 
@@ -122,7 +122,7 @@ class LLMEngine:
             token_ids,
             params,
             set(self.eos_token_ids),
-            self.core.scheduler.requests[request_id].metrics,
+            RequestMetrics(arrival_time=request.arrival_time),  # the core's replace it
         )
 
     def abort_request(self, request_id: str) -> bool:
