@@ -183,6 +183,7 @@ class MPEngineClient(EngineClient):
             yield output
 
     def abort(self, request_id: str) -> None:
+        """Call on the event loop (as everything here but ``launch``)."""
         if self._queues.pop(request_id, None) is None:
             return
         self._processor.abort_request(request_id)
@@ -223,7 +224,7 @@ class MPEngineClient(EngineClient):
     def _schedule_flush(self) -> None:
         if not self._is_flush_scheduled:
             self._is_flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            self._loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         """Everything posted in this turn of the event loop, as one message."""
