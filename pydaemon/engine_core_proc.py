@@ -18,6 +18,7 @@ SIGINT and SIGTERM are ignored (the front end drains first, then says ``shutdown
 
 from __future__ import annotations
 
+import gc
 import logging
 import pickle
 import queue
@@ -71,10 +72,16 @@ def run_engine_core(
         except OSError:
             pass
         raise SystemExit(1) from None
+    loop = EngineCoreLoop(core, conn)
     try:
-        EngineCoreLoop(core, conn).run()
+        loop.run()
     finally:
         core.shutdown()
+        # The I/O threads outlive the loop: drop the core now, not at interpreter exit
+        # (nanobind reports C++ objects still alive then as leaks).
+        loop.core = None
+        del core, loop
+        gc.collect()
 
 
 def _warmup(core, eos_token_ids: list[int]) -> None:
