@@ -190,3 +190,21 @@ def test_daemon_streams_like_tp1_then_fails_cleanly_when_a_worker_dies():
         server.close()
     assert engines[0].core.executor._is_closed, "the drain did not shut the engine down"
     assert all(_is_gone(pid) for pid in _worker_pids(engines[0]))
+
+
+def test_script_without_main_guard_gets_an_error_that_says_so(tmp_path):
+    """A spawned worker imports the script again; without the guard it cannot start."""
+    import subprocess
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from pydaemon import LLM\n"
+        "LLM('demo', device='cpu', num_kv_blocks=16, tensor_parallel_size=2)\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode != 0
+    assert 'if __name__ == "__main__":' in done.stderr, done.stderr[-2000:]

@@ -98,7 +98,7 @@ class TensorParallelExecutor:
             self.runner = ModelRunner(config)
             self._wait_for("ready", COLLECTIVE_TIMEOUT_S)
         except BaseException as e:
-            failure = self._find_failure()
+            failure = None if isinstance(e, TensorParallelError) else self._find_failure()
             self.shutdown()
             if failure is not None:
                 raise TensorParallelError(failure) from e
@@ -181,28 +181,32 @@ class TensorParallelExecutor:
         for rank, (proc, conn) in enumerate(zip(self.workers, self.conns, strict=True), start=1):
             while not conn.poll(0.1):
                 if not proc.is_alive():
-                    hint = ""
-                    if kind == "hello":
-                        hint = (
-                            " before it started: a spawned process imports the main module "
-                            "again, so a script that builds an engine must do so under "
-                            '`if __name__ == "__main__":`'
-                        )
-                    raise TensorParallelError(
-                        self._find_failure() or f"tensor-parallel worker rank {rank} died{hint}"
-                    )
+                    raise TensorParallelError(self._died_before(kind, rank, proc))
                 if time.monotonic() > deadline:
                     raise TensorParallelError(
                         f"tensor-parallel worker rank {rank} (pid {proc.pid}) sent no {kind!r} "
                         f"within {timeout_s:.0f} s"
                     )
-            got, payload = conn.recv()
+            try:
+                got, payload = conn.recv()
+            except EOFError:
+                proc.join(1.0)
+                raise TensorParallelError(self._died_before(kind, rank, proc)) from None
             if got == "error":
                 raise TensorParallelError(
                     f"tensor-parallel worker rank {rank} (pid {proc.pid}) failed:\n{payload}"
                 )
             if got != kind:
                 raise TensorParallelError(f"worker rank {rank} sent {got!r}, expected {kind!r}")
+
+    def _died_before(self, kind: str, rank: int, proc) -> str:
+        failure = self._find_failure() or f"tensor-parallel worker rank {rank} died"
+        if kind != "hello":
+            return failure
+        return (
+            f"{failure} before it started: a spawned process imports the main module again, "
+            'so a script that builds an engine must do so under `if __name__ == "__main__":`'
+        )
 
     def _watch(self) -> None:
         sentinels = [p.sentinel for p in self.workers]
