@@ -1,13 +1,20 @@
-"""The messages between a front end and the engine core: plain dataclasses, token ids only.
+"""The messages between a front end and the engine core: plain data, token ids only.
 
 A front end (``LLMEngine`` in-process, or the daemon's front-end process) tokenizes, sends an
 ``EngineCoreRequest``, and gets back per step one ``EngineCoreOutputs`` with the new token
 ids of every sequence that moved; it detokenizes and checks stop strings itself.
+
+The per-step outputs are msgspec Structs (hundreds of records a step: cheap to build, and
+msgpack-encoded in ~0.05 ms for 512 sequences, where pickle takes milliseconds); the
+commands toward the core are dataclasses, pickled (few per step, and they carry
+SamplingParams whatever fields it grows).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import msgspec
 
 from pydaemon.engine_stats import EngineStats
 from pydaemon.model_info import ModelInfo
@@ -26,8 +33,7 @@ class EngineCoreRequest:
     cache_salt: str = ""
 
 
-@dataclass(slots=True)  # one per sequence per step: slots make it cheaper to build
-class SeqOutput:
+class SeqOutput(msgspec.Struct, array_like=True):
     """One sequence's news in one step. For beam search (reported once, at the end) the
     whole hypotheses, ``index`` being the rank."""
 
@@ -39,8 +45,7 @@ class SeqOutput:
     stop_reason: int | None = None  # the stop token id that matched
 
 
-@dataclass(slots=True)
-class EngineCoreOutput:
+class EngineCoreOutput(msgspec.Struct, array_like=True):
     request_id: str
     seqs: list[SeqOutput]
     finished: bool = False  # no more outputs for this request
@@ -48,11 +53,10 @@ class EngineCoreOutput:
     error: str | None = None  # the core failed or rejected the request
 
 
-@dataclass
-class EngineCoreOutputs:
-    outputs: list[EngineCoreOutput] = field(default_factory=list)
+class EngineCoreOutputs(msgspec.Struct, array_like=True):
+    outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
     # Below: only over the process transport (one message per step).
-    rejected: list[tuple[str, str]] = field(default_factory=list)  # (request_id, why) at add
+    rejected: list[tuple[str, str]] = msgspec.field(default_factory=list)  # (id, why) at add
     stats: EngineStats | None = None  # when asked for, and a few times a second
     fatal_error: str | None = None  # the core failed and exits after this message
 

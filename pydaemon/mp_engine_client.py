@@ -22,6 +22,8 @@ from collections.abc import AsyncIterator
 from multiprocessing.connection import Connection
 from typing import Any
 
+import msgspec
+
 from pydaemon.config import EngineConfig
 from pydaemon.engine import eos_token_ids, tokenize_prompt
 from pydaemon.engine_client import (
@@ -241,9 +243,10 @@ class MPEngineClient(EngineClient):
     def _read(self) -> None:
         """Reader thread: one EngineCoreOutputs per step, handed to the event loop."""
         reason = "the engine-core process closed its pipe"
+        decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         try:
             while True:
-                outputs = pickle.loads(self.conn.recv_bytes())
+                outputs = decoder.decode(self.conn.recv_bytes())
                 self._loop.call_soon_threadsafe(self._on_outputs, outputs)
                 if outputs.fatal_error is not None:
                     reason = f"the engine core failed:\n{outputs.fatal_error}"
