@@ -107,23 +107,27 @@ class InputBatch:
             self.block_table[row, : len(new.block_ids)] = new.block_ids
             self.num_blocks[row] = len(new.block_ids)
         cached = out.scheduled_cached_seqs
-        for seq_id, tokens, blocks, num_computed in zip(
-            cached.seq_ids,
-            cached.new_token_ids,
-            cached.new_block_ids,
-            cached.num_computed_tokens,
-            strict=True,
-        ):
-            row = self.seqs[seq_id].row
-            if tokens:
+        num_cached = len(cached.seq_ids)
+        if num_cached == 0:
+            return
+        seqs = self.seqs
+        rows = np.fromiter((seqs[s].row for s in cached.seq_ids), dtype=np.int64, count=num_cached)
+        self.num_computed_tokens[rows] = cached.num_computed_tokens
+        new_tokens = cached.new_token_ids
+        if all(len(t) == 1 for t in new_tokens):  # decodes: one token each, in one go
+            ends = self.num_tokens[rows]
+            self.token_ids[rows, ends] = [t[0] for t in new_tokens]
+            self.num_tokens[rows] = ends + 1
+        else:
+            for row, tokens in zip(rows.tolist(), new_tokens, strict=True):
                 n = int(self.num_tokens[row])
                 self.token_ids[row, n : n + len(tokens)] = tokens
                 self.num_tokens[row] = n + len(tokens)
-            if blocks is not None:
+        for row, blocks in zip(rows.tolist(), cached.new_block_ids, strict=True):
+            if blocks is not None:  # a new block every block_size tokens, or a copy-on-write
                 start, ids = blocks
                 self.block_table[row, start : start + len(ids)] = ids
                 self.num_blocks[row] = start + len(ids)
-            self.num_computed_tokens[row] = num_computed
 
     # ---- a step's inputs --------------------------------------------------------------------
     def prepare(self, out: SchedulerOutput) -> StepInput:
