@@ -53,7 +53,7 @@ def _dumps(message: object) -> bytes:
 
 
 def run_engine_core(
-    config: EngineConfig, conn: Connection, eos_token_ids: list[int], log_level: int
+    config: EngineConfig, conn: Connection, eos_token_ids: list[int] | None, log_level: int
 ) -> None:
     """The process's target: load, warm up, say ready, then serve until told or orphaned."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -62,9 +62,12 @@ def run_engine_core(
         level=log_level, format="%(asctime)s %(levelname)s engine-core %(name)s: %(message)s"
     )
     from pydaemon.engine_core import EngineCore
+    from pydaemon.prompt_input import eos_token_ids as model_eos_token_ids
 
     try:
         core = EngineCore(config)
+        if eos_token_ids is None:  # no tokenizer: the model config's
+            eos_token_ids = model_eos_token_ids(None, core.model_config)
         _warmup(core, eos_token_ids)
         conn.send_bytes(_dumps(CoreReady(core.model_info(eos_token_ids), core.get_stats())))
     except BaseException as e:  # noqa: BLE001 - reported to the front end, then exit

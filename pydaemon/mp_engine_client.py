@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
 import pickle
 import threading
 import time
@@ -25,7 +24,6 @@ from typing import Any
 import msgspec
 
 from pydaemon.config import EngineConfig
-from pydaemon.engine import eos_token_ids, tokenize_prompt
 from pydaemon.engine_client import (
     EngineClient,
     EngineCoreDiedError,
@@ -33,29 +31,23 @@ from pydaemon.engine_client import (
     ServedModelInfo,
     stream_request,
 )
-from pydaemon.engine_core_proc import run_engine_core
+from pydaemon.engine_core_launch import start_engine_core
 from pydaemon.engine_core_types import (
     CoreCommands,
     CoreReady,
-    CoreStartupFailed,
     EngineCoreOutputs,
     EngineCoreRequest,
 )
 from pydaemon.engine_stats import resolve_model_dir
-from pydaemon.model_config import ModelConfig
 from pydaemon.output_processor import OutputProcessor
 from pydaemon.outputs import RequestMetrics, RequestOutput
+from pydaemon.prompt_input import tokenize_prompt
 from pydaemon.sampling_params import SamplingParams
 from pydaemon.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-START_TIMEOUT_S = 3600.0  # loading a large model from a slow disk
 STOP_TIMEOUT_S = 10.0
-_MAIN_GUARD_HINT = (
-    " (from a script: a spawned process imports the main module again, so a script that "
-    'starts an engine must do so under `if __name__ == "__main__":`)'
-)
 
 
 class MPEngineClient(EngineClient):
@@ -86,26 +78,10 @@ class MPEngineClient(EngineClient):
         (blocking: run it off the event loop). Not started: call ``start()`` on the loop."""
         model_dir = resolve_model_dir(config.model)
         tokenizer = load_tokenizer(model_dir)
-        eos = eos_token_ids(tokenizer, ModelConfig.from_model_dir(model_dir))
+        # The tokenizer's EOS ids; without a tokenizer the core reads the model config's.
+        eos = sorted(tokenizer.eos_token_ids) if tokenizer is not None else None
         core_config = config.__class__(**{**config.__dict__, "model": str(model_dir)})
-        ctx = multiprocessing.get_context("spawn")
-        conn, child_conn = ctx.Pipe(duplex=True)
-        log_level = logging.getLogger().getEffectiveLevel()
-        # Not a daemon process: it starts tensor-parallel workers of its own.
-        process = ctx.Process(
-            target=run_engine_core,
-            args=(core_config, child_conn, eos, log_level),
-            name="pagedd-engine-core",
-        )
-        process.start()
-        child_conn.close()  # the core's end lives in the core only: EOF when it dies
-        try:
-            ready = _wait_ready(process, conn)
-        except BaseException:
-            process.kill()
-            process.join()
-            conn.close()
-            raise
+        process, conn, ready = start_engine_core(core_config, eos)
         info = ready.model_info
         model_info = ServedModelInfo(
             model_name="demo" if config.model == "demo" else model_dir.name,
@@ -303,29 +279,3 @@ class MPEngineClient(EngineClient):
             if not future.done():
                 future.set_result(self.latest_stats)
         self._stats_waiters = []
-
-
-def _wait_ready(process, conn: Connection) -> CoreReady:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not conn.poll(0.1):
-        if not process.is_alive():
-            process.join()
-            raise RuntimeError(
-                f"the engine-core process (pid {process.pid}) exited with code "
-                f"{process.exitcode} before it was ready{_MAIN_GUARD_HINT}"
-            )
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the engine core was not ready within {START_TIMEOUT_S:.0f} s")
-    try:
-        message = pickle.loads(conn.recv_bytes())
-    except EOFError:
-        process.join()
-        raise RuntimeError(
-            f"the engine-core process (pid {process.pid}) exited with code "
-            f"{process.exitcode} before it was ready{_MAIN_GUARD_HINT}"
-        ) from None
-    if isinstance(message, CoreStartupFailed):
-        if message.is_bad_setting:
-            raise ValueError(message.message)
-        raise RuntimeError(f"the engine core failed to start:\n{message.message}")
-    return message
