@@ -108,7 +108,7 @@ def test_killing_the_engine_core_ends_every_stream_unavailable_and_the_daemon_ex
             client.collect()
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
         assert "engine" in e.value.details()
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 15  # generous: test machines are shared
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 1, out
 
@@ -119,7 +119,7 @@ def test_killing_the_front_end_makes_the_engine_core_exit(daemon):
     _long_stream(channel, "r")
     proc.kill()
     proc.communicate()
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 30
     while _is_running(core_pid):
         assert time.monotonic() < deadline, "the engine core outlived its front end"
         time.sleep(0.05)
