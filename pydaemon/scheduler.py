@@ -13,7 +13,7 @@ Policy lives here; memory lives in the C++ block manager; tensors never appear. 
 
 ``schedule()`` returns a plain ``SchedulerOutput`` (pydaemon.scheduler_output) and keeps the
 live sequences it scheduled to itself; ``update_from_output()`` records what the runner
-computed and sampled (``pydaemon.scheduler_update``). The scheduler alone owns the block
+computed and sampled (``pydaemon.seq_updates``). The scheduler alone owns the block
 manager, through ``SeqBlocks``.
 """
 

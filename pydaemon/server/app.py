@@ -174,7 +174,7 @@ class PageddServer:
             await asyncio.sleep(interval)
 
     def is_making_progress(self, within_s: float) -> bool:
-        """Loading, or the engine thread alive and through a step/idle wake recently."""
+        """Loading, or the engine alive and through a step/idle heartbeat recently."""
         if self.async_engine is None:
             return self._is_loading
         return self.async_engine.is_alive and self.async_engine.seconds_since_progress() < within_s
