@@ -1,4 +1,6 @@
-"""An asyncio front for LLMEngine: the engine steps in its own thread.
+"""AsyncEngine: an EngineClient whose engine (LLMEngine, or a test double) steps in a thread
+of this process. ``pagedd serve`` runs the engine core in its own process instead
+(``pydaemon.mp_engine_client``); this one serves tests and in-process embedding.
 
 The engine is not thread-safe, so only the engine thread touches it. The asyncio side posts
 commands (add, abort, stats) on a queue guarded by a condition; the engine thread drains the
@@ -16,21 +18,25 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pydaemon.engine_client import (
+    IDLE_HEARTBEAT_S,
+    EngineClient,
+    EngineDeadError,
+    ServedModelInfo,
+    merge_deltas,
+    stream_request,
+)
 from pydaemon.outputs import RequestOutput
+from pydaemon.prompt_input import first_eos_token_id
 from pydaemon.sampling_params import SamplingParams
 
+__all__ = ["AsyncEngine", "EngineDeadError", "merge_deltas", "served_model_info"]
+
 logger = logging.getLogger(__name__)
-
-# While idle the engine thread still wakes this often to show the watchdog it is alive.
-IDLE_HEARTBEAT_S = 0.5
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread failed; no request can be served any more."""
 
 
 @dataclass
@@ -53,34 +59,31 @@ def _put_many(items: list[tuple[asyncio.Queue, object]]) -> None:
         queue.put_nowait(item)
 
 
-def merge_deltas(first: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """Fold a later delta of the same request into an earlier one (a slow reader gets fewer,
-    larger messages instead of a growing backlog)."""
-    by_index = {o.index: o for o in first.outputs}
-    for part in later.outputs:
-        acc = by_index.get(part.index)
-        if acc is None:
-            by_index[part.index] = part
-            continue
-        acc.token_ids = acc.token_ids + part.token_ids
-        acc.text += part.text
-        if part.logprobs is not None:
-            acc.logprobs = (acc.logprobs or []) + part.logprobs
-        acc.finish_reason = part.finish_reason
-        acc.stop_reason = part.stop_reason
-        acc.cumulative_logprob = part.cumulative_logprob
-    first.outputs = [by_index[i] for i in sorted(by_index)]
-    first.finished = later.finished
-    first.metrics = later.metrics
-    first.error = later.error
-    return first
+def served_model_info(engine: Any) -> ServedModelInfo:
+    """What a server shows of an engine (LLMEngine or a double with the same attributes)."""
+    tokenizer = engine.tokenizer
+    return ServedModelInfo(
+        model_name=engine.model_name,
+        max_model_len=engine.max_model_len,
+        vocab_size=engine.vocab_size,
+        block_size=engine.config.block_size,
+        device=str(engine.device),
+        dtype=str(engine.dtype).removeprefix("torch."),
+        eos_token_id=first_eos_token_id(tokenizer, engine.eos_token_ids),
+        has_tokenizer=tokenizer is not None,
+        eos_token_ids=sorted(engine.eos_token_ids),
+        generation_defaults=engine.generation_defaults,
+        has_chat_template=tokenizer is not None and tokenizer.chat_template is not None,
+    )
 
 
-class AsyncEngine:
+class AsyncEngine(EngineClient):
     """Runs ``engine.step()`` in a dedicated thread; serves many asyncio clients."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
+        self.model_info = served_model_info(engine)
+        self.tokenizer = engine.tokenizer
         self._cond = threading.Condition()
         self._commands: collections.deque[tuple] = collections.deque()  # guarded by _cond
         self._sinks: dict[str, _Sink] = {}  # engine thread only
@@ -92,6 +95,13 @@ class AsyncEngine:
         self.last_progress_time = time.monotonic()
         self.latest_stats = engine.get_stats()  # refreshed by the engine thread
         self.num_unscheduled = 0  # posted requests with no output yet (admission control)
+
+    @classmethod
+    def load(cls, engine_factory: Callable[[], Any]) -> AsyncEngine:
+        """Builds and warms the engine (blocking: run it off the event loop); not started."""
+        engine = engine_factory()
+        engine.warmup()
+        return cls(engine)
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -141,33 +151,12 @@ class AsyncEngine:
         arrival = time.monotonic()
         self.num_unscheduled += 1
         self._post(("add", request_id, prompt, params, priority, cache_salt, arrival, sink))
-        is_finished = False
-        is_scheduled = False
-        try:
-            while True:
-                item = await sink.queue.get()
-                if not is_scheduled:
-                    is_scheduled = True
-                    self.num_unscheduled -= 1
-                if isinstance(item, BaseException):
-                    is_finished = True
-                    raise item
-                while not item.finished and not sink.queue.empty():
-                    later = sink.queue.get_nowait()
-                    if isinstance(later, BaseException):
-                        is_finished = True
-                        raise later
-                    item = merge_deltas(item, later)
-                if item.finished:
-                    is_finished = True
-                yield item
-                if is_finished:
-                    return
-        finally:
-            if not is_scheduled:
-                self.num_unscheduled -= 1
-            if not is_finished:
-                self.abort(request_id)
+
+        def scheduled() -> None:
+            self.num_unscheduled -= 1
+
+        async for output in stream_request(sink.queue, scheduled, lambda: self.abort(request_id)):
+            yield output
 
     def abort(self, request_id: str) -> None:
         """Aborts a request; its blocks are freed before the engine's next step."""
@@ -288,11 +277,3 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_put_many, items)
             except RuntimeError:  # that loop is closed: nobody is listening any more
                 pass
-
-    def _deliver(self, output: RequestOutput) -> None:
-        sink = self._sinks.get(output.request_id)
-        if sink is None:  # aborted by the client since it was stepped
-            return
-        if output.finished:
-            del self._sinks[output.request_id]
-        _send(sink, output)

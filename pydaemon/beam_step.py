@@ -1,4 +1,4 @@
-"""Beam search in the engine: one sequence per live beam, forked and freed every step.
+"""Beam search in the engine core: one sequence per live beam, forked and freed every step.
 
 The selection itself (transformers' semantics) is pydaemon.beam_search.BeamSearchState; this
 module applies its decisions to sequences and KV blocks: a new beam forks its parent (sharing
@@ -8,26 +8,31 @@ beams are freed, so blocks common to several beams are stored once.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import torch
 
+from pydaemon.engine_core_types import SeqOutput
 from pydaemon.request import Request, Sequence
+from pydaemon.seq_blocks import SeqBlocks
 
-if TYPE_CHECKING:
-    from pydaemon.engine import LLMEngine
+
+@dataclass
+class BeamStepResult:
+    num_new_tokens: int = 0
+    finished: list[SeqOutput] = field(default_factory=list)  # the hypotheses, best first
 
 
 def advance_beams(
-    engine: LLMEngine, request: Request, seqs: list[Sequence], logprobs: torch.Tensor
-) -> None:
-    """logprobs: [len(seqs), vocab] float32 log_softmax rows of the beams sampled this step."""
+    blocks: SeqBlocks, request: Request, seqs: list[Sequence], logprobs: torch.Tensor
+) -> BeamStepResult:
+    """logprobs: [len(seqs), vocab] float32 log_softmax rows of the beams run this step."""
     pending: dict[int, torch.Tensor] = request.beam_pending
     for seq, row in zip(seqs, logprobs, strict=True):
         pending[seq.seq_id] = row
     live = request.seqs
     if any(s.seq_id not in pending for s in live):
-        return  # some beams are still re-prefilling after a recompute preemption
+        return BeamStepResult()  # some beams are still re-prefilling after a preemption
     rows = torch.stack([pending.pop(s.seq_id) for s in live])
     state = request.beam
     result = state.step(rows)
@@ -36,23 +41,32 @@ def advance_beams(
         result.parent_indices, result.token_ids, result.cumulative_logprobs, strict=False
     ):
         parent = live[parent_index]
-        child = engine._fork(request, parent, len(children), register=False)
-        child.output_token_ids.append(token)
-        child.cumulative_logprob = cumulative
+        child = Sequence.new(
+            len(children),
+            parent.prompt_token_ids,
+            output_token_ids=[*parent.output_token_ids, token],
+            num_computed_tokens=parent.num_computed_tokens,
+            cumulative_logprob=cumulative,
+        )
+        blocks.fork(parent, child)
         children.append(child)
     for seq in live:
-        engine.scheduler.free_seq(seq)
+        blocks.free(seq)
     request.seqs = children
-    engine.num_generation_tokens += len(children)
+    step = BeamStepResult(num_new_tokens=len(children))
     if not result.is_done:
-        return
+        return step
     for seq in children:
-        engine.scheduler.free_seq(seq)
+        blocks.free(seq)
     request.seqs = []
     for rank, hypothesis in enumerate(state.finalize()):
-        seq = Sequence.new(rank, request.prompt_token_ids, output_token_ids=hypothesis.token_ids)
-        seq.cumulative_logprob = hypothesis.cumulative_logprob
         last = hypothesis.token_ids[-1] if hypothesis.token_ids else None
-        reason = "stop" if last in state.eos_token_ids else "length"
-        engine.output_processor.finish_beam_seq(seq, reason)
-        request.finished_seqs.append(seq)
+        step.finished.append(
+            SeqOutput(
+                index=rank,
+                new_token_ids=list(hypothesis.token_ids),
+                cumulative_logprob=hypothesis.cumulative_logprob,
+                finish_reason="stop" if last in state.eos_token_ids else "length",
+            )
+        )
+    return step

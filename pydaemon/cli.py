@@ -31,14 +31,14 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"pagedd serve: {e}", file=sys.stderr)
         return 2
 
-    def load_engine():
-        from pydaemon.engine import LLMEngine
+    def launch_engine_core():
+        from pydaemon.mp_engine_client import MPEngineClient
 
         logging.getLogger("pydaemon.cli").info("loading %s (%s)", config.model, config)
-        return LLMEngine(config)
+        return MPEngineClient.launch(config)  # the engine core runs in its own process
 
     try:
-        return asyncio.run(serve(load_engine, options))
+        return asyncio.run(serve(launch_engine_core, options))
     except OSError as e:
         logging.getLogger("pydaemon.cli").error("cannot serve: %s", e)
         return 1

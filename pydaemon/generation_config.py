@@ -64,3 +64,13 @@ class GenerationDefaults:
         if overrides.get("beam_width", 1) > 1:
             return SamplingParams(**overrides)
         return SamplingParams(**{**self.as_dict(), **overrides})
+
+
+def served_generation_defaults(model: str, model_dir: Path) -> GenerationDefaults:
+    """The defaults a served model applies: the built-in default model's own (its GGUF file has
+    no generation config), else its directory's ``generation_config.json``."""
+    from pydaemon.default_model import DEFAULT_GENERATION_CONFIG, DEFAULT_MODEL, is_default_model
+
+    if is_default_model(model):
+        return GenerationDefaults.from_dict(DEFAULT_GENERATION_CONFIG, DEFAULT_MODEL)
+    return GenerationDefaults.from_model_dir(model_dir)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -16,27 +15,15 @@ import torch
 from pydaemon.attention_metadata import AttentionMetadata
 from pydaemon.config import EngineConfig
 from pydaemon.distributed import parallel_state as ps
+from pydaemon.input_batch import InputBatch, StepInput
 from pydaemon.kv_cache import GiB, KVCacheSpec
 from pydaemon.layers.attention import uses_kernels
 from pydaemon.model_loader import load_model
-from pydaemon.sampling import Sampler, SamplingMetadata
-from pydaemon.sampling_params import SamplingParams
-from pydaemon.scheduler import SchedulerOutput
-from pydaemon.step_input import StepInput
+from pydaemon.runner_output import ModelRunnerOutput
+from pydaemon.sampling.step_sampler import StepSampler
+from pydaemon.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SampleRow:
-    """One sequence to sample from a row of this step's logits."""
-
-    logits_index: int
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    generator: torch.Generator | None
-    stop_ids_for_min_tokens: set[int]  # ids barred while fewer than min_tokens are out
 
 
 def resolve_device(device: str, tp_rank: int = 0, tp_size: int = 1) -> torch.device:
@@ -98,7 +85,8 @@ class ModelRunner:
         self.cpu_kv_cache = self.spec.allocate(
             self.num_cpu_blocks, torch.device("cpu"), pin_memory=pin
         )
-        self.sampler = Sampler()
+        self.input_batch = InputBatch(config.max_num_seqs, self.max_model_len, config.block_size)
+        self.step_sampler = StepSampler(self.input_batch, self.device)
         self.swap_stream = None
         if uses_kernels(self.kv_cache):
             from pydaemon.ops import SwapStream
@@ -170,80 +158,32 @@ class ModelRunner:
 
     # ---- the step ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, block_manager) -> torch.Tensor | None:
-        """Run one step; returns logits [num_sampling_seqs, vocab] (float32) in the order of
-        out.scheduled's sequences that sample (None when nothing was scheduled)."""
-        return self.execute_step(self.prepare_step(out, block_manager))
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Updates the cached state, moves blocks, runs the forward pass and samples.
 
-    def prepare_step(self, out: SchedulerOutput, block_manager) -> StepInput:
-        """The step's plain host-side input (no tensors)."""
-        step = StepInput(
-            blocks_to_swap_out=out.blocks_to_swap_out,
-            blocks_to_swap_in=out.blocks_to_swap_in,
-            blocks_to_copy=out.blocks_to_copy,
-        )
-        scheduled = out.scheduled
-        if not scheduled:
-            return step
-        num_seqs = len(scheduled)
-        seq_ids = np.fromiter((s.seq.seq_id for s in scheduled), dtype=np.int64, count=num_seqs)
-        query_start = np.fromiter(
-            (s.seq.num_computed_tokens for s in scheduled), dtype=np.int32, count=num_seqs
-        )
-        query_len = np.fromiter(
-            (s.num_new_tokens for s in scheduled), dtype=np.int32, count=num_seqs
-        )
-        num_tokens = int(query_len.sum())
-        # Whole block tables (a chunked prefill holds blocks past this step's tokens).
-        max_blocks = math.ceil(max(s.seq.num_slots for s in scheduled) / self.config.block_size)
-        block_tables = np.empty((num_seqs, max_blocks), dtype=np.int32)
-        slot_mapping = np.empty(num_tokens, dtype=np.int64)
-        seq_lens_out = np.empty(num_seqs, dtype=np.int32)
-        block_manager.build_step_metadata(
-            seq_ids, query_start, query_len, block_tables, slot_mapping, seq_lens_out
-        )
-        input_ids: list[int] = []
-        positions = np.empty(num_tokens, dtype=np.int64)
-        cursor = 0
-        for s, start, n in zip(scheduled, query_start.tolist(), query_len.tolist(), strict=True):
-            seq = s.seq
-            if n == 1:
-                input_ids.append(
-                    seq.last_token_id if start == seq.num_tokens - 1 else seq.token_ids()[start]
-                )
-            else:
-                input_ids.extend(seq.token_ids()[start : start + n])
-            positions[cursor : cursor + n] = np.arange(start, start + n)
-            cursor += n
-        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
-        np.cumsum(query_len, out=query_start_loc[1:])
-        step.num_prefills = len(out.prefills)
-        step.input_ids = input_ids
-        step.positions = positions
-        step.slot_mapping = slot_mapping
-        step.block_tables = block_tables
-        step.seq_lens = seq_lens_out
-        step.query_lens = query_len
-        step.query_start_loc = query_start_loc
-        step.sample_index = [
-            int(query_start_loc[i + 1]) - 1 for i, s in enumerate(scheduled) if s.do_sample
-        ]
-        return step
-
-    @torch.inference_mode()
-    def execute_step(self, step: StepInput) -> torch.Tensor | None:
-        """Moves blocks, runs the forward pass; -> logits [len(step.sample_index), vocab]
-        (float32), None on tensor-parallel ranks > 0 or when the step only moves blocks."""
-        self._move_blocks(step)
-        if step.num_seqs == 0:
+        Returns None on tensor-parallel ranks > 0 (rank 0 samples from the gathered logits).
+        """
+        self.input_batch.update(out)
+        self.step_sampler.forget(out.finished_request_ids)
+        self._move_blocks(out)
+        is_driver = ps.get_tp_rank() == 0
+        if out.num_seqs == 0:
+            return ModelRunnerOutput() if is_driver else None
+        step = self.input_batch.prepare(out)
+        logits = self._forward(step)
+        if not is_driver:
             return None
+        return self.step_sampler.sample(logits, step, out.num_samples)
+
+    def _forward(self, step: StepInput) -> torch.Tensor | None:
+        """-> logits [len(step.sample_index), vocab] float32 (None on TP ranks > 0)."""
         query_len = step.query_lens
         p = step.num_prefills
         dev = self.device
         meta = AttentionMetadata(
             num_prefills=p,
             num_prefill_tokens=int(query_len[:p].sum()),
-            num_decode_tokens=step.num_seqs - p,
+            num_decode_tokens=len(step.seq_ids) - p,
             slot_mapping=_to(step.slot_mapping, dev),
             block_tables=_to(step.block_tables, dev),
             seq_lens=_to(step.seq_lens, dev),
@@ -253,18 +193,12 @@ class ModelRunner:
             seq_lens_cpu=step.seq_lens.tolist(),
             query_lens_cpu=query_len.tolist(),
         )
-        hidden = self.model(
-            torch.tensor(step.input_ids, dtype=torch.long).to(dev, non_blocking=True),
-            _to(step.positions, dev),
-            self.kv_cache,
-            meta,
-        )
-        if not step.sample_index:
+        hidden = self.model(_to(step.input_ids, dev), _to(step.positions, dev), self.kv_cache, meta)
+        if len(step.sample_index) == 0:
             return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
-        index = _to(np.asarray(step.sample_index, dtype=np.int64), dev)
-        return self.model.compute_logits(hidden[index])
+        return self.model.compute_logits(hidden[_to(step.sample_index, dev)])
 
-    def _move_blocks(self, out: SchedulerOutput | StepInput) -> None:
+    def _move_blocks(self, out: SchedulerOutput) -> None:
         """Swap out, swap in, then copy-on-write, before this step's K/V writes."""
         if self.swap_stream is not None:
             from pydaemon import ops
@@ -286,29 +220,6 @@ class ModelRunner:
         if out.blocks_to_copy:
             src, dst = _pairs(out.blocks_to_copy)
             self.kv_cache[dst.to(self.device)] = self.kv_cache[src.to(self.device)]
-
-    # ---- sampling ---------------------------------------------------------------------------
-    @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, rows: list[SampleRow]):
-        """logits: [num_sampling_seqs, vocab]; rows may repeat a logits row (n > 1)."""
-        index = [r.logits_index for r in rows]
-        if index != list(range(logits.shape[0])):
-            logits = logits[torch.tensor(index, device=logits.device)]
-        metadata = SamplingMetadata.build(
-            params=[r.params for r in rows],
-            prompt_token_ids=[r.prompt_token_ids for r in rows],
-            output_token_ids=[r.output_token_ids for r in rows],
-            generators=[r.generator for r in rows],
-            device=logits.device,
-            stop_ids_for_min_tokens=[r.stop_ids_for_min_tokens for r in rows],
-        )
-        return self.sampler(logits, metadata)
-
-    @torch.inference_mode()
-    def log_softmax_rows(self, logits: torch.Tensor, index: list[int]) -> torch.Tensor:
-        """[len(index), vocab] float32 log-probabilities on the CPU (beam search)."""
-        rows = logits[torch.tensor(index, device=logits.device)].float()
-        return torch.log_softmax(rows, dim=-1).cpu()
 
 
 def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""A request and its sequences: the state the scheduler and the engine share.
+"""A request and its sequences, as the engine core's scheduler owns them (never sent out).
 
 A request starts with one sequence holding the prompt. With ``n > 1`` (or ``best_of``) the
 prompt is prefilled once and the sequence is forked into the others at the first sample, so
@@ -12,13 +12,11 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from pydaemon.outputs import RequestMetrics, TokenLogprobs
+from pydaemon.beam_search import BeamSearchState
+from pydaemon.outputs import RequestMetrics
 from pydaemon.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    import torch
+from pydaemon.stop_checker import StopChecker
 
 _seq_counter = itertools.count()
 
@@ -38,19 +36,13 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_slots: int = 0  # tokens that have a slot in the block manager
-    generator: torch.Generator | None = None
     cumulative_logprob: float = 0.0
-    logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    # Streaming state, owned by the output processor.
-    detokenizer: object | None = None
-    stop_checker: object | None = None
-    text: str = ""  # text known not to be part of a stop string
-    num_streamed_tokens: int = 0
-    num_streamed_chars: int = 0
-    num_streamed_logprobs: int = 0
-    final_sent: bool = False
+    # What the model runner holds of this sequence (the scheduler sends only the difference):
+    is_in_runner: bool = False
+    num_sent_tokens: int = 0  # token ids the runner has
+    changed_block_start: int | None = None  # block_table[start:] changed since last sent
 
     @classmethod
     def new(cls, index: int, prompt_token_ids: list[int], **kw) -> Sequence:
@@ -79,7 +71,6 @@ class Sequence:
 @dataclass
 class Request:
     request_id: str
-    prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: set[int]
@@ -88,9 +79,9 @@ class Request:
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
     status: RequestStatus = RequestStatus.WAITING
     seqs: list[Sequence] = field(default_factory=list)  # live sequences (running or swapped)
-    finished_seqs: list[Sequence] = field(default_factory=list)
     is_forked: bool = False  # n > 1: the prompt sequence has been forked
-    beam: object | None = None  # BeamSearchState for beam search
+    stop_checker: StopChecker | None = None  # token-level stops (EOS, stop ids, lengths)
+    beam: BeamSearchState | None = None
     beam_pending: dict = field(default_factory=dict)  # seq_id -> logprob row awaiting its peers
     num_preemptions: int = 0
     order: int = field(default_factory=lambda: next(_seq_counter))
@@ -108,10 +99,11 @@ class Request:
         return self.params.best_of or 1
 
     @property
-    def is_finished(self) -> bool:
-        return self.status == RequestStatus.FINISHED
+    def forks_at_first_sample(self) -> bool:
+        """n > 1 (best_of): the prompt sequence forks into all of them at its first sample."""
+        params = self.params
+        return not self.is_forked and params.best_of > 1 and params.beam_width == 1
 
     @property
-    def streams_deltas(self) -> bool:
-        """Beam search and best_of > n only know their outputs at the end."""
-        return not self.params.is_beam_search and self.params.best_of == self.params.n
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED

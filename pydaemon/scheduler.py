@@ -11,51 +11,26 @@ Policy lives here; memory lives in the C++ block manager; tensors never appear. 
 4. waiting requests are admitted in order while blocks, ``max_num_seqs`` and the budget allow
    (prefix-cache hits make their first tokens free).
 
-``schedule()`` returns a plain ``SchedulerOutput``; ``update_after_step()`` records what the
-model runner computed.
+``schedule()`` returns a plain ``SchedulerOutput`` (pydaemon.scheduler_output) and keeps the
+live sequences it scheduled to itself; ``update_from_output()`` records what the runner
+computed and sampled (``pydaemon.seq_updates``). The scheduler alone owns the block
+manager, through ``SeqBlocks``.
 """
 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pydaemon import _core
+from pydaemon.engine_core_types import EngineCoreOutputs
 from pydaemon.request import Request, RequestStatus, Sequence
-
-
-@dataclass
-class ScheduledSeq:
-    request: Request
-    seq: Sequence
-    num_new_tokens: int  # tokens whose K/V this step computes
-
-    @property
-    def do_sample(self) -> bool:
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    prefills: list[ScheduledSeq] = field(default_factory=list)  # query_len >= 1, first
-    decodes: list[ScheduledSeq] = field(default_factory=list)  # query_len == 1
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) on GPU
-    preempted: list[Request] = field(default_factory=list)
-    rejected: list[tuple[Request, str]] = field(default_factory=list)  # can never run
-
-    @property
-    def scheduled(self) -> list[ScheduledSeq]:
-        return self.prefills + self.decodes
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.prefills) + len(self.decodes)
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.prefills or self.decodes or self.blocks_to_swap_out or self.rejected)
+from pydaemon.runner_output import ModelRunnerOutput
+from pydaemon.scheduler_output import SchedulerOutput
+from pydaemon.scheduler_output_builder import build_scheduler_output
+from pydaemon.seq_blocks import SeqBlocks
+from pydaemon.seq_updates import SeqUpdater
+from pydaemon.step_plan import ScheduledSeq, StepPlan
 
 
 @dataclass
@@ -66,27 +41,40 @@ class SchedulerStats:
 
 
 class Scheduler:
+    """Queues and policy. Invariants: a request is in at most one of waiting / running /
+    swapped; a running request's live sequences hold GPU blocks for their first ``num_slots``
+    tokens; a waiting request holds no blocks; the runner holds a sequence
+    (``seq.is_in_runner``) only while it runs."""
+
     def __init__(
         self,
         block_manager: _core.BlockManager,
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        max_model_len: int,
         preemption_mode: str = "auto",
         enable_prefix_caching: bool = True,
     ) -> None:
+        self.blocks = SeqBlocks(block_manager, enable_prefix_caching)
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
-        self.enable_prefix_caching = enable_prefix_caching
+        self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self.stats = SchedulerStats()
+        self.finished_request_ids: list[str] = []  # told to the runner at the next step
+        self.updater = SeqUpdater(self.blocks, max_model_len)
+        self._plan = StepPlan()  # the last schedule()'s, for update_from_output()
 
     # ---- queues -----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already running")
+        self.requests[request.request_id] = request
         request.status = RequestStatus.WAITING
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
 
@@ -96,205 +84,263 @@ class Scheduler:
     def num_running_seqs(self) -> int:
         return sum(len(r.seqs) for r in self.running)
 
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request and free its KV blocks now. False if it is unknown or finished."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        request.status = RequestStatus.FINISHED
+        self.remove_request(request)
+        return True
+
+    def finish_seq(self, request_id: str, index: int) -> bool:
+        """The front end ended sequence ``index`` (a stop string matched): free it now; the
+        request ends with its last sequence. False if no such live sequence."""
+        request = self.requests.get(request_id)
+        seq = next((s for s in request.seqs if s.index == index), None) if request else None
+        if seq is None or request.forks_at_first_sample or request.params.is_beam_search:
+            return False
+        self.updater.retire(request, seq)
+        if not request.seqs:
+            request.status = RequestStatus.FINISHED
+            self.remove_request(request)
+        return True
+
     def remove_request(self, request: Request) -> None:
         """Take a request out of every queue and free all its blocks at once."""
+        self.requests.pop(request.request_id, None)
         for queue in (self.waiting, self.running, self.swapped):
             if request in queue:
                 queue.remove(request)
         for seq in request.seqs:
-            self.free_seq(seq)
-
-    def free_seq(self, seq: Sequence) -> None:
-        if self.block_manager.has_seq(seq.seq_id):
-            self.block_manager.free(seq.seq_id)
-        seq.num_slots = 0
+            self.blocks.free(seq)
+        self.finished_request_ids.append(request.request_id)
 
     # ---- the step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        """Who runs this step, as plain data for the runner (the live plan stays here)."""
+        plan = StepPlan()
+        self._plan = plan
         budget = self.max_num_batched_tokens
         # 1. Decodes of running requests, preempting from the tail when blocks run out.
-        index = 0
-        while index < len(self.running):
-            request = self.running[index]
-            decoding = [
-                s
-                for s in request.seqs
-                if s.num_computed_tokens >= len(s.prompt_token_ids) and s.num_uncomputed_tokens == 1
-            ]
-            if not decoding:
-                index += 1
-                continue
-            if len(decoding) > budget:
-                index += 1  # budget spent; it keeps its blocks and runs next step
-                continue
-            if not self._reserve_decode_slots(request, decoding, out):
-                continue  # preempted itself: running[index] is now the next request
-            for seq in decoding:
-                out.decodes.append(ScheduledSeq(request, seq, 1))
-            budget -= len(decoding)
-            index += 1
+        pending_prefill: set[str] = set()  # requests with work besides their decodes
+        decodes = [(r, self._split_decoding(r, pending_prefill)) for r in self.running]
+        if not self._reserve_all_decode_slots(decodes, budget, plan):
+            self._reserve_decode_slots_in_order(budget, plan, pending_prefill)
+        budget -= len(plan.decodes)
         # 2. Prefill chunks of running requests.
-        decoding_ids = {s.seq.seq_id for s in out.decodes}  # a set: this runs per sequence
-        for request in self.running:
-            for seq in request.seqs:
-                if budget == 0:
-                    break
-                if seq.num_uncomputed_tokens == 0 or seq.seq_id in decoding_ids:
+        if pending_prefill:
+            decoding_ids = {s.seq.seq_id for s in plan.decodes}  # a set: runs per sequence
+            for request in self.running:
+                if request.request_id not in pending_prefill:
                     continue
-                budget -= self._schedule_prefill(request, seq, budget, out)
+                for seq in request.seqs:
+                    if budget == 0:
+                        break
+                    if seq.num_uncomputed_tokens == 0 or seq.seq_id in decoding_ids:
+                        continue
+                    budget -= self._schedule_prefill(request, seq, budget, plan)
         # 3. Swapped requests come back, unless this step had to preempt.
-        if not out.preempted:
+        if not plan.preempted:
             while self.swapped and budget > 0:
                 request = self.swapped[0]
-                if not self._swap_in(request, out):
+                if not self._swap_in(request, plan):
                     break
                 if request.status != RequestStatus.RUNNING:
                     continue  # rejected
                 for seq in request.seqs:
-                    budget -= self._schedule_after_resume(request, seq, budget, out)
+                    budget -= self._schedule_after_resume(request, seq, budget, plan)
         # 4. Admit waiting requests.
-        if not out.preempted and not self.swapped:
+        if not plan.preempted and not self.swapped:
+            num_running_seqs = self.num_running_seqs()
             while self.waiting and budget > 0:
                 request = self.waiting[0]
-                if self.num_running_seqs() + request.num_expected_seqs > self.max_num_seqs:
+                if num_running_seqs + request.num_expected_seqs > self.max_num_seqs:
                     break
-                admitted = self._admit(request, out)
+                admitted = self._admit(request, plan)
                 if admitted is None:
                     continue  # rejected: try the next one
                 if not admitted:
                     break  # head of line waits for blocks
+                num_running_seqs += len(request.seqs)
                 for seq in request.seqs:
-                    budget -= self._schedule_after_resume(request, seq, budget, out)
+                    budget -= self._schedule_after_resume(request, seq, budget, plan)
+        out = build_scheduler_output(plan, self.blocks, self.finished_request_ids)
+        self.finished_request_ids = []
         return out
 
-    def update_after_step(self, out: SchedulerOutput) -> None:
-        """Record the K/V this step computed and offer full blocks to the prefix cache."""
-        for scheduled in out.scheduled:
-            seq = scheduled.seq
-            seq.num_computed_tokens += scheduled.num_new_tokens
-            if self.enable_prefix_caching:
-                self.block_manager.mark_blocks_computed(seq.seq_id, seq.num_computed_tokens)
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        """Records what the step computed and sampled: appends tokens, checks token-level
+        stops, forks, runs beam steps, frees what finished. A failure while processing one
+        request fails that request alone."""
+        plan, self._plan = self._plan, StepPlan()
+        if plan.num_seqs != scheduler_output.num_seqs:
+            raise RuntimeError("update_from_output: not the output of the last schedule()")
+        outputs = self.updater.update(plan, runner_output)
+        for request in self.updater.take_finished():
+            self.remove_request(request)
+        return outputs
 
     # ---- helpers ----------------------------------------------------------------------------
+    @staticmethod
+    def _split_decoding(request: Request, pending_prefill: set[str]) -> list[Sequence]:
+        """The request's sequences that decode one token now; notes whether it has more."""
+        decoding = []
+        for seq in request.seqs:
+            num_uncomputed = seq.num_tokens - seq.num_computed_tokens
+            if num_uncomputed == 1 and seq.output_token_ids:
+                decoding.append(seq)
+            elif num_uncomputed:
+                pending_prefill.add(request.request_id)
+        return decoding
+
+    def _reserve_all_decode_slots(
+        self, decodes: list[tuple[Request, list[Sequence]]], budget: int, plan: StepPlan
+    ) -> bool:
+        """The common case in one check: every decode fits the budget and the free blocks.
+        False (nothing done) when some request must wait or be preempted."""
+        num_decodes = sum(len(d) for _, d in decodes)
+        if num_decodes > budget:
+            return False
+        needing = [s for _, d in decodes for s in d if s.num_slots < s.num_tokens]
+        if not self.blocks.can_append_slots(needing):
+            return False
+        for seq in needing:
+            self.blocks.append_slot(seq)
+        plan.decodes.extend(ScheduledSeq(r, s, 1) for r, d in decodes for s in d)
+        return True
+
+    def _reserve_decode_slots_in_order(
+        self, budget: int, plan: StepPlan, pending_prefill: set[str]
+    ) -> None:
+        """Request by request in priority order, preempting from the tail when blocks run out."""
+        index = 0
+        while index < len(self.running):
+            request = self.running[index]
+            decoding = self._split_decoding(request, pending_prefill)
+            if not decoding:
+                index += 1
+                continue
+            if len(decoding) > budget:
+                pending_prefill.add(request.request_id)  # what budget is left may take some
+                index += 1  # it keeps its blocks and runs next step
+                continue
+            if not self._reserve_decode_slots(request, decoding, plan):
+                continue  # preempted itself: running[index] is now the next request
+            plan.decodes.extend(ScheduledSeq(request, seq, 1) for seq in decoding)
+            budget -= len(decoding)
+            index += 1
+
     def _reserve_decode_slots(
-        self, request: Request, decoding: list[Sequence], out: SchedulerOutput
+        self, request: Request, decoding: list[Sequence], plan: StepPlan
     ) -> bool:
         """Give each decoding sequence a slot for its last token, preempting if needed."""
-        bm = self.block_manager
         needing = [s for s in decoding if s.num_slots < s.num_tokens]
-        while not bm.can_append_slots([s.seq_id for s in needing]):
+        while not self.blocks.can_append_slots(needing):
             victim = self.running[-1]
-            self._preempt(victim, out)
+            self._preempt(victim, plan)
             if victim is request:
                 return False
         for seq in needing:
-            pair = bm.append_slot(seq.seq_id, seq.last_token_id)
-            seq.num_slots += 1
-            if pair is not None:
-                out.blocks_to_copy.append(pair)
+            self.blocks.append_slot(seq)
         return True
 
     def _schedule_prefill(
-        self, request: Request, seq: Sequence, budget: int, out: SchedulerOutput
+        self, request: Request, seq: Sequence, budget: int, plan: StepPlan
     ) -> int:
         num_new = min(seq.num_uncomputed_tokens, budget)
         if num_new <= 0:
             return 0
-        out.prefills.append(ScheduledSeq(request, seq, num_new))
+        plan.prefills.append(ScheduledSeq(request, seq, num_new))
         return num_new
 
     def _schedule_after_resume(
-        self, request: Request, seq: Sequence, budget: int, out: SchedulerOutput
+        self, request: Request, seq: Sequence, budget: int, plan: StepPlan
     ) -> int:
         """Schedule a sequence that just got its blocks (admitted or swapped in)."""
         if seq.num_slots < seq.num_tokens:  # swapped in while decoding: needs one more slot
-            if not self.block_manager.can_append_slots([seq.seq_id]):
+            if not self.blocks.can_append_slots([seq]):
                 return 0
-            pair = self.block_manager.append_slot(seq.seq_id, seq.last_token_id)
-            seq.num_slots += 1
-            if pair is not None:
-                out.blocks_to_copy.append(pair)
-        return self._schedule_prefill(request, seq, budget, out)
+            self.blocks.append_slot(seq)
+        return self._schedule_prefill(request, seq, budget, plan)
 
-    def _admit(self, request: Request, out: SchedulerOutput) -> bool | None:
+    def _admit(self, request: Request, plan: StepPlan) -> bool | None:
         """Allocate blocks for a waiting request. True: admitted; False: later; None: rejected."""
         bm = self.block_manager
-        if not request.seqs:
-            request.seqs.append(Sequence.new(0, request.prompt_token_ids))
         statuses = [bm.can_allocate(s.token_ids(), request.cache_salt) for s in request.seqs]
         if _core.AllocStatus.NEVER in statuses:
             self.waiting.pop(0)
-            out.rejected.append(
-                (request, f"request {request.request_id!r} needs more KV blocks than the cache has")
-            )
+            plan.rejected.append((request, _needs_more_blocks(request)))
             return None
         if _core.AllocStatus.LATER in statuses:
             return False
         allocated: list[Sequence] = []
         try:
             for seq in request.seqs:
-                tokens = seq.token_ids()
-                num_cached = bm.allocate(seq.seq_id, tokens, request.cache_salt)
+                num_cached = self.blocks.allocate(seq, request.cache_salt)
                 allocated.append(seq)
                 # The last token is always computed so that the step yields its logits.
-                seq.num_computed_tokens = min(num_cached, len(tokens) - 1)
-                seq.num_slots = len(tokens)
+                seq.num_computed_tokens = min(num_cached, seq.num_tokens - 1)
                 if seq is request.seqs[0] and request.metrics.first_scheduled_time is None:
                     request.metrics.num_cached_tokens = seq.num_computed_tokens
         except _core.NoFreeBlocksError:
             for seq in allocated:
-                self.free_seq(seq)
+                self.blocks.free(seq)
             return False
         self.waiting.pop(0)
         request.status = RequestStatus.RUNNING
         bisect.insort(self.running, request, key=lambda r: r.sort_key)
         return True
 
-    def _swap_in(self, request: Request, out: SchedulerOutput) -> bool:
-        bm = self.block_manager
-        seq_ids = [s.seq_id for s in request.seqs]
-        status = bm.can_swap_in(seq_ids)
+    def _swap_in(self, request: Request, plan: StepPlan) -> bool:
+        status = self.blocks.can_swap_in(request.seqs)
         if status == _core.AllocStatus.NEVER:
             self.swapped.pop(0)
-            out.rejected.append(
-                (request, f"request {request.request_id!r} no longer fits the KV cache")
-            )
+            plan.rejected.append((request, _needs_more_blocks(request)))
             return True
         if status != _core.AllocStatus.OK:
             return False
-        if self.num_running_seqs() + len(seq_ids) > self.max_num_seqs:
+        if self.num_running_seqs() + len(request.seqs) > self.max_num_seqs:
             return False
-        pairs = bm.swap_in(seq_ids)
-        out.blocks_to_swap_in.extend(pairs)
+        pairs = self.blocks.swap_in(request.seqs)
+        plan.blocks_to_swap_in.extend(pairs)
         self.stats.num_swapped_in_blocks += len(pairs)
         self.swapped.pop(0)
         request.status = RequestStatus.RUNNING
         bisect.insort(self.running, request, key=lambda r: r.sort_key)
         return True
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
         self.running.remove(request)
         self.stats.num_preemptions += 1
         request.num_preemptions += 1
-        out.preempted.append(request)
+        plan.preempted.append(request)
         # Anything this step already scheduled for the victim is dropped.
-        out.prefills = [s for s in out.prefills if s.request is not request]
-        out.decodes = [s for s in out.decodes if s.request is not request]
+        plan.prefills = [s for s in plan.prefills if s.request is not request]
+        plan.decodes = [s for s in plan.decodes if s.request is not request]
         mode = self.preemption_mode
         if mode == "auto":
             mode = "swap" if len(request.seqs) > 1 else "recompute"
-        seq_ids = [s.seq_id for s in request.seqs]
-        if mode == "swap" and self.block_manager.can_swap_out(seq_ids):
-            pairs = self.block_manager.swap_out(seq_ids)
-            out.blocks_to_swap_out.extend(pairs)
+        if mode == "swap" and self.blocks.can_swap_out(request.seqs):
+            pairs = self.blocks.swap_out(request.seqs)
+            plan.blocks_to_swap_out.extend(pairs)
             self.stats.num_swapped_out_blocks += len(pairs)
             request.status = RequestStatus.SWAPPED
             bisect.insort(self.swapped, request, key=lambda r: r.sort_key)
             return
         # Recompute: drop the K/V; every live sequence re-prefills prompt + output later.
         for seq in request.seqs:
-            self.free_seq(seq)
+            self.blocks.free(seq)
             seq.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+
+
+def _needs_more_blocks(request: Request) -> str:
+    num_tokens = max(s.num_tokens for s in request.seqs)
+    return (
+        f"request {request.request_id!r} needs more KV blocks than the cache has "
+        f"({num_tokens} tokens in {len(request.seqs)} sequence(s))"
+    )

@@ -91,6 +91,20 @@ class StopChecker:
             return StopDecision("length", None, len(text))
         return StopDecision(None, None, len(text))
 
+    def check_token(self, token_id: int, num_output_tokens: int) -> tuple[str | None, int | None]:
+        """``check`` without text (the engine core's part: EOS, stop ids, lengths), as
+        (finish_reason, stop_reason): it runs once per sequence per step, so no object."""
+        params = self.params
+        if num_output_tokens < params.min_tokens:
+            return ("length", None) if num_output_tokens >= params.max_tokens else (None, None)
+        if token_id in self.eos_token_ids:
+            return "stop", None
+        if token_id in self.stop_token_ids:
+            return "stop", token_id
+        if num_output_tokens >= params.max_tokens:
+            return "length", None
+        return None, None
+
     def _find_stop_string(self, text: str, num_new_chars: int) -> tuple[int, str] | None:
         """Earliest stop string that ends inside the new characters: (start index, string)."""
         search_from = max(0, len(text) - num_new_chars - self.max_stop_len + 1)

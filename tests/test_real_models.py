@@ -140,4 +140,4 @@ def test_every_generation_config_eos_stops_and_defaults_apply(real, tmp_path):
     assert stopped.outputs[0].finish_reason == "stop"
     defaults = llm2.get_default_sampling_params()
     assert (defaults.temperature, defaults.top_k, defaults.top_p) == (0.25, 5, 1.0)
-    assert llm2.engine.eos_token_ids == {ref.eos_token_id, tokens[stop_at]}
+    assert set(llm2.engine.eos_token_ids) == {ref.eos_token_id, tokens[stop_at]}

@@ -112,3 +112,21 @@ def test_streaming_never_retracts_random(seed: int) -> None:
 def test_bad_num_new_chars() -> None:
     with pytest.raises(ValueError, match="num_new_chars"):
         StopChecker(SamplingParams(), {EOS}).check(1, 1, "ab", 3)
+
+
+@pytest.mark.parametrize(
+    "params,eos,token,num_out",
+    [
+        (SamplingParams(max_tokens=5), {2}, 2, 3),
+        (SamplingParams(max_tokens=5, ignore_eos=True), {2}, 2, 3),
+        (SamplingParams(max_tokens=5, stop_token_ids=[9]), {2}, 9, 3),
+        (SamplingParams(max_tokens=5, min_tokens=4), {2}, 2, 3),
+        (SamplingParams(max_tokens=4, min_tokens=4), {2}, 7, 4),
+        (SamplingParams(max_tokens=5), {2}, 7, 5),
+        (SamplingParams(max_tokens=5), {2}, 7, 4),
+    ],
+)
+def test_check_token_agrees_with_check_without_text(params, eos, token, num_out):
+    checker = StopChecker(params, eos)
+    decision = checker.check(token, num_out, "", 0)
+    assert checker.check_token(token, num_out) == (decision.finish_reason, decision.stop_reason)

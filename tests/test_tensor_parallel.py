@@ -36,7 +36,7 @@ def _is_gone(pid: int) -> bool:
 
 def _worker_pids(llm_or_engine) -> list[int]:
     engine = getattr(llm_or_engine, "engine", llm_or_engine)
-    return [p.pid for p in engine.tp_executor.workers]
+    return [p.pid for p in engine.core.executor.workers]
 
 
 def _tokens(outputs) -> list[list[int]]:
@@ -188,5 +188,23 @@ def test_daemon_streams_like_tp1_then_fails_cleanly_when_a_worker_dies():
         assert f"rank 1 (pid {pid})" in str(server.server.async_engine.error)
     finally:
         server.close()
-    assert engines[0].tp_executor._is_closed, "the drain did not shut the engine down"
+    assert engines[0].core.executor._is_closed, "the drain did not shut the engine down"
     assert all(_is_gone(pid) for pid in _worker_pids(engines[0]))
+
+
+def test_script_without_main_guard_gets_an_error_that_says_so(tmp_path):
+    """A spawned worker imports the script again; without the guard it cannot start."""
+    import subprocess
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from pydaemon import LLM\n"
+        "LLM('demo', device='cpu', num_kv_blocks=16, tensor_parallel_size=2)\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode != 0
+    assert 'if __name__ == "__main__":' in done.stderr, done.stderr[-2000:]

@@ -3,9 +3,10 @@
 It starts ranks 1..N-1 as spawned worker processes (one per GPU; gloo on CPUs), joins the
 process group as rank 0, builds rank 0's ModelRunner (its shard of the weights and of the
 KV cache, with the same number of blocks on every rank) and, for every step, sends the
-step's plain StepInput to each worker before running it itself. The workers run the same
-forward on their shards; the collectives inside the model keep the ranks in lockstep, and
-the logits are gathered on rank 0, which samples.
+step's plain SchedulerOutput to each worker before running it itself. Every rank builds its
+inputs from it in its own runner (no rank is special until sampling); the collectives
+inside the model keep the ranks in lockstep, and the logits are gathered on rank 0, which
+samples.
 
 Why a pipe per worker and not a broadcast collective for the metadata: a worker waits for
 the next step for as long as the daemon is idle, which a collective with a timeout cannot
@@ -34,8 +35,8 @@ from pydaemon.distributed.worker import WorkerArgs, worker_main
 from pydaemon.model_loader import load_model_config
 from pydaemon.model_runner import ModelRunner, resolve_device
 from pydaemon.models import get_model_class
-from pydaemon.scheduler import SchedulerOutput
-from pydaemon.step_input import StepInput
+from pydaemon.runner_output import ModelRunnerOutput
+from pydaemon.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ class TensorParallelExecutor:
             self.runner = ModelRunner(config)
             self._wait_for("ready", COLLECTIVE_TIMEOUT_S)
         except BaseException as e:
-            failure = self._find_failure()
+            failure = None if isinstance(e, TensorParallelError) else self._find_failure()
             self.shutdown()
             if failure is not None:
                 raise TensorParallelError(failure) from e
@@ -112,21 +113,20 @@ class TensorParallelExecutor:
         )
 
     # ---- the step ---------------------------------------------------------------------------
-    def execute(self, out: SchedulerOutput, block_manager) -> torch.Tensor | None:
-        """ModelRunner.execute over every rank: logits [num_sampling_seqs, vocab] on rank 0."""
-        step = self.runner.prepare_step(out, block_manager)
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """ModelRunner.execute_model over every rank; rank 0's output."""
         if self.failure is not None:  # set by the monitor thread; no probing on the hot path
             raise TensorParallelError(self.failure)
         try:
-            self._broadcast(step)
-            return self.runner.execute_step(step)
+            self._broadcast(out)
+            return self.runner.execute_model(out)
         except Exception as e:
             failure = self._wait_failure()
             raise TensorParallelError(failure or f"tensor-parallel step failed: {e!r}") from e
 
-    def _broadcast(self, step: StepInput | None, ignore_errors: bool = False) -> None:
+    def _broadcast(self, out: SchedulerOutput | None, ignore_errors: bool = False) -> None:
         """Sends the step (None: stop) to every worker; pickled once."""
-        data = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
         for conn in self.conns:
             try:
                 conn.send_bytes(data)
@@ -181,21 +181,32 @@ class TensorParallelExecutor:
         for rank, (proc, conn) in enumerate(zip(self.workers, self.conns, strict=True), start=1):
             while not conn.poll(0.1):
                 if not proc.is_alive():
-                    raise TensorParallelError(
-                        self._find_failure() or f"tensor-parallel worker rank {rank} died"
-                    )
+                    raise TensorParallelError(self._died_before(kind, rank, proc))
                 if time.monotonic() > deadline:
                     raise TensorParallelError(
                         f"tensor-parallel worker rank {rank} (pid {proc.pid}) sent no {kind!r} "
                         f"within {timeout_s:.0f} s"
                     )
-            got, payload = conn.recv()
+            try:
+                got, payload = conn.recv()
+            except EOFError:
+                proc.join(1.0)
+                raise TensorParallelError(self._died_before(kind, rank, proc)) from None
             if got == "error":
                 raise TensorParallelError(
                     f"tensor-parallel worker rank {rank} (pid {proc.pid}) failed:\n{payload}"
                 )
             if got != kind:
                 raise TensorParallelError(f"worker rank {rank} sent {got!r}, expected {kind!r}")
+
+    def _died_before(self, kind: str, rank: int, proc) -> str:
+        failure = self._find_failure() or f"tensor-parallel worker rank {rank} died"
+        if kind != "hello":
+            return failure
+        return (
+            f"{failure} before it started: a spawned process imports the main module again, "
+            'so a script that builds an engine must do so under `if __name__ == "__main__":`'
+        )
 
     def _watch(self) -> None:
         sentinels = [p.sentinel for p in self.workers]

@@ -1,7 +1,7 @@
 """The tensor-parallel worker process (ranks 1..N-1): joins the group, builds its shard of
 the model and of the KV cache, then runs every step rank 0 sends until told to stop.
 
-Messages on the pipe from rank 0: a pickled StepInput per step, a pickled None to stop.
+Messages on the pipe from rank 0: a pickled SchedulerOutput per step, a pickled None to stop.
 Messages to rank 0: ("hello", pid) before joining the group, ("ready", num_gpu_blocks)
 once loaded, ("error", traceback) when anything failed. EOF on the pipe means rank 0 is
 gone: the worker exits, so it never outlives the daemon. SIGINT and SIGTERM are ignored
@@ -56,10 +56,10 @@ def worker_main(args: WorkerArgs, conn: Connection) -> None:
         runner = ModelRunner(args.config)
         conn.send(("ready", runner.num_gpu_blocks))
         while True:
-            step = pickle.loads(conn.recv_bytes())
-            if step is None:
+            scheduler_output = pickle.loads(conn.recv_bytes())
+            if scheduler_output is None:
                 break
-            runner.execute_step(step)
+            runner.execute_model(scheduler_output)  # builds its inputs itself, as rank 0 does
     except EOFError:  # rank 0 is gone
         pass
     except BaseException:  # noqa: BLE001 - reported to rank 0, then the worker exits

@@ -95,7 +95,8 @@ class SamplingMetadata:
     ) -> SamplingMetadata:
         """One row per sequence to sample. ``stop_ids_for_min_tokens[i]``: the ids (EOS unless
         ignore_eos, plus stop_token_ids) row i may not produce while it has fewer than
-        ``min_tokens`` outputs; defaults to the row's ``stop_token_ids`` only."""
+        ``min_tokens`` outputs; defaults to the row's ``stop_token_ids`` only. A token-id row is
+        read only when its row uses a penalty or min_tokens (callers may pass lazy sequences)."""
         num_seqs = len(params)
         for name, value in (
             ("prompt_token_ids", prompt_token_ids),
@@ -151,7 +152,7 @@ class SamplingMetadata:
         mask_rows: list[int] = []
         mask_ids: list[int] = []
         for i, p in enumerate(params):
-            if len(output_token_ids[i]) < p.min_tokens:
+            if p.min_tokens and len(output_token_ids[i]) < p.min_tokens:  # no row read if off
                 ids = (
                     stop_ids_for_min_tokens[i]
                     if stop_ids_for_min_tokens is not None

@@ -1,8 +1,9 @@
-"""The daemon: a grpc.aio server around an AsyncEngine, with health, reflection, auth, TLS,
+"""The daemon: a grpc.aio server around an EngineClient, with health, reflection, auth, TLS,
 metrics, sd_notify, and a graceful drain.
 
-Life cycle: ``start(engine_factory)`` listens at once (health NOT_SERVING, Generate answers
-UNAVAILABLE), loads and warms the engine off the loop, then serves (health SERVING,
+Life cycle: ``start(client_factory)`` listens at once (health NOT_SERVING, Generate answers
+UNAVAILABLE), builds the engine client off the loop (``pagedd serve``: starts the engine-core
+process, which loads and warms the model), then serves (health SERVING,
 ``READY=1``). ``drain()`` stops admitting (health NOT_SERVING, ``STOPPING=1``), lets live
 requests finish within the grace period, aborts the rest, and stops the server.
 """
@@ -19,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from pydaemon.async_engine import AsyncEngine
+from pydaemon.engine_client import EngineClient
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 from pydaemon.proto.pagedd.v1 import generation_pb2_grpc as pb_grpc
 from pydaemon.server.auth import ApiKeyInterceptor
@@ -65,7 +66,7 @@ class PageddServer:
         self.options = options
         self.notifier = notifier or SdNotifier()
         self.health = Health()
-        self.async_engine: AsyncEngine | None = None
+        self.async_engine: EngineClient | None = None  # the engine client, once started
         self.metrics = Metrics(self._stats)
         self.servicer = GenerationServicer(options.serving, self.metrics)
         self.metrics_server: MetricsServer | None = None
@@ -122,23 +123,22 @@ class PageddServer:
         self._watchdog_task = asyncio.create_task(self._watchdog())
         return self.port
 
-    async def start(self, engine_factory: Callable[[], Any]) -> None:
-        """Listens, then loads and warms the engine off the loop, then serves."""
+    async def start(self, client_factory: Callable[[], EngineClient]) -> None:
+        """Listens, then builds the engine client off the loop (it loads and warms the model),
+        then serves."""
         if self._server is None:
             await self.listen()
         loop = asyncio.get_running_loop()
         self._is_loading = True
         self.notifier.status("loading the model")
         try:
-            engine = await loop.run_in_executor(None, engine_factory)
-            self.notifier.status("warming up")
-            await loop.run_in_executor(None, engine.warmup)
+            client = await loop.run_in_executor(None, client_factory)
         finally:
             self._is_loading = False
-        self.async_engine = AsyncEngine(engine)
-        self.async_engine.start()
-        self.metrics.set_baseline(self.async_engine.latest_stats)
-        self.servicer.engine = self.async_engine
+        client.start()
+        self.async_engine = client
+        self.metrics.set_baseline(client.latest_stats)  # the warm-up is not a served request
+        self.servicer.engine = client
         o = self.options
         if o.metrics_port is not None:
             self.metrics_server = MetricsServer(
@@ -149,13 +149,11 @@ class PageddServer:
             )
             await self.metrics_server.start()
         if o.http_port is not None:
+            info = client.model_info
             model = ServedModel(
-                engine.model_name,
-                engine.max_model_len,
-                engine.vocab_size,
-                engine.generation_defaults,
+                info.model_name, info.max_model_len, info.vocab_size, info.generation_defaults
             )
-            await self._start_http(model, engine.tokenizer)
+            await self._start_http(model, client.tokenizer)
         self.servicer.is_admitting = True
         await self.health.set_serving()
         stats = self.async_engine.latest_stats
@@ -172,15 +170,15 @@ class PageddServer:
         logger.info(
             "serving model %s (max_model_len %d, %d KV blocks of %d tokens, %d CPU swap blocks) "
             "on %s%s",
-            engine.model_name,
-            engine.max_model_len,
+            client.model_info.model_name,
+            client.model_info.max_model_len,
             stats.num_gpu_blocks,
-            engine.config.block_size,
+            client.model_info.block_size,
             stats.num_cpu_blocks,
             where,
             metrics_where,
         )
-        self.notifier.ready(f"serving {engine.model_name} on {where}")
+        self.notifier.ready(f"serving {client.model_info.model_name} on {where}")
 
     async def _start_http(self, model: ServedModel, tokenizer: Any) -> None:
         o = self.options
@@ -224,7 +222,7 @@ class PageddServer:
             await asyncio.sleep(interval)
 
     def is_making_progress(self, within_s: float) -> bool:
-        """Loading, or the engine thread alive and through a step/idle wake recently."""
+        """Loading, or the engine alive and through a step/idle heartbeat recently."""
         if self.async_engine is None:
             return self._is_loading
         return self.async_engine.is_alive and self.async_engine.seconds_since_progress() < within_s
@@ -266,14 +264,14 @@ class PageddServer:
         self.is_drained.set()
 
 
-async def serve(engine_factory: Callable[[], Any], options: ServerOptions) -> int:
+async def serve(client_factory: Callable[[], EngineClient], options: ServerOptions) -> int:
     """Runs the daemon until SIGTERM or SIGINT, then drains; returns the exit code."""
     server = PageddServer(options)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    start = asyncio.create_task(server.start(engine_factory))
+    start = asyncio.create_task(server.start(client_factory))
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait({start, stopped}, return_when=asyncio.FIRST_COMPLETED)
     if start.done() and start.exception() is not None:

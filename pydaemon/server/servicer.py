@@ -1,11 +1,12 @@
 """The Generation service: validates, converts and forwards; never touches engine internals.
 
 One Generate call carries many requests. A reader task turns client frames into request
-tasks (one asyncio task per request, consuming AsyncEngine.generate); every frame for the
+tasks (one asyncio task per request, consuming EngineClient.generate); every frame for the
 client goes through one queue to the single writer (the handler coroutine itself). Every way
 a request can end early — cancel frame, closed stream, expired deadline, time limit, stalled
 client, drain — cancels its task, and the task's cancellation aborts the engine request
-(freeing its blocks before the engine's next step).
+(freeing its blocks before the engine's next step). If the engine-core process dies, every
+stream ends with UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from pydaemon import __version__
-from pydaemon.async_engine import AsyncEngine, EngineDeadError
+from pydaemon.engine_client import EngineClient, EngineCoreDiedError, EngineDeadError
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 from pydaemon.proto.pagedd.v1 import generation_pb2_grpc as pb_grpc
 from pydaemon.server.frames import RequestAccount, error_frame
@@ -70,7 +71,7 @@ class _Stream:
 
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, options: ServingOptions, metrics=None) -> None:
-        self.engine: AsyncEngine | None = None  # set once the model is loaded and warmed
+        self.engine: EngineClient | None = None  # set once the model is loaded and warmed
         self.options = options
         self.metrics = metrics
         self.is_admitting = False  # True once ready, False again when draining
@@ -202,13 +203,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             raise RequestInvalid(
                 grpc.StatusCode.UNAVAILABLE, "server is not serving (starting or draining)"
             )
-        engine = self.engine.engine
-        start = apply_model_prompt(start, engine.tokenizer, engine.generation_defaults)
+        info = self.engine.model_info
+        start = apply_model_prompt(start, self.engine.tokenizer, info.generation_defaults)
         args = to_engine_args(
             start,
-            vocab_size=engine.vocab_size,
-            has_tokenizer=engine.tokenizer is not None,
-            max_model_len=engine.max_model_len,
+            vocab_size=info.vocab_size,
+            has_tokenizer=info.has_tokenizer,
+            max_model_len=info.max_model_len,
         )
         if self.engine.num_unscheduled >= self.options.max_queued_requests:
             raise RequestInvalid(
@@ -239,6 +240,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             final = account.finished(live.cancel_reason or pb.FINISH_REASON_CANCELLED)
         except ValueError as e:
             final = error_frame(account.request_id, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except EngineCoreDiedError as e:
+            if stream.is_open:  # the whole stream ends UNAVAILABLE, not just this request
+                stream.out.put_nowait(_StreamFatal(grpc.StatusCode.UNAVAILABLE, str(e)))
         except EngineDeadError as e:
             final = error_frame(account.request_id, grpc.StatusCode.INTERNAL, str(e))
         except Exception as e:  # noqa: BLE001 - one request's failure must not end the stream
@@ -258,41 +262,39 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     # ---- unary calls -------------------------------------------------------------------
 
-    async def _require_engine(self, context) -> AsyncEngine:
+    async def _require_engine(self, context) -> EngineClient:
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
         return self.engine
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
-        await self._require_engine(context)
-        engine = self.engine.engine
+        info = (await self._require_engine(context)).model_info
         stats = self.engine.latest_stats
-        tokenizer = engine.tokenizer
         return pb.ModelInfo(
-            model_name=engine.model_name,
-            max_model_len=engine.max_model_len,
-            vocab_size=engine.vocab_size,
-            block_size=engine.config.block_size,
+            model_name=info.model_name,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+            block_size=info.block_size,
             num_gpu_blocks=stats.num_gpu_blocks,
             num_cpu_blocks=stats.num_cpu_blocks,
-            # The resolved device and dtype (the config may say "auto"), from rank 0's runner.
-            device=str(engine.runner.device),
-            dtype=str(engine.runner.dtype).removeprefix("torch."),
-            eos_token_id=_first_eos(engine),
-            has_tokenizer=tokenizer is not None,
+            # The resolved device and dtype (the config may say "auto"), from the core.
+            device=info.device,
+            dtype=info.dtype,
+            eos_token_id=info.eos_token_id,
+            has_tokenizer=info.has_tokenizer,
             server_version=__version__,
-            eos_token_ids=sorted(engine.eos_token_ids),
-            generation_defaults=pb.GenerationDefaults(**engine.generation_defaults.as_dict()),
-            has_chat_template=tokenizer is not None and tokenizer.chat_template is not None,
+            eos_token_ids=info.eos_token_ids,
+            generation_defaults=pb.GenerationDefaults(**info.generation_defaults.as_dict()),
+            has_chat_template=info.has_chat_template,
         )
 
     async def Tokenize(self, request, context) -> pb.TokenizeResponse:
-        engine = (await self._require_engine(context)).engine
-        tokenizer = engine.tokenizer
+        client = await self._require_engine(context)
+        tokenizer = client.tokenizer
         if tokenizer is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer")
         try:
-            check_text_size(request.text, engine.max_model_len, "Tokenize text")
+            check_text_size(request.text, client.model_info.max_model_len, "Tokenize text")
         except RequestInvalid as e:
             await context.abort(e.code, e.message)
 
@@ -316,13 +318,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             uptime_s=time.monotonic() - self._started_at,
             **fields,
         )
-
-
-def _first_eos(engine) -> int:
-    tokenizer = engine.tokenizer
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        return tokenizer.eos_token_id
-    return min(engine.eos_token_ids, default=-1)
 
 
 async def _write_with_timeout(context, item, timeout_s: float) -> None:

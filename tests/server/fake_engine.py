@@ -107,6 +107,8 @@ class FakeEngine:
         self.max_model_len = max_model_len
         self.vocab_size = FakeTokenizer.vocab_size
         self.model_name = "fake"
+        self.device = "cpu"
+        self.dtype = "float32"
         self.num_gpu_blocks = num_gpu_blocks
         self.step_delay_s = step_delay_s
         self.fail_on_step = fail_on_step

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pydaemon.async_engine import AsyncEngine
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 from pydaemon.proto.pagedd.v1 import generation_pb2_grpc as pb_grpc
 from pydaemon.server.app import PageddServer, ServerOptions
@@ -35,11 +36,13 @@ class ServerThread:
         return self.call(self.server.listen())
 
     def start(self, engine_factory: Callable, timeout: float = 60.0) -> ServerThread:
-        self.call(self.server.start(engine_factory), timeout)
+        """Serves the engine ``engine_factory`` builds through an in-process AsyncEngine."""
+        self.call(self.server.start(lambda: AsyncEngine.load(engine_factory)), timeout)
         return self
 
     def start_async(self, engine_factory: Callable):
-        return asyncio.run_coroutine_threadsafe(self.server.start(engine_factory), self.loop)
+        factory = lambda: AsyncEngine.load(engine_factory)  # noqa: E731
+        return asyncio.run_coroutine_threadsafe(self.server.start(factory), self.loop)
 
     @property
     def address(self) -> str:

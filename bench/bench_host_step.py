@@ -1,0 +1,96 @@
+"""Host time of one decode step, without a model: schedule(), the runner's input building from
+the SchedulerOutput (InputBatch.update + prepare), and update_from_output().
+
+The device work (forward pass, sampling) is left out on purpose: this is the part of a step
+the GPU waits for. A batch of ``--num-seqs`` sequences with W1-like prompt lengths decodes
+``--steps`` steps; the median per step is reported, split by phase.
+
+    PYTHONPATH=. python bench/bench_host_step.py                 # 512 sequences
+    PYTHONPATH=. python bench/bench_host_step.py --num-seqs 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import numpy as np
+
+from pydaemon import _core
+from pydaemon.input_batch import InputBatch
+from pydaemon.outputs import RequestMetrics
+from pydaemon.request import Request, Sequence
+from pydaemon.runner_output import ModelRunnerOutput
+from pydaemon.sampling_params import SamplingParams
+from pydaemon.scheduler import Scheduler
+from pydaemon.stop_checker import StopChecker
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--num-seqs", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    args = parser.parse_args(argv)
+
+    rng = random.Random(0)
+    prompts = [
+        [rng.randrange(100, 30000) for _ in range(rng.randint(64, 1024))]
+        for _ in range(args.num_seqs)
+    ]
+    num_blocks = sum(len(p) + args.steps + 1 for p in prompts) // args.block_size + 2 * len(prompts)
+    bm = _core.BlockManager(args.block_size, num_blocks, 0, 0.0, True)
+    scheduler = Scheduler(
+        bm,
+        max_num_seqs=args.num_seqs,
+        max_num_batched_tokens=1 << 30,
+        max_model_len=args.max_model_len,
+    )
+    batch = InputBatch(args.num_seqs, args.max_model_len, args.block_size)
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 8, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        request = Request(
+            f"r{i}", prompt, params, set(), metrics=RequestMetrics(arrival_time=float(i))
+        )
+        request.stop_checker = StopChecker(params, set())
+        request.seqs.append(Sequence.new(0, prompt))
+        scheduler.add_request(request)
+
+    phases: dict[str, list[float]] = {"schedule": [], "runner inputs": [], "update": []}
+    for step in range(args.steps + 1):
+        t0 = time.perf_counter()
+        out = scheduler.schedule()
+        t1 = time.perf_counter()
+        batch.update(out)
+        inputs = batch.prepare(out)
+        t2 = time.perf_counter()
+        sampled = np.asarray(inputs.seq_ids)[inputs.is_sampled].tolist()
+        runner_output = ModelRunnerOutput(
+            seq_ids=sampled,
+            sampled_token_ids=[[1000 + step]] * len(sampled),
+            chosen_logprobs=[[-1.0]] * len(sampled),
+            logprobs=[[None]] * len(sampled),
+        )
+        t3 = time.perf_counter()
+        scheduler.update_from_output(out, runner_output)
+        t4 = time.perf_counter()
+        if step == 0:
+            continue  # the prefill step
+        phases["schedule"].append(t1 - t0)
+        phases["runner inputs"].append(t2 - t1)
+        phases["update"].append(t4 - t3)
+    total = 0.0
+    print(f"decode step, {args.num_seqs} sequences, median of {args.steps} steps:")
+    for name, values in phases.items():
+        median = statistics.median(values) * 1e3
+        total += median
+        print(f"  {name:14s} {median:7.3f} ms")
+    print(f"  {'total':14s} {total:7.3f} ms (device work and sampling not included)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

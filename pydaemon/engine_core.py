@@ -1,0 +1,184 @@
+"""EngineCore: the scheduler, the model executor and the step loop's body. Token ids only.
+
+A step is three calls (vLLM v1's shape): ``schedule()`` -> a plain ``SchedulerOutput``;
+``execute_model()`` -> a ``ModelRunnerOutput`` (sampled on the device, one copy back);
+``update_from_output()`` -> ``EngineCoreOutputs``. The scheduler alone owns the block
+manager; the runner (every tensor-parallel rank) builds its inputs from the SchedulerOutput.
+Requests arrive tokenized (``EngineCoreRequest``); detokenization and stop strings are the
+front end's (``LLMEngine`` in-process, or the daemon's front end over a socket).
+"""
+
+from __future__ import annotations
+
+import math
+
+from pydaemon import _core
+from pydaemon.beam_search import BeamSearchState
+from pydaemon.config import EngineConfig
+from pydaemon.engine_core_types import EngineCoreOutputs, EngineCoreRequest
+from pydaemon.engine_stats import EngineStats
+from pydaemon.model_config import ModelConfig
+from pydaemon.model_info import ModelInfo
+from pydaemon.model_runner import ModelRunner
+from pydaemon.outputs import RequestMetrics
+from pydaemon.request import Request, Sequence
+from pydaemon.scheduler import Scheduler
+from pydaemon.stop_checker import StopChecker
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        """``config.model`` must be a model directory (front ends resolve "demo")."""
+        self.config = config
+        if config.tensor_parallel_size > 1:
+            from pydaemon.distributed.executor import TensorParallelExecutor
+
+            self.executor = TensorParallelExecutor(config)
+            self.runner = self.executor.runner  # rank 0's
+        else:
+            self.runner = ModelRunner(config)
+            self.executor = self.runner
+        runner = self.runner
+        self.model_config: ModelConfig = runner.model_config
+        self.max_model_len = runner.max_model_len
+        self.vocab_size = runner.vocab_size
+        if runner.max_num_batched_tokens < config.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({runner.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({config.max_num_seqs})"
+            )
+        self.block_manager = _core.BlockManager(
+            config.block_size,
+            runner.num_gpu_blocks,
+            runner.num_cpu_blocks,
+            config.watermark,
+            config.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=runner.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            preemption_mode=config.preemption_mode,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(self, r: EngineCoreRequest) -> None:
+        """Raises ValueError (naming what is wrong) for a request that can never run."""
+        self._check_fits(r)
+        params = r.params
+        request = Request(
+            request_id=r.request_id,
+            prompt_token_ids=r.prompt_token_ids,
+            params=params,
+            eos_token_ids=set(r.eos_token_ids),
+            priority=r.priority,
+            cache_salt=r.cache_salt,
+            metrics=RequestMetrics(arrival_time=r.arrival_time),
+        )
+        request.stop_checker = StopChecker(params, request.eos_token_ids)
+        request.seqs.append(Sequence.new(0, r.prompt_token_ids))
+        if params.is_beam_search:
+            num_prompt = len(r.prompt_token_ids)
+            request.beam = BeamSearchState(
+                beam_width=params.beam_width,
+                num_return=params.n,
+                length_penalty=params.length_penalty,
+                early_stopping=params.early_stopping,
+                eos_token_ids=set() if params.ignore_eos else request.eos_token_ids,
+                prompt_len=num_prompt,
+                max_new_tokens=min(params.max_tokens, self.max_model_len - num_prompt),
+                min_new_tokens=params.min_tokens,
+            )
+        self.scheduler.add_request(request)
+
+    def _check_fits(self, r: EngineCoreRequest) -> None:
+        token_ids = r.prompt_token_ids
+        if not token_ids:
+            raise ValueError("prompt_token_ids is empty")
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; the model's context is "
+                f"{self.max_model_len} (prompt + at least one new token must fit)"
+            )
+        num_blocks = self.runner.num_gpu_blocks
+        usable = num_blocks - int(self.config.watermark * num_blocks)
+        needed = math.ceil((len(token_ids) + 1) / self.config.block_size)
+        if needed > usable:
+            raise ValueError(
+                f"prompt needs {needed} KV blocks but the whole cache has {usable} usable blocks"
+            )
+        params = r.params
+        num_seqs = params.beam_width if params.is_beam_search else params.best_of
+        if num_seqs > self.config.max_num_seqs:
+            raise ValueError(
+                f"the request needs {num_seqs} sequences; max_num_seqs is {self.config.max_num_seqs}"
+            )
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stops a request and frees its KV blocks now. False if unknown or finished."""
+        return self.scheduler.abort_request(request_id)
+
+    def finish_seq(self, request_id: str, index: int) -> bool:
+        """The front end matched a stop string in sequence ``index``: free it now."""
+        return self.scheduler.finish_seq(request_id, index)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the step ---------------------------------------------------------------------------
+    def step(self) -> EngineCoreOutputs:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.executor.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    # ---- life cycle and introspection -------------------------------------------------------
+    def check_health(self) -> None:
+        """Raises when a tensor-parallel worker died (no step can run any more)."""
+        if self.executor is not self.runner:
+            self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel workers, if any (idempotent; also run at exit)."""
+        if self.executor is not self.runner:
+            self.executor.shutdown()
+
+    def model_info(self, eos_token_ids: list[int]) -> ModelInfo:
+        return ModelInfo(
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            block_size=self.config.block_size,
+            max_num_seqs=self.config.max_num_seqs,
+            num_gpu_blocks=self.runner.num_gpu_blocks,
+            num_cpu_blocks=self.runner.num_cpu_blocks,
+            device=str(self.runner.device),
+            dtype=str(self.runner.dtype).removeprefix("torch."),
+            eos_token_ids=eos_token_ids,
+        )
+
+    def get_stats(self) -> EngineStats:
+        bm, sched = self.block_manager, self.scheduler
+        return EngineStats(
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_swapped=len(sched.swapped),
+            num_gpu_blocks=bm.num_total_blocks(_core.Device.GPU),
+            num_free_gpu_blocks=bm.num_free_blocks(_core.Device.GPU),
+            num_cpu_blocks=bm.num_total_blocks(_core.Device.CPU),
+            num_free_cpu_blocks=bm.num_free_blocks(_core.Device.CPU),
+            kv_waste_slots=bm.kv_waste(),
+            num_shared_blocks=bm.num_shared_blocks(),
+            prefix_cache_query_tokens=bm.prefix_cache_query_tokens(),
+            prefix_cache_hit_tokens=bm.prefix_cache_hit_tokens(),
+            num_preemptions=sched.stats.num_preemptions,
+            num_swapped_out_blocks=sched.stats.num_swapped_out_blocks,
+            num_swapped_in_blocks=sched.stats.num_swapped_in_blocks,
+            num_prompt_tokens=sched.updater.num_prompt_tokens,
+            num_generation_tokens=sched.updater.num_generation_tokens,
+        )

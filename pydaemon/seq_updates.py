@@ -1,0 +1,189 @@
+"""SeqUpdater: the scheduler's half of a step after the model ran.
+
+It records what the step computed (``num_computed_tokens``, full blocks offered to the prefix
+cache), appends each sampled token, checks token-level stops (EOS, stop token ids, min/max
+tokens, the model's length), forks n > 1 requests at their first sample, runs beam steps, and
+frees finished sequences at once. It reports per request the new token ids
+(``EngineCoreOutputs``); text, stop strings and streaming are the front end's. An exception
+while processing one request fails that request alone (its blocks are freed, its output
+carries the error); the step and every other request go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from pydaemon.beam_step import advance_beams
+from pydaemon.engine_core_types import EngineCoreOutput, EngineCoreOutputs, SeqOutput
+from pydaemon.outputs import TokenLogprobs
+from pydaemon.request import Request, RequestStatus, Sequence
+from pydaemon.runner_output import ModelRunnerOutput
+from pydaemon.seq_blocks import SeqBlocks
+from pydaemon.step_plan import ScheduledSeq, StepPlan
+
+logger = logging.getLogger(__name__)
+
+
+class SeqUpdater:
+    def __init__(self, blocks: SeqBlocks, max_model_len: int) -> None:
+        self.blocks = blocks
+        self.max_model_len = max_model_len
+        self.num_prompt_tokens = 0  # prefill tokens computed (cache hits excluded)
+        self.num_generation_tokens = 0
+        self._finished: list[Request] = []
+
+    def take_finished(self) -> list[Request]:
+        """Requests that finished or failed in the last update (their queues are the
+        scheduler's to leave)."""
+        finished, self._finished = self._finished, []
+        return finished
+
+    def update(self, plan: StepPlan, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
+        now = time.monotonic()
+        by_seq_id: dict[int, ScheduledSeq] = {}
+        block_size = self.blocks.block_size
+        for scheduled in plan.scheduled:
+            seq = scheduled.seq
+            before = seq.num_computed_tokens
+            seq.num_computed_tokens = after = before + scheduled.num_new_tokens
+            if after // block_size > before // block_size:  # a block just filled up
+                self.blocks.mark_computed(seq)
+            by_seq_id[seq.seq_id] = scheduled
+            if scheduled.request.metrics.first_scheduled_time is None:
+                scheduled.request.metrics.first_scheduled_time = now
+        self.num_prompt_tokens += sum(s.num_new_tokens for s in plan.prefills)
+        outputs: dict[str, EngineCoreOutput] = {}
+        touched: dict[str, Request] = {}
+        for request, message in plan.rejected:
+            outputs[request.request_id] = self._fail(request, message, now)
+        ro = runner_output
+        for seq_id, token_ids, chosen, logprobs in zip(
+            ro.seq_ids, ro.sampled_token_ids, ro.chosen_logprobs, ro.logprobs, strict=True
+        ):
+            request = by_seq_id[seq_id].request
+            if request.is_finished:
+                continue  # failed earlier in this step
+            touched[request.request_id] = request
+            output = outputs.get(request.request_id)
+            if output is None:
+                output = outputs[request.request_id] = EngineCoreOutput(request.request_id, [])
+            try:
+                self._append(request, by_seq_id[seq_id].seq, token_ids, chosen, logprobs, output)
+            except Exception as e:  # noqa: BLE001 - one request's failure is that request's
+                outputs[request.request_id] = self._internal_error(request, e, now)
+        beams: dict[str, list[tuple[int, Sequence]]] = {}
+        for row, seq_id in enumerate(ro.beam_seq_ids):
+            scheduled = by_seq_id[seq_id]
+            beams.setdefault(scheduled.request.request_id, []).append((row, scheduled.seq))
+        for request_id, items in beams.items():
+            request = by_seq_id[items[0][1].seq_id].request
+            touched[request_id] = request
+            output = outputs.setdefault(request_id, EngineCoreOutput(request_id, []))
+            rows = ro.beam_logprobs[torch.tensor([row for row, _ in items])]
+            try:
+                self._beam_step(request, [seq for _, seq in items], rows, output)
+            except Exception as e:  # noqa: BLE001 - one request's failure is that request's
+                outputs[request_id] = self._internal_error(request, e, now)
+        for request_id, request in touched.items():
+            if request.is_finished:
+                continue  # failed: its output is already final
+            output = outputs[request_id]
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+                output.metrics = request.metrics  # sent when it changes, not every step
+            if not request.seqs:
+                self._finish(request, now)
+                output.finished = True
+                output.metrics = request.metrics
+        return EngineCoreOutputs([o for o in outputs.values() if o.seqs or o.finished])
+
+    # ---- one request ------------------------------------------------------------------------
+    def _append(
+        self,
+        request: Request,
+        seq: Sequence,
+        token_ids: list[int],
+        chosen_logprobs: list[float],
+        logprobs: list[TokenLogprobs | None],
+        output: EngineCoreOutput,
+    ) -> None:
+        """One sampled token per sequence; a forking sequence's n samples go to n sequences."""
+        targets = [seq]
+        if len(token_ids) > 1:
+            if not request.forks_at_first_sample:
+                raise RuntimeError(f"{len(token_ids)} samples for a sequence that does not fork")
+            targets += [self._fork(request, seq, k) for k in range(1, len(token_ids))]
+            request.is_forked = True
+        checker = request.stop_checker
+        for target, token_id, chosen, top in zip(
+            targets, token_ids, chosen_logprobs, logprobs, strict=True
+        ):
+            output_token_ids = target.output_token_ids
+            output_token_ids.append(token_id)
+            target.cumulative_logprob += chosen
+            self.num_generation_tokens += 1
+            finish_reason, stop_reason = checker.check_token(token_id, len(output_token_ids))
+            num_tokens = len(target.prompt_token_ids) + len(output_token_ids)
+            if finish_reason is None and num_tokens >= self.max_model_len:
+                finish_reason = "length"
+            output.seqs.append(
+                SeqOutput(
+                    index=target.index,
+                    new_token_ids=[token_id],
+                    cumulative_logprob=target.cumulative_logprob,
+                    new_logprobs=None if top is None else [top],
+                    finish_reason=finish_reason,
+                    stop_reason=stop_reason,
+                )
+            )
+            if finish_reason is not None:
+                target.finish_reason, target.stop_reason = finish_reason, stop_reason
+                self.retire(request, target)
+
+    def _fork(self, request: Request, parent: Sequence, index: int) -> Sequence:
+        child = Sequence.new(
+            index,
+            parent.prompt_token_ids,
+            output_token_ids=list(parent.output_token_ids),
+            num_computed_tokens=parent.num_computed_tokens,
+            cumulative_logprob=parent.cumulative_logprob,
+        )
+        self.blocks.fork(parent, child)
+        request.seqs.append(child)
+        return child
+
+    def _beam_step(
+        self, request: Request, seqs: list[Sequence], rows: torch.Tensor, output: EngineCoreOutput
+    ) -> None:
+        """rows: [len(seqs), vocab] float32 log-probabilities of the beams run this step."""
+        result = advance_beams(self.blocks, request, seqs, rows)
+        self.num_generation_tokens += result.num_new_tokens
+        output.seqs.extend(result.finished)
+
+    def retire(self, request: Request, seq: Sequence) -> None:
+        """A sequence finished: its blocks are freed now."""
+        self.blocks.free(seq)
+        request.seqs.remove(seq)
+
+    def _finish(self, request: Request, now: float) -> None:
+        request.status = RequestStatus.FINISHED
+        request.metrics.finished_time = now
+        self._finished.append(request)
+
+    def _fail(self, request: Request, message: str, now: float) -> EngineCoreOutput:
+        """Ends a request with an error; no token of it is sent again."""
+        self._finish(request, now)
+        return EngineCoreOutput(
+            request.request_id, [], finished=True, metrics=request.metrics, error=message
+        )
+
+    def _internal_error(self, request: Request, error: Exception, now: float) -> EngineCoreOutput:
+        logger.exception("request %s failed inside the engine core", request.request_id)
+        return self._fail(
+            request,
+            f"internal error while processing request {request.request_id!r}: {error!r}",
+            now,
+        )

@@ -1,0 +1,100 @@
+"""Import structure, read with ``ast``: no import cycle in pydaemon/, and the gRPC servicer and
+the daemon app reach the engine only through the EngineClient interface."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parents[1] / "pydaemon"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in PACKAGE_DIR.rglob("*.py")}
+
+
+def _extension_modules() -> set[str]:
+    """Compiled modules (``_core``), known by their stubs: imported, never importing."""
+    return {_module_name(p) for p in PACKAGE_DIR.rglob("*.pyi")}
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """The pydaemon modules ``path`` imports anywhere (inside functions and under
+    ``if TYPE_CHECKING:`` too: a cycle in the types is a cycle in the design);
+    ``from pkg import name`` counts as pkg.name when that is a module."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                child = f"{node.module}.{alias.name}"
+                found.add(child if child in modules else node.module)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return {m for m in found if m == "pydaemon" or m.startswith("pydaemon.")}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    known = set(modules) | _extension_modules()
+    return {name: _imports(path, known) & set(modules) for name, path in modules.items()}
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+
+    def dfs(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state:
+                cycle = dfs(nxt)
+                if cycle:
+                    return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = dfs(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_pydaemon_has_no_import_cycle():
+    graph = _graph()
+    assert "pydaemon.engine_core" in graph["pydaemon.engine"]  # the graph is read at all
+    assert _find_cycle(graph) is None, " -> ".join(_find_cycle(graph))
+
+
+def test_the_server_reaches_the_engine_only_through_engine_client():
+    graph = _graph()
+    allowed_outside = {
+        "pydaemon",  # __version__
+        "pydaemon.engine_client",
+        "pydaemon.proto.pagedd.v1.generation_pb2",
+        "pydaemon.proto.pagedd.v1.generation_pb2_grpc",
+    }
+    for name in ("pydaemon.server.servicer", "pydaemon.server.app"):
+        outside = {m for m in graph[name] if not m.startswith("pydaemon.server")}
+        assert outside, name
+        assert outside <= allowed_outside, f"{name} imports {sorted(outside - allowed_outside)}"
