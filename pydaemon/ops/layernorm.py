@@ -10,7 +10,7 @@ from pydaemon.ops._core_ext import core, stream_handle
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """out = weight * rmsnorm(x), rounded as transformers' LlamaRMSNorm (pydaemon/layers/rms_norm.py).
+    """out = weight * rmsnorm(x), rounded as transformers' LlamaRMSNorm (layers/rms_norm.py).
 
     x:       [num_tokens, hidden_size] fp16/bf16/fp32, last dim contiguous
     weight:  [hidden_size], dtype of x
