@@ -8,9 +8,14 @@ of the right shapes instead, with only ``config.json`` needed. A ``.gguf`` file 
 pydaemon/gguf/) gives config and weights at once; its weights are dequantized at load, to
 float32 on the CPU and bfloat16 on CUDA when ``dtype="auto"``.
 
+Checkpoint tensors are matched by their Hugging Face names through
+pydaemon/weight_targets.py, which packs q/k/v and gate/up into the model's fused
+``qkv_proj`` / ``gate_up_proj`` parameters.
+
 Tensor parallel: a sharded parameter (see layers/parallel_linear.py) is read as this rank's
 slice only (``get_slice``), so no rank ever holds the whole model. Dummy weights are drawn at
-the full shape one tensor at a time and sliced, so that they do not depend on the TP size.
+the full shape one checkpoint tensor at a time and sliced, so that they do not depend on the
+TP size (nor on the packing).
 """
 
 from __future__ import annotations
@@ -23,10 +28,10 @@ from safetensors import safe_open
 from torch import nn
 
 from pydaemon.gguf import GGUFFile, is_gguf_file, iter_gguf_weights, load_gguf_config
-from pydaemon.layers.parallel_linear import shard_range
 from pydaemon.layers.rotary_embedding import RotaryEmbedding
 from pydaemon.model_config import ModelConfig, resolve_dtype
 from pydaemon.models import get_model_class
+from pydaemon.weight_targets import WeightLoader, weight_targets
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -93,49 +98,22 @@ def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> 
             module.reset_parameters(device)
 
 
-def _shards(model: nn.Module) -> dict[str, tuple[int, int, int, int] | None]:
-    """-> parameter name -> its (dim, start, stop, full_size) slice, None if not sharded."""
-    out = {}
-    for module_name, module in model.named_modules():
-        for local, _ in module.named_parameters(recurse=False):
-            name = f"{module_name}.{local}" if module_name else local
-            out[name] = shard_range(module, local)
-    return out
-
-
-def _copy_shard(param: torch.Tensor, full: torch.Tensor, shard: tuple[int, int, int, int]) -> None:
-    """param: this rank's slice; full: [..., stop - start, ...] already cut along dim."""
-    dim, start, stop, _ = shard
-    param.data.narrow(dim, 0, stop - start).copy_(full)
-    if stop - start < param.shape[dim]:  # vocabulary padding of the last rank
-        param.data.narrow(dim, stop - start, param.shape[dim] - (stop - start)).zero_()
-
-
 def _fill_dummy(model: nn.Module, seed: int) -> None:
     device = next(model.parameters()).device
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
-    shards = _shards(model)
-    for name, param in model.named_parameters():
-        shard = shards.get(name)
+    for name, target in weight_targets(model).items():
         if name.endswith("norm.weight"):
-            param.data.fill_(1.0)
-        elif shard is None:
-            param.data.normal_(0.0, 0.02, generator=gen)
-        else:  # the same draws as the unsharded model, one tensor at a time
-            dim, start, stop, full_size = shard
-            shape = list(param.shape)
-            shape[dim] = full_size
-            full = torch.empty(shape, dtype=param.dtype, device=device).normal_(
-                0.0, 0.02, generator=gen
-            )
-            _copy_shard(param, full.narrow(dim, start, stop - start), shard)
+            target.dest.fill_(1.0)
+        elif target.shard is None:
+            target.dest.normal_(0.0, 0.02, generator=gen)
+        else:  # the same draws as the unsharded model, one checkpoint tensor at a time
+            full = torch.empty(target.checkpoint_shape, dtype=target.dest.dtype, device=device)
+            target.copy_(full.normal_(0.0, 0.02, generator=gen)[target.read_index()])
             del full
 
 
 def _load_weights(model: nn.Module, config: ModelConfig, model_dir: Path) -> None:
-    params = dict(model.named_parameters())
-    shards = _shards(model)
     if (model_dir / SINGLE_FILE).is_file():
         files = [model_dir / SINGLE_FILE]
     elif (model_dir / INDEX_FILE).is_file():
@@ -145,64 +123,20 @@ def _load_weights(model: nn.Module, config: ModelConfig, model_dir: Path) -> Non
             f"no weights in {model_dir}: expected {SINGLE_FILE} or {INDEX_FILE} "
             "(or use load_format='dummy')"
         )
-    loaded: set[str] = set()
+    loader = WeightLoader(model)
     for path in files:
         if not path.is_file():
             raise FileNotFoundError(f"weight shard not found: {path}")
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                param = params.get(name)
-                if param is None:
-                    continue  # lm_head of a tied model, rotary inv_freq, ...: ignored
-                # get_slice keeps the read lazy until the copy below.
+                # get_slice keeps the read lazy: only this rank's rows / columns are read.
                 tensor_slice = f.get_slice(name)
-                shape = tuple(tensor_slice.get_shape())
-                shard = shards.get(name)
-                expected = list(param.shape)
-                if shard is not None:
-                    expected[shard[0]] = shard[3]
-                if list(shape) != expected:
-                    raise ValueError(
-                        f"tensor {name!r} in {path.name} has shape {list(shape)}, "
-                        f"expected {expected}"
-                    )
-                if shard is None:
-                    param.data.copy_(f.get_tensor(name))
-                else:  # read only this rank's rows / columns
-                    dim, start, stop, _ = shard
-                    index = (slice(None),) * dim + (slice(start, stop),)
-                    _copy_shard(param, tensor_slice[index], shard)
-                loaded.add(name)
-    missing = [name for name in params if name not in loaded]
-    if missing:
-        shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
-        raise ValueError(f"missing tensors in checkpoint {model_dir}: {shown}")
+                loader.load(name, tensor_slice, tensor_slice.get_shape(), path.name)
+    loader.check_complete(f"checkpoint {model_dir}")
 
 
 def _load_gguf_weights(model: nn.Module, config: ModelConfig, gguf: GGUFFile) -> None:
-    params = dict(model.named_parameters())
-    shards = _shards(model)
-    loaded: set[str] = set()
-    for name, tensor in iter_gguf_weights(gguf, config, next(iter(params.values())).dtype):
-        param = params.get(name)
-        if param is None:
-            continue  # output.weight of a model pagedd runs tied, ...
-        shard = shards.get(name)
-        expected = list(param.shape)
-        if shard is not None:
-            expected[shard[0]] = shard[3]
-        if list(tensor.shape) != expected:
-            raise ValueError(
-                f"tensor {name!r} in {gguf.path.name} has shape {list(tensor.shape)}, "
-                f"expected {expected}"
-            )
-        if shard is None:
-            param.data.copy_(tensor)
-        else:
-            dim, start, stop, _ = shard
-            _copy_shard(param, tensor.narrow(dim, start, stop - start), shard)
-        loaded.add(name)
-    missing = [name for name in params if name not in loaded]
-    if missing:
-        shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
-        raise ValueError(f"missing tensors in {gguf.path.name}: {shown}")
+    loader = WeightLoader(model)
+    for name, tensor in iter_gguf_weights(gguf, config, next(model.parameters()).dtype):
+        loader.load(name, tensor, tensor.shape, gguf.path.name)
+    loader.check_complete(gguf.path.name)

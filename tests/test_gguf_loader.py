@@ -14,6 +14,7 @@ from model_utils import Driver, save_hf_model
 
 from pydaemon.gguf import GGUFFile, load_gguf_tokenizer
 from pydaemon.model_loader import load_model, load_model_config
+from pydaemon.weight_targets import weight_targets
 
 # Rows of 256 so that every block size (32 and 256) divides them.
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, vocab_size=272)
@@ -37,7 +38,7 @@ def test_tensors_equal_transformers_dequantization(tmp_path, hf_llama, weight_ty
     assert {t.tensor_type.name for t in GGUFFile(path).reader.tensors} == {"F32", weight_type}
     model, _ = load_model(path, dtype="float32")
     _, reference = transformers_gguf_model(path)
-    ours = dict(model.named_parameters())
+    ours = {n: t.dest for n, t in weight_targets(model).items()}
     assert set(ours) == set(reference)
     for name, tensor in reference.items():
         assert torch.equal(ours[name], tensor), name
@@ -76,8 +77,8 @@ def test_rotary_permutation_is_undone_exactly(tmp_path, hf_llama):
     path = write_gguf(tmp_path / "m.gguf", state_dict, cfg)
     model, config = load_model(path, dtype="float32")
     assert (config.num_attention_heads, config.num_key_value_heads) == (4, 2)
-    for name, param in model.named_parameters():
-        assert torch.equal(param, state_dict[name]), name
+    for name, target in weight_targets(model).items():
+        assert torch.equal(target.dest, state_dict[name]), name
 
 
 @pytest.mark.parametrize("arch,block_size", [("llama", 16), ("qwen2", 8), ("qwen3", 32)])
@@ -100,7 +101,7 @@ def test_greedy_matches_transformers(tmp_path, arch, block_size):
     model, config = load_model(path, dtype="float32")
     assert config.tie_word_embeddings == (arch == "qwen2")
     attn = model.model.layers[0].self_attn
-    assert (attn.q_proj.bias is not None) == (arch == "qwen2")
+    assert (attn.qkv_proj.bias is not None) == (arch == "qwen2")
     assert (attn.q_norm is not None) == (arch == "qwen3")
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 272, size=n).tolist() for n in (5, 17, 33)]
@@ -201,7 +202,10 @@ def test_tensor_parallel_matches_one_rank(tmp_path, hf_llama):
     try:
         two = llm.generate(prompt_token_ids=prompts, sampling_params=params)
         assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
-        assert llm.engine.runner.model.model.layers[0].self_attn.q_proj.weight.shape == (128, 256)
+        assert llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.weight.shape == (
+            128 + 64 + 64,
+            256,
+        )
     finally:
         llm.engine.shutdown()
 

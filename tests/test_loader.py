@@ -211,9 +211,9 @@ def test_dummy_load_config_only(tmp_path):
     model, cfg = load_model(d, load_format="dummy", seed=3)
     again, _ = load_model(d, load_format="dummy", seed=3)
     assert cfg.architecture == "LlamaForCausalLM"
-    w = model.model.layers[0].self_attn.q_proj.weight
-    assert w.shape == (32, 32) and 0.015 < w.std().item() < 0.025
-    assert torch.equal(w, again.model.layers[0].self_attn.q_proj.weight)
+    w = model.model.layers[0].self_attn.qkv_proj.weight  # q 32 rows, k and v 16 each
+    assert w.shape == (64, 32) and 0.015 < w.std().item() < 0.025
+    assert torch.equal(w, again.model.layers[0].self_attn.qkv_proj.weight)
     assert model.model.norm.weight.eq(1).all()
     assert len(Driver(model, block_size=8).generate([[1, 2, 3]], 3)[0]) == 3
     with pytest.raises(ValueError, match="load_format"):

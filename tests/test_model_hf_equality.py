@@ -107,7 +107,7 @@ def test_greedy_matches_hf_batched(model_dirs, name, block_size):
 
 def test_loaded_config_flags(model_dirs):
     _, model = model_dirs("qwen2-bias")
-    assert model.model.layers[0].self_attn.q_proj.bias is not None
+    assert model.model.layers[0].self_attn.qkv_proj.bias is not None
     assert model.model.layers[0].self_attn.o_proj.bias is None
     _, tied = model_dirs("llama3-rope-tied")
     assert tied.lm_head is None and tied.config.rope_scaling.rope_type == "llama3"

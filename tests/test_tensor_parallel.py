@@ -64,7 +64,8 @@ def test_llama_gqa_padded_vocab_chunked_and_swapped(tmp_path):
     )
     # Rank 0 holds half the heads, half the MLP columns, half the vocabulary, one KV head.
     layer = llm.engine.runner.model.model.layers[0]
-    assert layer.self_attn.q_proj.weight.shape == (2 * 16, 64)
+    assert layer.self_attn.qkv_proj.weight.shape == ((2 + 1 + 1) * 16, 64)  # q, k, v heads
+    assert layer.mlp.gate_up_proj.weight.shape == (2 * 64, 64)
     assert layer.mlp.down_proj.weight.shape == (64, 64)
     assert llm.engine.runner.model.model.embed_tokens.weight.shape == (128, 64)
     assert llm.engine.runner.kv_cache.shape[3] == 1

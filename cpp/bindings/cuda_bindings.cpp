@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <string>
 
+#include "array_checks.h"
 #include "pagedd_cuda.h"
 
 namespace nb = nanobind;
@@ -18,112 +19,7 @@ using pagedd::cuda::DType;
 
 namespace {
 
-using Array = nb::ndarray<>;
-
-std::string dtype_name(const nb::dlpack::dtype& dt) {
-  const char* code = "?";
-  switch ((nb::dlpack::dtype_code)dt.code) {
-    case nb::dlpack::dtype_code::Int: code = "int"; break;
-    case nb::dlpack::dtype_code::UInt: code = "uint"; break;
-    case nb::dlpack::dtype_code::Float: code = "float"; break;
-    case nb::dlpack::dtype_code::Bfloat: code = "bfloat"; break;
-    default: break;
-  }
-  return std::string(code) + std::to_string(dt.bits);
-}
-
-bool is_dtype(const Array& a, nb::dlpack::dtype_code code, int bits) {
-  return a.dtype().code == (uint8_t)code && a.dtype().bits == bits && a.dtype().lanes == 1;
-}
-
-constexpr auto kFloat = nb::dlpack::dtype_code::Float;
-constexpr auto kBfloat = nb::dlpack::dtype_code::Bfloat;
-constexpr auto kInt = nb::dlpack::dtype_code::Int;
-
-void check_dtype(const Array& a, const char* name, nb::dlpack::dtype_code code, int bits,
-                 const char* expected) {
-  if (!is_dtype(a, code, bits))
-    throw nb::type_error((std::string(name) + " must be " + expected + ", got " +
-                          dtype_name(a.dtype()))
-                             .c_str());
-}
-
-DType attention_dtype(const Array& a, const char* name) {
-  if (is_dtype(a, kFloat, 16)) return DType::kFloat16;
-  if (is_dtype(a, kBfloat, 16)) return DType::kBFloat16;
-  throw nb::type_error((std::string(name) + " must be float16 or bfloat16, got " +
-                        dtype_name(a.dtype()))
-                           .c_str());
-}
-
-void check_same_dtype(const Array& a, const char* name, const Array& ref, const char* ref_name) {
-  if (a.dtype() != ref.dtype())
-    throw nb::type_error((std::string(name) + " must have the dtype of " + ref_name + " (" +
-                          dtype_name(ref.dtype()) + "), got " + dtype_name(a.dtype()))
-                             .c_str());
-}
-
-int current_device() {
-  int dev = -1;
-  const cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess)
-    throw std::runtime_error(std::string("pagedd: no usable CUDA device: ") +
-                             cudaGetErrorString(err));
-  return dev;
-}
-
-void check_cuda(const Array& a, const char* name, int device) {
-  if (a.device_type() != nb::device::cuda::value)
-    throw nb::value_error((std::string(name) + " must be a CUDA tensor").c_str());
-  if (a.device_id() != device)
-    throw nb::value_error((std::string(name) + " is on cuda:" + std::to_string(a.device_id()) +
-                           " but the current device is cuda:" + std::to_string(device))
-                              .c_str());
-}
-
-void check_cpu(const Array& a, const char* name) {
-  if (a.device_type() != nb::device::cpu::value &&
-      a.device_type() != nb::device::cuda_host::value)
-    throw nb::value_error((std::string(name) + " must be a CPU tensor").c_str());
-}
-
-void check_ndim(const Array& a, const char* name, size_t ndim) {
-  if (a.ndim() != ndim)
-    throw nb::value_error((std::string(name) + " must have " + std::to_string(ndim) +
-                           " dimensions, got " + std::to_string(a.ndim()))
-                              .c_str());
-}
-
-void check_dim(const Array& a, const char* name, size_t dim, int64_t expected,
-               const char* what) {
-  if ((int64_t)a.shape(dim) != expected)
-    throw nb::value_error((std::string(name) + ".shape[" + std::to_string(dim) + "] must be " +
-                           std::to_string(expected) + " (" + what + "), got " +
-                           std::to_string(a.shape(dim)))
-                              .c_str());
-}
-
-// Dimensions [from, ndim) laid out densely (row-major), ignoring size-1 dims.
-void check_contiguous_from(const Array& a, const char* name, size_t from) {
-  int64_t expected = 1;
-  for (size_t i = a.ndim(); i-- > from;) {
-    if (a.shape(i) != 1 && a.stride(i) != expected)
-      throw nb::value_error((std::string(name) + " must be contiguous in dims >= " +
-                             std::to_string(from) + " (stride[" + std::to_string(i) + "] is " +
-                             std::to_string(a.stride(i)) + ", expected " +
-                             std::to_string(expected) + ")")
-                                .c_str());
-    expected *= (int64_t)a.shape(i);
-  }
-}
-
-void check_cuda_error(cudaError_t err, const char* what) {
-  if (err != cudaSuccess)
-    throw std::runtime_error(std::string("pagedd.") + what + ": CUDA error: " +
-                             cudaGetErrorString(err));
-}
-
-cudaStream_t as_stream(uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
+using namespace pagedd::bindings;  // Array and the argument checks
 
 // Shared checks of the attention kernels' query / cache arguments; returns head_dim.
 int64_t check_attention_args(const Array& out, const Array& query, const Array& key_cache,

@@ -16,7 +16,8 @@
 
 namespace pagedd::cuda {
 
-enum class DType : int { kFloat16 = 0, kBFloat16 = 1 };
+// The attention kernels take kFloat16 / kBFloat16; the layer kernels (layer_kernels.h) all three.
+enum class DType : int { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2 };
 
 // Tokens per split-KV partition of the decode kernel (a multiple of every block size).
 constexpr int kPartitionSize = 256;

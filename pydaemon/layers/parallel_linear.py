@@ -3,6 +3,9 @@ at TP=1 (so the single-GPU model is exactly the unsharded one).
 
 - column-parallel linear: each rank holds ``out_features / tp`` output rows of the weight
   (and of the bias); its output stays sharded (q/k/v by heads, gate/up by columns).
+- merged column-parallel linear: several column-parallel projections of one input as one
+  GEMM (q/k/v as ``qkv_proj``, gate/up as ``gate_up_proj``); each rank holds its slice of
+  every part, the slices concatenated in part order.
 - row-parallel linear: each rank holds ``in_features / tp`` input columns; the partial
   products are summed by an all-reduce, then the (replicated) bias is added once.
 - vocabulary-parallel embedding / LM head: each rank holds ``ceil(vocab / tp)`` rows (the
@@ -10,7 +13,8 @@ at TP=1 (so the single-GPU model is exactly the unsharded one).
   logits are gathered along the vocabulary on rank 0.
 
 Every sharded module lists ``tp_shards``: parameter name -> (dim, size in the checkpoint),
-which the loader uses to read only this rank's slice (``shard_range``).
+which the loader uses to read only this rank's slice (``shard_range``); a merged linear
+describes its parts instead (``packed_parts``, ``part_range``; see pydaemon/weight_targets.py).
 """
 
 from __future__ import annotations
@@ -41,6 +45,42 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out / tp]
         return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(nn.Module):
+    """Column-parallel projections of the same input fused into one GEMM (vLLM's
+    MergedColumnParallelLinear / QKVParallelLinear).
+
+    ``parts`` maps each checkpoint module packed here to its full out_features, in order,
+    e.g. {"q_proj": 4096, "k_proj": 1024, "v_proj": 1024}. This rank's weight is
+    [sum(output_sizes), in_features] with output_sizes[i] = parts[i] / tp: rows
+    [rank * output_sizes[i], (rank + 1) * output_sizes[i]) of part i, the parts one after
+    the other (likewise the bias). At TP=1 it is the concatenation of the checkpoint tensors.
+    The output [T, sum(output_sizes)] splits with ``output_sizes``.
+    """
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool, what: str) -> None:
+        super().__init__()
+        tp = ps.get_tp_world_size()
+        self.packed_parts = tuple(parts)  # names of the checkpoint modules, e.g. "q_proj"
+        self.full_sizes = tuple(parts.values())
+        self.output_sizes = tuple(
+            _split(size, tp, f"{what}: {name} out_features") for name, size in parts.items()
+        )
+        local = sum(self.output_sizes)
+        self.weight = nn.Parameter(torch.empty(local, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(local), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, sum(output_sizes)]
+        return F.linear(x, self.weight, self.bias)
+
+    def part_range(self, index: int) -> tuple[int, int, int, int]:
+        """-> (offset, size, start, full_size): part ``index`` fills rows [offset, offset +
+        size) of this rank's weight / bias from rows [start, start + size) of the checkpoint
+        tensor, which has full_size rows."""
+        size = self.output_sizes[index]
+        offset = sum(self.output_sizes[:index])
+        return offset, size, ps.get_tp_rank() * size, self.full_sizes[index]
 
 
 class RowParallelLinear(nn.Module):

@@ -1,9 +1,17 @@
-"""RMSNorm, computed exactly as transformers' LlamaRMSNorm."""
+"""RMSNorm, computed exactly as transformers' LlamaRMSNorm, optionally fused with the residual
+add before it (vLLM's ``fused_add_rms_norm``).
+
+CUDA tensors of the kernels' dtypes run one pagedd kernel (pydaemon/ops/layernorm.py) when
+``_core`` has them; everything else (CPU, a build without kernels) runs the torch code below,
+which the kernels are tested against.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from pydaemon import ops
 
 
 class RMSNorm(nn.Module):
@@ -12,10 +20,44 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        # hidden_states: [T, hidden_size]; normalise in float32, cast back, then scale (as HF).
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without residual: x [..., hidden_size] -> rmsnorm(x) * weight, same shape.
+
+        With residual (x, residual: [T, hidden_size]): -> (rmsnorm(x + residual) * weight,
+        x + residual). The kernel writes the sum into ``residual`` in place and returns it;
+        the torch path returns a new tensor: use the returned one.
+        """
+        if residual is None:
+            if self._uses_kernel(x):
+                return self._forward_kernel(x)
+            return self.forward_native(x)
+        if self._uses_kernel(x):
+            out = ops.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon)
+            return out, residual
+        hidden_states = x + residual
+        return self.forward_native(hidden_states), hidden_states
+
+    def forward_native(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # hidden_states: [..., hidden_size]; normalise in float32, cast back, then scale (as HF).
         input_dtype = hidden_states.dtype
         x = hidden_states.to(torch.float32)
         variance = x.pow(2).mean(-1, keepdim=True)
         x = x * torch.rsqrt(variance + self.variance_epsilon)
         return self.weight * x.to(input_dtype)
+
+    def _uses_kernel(self, x: torch.Tensor) -> bool:
+        return (
+            x.is_cuda
+            and x.dtype in ops.LAYER_KERNEL_DTYPES
+            and self.weight.dtype == x.dtype
+            and ops.is_available()
+        )
+
+    def _forward_kernel(self, x: torch.Tensor) -> torch.Tensor:
+        # The kernel takes rows: [..., hidden_size] -> [rows, hidden_size] (a copy only when
+        # x's rows are not evenly strided, e.g. Qwen3's per-head q/k norm on a qkv slice).
+        rows = x.reshape(-1, x.shape[-1])
+        out = ops.rms_norm(rows, self.weight, self.variance_epsilon)
+        return out.view(x.shape)

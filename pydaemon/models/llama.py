@@ -1,12 +1,16 @@
 """Llama-family decoder: Llama 2/3, Mistral (sliding window), Qwen2 (q/k/v bias, sliding
 window), Qwen3 dense (RMSNorm of q and k per head, before RoPE).
 
-Parameter names equal the Hugging Face checkpoint names (``model.layers.N.self_attn.q_proj
-.weight``, ...), so loading is a name match. No fused projections.
+Fused as in vLLM: q/k/v are one GEMM (``qkv_proj``), gate/up one GEMM (``gate_up_proj``)
+followed by SiLU-and-multiply, and each residual add is fused with the RMSNorm after it (the
+decoder layer hands ``(hidden_states, residual)`` to the next). Other parameter names equal
+the Hugging Face checkpoint names; pydaemon/weight_targets.py maps the checkpoint's separate
+q/k/v and gate/up tensors into the packed ones.
 
-Tensor parallel (Megatron): q/k/v and gate/up are column-parallel (each rank its heads /
-its MLP columns), o_proj and down_proj row-parallel with an all-reduce, embedding and LM head
-vocabulary-parallel. At TP=1 the layers are plain nn.Linear / nn.Embedding.
+Tensor parallel (Megatron): qkv_proj and gate_up_proj are column-parallel (each rank its
+heads / its MLP columns, of each part), o_proj and down_proj row-parallel with an all-reduce,
+embedding and LM head vocabulary-parallel. At TP=1 o_proj, down_proj, the embedding and LM
+head are plain nn.Linear / nn.Embedding.
 """
 
 from __future__ import annotations
@@ -17,9 +21,10 @@ from torch import nn
 
 from pydaemon.attention_metadata import AttentionMetadata
 from pydaemon.distributed import parallel_state as ps
+from pydaemon.layers.activation import SiluAndMul
 from pydaemon.layers.attention import PagedAttention
 from pydaemon.layers.parallel_linear import (
-    column_linear,
+    MergedColumnParallelLinear,
     lm_head,
     parallel_logits,
     row_linear,
@@ -40,9 +45,9 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         h, d, bias = config.hidden_size, config.head_dim, config.attention_bias
         num_q, num_kv = config.num_attention_heads * d, config.num_key_value_heads * d
-        self.q_proj = column_linear(h, num_q, bias, "q_proj out_features")
-        self.k_proj = column_linear(h, num_kv, bias, "k_proj out_features")
-        self.v_proj = column_linear(h, num_kv, bias, "v_proj out_features")
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d  # this rank's
+        parts = {"q_proj": num_q, "k_proj": num_kv, "v_proj": num_kv}
+        self.qkv_proj = MergedColumnParallelLinear(h, parts, bias, "qkv_proj")
         self.o_proj = row_linear(num_q, h, config.o_proj_bias, "o_proj in_features")
         # Qwen3: q and k normalised per head over head_dim (weights shared by all heads).
         self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
@@ -62,10 +67,13 @@ class LlamaAttention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden_size]
         t = hidden_states.shape[0]
-        q = self.q_proj(hidden_states).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden_states).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden_states).view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        qkv = self.qkv_proj(hidden_states)  # [T, q_size + 2 * kv_size]
+        # Views of qkv (row stride q_size + 2 * kv_size), no copies.
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # Qwen3: per head, after the split
             q = self.q_norm(q)
             k = self.k_norm(k)
         q = apply_rotary(q, cos, sin)
@@ -78,12 +86,14 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = column_linear(h, i, bias, "intermediate_size")
-        self.up_proj = column_linear(h, i, bias, "intermediate_size")
+        parts = {"gate_proj": i, "up_proj": i}
+        self.gate_up_proj = MergedColumnParallelLinear(h, parts, bias, "intermediate_size")
         self.down_proj = row_linear(i, h, bias, "intermediate_size")
+        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden_size]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate_size / tp]
+        return self.down_proj(self.act_fn(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -96,22 +106,26 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        hidden_states: torch.Tensor,  # [T, hidden_size]
+        hidden_states: torch.Tensor,  # [T, hidden_size]: the previous layer's MLP output
+        residual: torch.Tensor | None,  # [T, hidden_size]; None in the first layer
         cos: torch.Tensor,
         sin: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (MLP output, residual): this layer's output is their sum, which the next
+        layer's input_layernorm (or the final norm) adds while it normalises."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.self_attn(
             hidden_states, cos, sin, key_cache, value_cache, attn_metadata
         )
-        hidden_states = residual + hidden_states
-        residual = hidden_states
-        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
-        return residual + hidden_states
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
 
 
 class LlamaModel(nn.Module):
@@ -133,16 +147,19 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:  # [T, hidden_size]
         hidden_states = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions)
+        residual = None
         for layer_idx, layer in enumerate(self.layers):
-            hidden_states = layer(
+            hidden_states, residual = layer(
                 hidden_states,
+                residual,
                 cos,
                 sin,
                 kv_cache[:, layer_idx, 0],
                 kv_cache[:, layer_idx, 1],
                 attn_metadata,
             )
-        return self.norm(hidden_states)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
 
 
 class LlamaForCausalLM(nn.Module):

@@ -6,13 +6,17 @@
                                          seq_lens, max_seq_len)
         out = ops.paged_attention_prefill(query, key_cache, value_cache, block_tables,
                                           seq_lens, query_start_loc, max_query_len)
+        out = ops.fused_add_rms_norm(x, residual, weight, eps)  # residual updated in place
+        out = ops.silu_and_mul(gate_up)
 
 ``is_available()`` is False (and ``unavailable_reason()`` says why) when ``_core`` was built
 without CUDA kernels or no CUDA device is visible; every wrapper then raises RuntimeError.
 """
 
-from pydaemon.ops._core_ext import core, is_available, unavailable_reason
+from pydaemon.ops._core_ext import LAYER_KERNEL_DTYPES, core, is_available, unavailable_reason
+from pydaemon.ops.activation import silu_and_mul
 from pydaemon.ops.cache_ops import SwapStream, copy_blocks, reshape_and_cache, swap_blocks
+from pydaemon.ops.layernorm import fused_add_rms_norm, rms_norm
 from pydaemon.ops.paged_attention import (
     PARTITION_SIZE,
     num_partitions,
@@ -21,15 +25,19 @@ from pydaemon.ops.paged_attention import (
 from pydaemon.ops.paged_prefill import paged_attention_prefill
 
 __all__ = [
+    "LAYER_KERNEL_DTYPES",
     "PARTITION_SIZE",
     "SwapStream",
     "copy_blocks",
     "core",
+    "fused_add_rms_norm",
     "is_available",
     "num_partitions",
     "paged_attention_decode",
     "paged_attention_prefill",
     "reshape_and_cache",
+    "rms_norm",
+    "silu_and_mul",
     "swap_blocks",
     "unavailable_reason",
 ]

@@ -22,6 +22,9 @@ def _load() -> tuple[ModuleType | None, str | None]:
 
 _CORE, _BUILD_REASON = _load()
 
+# dtypes of the per-token layer kernels (RMSNorm, SiLU-and-mul: cpp/cuda/layer_kernels.h).
+LAYER_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
 
 def unavailable_reason() -> str | None:
     """Why the GPU kernels cannot run here, or None when they can."""

@@ -1,0 +1,158 @@
+// Validating binding of the per-token layer kernels in cpp/cuda/layer_kernels.h: RMSNorm,
+// residual-add + RMSNorm, SiLU-and-multiply. Same conventions as cuda_bindings.cpp: every tensor
+// is checked (a bad one raises TypeError / ValueError naming it), written tensors are
+// .noconvert(), the stream is passed in, the GIL is released around the launch.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "array_checks.h"
+#include "layer_kernels.h"
+
+namespace nb = nanobind;
+using namespace pagedd::bindings;  // Array and the argument checks
+
+namespace {
+
+constexpr int64_t kMaxInt = std::numeric_limits<int>::max();
+
+DType layer_dtype(const Array& a, const char* name) {
+  if (is_dtype(a, kFloat, 16)) return DType::kFloat16;
+  if (is_dtype(a, kBfloat, 16)) return DType::kBFloat16;
+  if (is_dtype(a, kFloat, 32)) return DType::kFloat32;
+  throw nb::type_error((std::string(name) + " must be float16, bfloat16 or float32, got " +
+                        dtype_name(a.dtype()))
+                           .c_str());
+}
+
+// a: [num_rows, num_cols] on the device, last dim contiguous; written rows must not overlap.
+void check_rows(const Array& a, const char* name, int64_t num_rows, int64_t num_cols, int dev,
+                bool is_written) {
+  check_cuda(a, name, dev);
+  check_ndim(a, name, 2);
+  check_dim(a, name, 0, num_rows, "num_tokens");
+  check_dim(a, name, 1, num_cols, "the row length");
+  if (num_cols > 1 && a.stride(1) != 1)
+    throw nb::value_error((std::string(name) + "'s last dim must be contiguous").c_str());
+  if (is_written && num_rows > 1 && a.stride(0) < num_cols)
+    throw nb::value_error((std::string(name) + "'s rows overlap (stride[0] is " +
+                           std::to_string(a.stride(0)) + ", the row length " +
+                           std::to_string(num_cols) + ")")
+                              .c_str());
+}
+
+void check_sizes(int64_t num_tokens, int64_t row_length, const char* what) {
+  if (row_length <= 0 || row_length > kMaxInt)
+    throw nb::value_error(
+        (std::string(what) + " must be in [1, 2^31), got " + std::to_string(row_length)).c_str());
+  if (num_tokens > kMaxInt) throw nb::value_error("at most 2^31 - 1 tokens per call");
+}
+
+void run_rms_norm(Array& out, const Array& input, Array* residual, const Array& weight,
+                  double eps, uintptr_t stream) {
+  const int dev = current_device();
+  const DType dtype = layer_dtype(input, "input");
+  check_same_dtype(out, "out", input, "input");
+  check_same_dtype(weight, "weight", input, "input");
+  check_ndim(input, "input", 2);
+  const int64_t num_tokens = input.shape(0), hidden_size = input.shape(1);
+  check_sizes(num_tokens, hidden_size, "hidden_size (input.shape[1])");
+  check_rows(input, "input", num_tokens, hidden_size, dev, false);
+  check_rows(out, "out", num_tokens, hidden_size, dev, true);
+  check_cuda(weight, "weight", dev);
+  check_ndim(weight, "weight", 1);
+  check_dim(weight, "weight", 0, hidden_size, "hidden_size");
+  if (hidden_size > 1 && weight.stride(0) != 1)
+    throw nb::value_error("weight must be contiguous");
+  if (!std::isfinite(eps) || eps < 0.0)
+    throw nb::value_error(("eps must be finite and >= 0, got " + std::to_string(eps)).c_str());
+
+  pagedd::cuda::RMSNormParams p{};
+  if (residual != nullptr) {
+    check_same_dtype(*residual, "residual", input, "input");
+    check_rows(*residual, "residual", num_tokens, hidden_size, dev, true);
+    if (residual->data() == out.data() || residual->data() == input.data())
+      throw nb::value_error("residual must be a tensor of its own (not input or out)");
+    p.residual = residual->data();
+    p.residual_stride = residual->stride(0);
+  }
+  p.out = out.data();
+  p.input = input.data();
+  p.weight = weight.data();
+  p.out_stride = out.stride(0);
+  p.input_stride = input.stride(0);
+  p.num_tokens = (int)num_tokens;
+  p.hidden_size = (int)hidden_size;
+  p.eps = (float)eps;
+  p.dtype = dtype;
+  cudaError_t err;
+  {
+    nb::gil_scoped_release release;
+    err = pagedd::cuda::rms_norm(p, as_stream(stream));
+  }
+  check_cuda_error(err, residual != nullptr ? "fused_add_rms_norm" : "rms_norm");
+}
+
+void rms_norm(Array out, Array input, Array weight, double eps, uintptr_t stream) {
+  run_rms_norm(out, input, nullptr, weight, eps, stream);
+}
+
+void fused_add_rms_norm(Array out, Array input, Array residual, Array weight, double eps,
+                        uintptr_t stream) {
+  run_rms_norm(out, input, &residual, weight, eps, stream);
+}
+
+void silu_and_mul(Array out, Array input, uintptr_t stream) {
+  const int dev = current_device();
+  const DType dtype = layer_dtype(input, "input");
+  check_same_dtype(out, "out", input, "input");
+  check_ndim(input, "input", 2);
+  const int64_t num_tokens = input.shape(0), width = input.shape(1);
+  if (width % 2 != 0)
+    throw nb::value_error(
+        ("input.shape[1] must be even (gate and up halves), got " + std::to_string(width))
+            .c_str());
+  const int64_t d = width / 2;
+  check_sizes(num_tokens, d, "d (input.shape[1] / 2)");
+  check_rows(input, "input", num_tokens, width, dev, false);
+  check_rows(out, "out", num_tokens, d, dev, true);
+  if (out.data() == input.data())
+    throw nb::value_error("out must not be input (the kernel reads input while writing out)");
+
+  pagedd::cuda::SiluAndMulParams p{};
+  p.out = out.data();
+  p.input = input.data();
+  p.out_stride = out.stride(0);
+  p.input_stride = input.stride(0);
+  p.num_tokens = (int)num_tokens;
+  p.d = (int)d;
+  p.dtype = dtype;
+  cudaError_t err;
+  {
+    nb::gil_scoped_release release;
+    err = pagedd::cuda::silu_and_mul(p, as_stream(stream));
+  }
+  check_cuda_error(err, "silu_and_mul");
+}
+
+}  // namespace
+
+void bind_layer_ops(nb::module_& m) {
+  m.def("rms_norm", &rms_norm, nb::arg("out").noconvert(), nb::arg("input"), nb::arg("weight"),
+        nb::arg("eps"), nb::arg("stream"),
+        "out = weight * rmsnorm(input). out, input: [num_tokens, hidden_size] (out may be\n"
+        "input); weight: [hidden_size]; float16, bfloat16 or float32, all one dtype.");
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, nb::arg("out").noconvert(), nb::arg("input"),
+        nb::arg("residual").noconvert(), nb::arg("weight"), nb::arg("eps"), nb::arg("stream"),
+        "residual = input + residual (in place), then out = weight * rmsnorm(residual), in one\n"
+        "kernel. out, input, residual: [num_tokens, hidden_size] (out may be input, residual\n"
+        "is its own tensor); weight: [hidden_size]; float16, bfloat16 or float32.");
+  m.def("silu_and_mul", &silu_and_mul, nb::arg("out").noconvert(), nb::arg("input"),
+        nb::arg("stream"),
+        "out = silu(input[:, :d]) * input[:, d:]. input: [num_tokens, 2 * d]; out:\n"
+        "[num_tokens, d]; float16, bfloat16 or float32.");
+}

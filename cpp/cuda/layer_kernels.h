@@ -1,0 +1,54 @@
+// Entry points of pagedd's per-token layer kernels: RMSNorm (optionally fused with the residual
+// add) and SiLU-and-multiply. Framework-free like pagedd_cuda.h: raw device pointers, element
+// strides, a cudaStream_t; cudaErrorInvalidValue for a bad size. The validating binding is
+// cpp/bindings/layer_bindings.cpp.
+//
+// Rounding follows the torch code these kernels replace (pydaemon/layers/rms_norm.py,
+// activation.py), so that a half-precision model gives the same numbers either way up to the
+// order of the float32 sums: every op computes in float32 and rounds to the tensor dtype where
+// torch would round.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "pagedd_cuda.h"
+
+namespace pagedd::cuda {
+
+struct RMSNormParams {
+  void* out;                // [num_tokens, hidden_size], last dim contiguous; may be input
+  const void* input;        // [num_tokens, hidden_size], last dim contiguous
+  void* residual;           // [num_tokens, hidden_size] or null (plain RMSNorm); not out
+  const void* weight;       // [hidden_size], contiguous
+  int64_t out_stride;       // elements between rows
+  int64_t input_stride;     // elements between rows
+  int64_t residual_stride;  // elements between rows (unused without residual)
+  int num_tokens;
+  int hidden_size;
+  float eps;
+  DType dtype;              // of all four tensors: kFloat16, kBFloat16 or kFloat32
+};
+
+// Without residual:  out = weight * rmsnorm(input).
+// With residual:     residual = input + residual (in place, rounded to dtype), then
+//                    out = weight * rmsnorm(residual), as vLLM's fused_add_rms_norm.
+// rmsnorm(x) = round(x * rsqrt(mean(x^2) + eps)) in float32, then the product with weight is
+// rounded again (transformers' LlamaRMSNorm). One thread block per token row.
+cudaError_t rms_norm(const RMSNormParams& p, cudaStream_t stream);
+
+struct SiluAndMulParams {
+  void* out;             // [num_tokens, d], last dim contiguous
+  const void* input;     // [num_tokens, 2 * d], last dim contiguous: gate = [:, :d], up = [:, d:]
+  int64_t out_stride;    // elements between rows
+  int64_t input_stride;  // elements between rows
+  int num_tokens;
+  int d;
+  DType dtype;           // of both tensors: kFloat16, kBFloat16 or kFloat32
+};
+
+// out = round(silu(gate)) * up, silu(x) = x / (1 + exp(-x)) in float32. One block per row.
+cudaError_t silu_and_mul(const SiluAndMulParams& p, cudaStream_t stream);
+
+}  // namespace pagedd::cuda

@@ -1,0 +1,44 @@
+"""RMSNorm, and residual-add + RMSNorm fused into one kernel, on the GPU."""
+
+from __future__ import annotations
+
+import torch
+
+from pydaemon.ops._core_ext import core, stream_handle
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """out = weight * rmsnorm(x), rounded as transformers' LlamaRMSNorm (layers/rms_norm.py).
+
+    x:       [num_tokens, hidden_size] fp16/bf16/fp32, last dim contiguous
+    weight:  [hidden_size], dtype of x
+    out:     optional [num_tokens, hidden_size], last dim contiguous; may be x (in place)
+    returns  out
+    """
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    core().rms_norm(out, x, weight, float(eps), stream_handle(x.device))
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """residual = x + residual (in place), then out = weight * rmsnorm(residual): one kernel.
+
+    x:        [num_tokens, hidden_size] fp16/bf16/fp32, last dim contiguous
+    residual: [num_tokens, hidden_size], dtype of x, last dim contiguous; updated in place
+    weight:   [hidden_size], dtype of x
+    out:      optional [num_tokens, hidden_size]; may be x, not residual
+    returns   out
+    """
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    core().fused_add_rms_norm(out, x, residual, weight, float(eps), stream_handle(x.device))
+    return out
