@@ -18,9 +18,14 @@ def _modules() -> dict[str, Path]:
     return {_module_name(p): p for p in PACKAGE_DIR.rglob("*.py")}
 
 
+# The compiled module (cpp/bindings): an editable or wheel install keeps it, and its stub,
+# outside the source tree, so it is named here as well as found by its stub.
+EXTENSION_MODULES = {"pydaemon._core"}
+
+
 def _extension_modules() -> set[str]:
-    """Compiled modules (``_core``), known by their stubs: imported, never importing."""
-    return {_module_name(p) for p in PACKAGE_DIR.rglob("*.pyi")}
+    """Compiled modules: imported, never importing."""
+    return EXTENSION_MODULES | {_module_name(p) for p in PACKAGE_DIR.rglob("*.pyi")}
 
 
 def _imports(path: Path, modules: set[str]) -> set[str]:
