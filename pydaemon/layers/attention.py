@@ -109,9 +109,8 @@ class PagedAttention(nn.Module):
             )
         num_kv_heads = key_cache.shape[1]  # this rank's, under tensor parallelism
         group = query.shape[1] // num_kv_heads
-        max_seq_len = max(md.seq_lens_cpu)  # host list: no device read-back
         if md.num_prefills == 0 and decode_on_tensor_cores(
-            md.num_seqs, num_kv_heads, group, max_seq_len
+            md.num_seqs, num_kv_heads, group, md.max_seq_len
         ):
             return ops.paged_attention_prefill(
                 query,
@@ -142,6 +141,6 @@ class PagedAttention(nn.Module):
             value_cache,
             md.block_tables,
             md.seq_lens,
-            max_seq_len,
+            md.max_seq_len,  # host int, computed once per step: no device read-back
             scale=self.scale,
         )
