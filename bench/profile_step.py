@@ -1,0 +1,167 @@
+"""Whole-step profile of the engine core on a GPU: where a decode step's time goes.
+
+Loads a model (W1's dummy Llama-3-8B by default), admits ``--num-seqs`` requests with W1
+prompts, steps until every prompt is prefilled, then times ``--steps`` decode steps two ways:
+
+- host phases with ``time.perf_counter``: ``schedule()``, ``execute_model()`` (input building,
+  launches, sampling and its one device-to-host copy) and ``update_from_output()``;
+- device work with ``torch.profiler``: CUDA kernel time per step grouped by kind (GEMM,
+  attention, norm, rotary, activation, sampling, copies, other), and the share of the step's
+  wall time the GPU was busy.
+
+The summary is printed as a table and written as JSON (``--out``).
+
+    python bench/profile_step.py --model /tmp/l3 --load-format dummy --out profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import statistics
+import time
+
+KINDS = (
+    ("gemm", re.compile(r"gemm|cutlass|sm90_xmma|nvjet|cublas|matmul", re.I)),
+    ("attention", re.compile(r"paged|prefill|flash|attention|fmha", re.I)),
+    ("cache write", re.compile(r"reshape_and_cache|cache", re.I)),
+    ("norm", re.compile(r"rms|norm", re.I)),
+    ("rotary", re.compile(r"rotary|rope", re.I)),
+    ("activation", re.compile(r"silu|act_and_mul|gelu", re.I)),
+    ("sampling", re.compile(r"argmax|softmax|topk|sort|multinomial|exponential|max_kernel", re.I)),
+    ("copies", re.compile(r"copy|memcpy|memset|cat|index|gather|scatter", re.I)),
+)
+
+
+def kind_of(name: str) -> str:
+    for kind, pattern in KINDS:
+        if pattern.search(name):
+            return kind
+    return "other"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--num-seqs", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--top", type=int, default=12, help="kernels listed by name")
+    args = parser.parse_args(argv)
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from pydaemon.config import EngineConfig
+    from pydaemon.engine_core import EngineCore
+    from pydaemon.engine_core_types import EngineCoreRequest
+    from pydaemon.sampling_params import SamplingParams
+
+    config = EngineConfig(
+        model=args.model,
+        load_format=args.load_format,
+        device="cuda",
+        max_num_seqs=args.num_seqs,
+    )
+    core = EngineCore(config)
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0.0, max_tokens=4 * args.steps + 64, ignore_eos=True)
+    for i in range(args.num_seqs):
+        prompt = [rng.randrange(100, 30000) for _ in range(rng.randint(64, 1024))]
+        core.add_request(EngineCoreRequest(f"r{i}", prompt, params, [], float(i)))
+
+    def step_parts() -> tuple[float, float, float, int, int]:
+        t0 = time.perf_counter()
+        out = core.scheduler.schedule()
+        t1 = time.perf_counter()
+        runner_output = core.executor.execute_model(out)
+        t2 = time.perf_counter()
+        core.scheduler.update_from_output(out, runner_output)
+        t3 = time.perf_counter()
+        return t1 - t0, t2 - t1, t3 - t2, out.num_prefills, out.num_seqs
+
+    num_prefill_steps = 0
+    while True:  # prefill every prompt (and warm up)
+        *_, num_prefills, _ = step_parts()
+        if num_prefills == 0 and not core.scheduler.waiting:
+            break
+        num_prefill_steps += 1
+    for _ in range(3):
+        step_parts()
+    torch.cuda.synchronize()
+
+    phases: dict[str, list[float]] = {"schedule": [], "execute_model": [], "update": []}
+    walls: list[float] = []
+    batch_sizes: list[int] = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        s, e, u, _, num_seqs = step_parts()
+        walls.append(time.perf_counter() - t)
+        phases["schedule"].append(s)
+        phases["execute_model"].append(e)
+        phases["update"].append(u)
+        batch_sizes.append(num_seqs)
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(args.steps):
+            step_parts()
+        torch.cuda.synchronize()
+        profiled_wall = time.perf_counter() - t
+    per_kind: dict[str, float] = {}
+    per_name: dict[str, float] = {}
+    launches = 0
+    for event in prof.key_averages():
+        device_us = getattr(event, "device_time_total", 0.0) or 0.0
+        if event.device_type.name != "CUDA" or device_us <= 0:
+            continue
+        launches += event.count
+        per_kind[kind_of(event.key)] = per_kind.get(kind_of(event.key), 0.0) + device_us
+        per_name[event.key] = per_name.get(event.key, 0.0) + device_us
+    n = args.steps
+    gpu_ms = sum(per_kind.values()) / 1e3 / n
+    result = {
+        "model": args.model,
+        "gpu": torch.cuda.get_device_name(),
+        "num_seqs": args.num_seqs,
+        "batch_size_median": statistics.median(batch_sizes),
+        "prefill_steps": num_prefill_steps,
+        "steps_profiled": n,
+        "step_wall_ms_median": statistics.median(walls) * 1e3,
+        "host_ms_median": {k: statistics.median(v) * 1e3 for k, v in phases.items()},
+        "profiled_step_wall_ms": profiled_wall * 1e3 / n,
+        "gpu_kernel_ms_per_step": gpu_ms,
+        "gpu_busy_fraction": gpu_ms / (profiled_wall * 1e3 / n),
+        "kernel_launches_per_step": launches / n,
+        "gpu_ms_per_step_by_kind": {
+            k: v / 1e3 / n for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1])
+        },
+        "top_kernels_ms_per_step": {
+            k[:120]: v / 1e3 / n
+            for k, v in sorted(per_name.items(), key=lambda kv: -kv[1])[: args.top]
+        },
+    }
+    print(f"decode step at batch {result['batch_size_median']:.0f}, median of {n} steps")
+    print(f"  wall per step            {result['step_wall_ms_median']:8.2f} ms")
+    for k, v in result["host_ms_median"].items():
+        print(f"    {k:22s} {v:8.2f} ms")
+    print(f"  GPU kernels per step     {gpu_ms:8.2f} ms ({result['gpu_busy_fraction']:.0%} busy)")
+    print(f"  launches per step        {result['kernel_launches_per_step']:8.0f}")
+    for k, v in result["gpu_ms_per_step_by_kind"].items():
+        print(f"    {k:22s} {v:8.3f} ms")
+    print("  top kernels:")
+    for k, v in result["top_kernels_ms_per_step"].items():
+        print(f"    {v:8.3f} ms  {k[:90]}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    core.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
