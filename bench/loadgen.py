@@ -36,9 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="loadgen", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--server", default="127.0.0.1:50051", help="HOST:PORT of the daemon")
-    p.add_argument("--protocol", choices=("grpc", "openai"), default="grpc",
-                   help="gRPC Generate (default) or the OpenAI HTTP API (--server is then the "
-                        "--http-port address; streamed /v1/completions)")  # fmt: skip
+    p.add_argument("--protocol", choices=("grpc", "grpc-mux", "openai"), default="grpc",
+                   help="gRPC Generate, one call per request (default); grpc-mux: every "
+                        "request on one shared GenerateBatched call per channel (frames of "
+                        "one engine step packed per message); or the OpenAI HTTP API "
+                        "(--server is then the --http-port address; streamed "
+                        "/v1/completions)")  # fmt: skip
     p.add_argument("--model", default=None,
                    help="model name for --protocol openai (default: the server's only model)")  # fmt: skip
     p.add_argument("--num-channels", type=int, default=8, help="gRPC channels (HTTP/2 connections)")
@@ -61,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     s.add_argument("--no-ignore-eos", action="store_true",
                    help="stop at EOS (default: ignore it, so every request makes its output_len)")  # fmt: skip
+    p.add_argument("--cache-salt", default="run",
+                   help="prefix-cache salt sent with every request: 'run' (default) a fresh one "
+                        "per run, so that no run (nor a sweep's next rate) reuses the cached "
+                        "prompts of an earlier one; 'none' for no salt; else this text")  # fmt: skip
     o = p.add_argument_group("output")
     o.add_argument("--slo", default=None,
                    help="goodput targets, e.g. ttft_ms=500,tpot_ms=50 (keys: ttft_ms, tpot_ms, e2el_ms)")  # fmt: skip
@@ -88,6 +95,10 @@ def _rates(args: argparse.Namespace) -> list[float]:
 
 
 async def _one_rate(pool, requests, sampling, args, rate: float, slo, percentiles, label) -> dict:
+    if args.cache_salt == "run":
+        pool.cache_salt = f"loadgen-{os.getpid()}-{time.time_ns()}"
+    else:
+        pool.cache_salt = None if args.cache_salt == "none" else args.cache_salt
     before = await pool.status()
     samples: list[dict] = []
     t0 = time.perf_counter()
@@ -140,6 +151,10 @@ async def run(args: argparse.Namespace) -> dict:
         from bench.loadgen_openai import OpenAIPool
 
         pool = OpenAIPool(options, model=args.model)
+    elif args.protocol == "grpc-mux":
+        from bench.loadgen_mux import MuxPool
+
+        pool = MuxPool(options)
     else:
         pool = client.ChannelPool(options)
     try:

@@ -76,6 +76,7 @@ class ChannelPool:
             (("authorization", f"Bearer {options.api_key}"),) if options.api_key else None
         )
         self._next = 0
+        self.cache_salt: str | None = None  # set per run by loadgen.py (--cache-salt)
 
     def stub(self) -> pb_grpc.GenerationStub:
         self._next = (self._next + 1) % len(self.stubs)
@@ -89,7 +90,8 @@ class ChannelPool:
 
     async def send(self, request_id: str, req: WorkloadRequest, sampling: pb.SamplingParams,
                    record: RequestRecord, t0: float, timeout_s: float | None) -> None:  # fmt: skip
-        await run_one(self, start_frame(request_id, req, sampling), record, t0, timeout_s)
+        frame = start_frame(request_id, req, sampling, self.cache_salt)
+        await run_one(self, frame, record, t0, timeout_s)
 
     async def status(self) -> dict | None:
         return await server_status(self.stubs[0], self.metadata)
@@ -113,12 +115,15 @@ def _status_name(code: int) -> str:
 
 
 def start_frame(
-    request_id: str, req: WorkloadRequest, sampling: pb.SamplingParams
+    request_id: str,
+    req: WorkloadRequest,
+    sampling: pb.SamplingParams,
+    cache_salt: str | None = None,
 ) -> pb.GenerateRequest:
     params = pb.SamplingParams()
     params.CopyFrom(sampling)
     params.max_tokens = req.output_len
-    start = pb.StartRequest(request_id=request_id, sampling=params)
+    start = pb.StartRequest(request_id=request_id, sampling=params, cache_salt=cache_salt or "")
     if req.is_text:
         start.text = req.prompt
     else:
@@ -131,48 +136,71 @@ async def run_one(pool: ChannelPool, frame: pb.GenerateRequest, record: RequestR
     """Sends one request on its own call and fills ``record`` from the stream."""
     record.start_s = time.perf_counter() - t0
     call = pool.stub().Generate(iter([frame]), timeout=timeout_s, metadata=pool.metadata)
-    num_streamed = 0
+    filler = RecordFiller(record)
     try:
         async for msg in call:
-            now = time.perf_counter() - t0
-            event = msg.WhichOneof("event")
-            if event == "delta":
-                n = len(msg.delta.token_ids)
-                if n:
-                    record.chunk_times_s.append(now)
-                    record.chunk_num_tokens.append(n)
-                    num_streamed += n
-            elif event == "finished":
-                f = msg.finished
-                record.end_s = now
-                record.num_output_tokens = f.usage.completion_tokens or num_streamed
-                record.num_cached_tokens = f.usage.cached_tokens
-                if record.prompt_len is None:
-                    record.prompt_len = f.usage.prompt_tokens
-                record.finish_reason = (
-                    pb.FinishReason.Name(f.finish_reason).removeprefix("FINISH_REASON_").lower()
-                )
-                record.server_timings_ms = {"queue_ms": f.timings.queue_ms,
-                                            "ttft_ms": f.timings.time_to_first_token_ms,
-                                            "total_ms": f.timings.total_ms}  # fmt: skip
-            elif event == "error":
-                record.end_s = now
-                record.error_code = _status_name(msg.error.code)
-                record.error_message = msg.error.message
+            filler.on_frame(msg, time.perf_counter() - t0)
     except grpc.aio.AioRpcError as e:
-        record.end_s = time.perf_counter() - t0
-        record.error_code = e.code().name
-        record.error_message = e.details() or ""
-    if record.end_s is None:
-        record.end_s = time.perf_counter() - t0
-        record.error_code = "NO_FINISHED_FRAME"
-        record.error_message = "the stream ended without a Finished frame"
-    elif record.error_code is None and record.finish_reason in (
-        "cancelled",
-        "aborted",
-        "time_limit",
-    ):
-        record.error_code = f"FINISHED_{record.finish_reason.upper()}"
+        filler.on_rpc_error(e, time.perf_counter() - t0)
+    filler.close(time.perf_counter() - t0)
+
+
+class RecordFiller:
+    """Fills one request's RequestRecord from its frames (times in s from the run's start)."""
+
+    def __init__(self, record: RequestRecord) -> None:
+        self.record = record
+        self.num_streamed = 0
+
+    def on_frame(self, msg: pb.GenerateResponse, now: float) -> bool:
+        """Returns True for the request's terminal frame."""
+        record = self.record
+        event = msg.WhichOneof("event")
+        if event == "delta":
+            n = len(msg.delta.token_ids)
+            if n:
+                record.chunk_times_s.append(now)
+                record.chunk_num_tokens.append(n)
+                self.num_streamed += n
+            return False
+        if event == "finished":
+            f = msg.finished
+            record.end_s = now
+            record.num_output_tokens = f.usage.completion_tokens or self.num_streamed
+            record.num_cached_tokens = f.usage.cached_tokens
+            if record.prompt_len is None:
+                record.prompt_len = f.usage.prompt_tokens
+            record.finish_reason = (
+                pb.FinishReason.Name(f.finish_reason).removeprefix("FINISH_REASON_").lower()
+            )
+            record.server_timings_ms = {"queue_ms": f.timings.queue_ms,
+                                        "ttft_ms": f.timings.time_to_first_token_ms,
+                                        "total_ms": f.timings.total_ms}  # fmt: skip
+            return True
+        if event == "error":
+            record.end_s = now
+            record.error_code = _status_name(msg.error.code)
+            record.error_message = msg.error.message
+            return True
+        return False
+
+    def on_rpc_error(self, e: grpc.aio.AioRpcError, now: float) -> None:
+        self.record.end_s = now
+        self.record.error_code = e.code().name
+        self.record.error_message = e.details() or ""
+
+    def close(self, now: float) -> None:
+        record = self.record
+        if record.end_s is None:
+            record.end_s = now
+            record.error_code = "NO_FINISHED_FRAME"
+            record.error_message = "the stream ended without a Finished frame"
+        elif record.error_code is None and record.finish_reason in (
+            "cancelled",
+            "aborted",
+            "time_limit",
+        ):
+            record.error_code = f"FINISHED_{record.finish_reason.upper()}"
 
 
 class Progress:

@@ -47,6 +47,7 @@ class OpenAIPool:
         headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
         self._headers = headers
         self._session: aiohttp.ClientSession | None = None
+        self.cache_salt: str | None = None  # set per run by loadgen.py (--cache-salt)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -69,6 +70,8 @@ class OpenAIPool:
         body = {"model": self.model, "prompt": req.prompt, "max_tokens": req.output_len,
                 "stream": True, "stream_options": {"include_usage": True},
                 "return_token_ids": True, **sampling}  # fmt: skip
+        if self.cache_salt:
+            body["cache_salt"] = self.cache_salt
         record.start_s = time.perf_counter() - t0
         try:
             async with self.session.post(f"{self.base_url}/v1/completions", json=body) as resp:

@@ -36,6 +36,7 @@ def summarize(out_dir: Path) -> str:
     w1 = _load(out_dir / "w1_pagedd.json")
     peers = _load(out_dir / "w1_64_peers.json")
     served = _load(out_dir / "w1_loadgen.json")
+    served_mux = _load(out_dir / "w1_mux.json")
     served_http = _load(out_dir / "w1_openai.json")
     sweep = _load(out_dir / "sweep.json")
     meta = next((d["meta"] for d in (w1, peers, served, sweep) if d), {})
@@ -61,7 +62,11 @@ def summarize(out_dir: Path) -> str:
                 ratio = base["output_throughput"] / r["output_throughput"]
                 lines.append(f"- pagedd / {name} on W1[:64]: **{ratio:.2f}x** output tok/s")
         lines.append("")
-    for data, via, target in ((served, "gRPC", 5), (served_http, "the OpenAI HTTP API", 10)):
+    for data, via, target in (
+        (served, "gRPC, one call per request", 5),
+        (served_mux, "gRPC, requests multiplexed on GenerateBatched calls", 5),
+        (served_http, "the OpenAI HTTP API", 10),
+    ):
         if not data:
             continue
         m = data["runs"][0]["metrics"]

@@ -23,13 +23,13 @@ import re
 import statistics
 import time
 
-KINDS = (
+KINDS = (  # first match wins: the specific kinds before the broad ones
     ("gemm", re.compile(r"gemm|cutlass|sm90_xmma|nvjet|cublas|matmul", re.I)),
-    ("attention", re.compile(r"paged|prefill|flash|attention|fmha", re.I)),
-    ("cache write", re.compile(r"reshape_and_cache|cache", re.I)),
-    ("norm", re.compile(r"rms|norm", re.I)),
-    ("rotary", re.compile(r"rotary|rope", re.I)),
+    ("norm", re.compile(r"rms_norm|layer_norm", re.I)),
     ("activation", re.compile(r"silu|act_and_mul|gelu", re.I)),
+    ("rotary", re.compile(r"rotary|rope", re.I)),
+    ("cache write", re.compile(r"reshape_and_cache", re.I)),
+    ("attention", re.compile(r"paged_prefill|paged_attention|flash|fmha|attention", re.I)),
     ("sampling", re.compile(r"argmax|softmax|topk|sort|multinomial|exponential|max_kernel", re.I)),
     ("copies", re.compile(r"copy|memcpy|memset|cat|index|gather|scatter", re.I)),
 )

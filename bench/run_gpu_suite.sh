@@ -9,11 +9,14 @@
 #   w1_64_peers.json       the first 64 W1 requests through pagedd, transformers continuous
 #                          batching and static generate (batch 64), with ratios (--compare)
 #   w1_loadgen.json/.png   full W1 all at once through a running daemon (gRPC overhead)
+#   w1_mux.json/.png       the same with every request on 8 shared GenerateBatched calls
 #   w1_openai.json/.png    the same through the daemon's OpenAI HTTP API (HTTP overhead)
 #   sweep.json/_sweep.png  a short Poisson rate sweep on W1 prompts
 #   summary.md             the final table (also printed), *.log the pieces' output
 # Each piece has its own time limit (500 s in all; LIMIT_W1=120, LIMIT_PEERS=190,
-# LIMIT_LOADGEN=130 (includes the daemon's start-up), LIMIT_OPENAI=100, LIMIT_SWEEP=60 override them); one that
+# LIMIT_LOADGEN=130 (includes the daemon's start-up), LIMIT_MUX=100, LIMIT_OPENAI=100, LIMIT_SWEEP=60
+# override them; every loadgen run sends its own prefix-cache salt, so no run reuses the
+# prompts an earlier one left in the cache); one that
 # fails or runs over is reported and skipped. For a smoke run elsewhere: MODEL_DIR=<dir> DEVICE=cpu WORKLOAD="--workload fixed
 # --input-len 32 --output-len 8 --num-requests 16" (defaults: the Llama-3-8B shape, cuda, W1).
 set -uo pipefail
@@ -67,6 +70,8 @@ DAEMON=$!
 trap 'kill $DAEMON 2>/dev/null; wait $DAEMON 2>/dev/null; [ -n "$TMP_MODEL" ] && rm -rf "$TMP_MODEL"' EXIT
 piece w1_loadgen "${LIMIT_LOADGEN:-130}" $PY bench/loadgen.py --server "127.0.0.1:$PORT" --wait-ready 90 \
   $WORKLOAD --num-channels 8 --no-progress --out "$OUT/w1_loadgen.json"
+piece w1_mux "${LIMIT_MUX:-100}" $PY bench/loadgen.py --protocol grpc-mux --server "127.0.0.1:$PORT" \
+  --wait-ready 30 $WORKLOAD --num-channels 8 --no-progress --out "$OUT/w1_mux.json"
 piece w1_openai "${LIMIT_OPENAI:-100}" $PY bench/loadgen.py --protocol openai \
   --server "127.0.0.1:$HTTP_PORT" --wait-ready 30 $WORKLOAD --no-progress --out "$OUT/w1_openai.json"
 piece sweep "${LIMIT_SWEEP:-60}" $PY bench/loadgen.py --server "127.0.0.1:$PORT" --wait-ready 10 \

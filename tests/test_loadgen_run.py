@@ -44,7 +44,8 @@ def daemon():
         proc.kill()
 
 
-def test_sweep_writes_json_and_plots(daemon, tmp_path, capsys):
+@pytest.mark.parametrize("protocol", ["grpc", "grpc-mux"])
+def test_sweep_writes_json_and_plots(daemon, tmp_path, capsys, protocol):
     trace = tmp_path / "trace.jsonl"
     lines = [{"prompt": "Hello, my name is", "output_len": OUTPUT_LENS[0]},
              {"prompt_token_ids": [5, 6, 7, 8, 9, 10], "output_len": OUTPUT_LENS[1]},
@@ -52,7 +53,8 @@ def test_sweep_writes_json_and_plots(daemon, tmp_path, capsys):
              {"prompt_token_ids": [7] * 3000, "output_len": 4}]  # longer than the context  # fmt: skip
     trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
     out = tmp_path / "run.json"
-    argv = ["--server", daemon, "--wait-ready", "90", "--workload", "jsonl", "--jsonl", str(trace),
+    argv = ["--server", daemon, "--protocol", protocol, "--wait-ready", "90",
+            "--workload", "jsonl", "--jsonl", str(trace),
             "--sweep-rates", "40,inf", "--max-concurrency", "2", "--num-channels", "2",
             "--slo", "ttft_ms=60000,tpot_ms=60000", "--status-interval", "0.05",
             "--out", str(out), "--no-progress"]  # fmt: skip
@@ -97,3 +99,22 @@ def _has_matplotlib() -> bool:
     except ImportError:
         return False
     return True
+
+
+@pytest.mark.parametrize("cache_salt", ["run", "none"])
+def test_cache_salt_keeps_runs_from_hitting_each_others_prefixes(daemon, tmp_path, cache_salt):
+    trace = tmp_path / "trace.jsonl"
+    prompts = [[100 + 7 * i + j for j in range(40)] for i in range(3)]  # 2 full blocks each
+    trace.write_text("".join(json.dumps({"prompt_token_ids": p, "output_len": 2}) + "\n"
+                             for p in prompts))  # fmt: skip
+    out = tmp_path / "run.json"
+    argv = ["--server", daemon, "--wait-ready", "90", "--workload", "jsonl", "--jsonl", str(trace),
+            "--sweep-rates", "inf,inf", "--max-concurrency", "1", "--cache-salt", cache_salt,
+            "--out", str(out), "--no-progress", "--no-plots", "--quiet"]  # fmt: skip
+    assert loadgen.main(argv) == 0
+    second = json.loads(out.read_text())["runs"][1]
+    hits = second["server_delta"]["prefix_cache_hit_tokens"]
+    if cache_salt == "run":
+        assert hits == 0
+    else:
+        assert hits >= 3 * 32

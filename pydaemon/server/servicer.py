@@ -37,6 +37,7 @@ from pydaemon.server.validation import (
 logger = logging.getLogger(__name__)
 
 _READER_DONE = object()  # the client half-closed its side
+_MAX_FRAMES_PER_WRITE = 4096  # a GenerateBatched message stays far below 4 MiB
 
 
 @dataclass
@@ -93,38 +94,65 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     # ---- Generate ----------------------------------------------------------------------
 
     async def Generate(self, request_iterator: AsyncIterator[pb.GenerateRequest], context):
+        async def write(frames: list[pb.GenerateResponse]) -> None:
+            for frame in frames:
+                await context.write(frame)
+
+        await self._serve_stream(request_iterator, context, write)
+
+    async def GenerateBatched(self, request_iterator: AsyncIterator[pb.GenerateRequest], context):
+        async def write(frames: list[pb.GenerateResponse]) -> None:
+            await context.write(pb.GenerateResponseBatch(frames=frames))
+
+        await self._serve_stream(request_iterator, context, write)
+
+    async def _serve_stream(self, request_iterator, context, write) -> None:
+        """The writer of one call: takes every item ready in the stream's queue at once (the
+        frames of one engine step, typically) and hands the frames to ``write``."""
         stream = _Stream()
         self._streams.add(stream)
         reader = asyncio.create_task(self._read(stream, request_iterator))
         reader_done = False
         try:
             while not (reader_done and not stream.live and stream.out.empty()):
-                item = await stream.out.get()
-                if item is _READER_DONE:
-                    reader_done = True
-                elif isinstance(item, _StreamFatal):
-                    await self._end_stream(stream, context, item)
-                elif item is not None:
-                    try:
-                        await _write_with_timeout(context, item, self.options.stall_timeout_s)
-                    except asyncio.TimeoutError:
-                        logger.warning(
-                            "client stopped reading for %.1f s: aborting its %d requests",
-                            self.options.stall_timeout_s,
-                            len(stream.live),
-                        )
-                        fatal = _StreamFatal(
-                            grpc.StatusCode.ABORTED,
-                            f"client stopped reading for {self.options.stall_timeout_s} s; "
-                            "its requests were aborted",
-                        )
-                        await self._end_stream(stream, context, fatal)
+                items = [await stream.out.get()]
+                while not stream.out.empty() and len(items) < _MAX_FRAMES_PER_WRITE:
+                    items.append(stream.out.get_nowait())
+                frames: list[pb.GenerateResponse] = []
+                for item in items:
+                    if item is _READER_DONE:
+                        reader_done = True
+                    elif isinstance(item, _StreamFatal):
+                        await self._write(stream, context, write, frames)
+                        frames = []
+                        await self._end_stream(stream, context, item)
+                    elif item is not None:
+                        frames.append(item)
+                await self._write(stream, context, write, frames)
         finally:
             stream.is_open = False
             reader.cancel()
             for live in list(stream.live.values()):
                 self._cancel(live, pb.FINISH_REASON_CANCELLED)
             self._streams.discard(stream)
+
+    async def _write(self, stream: _Stream, context, write, frames) -> None:
+        if not frames or not stream.is_open:
+            return
+        try:
+            await _with_timeout(write(frames), self.options.stall_timeout_s)
+        except asyncio.TimeoutError:
+            logger.warning(
+                "client stopped reading for %.1f s: aborting its %d requests",
+                self.options.stall_timeout_s,
+                len(stream.live),
+            )
+            fatal = _StreamFatal(
+                grpc.StatusCode.ABORTED,
+                f"client stopped reading for {self.options.stall_timeout_s} s; "
+                "its requests were aborted",
+            )
+            await self._end_stream(stream, context, fatal)
 
     async def _end_stream(self, stream: _Stream, context, fatal: _StreamFatal) -> None:
         stream.is_open = False
@@ -320,12 +348,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         )
 
 
-async def _write_with_timeout(context, item, timeout_s: float) -> None:
-    """context.write, failing with TimeoutError after timeout_s (a client that stopped reading).
-
-    asyncio.timeout (3.11+) arms one timer; wait_for would create a task per message."""
+async def _with_timeout(write, timeout_s: float) -> None:
+    """Awaits a write, failing with TimeoutError after timeout_s (a client that stopped
+    reading). asyncio.timeout (3.11+) arms one timer; wait_for would create a task per write."""
     if hasattr(asyncio, "timeout"):
         async with asyncio.timeout(timeout_s):
-            await context.write(item)
+            await write
     else:  # Python 3.10
-        await asyncio.wait_for(context.write(item), timeout_s)
+        await asyncio.wait_for(write, timeout_s)

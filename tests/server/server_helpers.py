@@ -90,12 +90,19 @@ class BidiClient:
     stub: pb_grpc.GenerationStub
     timeout: float | None = 30.0
     metadata: tuple | None = None
+    batched: bool = False  # GenerateBatched: frames arrive packed, batch_sizes records how
     _queue: queue.Queue = field(default_factory=queue.Queue)
+    batch_sizes: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.call = self.stub.Generate(
-            iter(self._queue.get, None), timeout=self.timeout, metadata=self.metadata
-        )
+        rpc = self.stub.GenerateBatched if self.batched else self.stub.Generate
+        self.rpc = rpc(iter(self._queue.get, None), timeout=self.timeout, metadata=self.metadata)
+        self.call = self._unpacked() if self.batched else self.rpc
+
+    def _unpacked(self):
+        for batch in self.rpc:
+            self.batch_sizes.append(len(batch.frames))
+            yield from batch.frames
 
     def start(self, request_id: str, prompt: str | list[int] | None = None, **kw) -> BidiClient:
         sampling = kw.pop("sampling", None) or pb.SamplingParams()

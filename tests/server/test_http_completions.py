@@ -215,3 +215,28 @@ def test_generation_config_defaults_fill_unset_fields(monkeypatch):
         assert sampled != {greedy}  # the request's own temperature wins
     finally:
         st.close()
+
+
+def test_cache_salt_separates_prefix_cache_hits(client):
+    prompt = [7 + i for i in range(48)]  # three full blocks of 16 tokens
+
+    def cached(salt: str | None) -> int:
+        extra = {**NO_EOS, **({"cache_salt": salt} if salt is not None else {})}
+        r = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=2, temperature=0, extra_body=extra
+        )
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    cached("salt-a")  # fills the cache under salt-a
+    assert cached("salt-a") >= 32
+    assert cached("salt-b") == 0
+    assert cached(None) == 0  # an unsalted request never reuses salted blocks
+
+
+def test_cache_salt_too_long_is_a_400(server):
+    from http_helpers import post
+
+    r = post(server, "/v1/completions",
+             {"model": MODEL, "prompt": "x", "max_tokens": 1, "cache_salt": "s" * 300})  # fmt: skip
+    assert r.status == 400, r.text
+    assert "cache_salt" in r.text

@@ -60,6 +60,7 @@ async def create_chat_completion(
         formatter,
         stream=body.stream,
         include_usage=body.include_usage,
+        cache_salt=body.cache_salt,
     )
 
 

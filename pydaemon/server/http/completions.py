@@ -43,6 +43,7 @@ async def create_completion(serving: OpenAIServing, request: web.Request) -> web
         formatter,
         stream=body.stream,
         include_usage=body.include_usage,
+        cache_salt=body.cache_salt,
     )
 
 

@@ -32,7 +32,12 @@ class GenerateClient(Protocol):
     """What the HTTP layer uses of the engine client (AsyncEngine / EngineClient)."""
 
     def generate(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
 
     @property
@@ -44,23 +49,35 @@ class EngineRequestFailed(ValueError):
 
 
 async def _one(
-    engine: GenerateClient, request_id: str, prompt: EnginePrompt, params: SamplingParams
+    engine: GenerateClient,
+    request_id: str,
+    prompt: EnginePrompt,
+    params: SamplingParams,
+    cache_salt: str | None,
 ) -> AsyncIterator[RequestOutput]:
-    async for output in engine.generate(request_id, prompt.token_ids, params):
+    async for output in engine.generate(
+        request_id, prompt.token_ids, params, cache_salt=cache_salt
+    ):
         if output.error is not None:
             raise EngineRequestFailed(output.error)
         yield output
 
 
 async def generate_all(
-    engine: GenerateClient, request_id: str, prompts: list[EnginePrompt], params: SamplingParams
+    engine: GenerateClient,
+    request_id: str,
+    prompts: list[EnginePrompt],
+    params: SamplingParams,
+    cache_salt: str | None = None,
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Yields (prompt index, delta) until every prompt's request finished.
 
     Engine request ids are ``request_id`` (one prompt) or ``request_id-<i>``.
     """
     if len(prompts) == 1:
-        async with contextlib.aclosing(_one(engine, request_id, prompts[0], params)) as outputs:
+        async with contextlib.aclosing(
+            _one(engine, request_id, prompts[0], params, cache_salt)
+        ) as outputs:
             async for output in outputs:
                 yield 0, output
         return
@@ -68,7 +85,7 @@ async def generate_all(
 
     async def pump(i: int) -> None:
         try:
-            async for output in _one(engine, f"{request_id}-{i}", prompts[i], params):
+            async for output in _one(engine, f"{request_id}-{i}", prompts[i], params, cache_salt):
                 queue.put_nowait((i, output))
         except Exception as e:  # noqa: BLE001 - re-raised in the consumer
             queue.put_nowait(e)

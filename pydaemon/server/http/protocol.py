@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pydaemon.generation_config import GenerationDefaults
 from pydaemon.sampling_params import SamplingParams
+from pydaemon.server.validation import MAX_CACHE_SALT_LEN
 
 MAX_STOP_STRINGS = 16
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default
@@ -60,6 +61,8 @@ class _SamplingRequest(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    # vLLM's prefix-cache salt: only requests with the same salt share cached KV blocks.
+    cache_salt: str | None = Field(default=None, max_length=MAX_CACHE_SALT_LEN)
 
     @property
     def include_usage(self) -> bool:

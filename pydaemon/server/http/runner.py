@@ -52,10 +52,11 @@ async def respond(
     *,
     stream: bool,
     include_usage: bool,
+    cache_salt: str | None = None,
 ) -> web.StreamResponse:
     acc = Accumulator(prompts, params.n, serving.tokenizer)
     with serving.track() as live:
-        outputs = generate_all(serving.engine, formatter.request_id, prompts, params)
+        outputs = generate_all(serving.engine, formatter.request_id, prompts, params, cache_salt)
         try:
             async with contextlib.aclosing(outputs):
                 try:

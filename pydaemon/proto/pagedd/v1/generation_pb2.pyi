@@ -130,6 +130,12 @@ class GenerateResponse(_message.Message):
     error: RequestError
     def __init__(self, request_id: _Optional[str] = ..., delta: _Optional[_Union[TokenDelta, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ...) -> None: ...
 
+class GenerateResponseBatch(_message.Message):
+    __slots__ = ("frames",)
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    frames: _containers.RepeatedCompositeFieldContainer[GenerateResponse]
+    def __init__(self, frames: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ...) -> None: ...
+
 class TokenLogprobs(_message.Message):
     __slots__ = ("token_id", "logprob", "top_logprobs")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]

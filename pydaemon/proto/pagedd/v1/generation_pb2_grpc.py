@@ -40,6 +40,11 @@ class GenerationStub:
                 request_serializer=pagedd_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=pagedd_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateBatched = channel.stream_stream(
+                '/pagedd.v1.Generation/GenerateBatched',
+                request_serializer=pagedd_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=pagedd_dot_v1_dot_generation__pb2.GenerateResponseBatch.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/pagedd.v1.Generation/GetModelInfo',
                 request_serializer=pagedd_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
@@ -63,6 +68,15 @@ class GenerationServicer:
 
     def Generate(self, request_iterator, context):
         """Streams tokens for many concurrent requests over one call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateBatched(self, request_iterator, context):
+        """The same call, but every server message packs all the frames that are ready at once
+        (typically one message per engine step): for clients that multiplex many requests on
+        one stream, it replaces one gRPC message per request per token by one per step.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -96,6 +110,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=pagedd_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
                     response_serializer=pagedd_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateBatched': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateBatched,
+                    request_deserializer=pagedd_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
+                    response_serializer=pagedd_dot_v1_dot_generation__pb2.GenerateResponseBatch.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -141,6 +160,33 @@ class Generation:
             '/pagedd.v1.Generation/Generate',
             pagedd_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
             pagedd_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateBatched(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pagedd.v1.Generation/GenerateBatched',
+            pagedd_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
+            pagedd_dot_v1_dot_generation__pb2.GenerateResponseBatch.FromString,
             options,
             channel_credentials,
             insecure,
