@@ -1,5 +1,5 @@
 // Validating binding of the per-token layer kernels in cpp/cuda/layer_kernels.h: RMSNorm,
-// residual-add + RMSNorm, SiLU-and-multiply. Same conventions as cuda_bindings.cpp: every tensor
+// residual-add + RMSNorm, SiLU-and-multiply, rotary embedding. Same conventions as cuda_bindings.cpp: every tensor
 // is checked (a bad one raises TypeError / ValueError naming it), written tensors are
 // .noconvert(), the stream is passed in, the GIL is released around the launch.
 #include <nanobind/nanobind.h>
@@ -139,6 +139,65 @@ void silu_and_mul(Array out, Array input, uintptr_t stream) {
   check_cuda_error(err, "silu_and_mul");
 }
 
+// a: [num_tokens, heads, head_dim] on the device, last dim contiguous, heads not overlapping.
+void check_heads(const Array& a, const char* name, int64_t num_tokens, int64_t head_dim,
+                 int dev) {
+  check_cuda(a, name, dev);
+  check_ndim(a, name, 3);
+  check_dim(a, name, 0, num_tokens, "num_tokens");
+  check_dim(a, name, 2, head_dim, "head_dim");
+  if (head_dim > 1 && a.stride(2) != 1)
+    throw nb::value_error((std::string(name) + "'s last dim must be contiguous").c_str());
+  if (a.shape(1) > 1 && a.stride(1) < head_dim)
+    throw nb::value_error((std::string(name) + "'s heads overlap").c_str());
+}
+
+void rotary_embedding(Array query, Array key, const Array& cos, const Array& sin,
+                      uintptr_t stream) {
+  const int dev = current_device();
+  const DType dtype = layer_dtype(query, "query");
+  check_same_dtype(key, "key", query, "query");
+  check_ndim(query, "query", 3);
+  const int64_t num_tokens = query.shape(0), head_dim = query.shape(2);
+  if (head_dim % 2 != 0)
+    throw nb::value_error(("head_dim must be even, got " + std::to_string(head_dim)).c_str());
+  check_sizes(num_tokens, head_dim, "head_dim (query.shape[2])");
+  check_heads(query, "query", num_tokens, head_dim, dev);
+  check_heads(key, "key", num_tokens, head_dim, dev);
+  if (query.shape(1) + key.shape(1) > kMaxInt) throw nb::value_error("too many heads");
+  for (const Array* a : {&cos, &sin}) {
+    const char* name = a == &cos ? "cos" : "sin";
+    if (!is_dtype(*a, kFloat, 32))
+      throw nb::type_error((std::string(name) + " must be float32, got " +
+                            dtype_name(a->dtype())).c_str());
+    check_rows(*a, name, num_tokens, head_dim, dev, false);
+  }
+  if (num_tokens > 1 && cos.stride(0) != sin.stride(0))
+    throw nb::value_error("cos and sin must have the same row stride");
+
+  pagedd::cuda::RotaryParams p{};
+  p.query = query.data();
+  p.key = key.data();
+  p.cos = static_cast<const float*>(cos.data());
+  p.sin = static_cast<const float*>(sin.data());
+  p.query_token_stride = query.stride(0);
+  p.query_head_stride = query.stride(1);
+  p.key_token_stride = key.stride(0);
+  p.key_head_stride = key.stride(1);
+  p.cos_sin_stride = cos.stride(0);
+  p.num_tokens = (int)num_tokens;
+  p.num_heads = (int)query.shape(1);
+  p.num_kv_heads = (int)key.shape(1);
+  p.head_dim = (int)head_dim;
+  p.dtype = dtype;
+  cudaError_t err;
+  {
+    nb::gil_scoped_release release;
+    err = pagedd::cuda::rotary_embedding(p, as_stream(stream));
+  }
+  check_cuda_error(err, "rotary_embedding");
+}
+
 }  // namespace
 
 void bind_layer_ops(nb::module_& m) {
@@ -155,4 +214,9 @@ void bind_layer_ops(nb::module_& m) {
         nb::arg("stream"),
         "out = silu(input[:, :d]) * input[:, d:]. input: [num_tokens, 2 * d]; out:\n"
         "[num_tokens, d]; float16, bfloat16 or float32.");
+  m.def("rotary_embedding", &rotary_embedding, nb::arg("query").noconvert(),
+        nb::arg("key").noconvert(), nb::arg("cos"), nb::arg("sin"), nb::arg("stream"),
+        "Rotates query [num_tokens, num_heads, head_dim] and key [num_tokens, num_kv_heads,\n"
+        "head_dim] in place (rotate_half convention, rounded as transformers does); cos, sin:\n"
+        "[num_tokens, head_dim] float32. query and key: float16, bfloat16 or float32.");
 }

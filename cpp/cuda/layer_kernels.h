@@ -1,5 +1,5 @@
 // Entry points of pagedd's per-token layer kernels: RMSNorm (optionally fused with the residual
-// add) and SiLU-and-multiply. Framework-free like pagedd_cuda.h: raw device pointers, element
+// add), SiLU-and-multiply and the rotary embedding. Framework-free like pagedd_cuda.h: raw device pointers, element
 // strides, a cudaStream_t; cudaErrorInvalidValue for a bad size. The validating binding is
 // cpp/bindings/layer_bindings.cpp.
 //
@@ -50,5 +50,29 @@ struct SiluAndMulParams {
 
 // out = round(silu(gate)) * up, silu(x) = x / (1 + exp(-x)) in float32. One block per row.
 cudaError_t silu_and_mul(const SiluAndMulParams& p, cudaStream_t stream);
+
+struct RotaryParams {
+  void* query;                 // [num_tokens, num_heads, head_dim], last dim contiguous
+  void* key;                   // [num_tokens, num_kv_heads, head_dim], last dim contiguous
+  const float* cos;            // [num_tokens, head_dim] float32, last dim contiguous
+  const float* sin;            // [num_tokens, head_dim] float32, same strides as cos
+  int64_t query_token_stride;  // elements
+  int64_t query_head_stride;
+  int64_t key_token_stride;
+  int64_t key_head_stride;
+  int64_t cos_sin_stride;      // elements between rows of cos and of sin
+  int num_tokens;
+  int num_heads;
+  int num_kv_heads;
+  int head_dim;                // even
+  DType dtype;                 // of query and key: kFloat16, kBFloat16 or kFloat32
+};
+
+// In place, for every head h of query and of key (the rotate_half convention):
+//   x[:half], x[half:] = x[:half] * cos[:half] - x[half:] * sin[:half],
+//                        x[half:] * cos[half:] + x[:half] * sin[half:]
+// with cos and sin rounded to dtype first and every product and the sum rounded to dtype, as
+// transformers' apply_rotary_pos_emb computes it. One block per token.
+cudaError_t rotary_embedding(const RotaryParams& p, cudaStream_t stream);
 
 }  // namespace pagedd::cuda

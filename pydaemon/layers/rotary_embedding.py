@@ -11,6 +11,7 @@ import math
 import torch
 from torch import nn
 
+from pydaemon import ops
 from pydaemon.model_config import RopeScaling
 
 
@@ -68,6 +69,17 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[:, None].float() * self.inv_freq[None, :].float()
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
+
+
+def apply_rotary_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotates q [T, Hq, D] and k [T, Hk, D]: on CUDA with the pagedd kernel, in place and
+    in one launch (the same numbers as the torch expression below); elsewhere in torch."""
+    if q.is_cuda and q.dtype in ops.LAYER_KERNEL_DTYPES and ops.is_available():
+        ops.rotary_embedding(q, k, cos, sin)
+        return q, k
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

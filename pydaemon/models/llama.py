@@ -31,7 +31,7 @@ from pydaemon.layers.parallel_linear import (
     vocab_embedding,
 )
 from pydaemon.layers.rms_norm import RMSNorm
-from pydaemon.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+from pydaemon.layers.rotary_embedding import RotaryEmbedding, apply_rotary_qk
 from pydaemon.model_config import ModelConfig
 
 
@@ -76,8 +76,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:  # Qwen3: per head, after the split
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        q, k = apply_rotary_qk(q, k, cos, sin)
         out = self.attn(q, k, v, key_cache, value_cache, attn_metadata)
         return self.o_proj(out)
 

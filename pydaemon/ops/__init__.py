@@ -8,6 +8,7 @@
                                           seq_lens, query_start_loc, max_query_len)
         out = ops.fused_add_rms_norm(x, residual, weight, eps)  # residual updated in place
         out = ops.silu_and_mul(gate_up)
+        ops.rotary_embedding(q, k, cos, sin)  # in place
 
 ``is_available()`` is False (and ``unavailable_reason()`` says why) when ``_core`` was built
 without CUDA kernels or no CUDA device is visible; every wrapper then raises RuntimeError.
@@ -23,6 +24,7 @@ from pydaemon.ops.paged_attention import (
     paged_attention_decode,
 )
 from pydaemon.ops.paged_prefill import paged_attention_prefill
+from pydaemon.ops.rotary import rotary_embedding
 
 __all__ = [
     "LAYER_KERNEL_DTYPES",
@@ -37,6 +39,7 @@ __all__ = [
     "paged_attention_prefill",
     "reshape_and_cache",
     "rms_norm",
+    "rotary_embedding",
     "silu_and_mul",
     "swap_blocks",
     "unavailable_reason",
