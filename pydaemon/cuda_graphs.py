@@ -1,0 +1,253 @@
+"""CUDA graphs for decode steps: capture once per padded shape, replay every decode step.
+
+A decode step of 8B-class models launches ~15 kernels per layer; launched one by one from
+Python that is milliseconds of host time per token at batch 1. A graph replays the whole
+forward pass (embedding to final norm, every layer's kernels and, under tensor parallelism,
+its NCCL all-reduces) with one launch.
+
+- Shapes (batch buckets, seq-len tiers) and the static input buffer: cuda_graph_inputs.py.
+- Capture: after the KV cache exists (the graphs hold its pointers), largest shape first,
+  all graphs sharing one memory pool (they never run at once, so the pool is about the
+  largest graph's activations). Each capture is preceded by one eager run of the same shape
+  on the capture stream (lazy cuBLAS / NCCL set-up must not happen inside a capture).
+- Replay: one host-to-device copy of the padded inputs into the static buffer, then the
+  graph, both on the current stream: no host-device sync. The output is the graph's hidden
+  state buffer; the runner takes the real rows and computes the logits outside the graph
+  (see ``CUDAGraphRunner.run``).
+- Tensor parallelism: every rank builds its own runner from the same config and replays the
+  same graph for the same SchedulerOutput, so the captured collectives match across ranks.
+- Memory: ``measure_graph_memory`` captures the largest and the smallest graph on the
+  profiling cache before the KV cache is sized and extrapolates to all of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from pydaemon.attention_metadata import AttentionMetadata
+from pydaemon.config import EngineConfig
+from pydaemon.cuda_graph_inputs import (
+    GraphKey,
+    GraphPlan,
+    capture_batch_sizes,
+    capture_seq_len_tiers,
+    decode_input_views,
+    pack_decode_inputs,
+)
+from pydaemon.input_batch import StepInput
+from pydaemon.kv_cache import GiB
+from pydaemon.layers.attention import decode_on_tensor_cores, uses_kernels
+from pydaemon.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def make_graph_plan(
+    max_num_seqs: int,
+    max_seq_len_to_capture: int,
+    block_size: int,
+    num_kv_heads: int,  # this rank's
+    num_q_heads: int,  # this rank's
+) -> GraphPlan:
+    """The buckets and tiers (cuda_graph_inputs.py); a bucket needs one graph per tier when its
+    capture at the longest tier runs the split-KV decode kernel. ``decode_on_tensor_cores``
+    can only turn from True to False as the context grows, so True at the longest tier means
+    the tensor-core path (whose launch ignores max_seq_len) at every tier."""
+    batch_sizes = capture_batch_sizes(max_num_seqs)
+    tiers = capture_seq_len_tiers(max_seq_len_to_capture)
+    group = num_q_heads // num_kv_heads
+    tiered = frozenset(
+        b for b in batch_sizes if not decode_on_tensor_cores(b, num_kv_heads, group, tiers[-1])
+    )
+    return GraphPlan(tuple(batch_sizes), tuple(tiers), block_size, tiered)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    hidden: torch.Tensor  # [batch_size, hidden_size]: the graph's output, rewritten by replay
+
+
+class CUDAGraphRunner:
+    """Holds the captured decode graphs of one model and one KV cache (one TP rank)."""
+
+    def __init__(
+        self, model: nn.Module, kv_cache: torch.Tensor, plan: GraphPlan, pool=None
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache  # [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]
+        self.plan = plan
+        self.device = kv_cache.device
+        # The static inputs of every graph: one buffer, each graph its own views of it.
+        self.buffer = torch.zeros(plan.max_buffer_words, dtype=torch.int64, device=self.device)
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(self.device)
+        self.graphs: dict[GraphKey, _Graph] = {}
+        self.num_replays = 0
+        # Padding rows attend to block 0's first slot: it must hold finite values from the
+        # start (torch.empty may hold NaN bit patterns); a real sequence only writes K/V there.
+        kv_cache[0].zero_()
+
+    # ---- capture ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture(self, keys: list[GraphKey] | None = None) -> None:
+        """Captures ``keys`` (default: the plan's, largest first)."""
+        for key in self.plan.keys() if keys is None else keys:
+            self.graphs[key] = self._capture_one(key)
+
+    def _capture_one(self, key: GraphKey) -> _Graph:
+        # An all-padding batch: no cache writes, finite activations.
+        empty = np.zeros(0, dtype=np.int64)
+        host = pack_decode_inputs(
+            empty, empty, empty, np.zeros((0, 1), np.int32), empty.astype(np.int32), key
+        )
+        self.buffer[: host.size].copy_(torch.from_numpy(host))
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            self._forward(key)  # warm-up: lazy library and communicator set-up, outside capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+            hidden = self._forward(key)
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        return _Graph(graph, hidden)
+
+    def _forward(self, key: GraphKey) -> torch.Tensor:
+        views = decode_input_views(self.buffer, key)
+        b = key.batch_size
+        meta = AttentionMetadata(
+            num_prefills=0,
+            num_prefill_tokens=0,
+            num_decode_tokens=b,
+            slot_mapping=views["slot_mapping"],
+            block_tables=views["block_tables"],
+            seq_lens=views["seq_lens"],
+            query_start_loc=views["query_start_loc"],
+            max_seq_len=key.max_seq_len,  # the tier: sizes the split-KV grid for any step in it
+            max_query_len=1,
+            # Host copies are read only by the torch attention path, which never runs in a
+            # graph (cuda_graph_plan's conditions); bounds, not the step's values.
+            seq_lens_cpu=[key.max_seq_len] * b,
+            query_lens_cpu=[1] * b,
+        )
+        return self.model(views["input_ids"], views["positions"], self.kv_cache, meta)
+
+    # ---- replay -----------------------------------------------------------------------------
+    def key_for(self, step: StepInput) -> GraphKey | None:
+        """The graph serving this step, or None when it must run eagerly (prefill work, more
+        sequences than the largest bucket, or a context past the last tier)."""
+        num_seqs = len(step.seq_ids)
+        if step.num_prefills != 0 or len(step.input_ids) != num_seqs or num_seqs == 0:
+            return None
+        key = self.plan.key_for(num_seqs, int(step.seq_lens.max()))
+        return key if key in self.graphs else None
+
+    def run(self, step: StepInput, key: GraphKey) -> torch.Tensor:
+        """-> hidden [num_seqs, hidden_size]: a view of the graph's output buffer, valid until
+        the next replay (stream order makes the caller's LM head read it first).
+
+        The logits stay outside the graph: under tensor parallelism they are gathered to
+        rank 0 only (a different output per rank), the sampler wants the real rows only, and
+        a [batch, vocab] float32 buffer per graph would pin up to ~0.26 GB of pool memory at
+        batch 512 for one GEMM launch saved.
+        """
+        host = pack_decode_inputs(
+            step.input_ids, step.positions, step.slot_mapping, step.block_tables, step.seq_lens, key
+        )
+        # Pinned through the caching host allocator, which keeps the page until the copy is
+        # done: no host sync, and the next step never overwrites a copy in flight.
+        self.buffer[: host.size].copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
+        entry = self.graphs[key]
+        entry.graph.replay()
+        self.num_replays += 1
+        return entry.hidden[: len(step.seq_ids)]
+
+    def release(self) -> None:
+        """Drops the graphs and their pool (empty_cache returns the memory afterwards)."""
+        for entry in self.graphs.values():
+            entry.graph.reset()
+        self.graphs.clear()
+
+
+def cuda_graph_plan(
+    config: EngineConfig, model_config: ModelConfig, kv_cache: torch.Tensor, max_model_len: int
+) -> GraphPlan | None:
+    """The decode graphs this runner captures, or None when every step runs eagerly:
+    ``enforce_eager``, a cache not served by the CUDA kernels (CPU, float32, a build without
+    kernels, PAGEDD_ATTENTION_BACKEND=torch), or a sliding-window model (its windowed layers
+    attend on the torch path, whose Python control flow a graph would freeze)."""
+    if config.enforce_eager or not uses_kernels(kv_cache) or model_config.has_sliding_window:
+        return None
+    tp = config.tensor_parallel_size
+    return make_graph_plan(
+        config.max_num_seqs,
+        min(config.max_seq_len_to_capture, max_model_len),
+        config.block_size,
+        model_config.num_key_value_heads // tp,
+        model_config.num_attention_heads // tp,
+    )
+
+
+def capture_all(runner: CUDAGraphRunner) -> None:
+    """Captures every graph of the plan and logs the time and device memory they took."""
+    device = runner.device
+    torch.cuda.synchronize(device)
+    free_before = torch.cuda.mem_get_info(device)[0]
+    start = time.perf_counter()
+    runner.capture()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()  # the warm-ups' blocks, cached on the capture stream
+    used = free_before - torch.cuda.mem_get_info(device)[0]
+    plan = runner.plan
+    logger.info(
+        "CUDA graphs: captured %d decode graphs in %.1f s, %.3f GiB (batch sizes %s; seq-len "
+        "tiers %s for batch sizes %s)",
+        len(runner.graphs),
+        time.perf_counter() - start,
+        used / GiB,
+        ",".join(map(str, plan.batch_sizes)),
+        ",".join(map(str, plan.seq_len_tiers)),
+        ",".join(map(str, sorted(plan.tiered))) or "none",
+    )
+
+
+def measure_graph_memory(model: nn.Module, kv_cache: torch.Tensor, plan: GraphPlan) -> int:
+    """Bytes of device memory the plan's graphs will take, measured before the KV cache is
+    sized: the largest graph on ``kv_cache`` (the profiling cache) holds the shared pool plus
+    one graph's own memory; the smallest one, captured next into the same pool, costs about
+    what each further graph costs. Everything is released again before returning."""
+    keys = plan.keys()
+    device = kv_cache.device
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    free0 = torch.cuda.mem_get_info(device)[0]
+    probe = CUDAGraphRunner(model, kv_cache, plan)
+    probe.capture(keys[:1])
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()  # the warm-up's blocks, cached on the capture stream
+    free1 = torch.cuda.mem_get_info(device)[0]
+    each = 0
+    if len(keys) > 1:
+        probe.capture(keys[-1:])
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        each = max(0, free1 - torch.cuda.mem_get_info(device)[0])
+    probe.release()
+    del probe
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    total = max(0, free0 - free1) + each * (len(keys) - 1)
+    logger.info(
+        "CUDA graphs: %d to capture, measured %.3f GiB for the largest and %.1f MiB for each "
+        "further one: %.2f GiB kept out of the KV cache",
+        len(keys),
+        (free0 - free1) / GiB,
+        each / (1 << 20),
+        total / GiB,
+    )
+    return total
