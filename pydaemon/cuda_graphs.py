@@ -78,17 +78,15 @@ class _Graph:
 class CUDAGraphRunner:
     """Holds the captured decode graphs of one model and one KV cache (one TP rank)."""
 
-    def __init__(
-        self, model: nn.Module, kv_cache: torch.Tensor, plan: GraphPlan, pool=None
-    ) -> None:
+    def __init__(self, model: nn.Module, kv_cache: torch.Tensor, plan: GraphPlan) -> None:
         self.model = model
         self.kv_cache = kv_cache  # [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]
         self.plan = plan
         self.device = kv_cache.device
         # The static inputs of every graph: one buffer, each graph its own views of it.
         self.buffer = torch.zeros(plan.max_buffer_words, dtype=torch.int64, device=self.device)
-        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        self.stream = torch.cuda.Stream(self.device)
+        self.pool = None  # the memory pool all graphs share, made by the first capture
+        self.stream: torch.cuda.Stream | None = None  # the capture stream
         self.graphs: dict[GraphKey, _Graph] = {}
         self.num_replays = 0
         # Padding rows attend to block 0's first slot: it must hold finite values from the
@@ -99,6 +97,9 @@ class CUDAGraphRunner:
     @torch.inference_mode()
     def capture(self, keys: list[GraphKey] | None = None) -> None:
         """Captures ``keys`` (default: the plan's, largest first)."""
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+            self.pool = torch.cuda.graph_pool_handle()
         # torch.cuda.graph runs gc.collect() before every capture; with the objects alive now
         # frozen out of collection, those calls cost microseconds instead of a full pass each.
         gc.collect()
@@ -112,20 +113,41 @@ class CUDAGraphRunner:
     def _capture_one(self, key: GraphKey) -> _Graph:
         # An all-padding batch: no cache writes, finite activations.
         empty = np.zeros(0, dtype=np.int64)
-        host = pack_decode_inputs(
+        self.load_inputs(
             empty, empty, empty, np.zeros((0, 1), np.int32), empty.astype(np.int32), key
         )
-        self.buffer[: host.size].copy_(torch.from_numpy(host))
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            self._forward(key)  # warm-up: lazy library and communicator set-up, outside capture
+            self.forward(key)  # warm-up: lazy library and communicator set-up, outside capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-            hidden = self._forward(key)
+            hidden = self.forward(key)
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
         return _Graph(graph, hidden)
 
-    def _forward(self, key: GraphKey) -> torch.Tensor:
+    def load_inputs(
+        self,
+        input_ids: np.ndarray,  # [n] int64
+        positions: np.ndarray,  # [n] int64
+        slot_mapping: np.ndarray,  # [n] int64
+        block_tables: np.ndarray,  # [n, any width] int32
+        seq_lens: np.ndarray,  # [n] int32
+        key: GraphKey,
+    ) -> None:
+        """Writes a decode batch, padded to ``key``, into the static buffer (one copy)."""
+        host = torch.from_numpy(
+            pack_decode_inputs(input_ids, positions, slot_mapping, block_tables, seq_lens, key)
+        )
+        if self.device.type == "cuda":
+            # Pinned through the caching host allocator, which keeps the page until the copy
+            # is done: no host sync, and the next step never overwrites a copy in flight.
+            self.buffer[: host.numel()].copy_(host.pin_memory(), non_blocking=True)
+        else:
+            self.buffer[: host.numel()].copy_(host)
+
+    def forward(self, key: GraphKey) -> torch.Tensor:
+        """The model on the static buffer's views for ``key``: what a graph captures.
+        -> hidden [key.batch_size, hidden_size]."""
         views = decode_input_views(self.buffer, key)
         b = key.batch_size
         meta = AttentionMetadata(
@@ -138,8 +160,9 @@ class CUDAGraphRunner:
             query_start_loc=views["query_start_loc"],
             max_seq_len=key.max_seq_len,  # the tier: sizes the split-KV grid for any step in it
             max_query_len=1,
-            # Host copies are read only by the torch attention path, which never runs in a
-            # graph (cuda_graph_plan's conditions); bounds, not the step's values.
+            # Bounds, not the step's values. Only the torch attention path reads them, and
+            # never in a graph (cuda_graph_plan); its decode sizes a gather with them and masks
+            # with the device seq_lens, so this forward is also exact on a CPU cache.
             seq_lens_cpu=[key.max_seq_len] * b,
             query_lens_cpu=[1] * b,
         )
@@ -164,12 +187,9 @@ class CUDAGraphRunner:
         a [batch, vocab] float32 buffer per graph would pin up to ~0.26 GB of pool memory at
         batch 512 for one GEMM launch saved.
         """
-        host = pack_decode_inputs(
+        self.load_inputs(
             step.input_ids, step.positions, step.slot_mapping, step.block_tables, step.seq_lens, key
         )
-        # Pinned through the caching host allocator, which keeps the page until the copy is
-        # done: no host sync, and the next step never overwrites a copy in flight.
-        self.buffer[: host.size].copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
         entry = self.graphs[key]
         entry.graph.replay()
         self.num_replays += 1

@@ -24,7 +24,7 @@ from pydaemon.cuda_graph_inputs import (  # noqa: E402
     decode_input_views,
     pack_decode_inputs,
 )
-from pydaemon.cuda_graphs import cuda_graph_plan, make_graph_plan  # noqa: E402
+from pydaemon.cuda_graphs import CUDAGraphRunner, cuda_graph_plan, make_graph_plan  # noqa: E402
 from pydaemon.model_loader import load_model  # noqa: E402
 
 
@@ -126,57 +126,70 @@ def tiny_model(tmp_path_factory):
     return model.eval(), config
 
 
-def _meta(views, num_seqs: int, seq_lens: list[int]) -> AttentionMetadata:
+def _eager_meta(step: tuple, num_seqs: int) -> AttentionMetadata:
+    _, _, slots, tables, seq_lens = step
     return AttentionMetadata(
         num_prefills=0,
         num_prefill_tokens=0,
         num_decode_tokens=num_seqs,
-        slot_mapping=views["slot_mapping"][:num_seqs],
-        block_tables=views["block_tables"][:num_seqs],
-        seq_lens=views["seq_lens"][:num_seqs],
-        query_start_loc=views["query_start_loc"][: num_seqs + 1],
-        max_seq_len=max(seq_lens),
+        slot_mapping=torch.from_numpy(slots),
+        block_tables=torch.from_numpy(tables),
+        seq_lens=torch.from_numpy(seq_lens),
+        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32),
+        max_seq_len=int(seq_lens.max()),
         max_query_len=1,
-        seq_lens_cpu=seq_lens,
+        seq_lens_cpu=seq_lens.tolist(),
         query_lens_cpu=[1] * num_seqs,
     )
 
 
 @torch.inference_mode()
-def test_padding_rows_leave_the_cache_and_the_real_rows_alone(tiny_model):
-    """The padded batch (8 rows for 5 sequences) against the unpadded one on the torch path,
-    which follows the kernels' conventions (negative slots skipped, block-table reads)."""
+def test_static_forward_equals_eager_and_padding_rows_are_no_ops(tiny_model):
+    """What a graph captures (CUDAGraphRunner.forward on the static buffer) for 5 sequences
+    padded to 8, against the plain forward on the 5, on the torch path of a CPU cache: it
+    follows the kernels' conventions (negative slots skipped, reads through block tables)."""
     model, cfg = tiny_model
     num_blocks, bs = 12, 16
     torch.manual_seed(0)
     shape = (num_blocks, cfg.num_hidden_layers, 2, cfg.num_key_value_heads, bs, cfg.head_dim)
     kv_cache = torch.randn(shape)
-    kv_cache[0].zero_()  # as CUDAGraphRunner does
-    batch = _decode_batch()
-    seq_lens = batch[4].tolist()
-
-    exact_key = GraphKey(5, 32, 3)
-    exact = decode_input_views(torch.from_numpy(pack_decode_inputs(*batch, exact_key)), exact_key)
-    eager_cache = kv_cache.clone()
-    eager = model(exact["input_ids"], exact["positions"], eager_cache, _meta(exact, 5, seq_lens))
-
-    key = GraphKey(8, 32, 2)
-    padded = decode_input_views(torch.from_numpy(pack_decode_inputs(*batch, key)), key)
+    plan = make_graph_plan(8, 32, bs, cfg.num_key_value_heads, cfg.num_attention_heads)
     graph_cache = kv_cache.clone()
-    hidden = model(
-        padded["input_ids"],
-        padded["positions"],
-        graph_cache,
-        _meta(padded, 8, padded["seq_lens"].tolist()),
-    )
+    runner = CUDAGraphRunner(model, graph_cache, plan)
+    assert not graph_cache[0].any(), "block 0 (read by padding rows) is zeroed"
+    kv_cache[0].zero_()
+    step = _decode_batch()
+    key = plan.key_for(5, int(step[4].max()))
+    assert key == GraphKey(8, 32, 2)
+
+    eager_cache = kv_cache.clone()
+    eager = model(torch.from_numpy(step[0]), torch.from_numpy(step[1]), eager_cache,
+                  _eager_meta(step, 5))  # fmt: skip
+    runner.load_inputs(*step, key)
+    hidden = runner.forward(key)  # [8, hidden_size]
+    assert hidden.shape == (8, cfg.hidden_size)
     assert torch.isfinite(hidden).all(), "padding rows must stay finite"
     torch.testing.assert_close(hidden[:5], eager, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(graph_cache, eager_cache, rtol=1e-5, atol=1e-5)
-    # Only the 5 real slots changed; block 0 (read by the padding rows) is still zero.
+    # Only the 5 real slots changed; block 0 is still zero.
     changed = (graph_cache != kv_cache).any(dim=(1, 2, 3, 5))  # [num_blocks, bs]
-    slots = sorted((int(s) // bs, int(s) % bs) for s in batch[2])
+    slots = sorted((int(s) // bs, int(s) % bs) for s in step[2])
     assert sorted(map(tuple, changed.nonzero().tolist())) == slots
     assert not graph_cache[0].any()
+    # A second, smaller step through the same buffer (3 sequences, bucket 4): row 3 held a
+    # real sequence a step ago and must be padding now (it would rewrite slot 6 * 16 + 15).
+    small = (step[0][:3] + 7, *(a[:3] for a in step[1:]))  # other tokens: other K/V
+    key2 = plan.key_for(3, int(small[4].max()))
+    assert key2.batch_size == 4
+    before = graph_cache.clone()
+    runner.load_inputs(*small, key2)
+    again = model(torch.from_numpy(small[0]), torch.from_numpy(small[1]), graph_cache.clone(),
+                  _eager_meta(small, 3))  # fmt: skip
+    torch.testing.assert_close(runner.forward(key2)[:3], again, rtol=1e-5, atol=1e-5)
+    changed = (graph_cache != before).any(dim=(1, 2, 3, 5))
+    assert sorted(map(tuple, changed.nonzero().tolist())) == sorted(
+        (int(s) // bs, int(s) % bs) for s in small[2]
+    )
 
 
 def test_no_graphs_off_the_cuda_kernels_path(tiny_model):
