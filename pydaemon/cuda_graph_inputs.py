@@ -40,6 +40,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pydaemon.config import EngineConfig
+from pydaemon.layers.attention import decode_on_tensor_cores, uses_kernels
+from pydaemon.model_config import ModelConfig
+
 PAD_SLOT_ID = -1
 FIRST_SEQ_LEN_TIER = 512  # decode_on_tensor_cores' short-context bound (layers/attention.py)
 SEQ_LEN_TIER_FACTOR = 4
@@ -111,6 +115,45 @@ class GraphPlan:
 
     def _key(self, batch_size: int, tier: int) -> GraphKey:
         return GraphKey(batch_size, tier, -(-tier // self.block_size))
+
+
+def cuda_graph_plan(
+    config: EngineConfig, model_config: ModelConfig, kv_cache: torch.Tensor, max_model_len: int
+) -> GraphPlan | None:
+    """The decode graphs this runner captures, or None when every step runs eagerly:
+    ``enforce_eager``, a cache not served by the CUDA kernels (CPU, float32, a build without
+    kernels, PAGEDD_ATTENTION_BACKEND=torch), or a sliding-window model (its windowed layers
+    attend on the torch path, whose Python control flow a graph would freeze)."""
+    if config.enforce_eager or not uses_kernels(kv_cache) or model_config.has_sliding_window:
+        return None
+    tp = config.tensor_parallel_size
+    return make_graph_plan(
+        config.max_num_seqs,
+        min(config.max_seq_len_to_capture, max_model_len),
+        config.block_size,
+        model_config.num_key_value_heads // tp,
+        model_config.num_attention_heads // tp,
+    )
+
+
+def make_graph_plan(
+    max_num_seqs: int,
+    max_seq_len_to_capture: int,
+    block_size: int,
+    num_kv_heads: int,  # this rank's
+    num_q_heads: int,  # this rank's
+) -> GraphPlan:
+    """The buckets and tiers (cuda_graph_inputs.py); a bucket needs one graph per tier when its
+    capture at the longest tier runs the split-KV decode kernel. ``decode_on_tensor_cores``
+    can only turn from True to False as the context grows, so True at the longest tier means
+    the tensor-core path (whose launch ignores max_seq_len) at every tier."""
+    batch_sizes = capture_batch_sizes(max_num_seqs)
+    tiers = capture_seq_len_tiers(max_seq_len_to_capture)
+    group = num_q_heads // num_kv_heads
+    tiered = frozenset(
+        b for b in batch_sizes if not decode_on_tensor_cores(b, num_kv_heads, group, tiers[-1])
+    )
+    return GraphPlan(tuple(batch_sizes), tuple(tiers), block_size, tiered)
 
 
 def buffer_words(batch_size: int, width: int) -> int:

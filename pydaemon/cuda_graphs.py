@@ -32,41 +32,11 @@ import torch
 from torch import nn
 
 from pydaemon.attention_metadata import AttentionMetadata
-from pydaemon.config import EngineConfig
-from pydaemon.cuda_graph_inputs import (
-    GraphKey,
-    GraphPlan,
-    capture_batch_sizes,
-    capture_seq_len_tiers,
-    decode_input_views,
-    pack_decode_inputs,
-)
+from pydaemon.cuda_graph_inputs import GraphKey, GraphPlan, decode_input_views, pack_decode_inputs
 from pydaemon.input_batch import StepInput
 from pydaemon.kv_cache import GiB
-from pydaemon.layers.attention import decode_on_tensor_cores, uses_kernels
-from pydaemon.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
-
-
-def make_graph_plan(
-    max_num_seqs: int,
-    max_seq_len_to_capture: int,
-    block_size: int,
-    num_kv_heads: int,  # this rank's
-    num_q_heads: int,  # this rank's
-) -> GraphPlan:
-    """The buckets and tiers (cuda_graph_inputs.py); a bucket needs one graph per tier when its
-    capture at the longest tier runs the split-KV decode kernel. ``decode_on_tensor_cores``
-    can only turn from True to False as the context grows, so True at the longest tier means
-    the tensor-core path (whose launch ignores max_seq_len) at every tier."""
-    batch_sizes = capture_batch_sizes(max_num_seqs)
-    tiers = capture_seq_len_tiers(max_seq_len_to_capture)
-    group = num_q_heads // num_kv_heads
-    tiered = frozenset(
-        b for b in batch_sizes if not decode_on_tensor_cores(b, num_kv_heads, group, tiers[-1])
-    )
-    return GraphPlan(tuple(batch_sizes), tuple(tiers), block_size, tiered)
 
 
 @dataclass
@@ -161,7 +131,7 @@ class CUDAGraphRunner:
             max_seq_len=key.max_seq_len,  # the tier: sizes the split-KV grid for any step in it
             max_query_len=1,
             # Bounds, not the step's values. Only the torch attention path reads them, and
-            # never in a graph (cuda_graph_plan); its decode sizes a gather with them and masks
+            # never in a graph (cuda_graph_plan in cuda_graph_inputs.py); its decode sizes a gather with them and masks
             # with the device seq_lens, so this forward is also exact on a CPU cache.
             seq_lens_cpu=[key.max_seq_len] * b,
             query_lens_cpu=[1] * b,
@@ -202,36 +172,30 @@ class CUDAGraphRunner:
         self.graphs.clear()
 
 
-def cuda_graph_plan(
-    config: EngineConfig, model_config: ModelConfig, kv_cache: torch.Tensor, max_model_len: int
-) -> GraphPlan | None:
-    """The decode graphs this runner captures, or None when every step runs eagerly:
-    ``enforce_eager``, a cache not served by the CUDA kernels (CPU, float32, a build without
-    kernels, PAGEDD_ATTENTION_BACKEND=torch), or a sliding-window model (its windowed layers
-    attend on the torch path, whose Python control flow a graph would freeze)."""
-    if config.enforce_eager or not uses_kernels(kv_cache) or model_config.has_sliding_window:
-        return None
-    tp = config.tensor_parallel_size
-    return make_graph_plan(
-        config.max_num_seqs,
-        min(config.max_seq_len_to_capture, max_model_len),
-        config.block_size,
-        model_config.num_key_value_heads // tp,
-        model_config.num_attention_heads // tp,
-    )
+def capture_all(
+    model: nn.Module, kv_cache: torch.Tensor, plan: GraphPlan
+) -> CUDAGraphRunner | None:
+    """A runner with every graph of the plan captured; logs the time and memory they took.
 
-
-def capture_all(runner: CUDAGraphRunner) -> None:
-    """Captures every graph of the plan and logs the time and device memory they took."""
-    device = runner.device
+    A capture that fails (an operation CUDA cannot capture) is logged as an error with its
+    traceback and the engine runs every step eagerly rather than not at all.
+    """
+    device = kv_cache.device
     torch.cuda.synchronize(device)
     free_before = torch.cuda.mem_get_info(device)[0]
     start = time.perf_counter()
-    runner.capture()
+    runner = CUDAGraphRunner(model, kv_cache, plan)
+    try:
+        runner.capture()
+    except RuntimeError:
+        logger.exception("CUDA graph capture failed: every step runs eagerly (--enforce-eager)")
+        runner.release()
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        return None
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()  # the warm-ups' blocks, cached on the capture stream
     used = free_before - torch.cuda.mem_get_info(device)[0]
-    plan = runner.plan
     logger.info(
         "CUDA graphs: captured %d decode graphs in %.1f s, %.3f GiB (batch sizes %s; seq-len "
         "tiers %s for batch sizes %s)",
@@ -242,6 +206,7 @@ def capture_all(runner: CUDAGraphRunner) -> None:
         ",".join(map(str, plan.seq_len_tiers)),
         ",".join(map(str, sorted(plan.tiered))) or "none",
     )
+    return runner
 
 
 def measure_graph_memory(model: nn.Module, kv_cache: torch.Tensor, plan: GraphPlan) -> int:
@@ -256,20 +221,25 @@ def measure_graph_memory(model: nn.Module, kv_cache: torch.Tensor, plan: GraphPl
     torch.cuda.empty_cache()
     free0 = torch.cuda.mem_get_info(device)[0]
     probe = CUDAGraphRunner(model, kv_cache, plan)
-    probe.capture(keys[:1])
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()  # the warm-up's blocks, cached on the capture stream
-    free1 = torch.cuda.mem_get_info(device)[0]
-    hidden = probe.graphs[keys[0]].hidden
-    row_bytes = hidden.shape[1] * hidden.element_size()
-    each = 0
-    if len(keys) > 1:
-        probe.capture(keys[-1:])
+    try:
+        probe.capture(keys[:1])
         torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        each = max(0, free1 - torch.cuda.mem_get_info(device)[0])
+        torch.cuda.empty_cache()  # the warm-up's blocks, cached on the capture stream
+        free1 = torch.cuda.mem_get_info(device)[0]
+        hidden = probe.graphs[keys[0]].hidden
+        row_bytes = hidden.shape[1] * hidden.element_size()
+        del hidden
+        each = 0
+        if len(keys) > 1:
+            probe.capture(keys[-1:])
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+            each = max(0, free1 - torch.cuda.mem_get_info(device)[0])
+    except RuntimeError:
+        logger.exception("CUDA graph capture failed while measuring; capture_all will say more")
+        free1, each, row_bytes = free0, 0, 0
     probe.release()
-    del probe, hidden
+    del probe
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     outputs = sum(k.batch_size for k in keys[1:]) * row_bytes

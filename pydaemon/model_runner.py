@@ -14,12 +14,8 @@ import torch
 
 from pydaemon.attention_metadata import AttentionMetadata
 from pydaemon.config import EngineConfig
-from pydaemon.cuda_graphs import (
-    CUDAGraphRunner,
-    capture_all,
-    cuda_graph_plan,
-    measure_graph_memory,
-)
+from pydaemon.cuda_graph_inputs import cuda_graph_plan
+from pydaemon.cuda_graphs import CUDAGraphRunner, capture_all, measure_graph_memory
 from pydaemon.distributed import parallel_state as ps
 from pydaemon.input_batch import InputBatch, StepInput
 from pydaemon.kv_cache import GiB, KVCacheSpec
@@ -103,8 +99,7 @@ class ModelRunner:
         self.cuda_graphs: CUDAGraphRunner | None = None
         plan = cuda_graph_plan(config, self.model_config, self.kv_cache, self.max_model_len)
         if plan is not None:
-            self.cuda_graphs = CUDAGraphRunner(self.model, self.kv_cache, plan)
-            capture_all(self.cuda_graphs)
+            self.cuda_graphs = capture_all(self.model, self.kv_cache, plan)
         logger.info(
             "KV cache: %d blocks of %d tokens on %s (%.2f GiB), %d swap blocks on the CPU",
             self.num_gpu_blocks,

@@ -21,10 +21,12 @@ from pydaemon.cuda_graph_inputs import (  # noqa: E402
     buffer_words,
     capture_batch_sizes,
     capture_seq_len_tiers,
+    cuda_graph_plan,
     decode_input_views,
+    make_graph_plan,
     pack_decode_inputs,
 )
-from pydaemon.cuda_graphs import CUDAGraphRunner, cuda_graph_plan, make_graph_plan  # noqa: E402
+from pydaemon.cuda_graphs import CUDAGraphRunner  # noqa: E402
 from pydaemon.model_loader import load_model  # noqa: E402
 
 
