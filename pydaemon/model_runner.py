@@ -220,6 +220,14 @@ class ModelRunner:
             return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden[_to(step.sample_index, dev)])
 
+    def release_cuda_graphs(self) -> None:
+        """Drops the decode graphs: call before destroying the NCCL communicator their
+        all-reduces captured (ncclCommDestroy waits for every graph holding it: pytorch#115388).
+        Steps run eagerly afterwards."""
+        if self.cuda_graphs is not None:
+            self.cuda_graphs.release()
+            self.cuda_graphs = None
+
     def _move_blocks(self, out: SchedulerOutput) -> None:
         """Swap out, swap in, then copy-on-write, before this step's K/V writes."""
         if self.swap_stream is not None:
