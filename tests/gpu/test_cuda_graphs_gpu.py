@@ -6,9 +6,12 @@ decode attention kernel sums partial outputs with shared-memory atomics (order v
 run) and, captured at a seq-len tier, may merge partitions through its reduce kernel where the
 eager launch had one partition. All of that moves logits by a few fp16/bf16 ulps; a wrong
 input (stale slot, wrong block table, wrong length) moves them by O(1). The bounds below sit
-between the two: max |graph - eager| under 2% of the logits' standard deviation, the same
-argmax wherever the top two logits are apart, and the KV cache identical outside the step's
-own slots.
+between the two: max |graph - eager| under 2% (fp16; bf16 5%) of the logits' standard
+deviation, the same argmax wherever the top two logits are apart, and the KV cache identical
+outside the step's own slots. Whole generations: greedy tokens of the graph engine follow
+float32 transformers as the eager engine's do (tests/gpu/test_engine_gpu.py's criterion), and
+all but at most one sequence are token-for-token the eager engine's (a last-ulp difference
+may flip a near-tie, after which a sequence goes its own way; a wrong graph input breaks all).
 """
 
 from __future__ import annotations
@@ -137,12 +140,13 @@ def _check_graph_step(runner, batch_size: int, regime: str) -> None:
     assert graph.shape == eager.shape == (batch_size, VOCAB)
 
     scale = float(eager.std())
+    tol = 0.02 if runner.dtype == torch.float16 else 0.05  # bf16 keeps 3 fewer mantissa bits
     err = (graph - eager).abs().amax(dim=-1) / scale  # [batch_size]
     worst = int(err.argmax())
-    assert float(err.max()) < 0.02, (
+    assert float(err.max()) < tol, (
         f"{key}: logits differ by {float(err.max()):.3g} std at row {worst} "
-        f"(seq_len {int(step.seq_lens[worst])}); rows over 2%: "
-        f"{(err >= 0.02).nonzero().flatten().tolist()}"
+        f"(seq_len {int(step.seq_lens[worst])}); rows over {tol}: "
+        f"{(err >= tol).nonzero().flatten().tolist()}"
     )
     top2 = eager.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) > 0.05 * scale
@@ -160,7 +164,7 @@ def _check_graph_step(runner, batch_size: int, regime: str) -> None:
         "a graph replay wrote outside the step's slots"
     )
     torch.testing.assert_close(
-        by_slot(cache)[written], by_slot(eager_cache)[written], rtol=2e-2, atol=2e-2
+        by_slot(cache)[written], by_slot(eager_cache)[written], rtol=3e-2, atol=3e-2
     )
 
 
@@ -209,10 +213,22 @@ def test_generate_with_graphs_equals_eager_and_follows_transformers(tmp_path_fac
     graphs = llm.engine.runner.cuda_graphs
     got = _generate(llm, prompts, 48)
     assert graphs.num_replays >= 40, f"only {graphs.num_replays} of ~47 decode steps replayed"
-    assert got == eager
+    _assert_mostly_equal(got, eager)
     hf32 = hf.to("cuda", torch.float32)
     gaps = torch.cat([gaps_to_fp32_argmax(hf32, p, t) for p, t in zip(prompts, got, strict=True)])
+    # Greedy in fp16 follows float32's argmax except at near-ties (gap < 5% of a logit std).
     assert float(gaps.max()) < 0.05, f"largest gap {float(gaps.max()):.3f} logit std"
+    assert float((gaps == 0).float().mean()) > 0.9
+
+
+def _assert_mostly_equal(got: list[list[int]], ref: list[list[int]]) -> None:
+    """All sequences equal but at most one (see the module docstring)."""
+    diverged = {
+        i: next(j for j, (a, b) in enumerate(zip(g, r, strict=True)) if a != b)
+        for i, (g, r) in enumerate(zip(got, ref, strict=True))
+        if g != r
+    }
+    assert len(diverged) <= 1, f"sequences that left the eager tokens (at position): {diverged}"
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
@@ -233,4 +249,4 @@ def test_tp2_generate_with_graphs_equals_eager(tmp_path_factory):
                 assert graphs.num_replays >= 25
         finally:
             llm.engine.shutdown()
-    assert results[False] == results[True]
+    _assert_mostly_equal(results[False], results[True])
