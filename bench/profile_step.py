@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", default=None)
     parser.add_argument("--top", type=int, default=12, help="kernels listed by name")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
     args = parser.parse_args(argv)
 
     import torch
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         load_format=args.load_format,
         device="cuda",
         max_num_seqs=args.num_seqs,
+        enforce_eager=args.enforce_eager,
     )
     core = EngineCore(config)
     rng = random.Random(0)

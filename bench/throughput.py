@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                         ("--tensor-parallel-size", int)):  # fmt: skip
         e.add_argument(flag, type=type_, default=None)
     e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     h = p.add_argument_group("transformers peers")
     h.add_argument("--static-batch-size", type=int, default=64, help="hf-static batch size")
     h.add_argument("--hf-num-requests", type=int, default=None,

@@ -45,6 +45,7 @@ def engine_kwargs(args) -> dict:
             "load_format", "seed", "tensor_parallel_size")  # fmt: skip
     kwargs = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     kwargs["enable_prefix_caching"] = not args.no_prefix_caching
+    kwargs["enforce_eager"] = args.enforce_eager
     return kwargs
 
 

@@ -22,7 +22,9 @@ class EngineConfig:
     KV-cache size derived from ``gpu_memory_utilization`` (CUDA) or ``cpu_kv_cache_space``
     (GiB, CPU). ``swap_space`` (GiB) sizes the CPU swap pool used by swap preemption.
     ``tensor_parallel_size`` > 1 shards the model over that many processes (one per GPU, or
-    gloo on CPUs), started by the engine itself.
+    gloo on CPUs), started by the engine itself. On CUDA, decode steps replay CUDA graphs
+    (pydaemon/cuda_graphs.py) unless ``enforce_eager``; a decode step whose longest context
+    exceeds ``max_seq_len_to_capture`` runs eagerly.
     """
 
     model: str = DEFAULT_MODEL
@@ -42,6 +44,8 @@ class EngineConfig:
     seed: int = 0
     watermark: float = 0.01
     tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    max_seq_len_to_capture: int = 8192
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -79,6 +83,14 @@ class EngineConfig:
             or self.tensor_parallel_size < 1
         ):
             raise bad("tensor_parallel_size", "must be a positive integer")
+        if not isinstance(self.enforce_eager, bool):
+            raise bad("enforce_eager", "must be true or false")
+        if (
+            not isinstance(self.max_seq_len_to_capture, int)
+            or isinstance(self.max_seq_len_to_capture, bool)
+            or self.max_seq_len_to_capture < 1
+        ):
+            raise bad("max_seq_len_to_capture", "must be a positive integer")
         if not self.model:
             raise bad(
                 "model", f"must name {DEFAULT_MODEL!r}, 'demo', a model directory or a .gguf file"

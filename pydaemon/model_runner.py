@@ -14,6 +14,8 @@ import torch
 
 from pydaemon.attention_metadata import AttentionMetadata
 from pydaemon.config import EngineConfig
+from pydaemon.cuda_graph_inputs import cuda_graph_plan
+from pydaemon.cuda_graphs import CUDAGraphRunner, capture_all, measure_graph_memory
 from pydaemon.distributed import parallel_state as ps
 from pydaemon.input_batch import InputBatch, StepInput
 from pydaemon.kv_cache import GiB, KVCacheSpec
@@ -92,6 +94,12 @@ class ModelRunner:
             from pydaemon.ops import SwapStream
 
             self.swap_stream = SwapStream(self.kv_cache, self.cpu_kv_cache)
+        # Decode graphs hold the real cache's pointers: captured after it exists (their memory
+        # was kept out of the cache's budget by _profile_num_blocks).
+        self.cuda_graphs: CUDAGraphRunner | None = None
+        plan = cuda_graph_plan(config, self.model_config, self.kv_cache, self.max_model_len)
+        if plan is not None:
+            self.cuda_graphs = capture_all(self.model, self.kv_cache, plan)
         logger.info(
             "KV cache: %d blocks of %d tokens on %s (%.2f GiB), %d swap blocks on the CPU",
             self.num_gpu_blocks,
@@ -118,19 +126,22 @@ class ModelRunner:
         self._dummy_forward(num_tokens)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
+        plan = cuda_graph_plan(cfg, self.model_config, self.kv_cache, self.max_model_len)
+        graphs = 0 if plan is None else measure_graph_memory(self.model, self.kv_cache, plan)
         del self.kv_cache
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         other_procs = total - free - torch.cuda.memory_reserved(self.device)
         # Sampling needs a few float32 [max_num_seqs, vocab] buffers on top.
         sampling = 4 * cfg.max_num_seqs * self.vocab_size * 4
-        budget = total * cfg.gpu_memory_utilization - peak - other_procs - sampling
+        budget = total * cfg.gpu_memory_utilization - peak - other_procs - sampling - graphs
         blocks = self.spec.num_blocks_for_bytes(budget)
         if blocks < 1:
             raise RuntimeError(
                 f"no memory left for the KV cache: peak activations {peak / GiB:.2f} GiB, "
+                f"CUDA graphs {graphs / GiB:.2f} GiB, "
                 f"gpu_memory_utilization={cfg.gpu_memory_utilization}; lower max_num_batched_tokens "
-                "or raise gpu_memory_utilization"
+                "or raise gpu_memory_utilization (or --enforce-eager)"
             )
         return min(blocks, max_useful)
 
@@ -177,6 +188,17 @@ class ModelRunner:
 
     def _forward(self, step: StepInput) -> torch.Tensor | None:
         """-> logits [len(step.sample_index), vocab] float32 (None on TP ranks > 0)."""
+        graphs = self.cuda_graphs
+        key = None if graphs is None else graphs.key_for(step)
+        if key is None:
+            return self._forward_eager(step)
+        hidden = graphs.run(step, key)  # [num_seqs, hidden_size], a view of the graph's output
+        if len(step.sample_index) == len(step.seq_ids):  # every row, in order: no gather
+            return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden[_to(step.sample_index, self.device)])
+
+    def _forward_eager(self, step: StepInput) -> torch.Tensor | None:
+        """``_forward`` without graphs: any step, on any device."""
         query_len = step.query_lens
         p = step.num_prefills
         dev = self.device
@@ -197,6 +219,14 @@ class ModelRunner:
         if len(step.sample_index) == 0:
             return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden[_to(step.sample_index, dev)])
+
+    def release_cuda_graphs(self) -> None:
+        """Drops the decode graphs: call before destroying the NCCL communicator their
+        all-reduces captured (ncclCommDestroy waits for every graph holding it: pytorch#115388).
+        Steps run eagerly afterwards."""
+        if self.cuda_graphs is not None:
+            self.cuda_graphs.release()
+            self.cuda_graphs = None
 
     def _move_blocks(self, out: SchedulerOutput) -> None:
         """Swap out, swap in, then copy-on-write, before this step's K/V writes."""

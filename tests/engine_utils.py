@@ -17,6 +17,7 @@ def make_hf_model(
     num_heads: int = 4,
     num_kv_heads: int = 2,
     vocab_size: int = 256,
+    max_position_embeddings: int = 512,
     seed: int = 0,
     **extra,
 ):
@@ -31,7 +32,7 @@ def make_hf_model(
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
-        max_position_embeddings=512,
+        max_position_embeddings=max_position_embeddings,
         bos_token_id=1,
         eos_token_id=2,
         **extra,
@@ -60,6 +61,18 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
         logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits
         ids.append(int(logits[0, -1].argmax()))
     return ids[len(prompt) :]
+
+
+@torch.no_grad()
+def gaps_to_fp32_argmax(hf32, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """Teacher-force the float32 transformers model on prompt + our tokens: for each generated
+    position, how far (in logits) our token is below float32's best token. 0 = exact argmax;
+    a near-tie that fp16 rounding may flip gives a tiny gap; a wrong kernel gives large ones."""
+    device = next(hf32.parameters()).device
+    ids = torch.tensor([prompt + tokens], device=device)
+    logits = hf32(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1 : -1].float()
+    chosen = logits.gather(1, torch.tensor(tokens, device=device)[:, None])[:, 0]
+    return (logits.max(dim=-1).values - chosen) / logits.std(dim=-1)
 
 
 def random_prompts(count: int, vocab_size: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:

@@ -67,6 +67,7 @@ class TensorParallelExecutor:
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.world_size = tp
         self.failure: str | None = None  # set once a worker failed
+        self.runner: ModelRunner | None = None  # rank 0's, once built
         self._is_closed = False
         self._lock = threading.Lock()
         self._probe_lock = threading.Lock()
@@ -230,6 +231,8 @@ class TensorParallelExecutor:
             self._is_closed = True
         atexit.unregister(self.shutdown)
         self._stop_workers(graceful=True)
+        if self.runner is not None:
+            self.runner.release_cuda_graphs()  # before the communicator they captured goes
         ps.destroy_tensor_parallel()
 
     def _stop_workers(self, graceful: bool) -> None:

@@ -48,6 +48,7 @@ def worker_main(args: WorkerArgs, conn: Connection) -> None:
 
     if args.backend == "gloo":  # CPU ranks share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
+    runner = None
     try:
         conn.send(("hello", os.getpid()))
         ps.init_tensor_parallel(
@@ -69,4 +70,6 @@ def worker_main(args: WorkerArgs, conn: Connection) -> None:
             pass
         raise SystemExit(1) from None
     finally:
+        if runner is not None:
+            runner.release_cuda_graphs()  # before the communicator they captured goes
         ps.destroy_tensor_parallel()

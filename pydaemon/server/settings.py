@@ -40,8 +40,12 @@ ENGINE_FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("--seed", int, "seed of the engine's sampling generator"),
     ("--watermark", float, "fraction of KV blocks kept free at admission"),
     ("--tensor-parallel-size", int, "shard the model over this many GPUs (processes)"),
+    ("--max-seq-len-to-capture", int, "decode steps with longer contexts run without CUDA graphs"),
 )
-ENGINE_BOOL_FLAGS = (("--enable-prefix-caching", "automatic prefix caching"),)
+ENGINE_BOOL_FLAGS = (
+    ("--enable-prefix-caching", "automatic prefix caching"),
+    ("--enforce-eager", "run every step eagerly: no CUDA graphs for decode steps"),
+)
 SERVER_BOOL_FLAGS = (("--metrics-auth", True, "with an API key, /metrics requires it too"),)
 
 # (flag, type, default, help). Keys map onto ServerOptions / ServingOptions.

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine_utils import make_hf_model, random_prompts  # noqa: E402
+from engine_utils import gaps_to_fp32_argmax, make_hf_model, random_prompts  # noqa: E402
 
 from pydaemon import LLM, SamplingParams  # noqa: E402
 from pydaemon._core import Device  # noqa: E402
@@ -31,17 +31,6 @@ def model(tmp_path_factory):
         vocab_size=512,
         seed=1,
     )
-
-
-@torch.no_grad()
-def _gaps_to_fp32_argmax(hf32, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """Teacher-force the float32 transformers model on prompt + our tokens: for each generated
-    position, how far (in logits) our token is below float32's best token. 0 = exact argmax;
-    a near-tie that fp16 rounding may flip gives a tiny gap; a wrong kernel gives large ones."""
-    ids = torch.tensor([prompt + tokens], device="cuda")
-    logits = hf32(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1 : -1].float()
-    chosen = logits.gather(1, torch.tensor(tokens, device="cuda")[:, None])[:, 0]
-    return (logits.max(dim=-1).values - chosen) / logits.std(dim=-1)
 
 
 def _all_free(llm):
@@ -65,7 +54,7 @@ def test_fp16_greedy_follows_transformers_fp32_with_kernels(
     hf32 = hf.to("cuda", torch.float32)
     gaps = torch.cat(
         [
-            _gaps_to_fp32_argmax(hf32, p, o.outputs[0].token_ids)
+            gaps_to_fp32_argmax(hf32, p, o.outputs[0].token_ids)
             for p, o in zip(prompts, outputs, strict=True)
         ]
     )

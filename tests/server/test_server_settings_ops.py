@@ -24,7 +24,7 @@ def _serve_help() -> str:
 def test_serve_help_shows_defaults_once():
     text = _serve_help()
     assert "(default: None)" not in text
-    assert text.count("(default: off)") == 2  # --metrics-port, --http-port
+    assert text.count("(default: off)") == 3  # --metrics-port, --http-port, --enforce-eager
     for expected in (
         "tokens per KV block (8, 16, 32) (default: 16)",
         "most sequences per step (default: 512)",
