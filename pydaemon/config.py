@@ -11,6 +11,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 LOAD_FORMATS = ("auto", "dummy")
 BLOCK_SIZES = (8, 16, 32)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # as pydaemon.kv_cache_fp8 (no torch import here)
 
 
 @dataclass
@@ -22,7 +23,9 @@ class EngineConfig:
     KV-cache size derived from ``gpu_memory_utilization`` (CUDA) or ``cpu_kv_cache_space``
     (GiB, CPU). ``swap_space`` (GiB) sizes the CPU swap pool used by swap preemption.
     ``tensor_parallel_size`` > 1 shards the model over that many processes (one per GPU, or
-    gloo on CPUs), started by the engine itself.
+    gloo on CPUs), started by the engine itself. ``kv_cache_dtype`` "fp8" (= "fp8_e4m3")
+    stores the KV cache as e4m3 with per-layer scales (from the checkpoint, else 1.0): about
+    twice the blocks for the same memory; "auto" stores it in the model's dtype.
     """
 
     model: str = DEFAULT_MODEL
@@ -42,6 +45,7 @@ class EngineConfig:
     seed: int = 0
     watermark: float = 0.01
     tensor_parallel_size: int = 1
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -52,6 +56,7 @@ class EngineConfig:
             ("dtype", DTYPES),
             ("preemption_mode", PREEMPTION_MODES),
             ("load_format", LOAD_FORMATS),
+            ("kv_cache_dtype", KV_CACHE_DTYPES),
         ):
             if getattr(self, name) not in allowed:
                 raise bad(name, f"must be one of {', '.join(allowed)}")
