@@ -5,11 +5,10 @@ with an fp8 cache against the full-precision one (KL divergence and greedy agree
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from engine_utils import make_hf_model, random_prompts
+from kv_logprobs import compare_logprobs, next_token_logprobs
 from model_utils import Seq, SimpleAllocator, build_step
 
 from pydaemon import LLM, SamplingParams
@@ -170,36 +169,6 @@ def test_torch_path_reads_the_dequantized_cache(k_scale, v_scale, sliding_window
     assert err.max() < 0.4 and err.mean() < 0.03, (err.max(), err.mean())
 
 
-def _run(model, kv_dtype, prompts, num_steps, forced=None, block_size=16):
-    """Prefill the prompts in one step, then ``num_steps`` decode steps; the next tokens are
-    greedy, or ``forced`` (teacher forcing). -> (tokens [B, num_steps + 1], log-probs
-    [B, num_steps + 1, vocab] float64)."""
-    cfg = model.config
-    max_len = max(len(p) for p in prompts) + num_steps + 1
-    num_blocks = len(prompts) * math.ceil(max_len / block_size)
-    shape = (num_blocks, cfg.num_hidden_layers, 2, cfg.num_key_value_heads, block_size)
-    kv_cache = torch.full((*shape, cfg.head_dim), float("nan")).to(kv_dtype)
-    alloc = SimpleAllocator(num_blocks, shuffle_seed=2)
-    seqs = [Seq(list(p)) for p in prompts]
-    tokens, logps = [], []
-    for step in range(num_steps + 1):
-        q_lens = [len(s.token_ids) - s.num_computed_tokens for s in seqs]
-        for s, q in zip(seqs, q_lens, strict=True):
-            alloc.ensure(s, s.num_computed_tokens + q, block_size)
-        ids, pos, md = build_step(seqs, q_lens, len(seqs) if step == 0 else 0, block_size)
-        with torch.inference_mode():
-            hidden = model(ids, pos, kv_cache, md)
-            logits = model.compute_logits(hidden[md.query_start_loc[1:].long() - 1])
-        logp = logits.double().log_softmax(-1)  # [B, vocab]
-        nxt = logp.argmax(-1) if forced is None else forced[:, step]
-        for s, q, t in zip(seqs, q_lens, nxt.tolist(), strict=True):
-            s.num_computed_tokens += q
-            s.token_ids.append(t)
-        tokens.append(nxt)
-        logps.append(logp)
-    return torch.stack(tokens, 1), torch.stack(logps, 1)
-
-
 @pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
 def test_fp8_cache_keeps_next_token_distributions(model_dir, model_dtype):
     """Tiny random Llama (CPU), 4 prompts x 201 next tokens: the fp8 cache's next-token
@@ -212,12 +181,9 @@ def test_fp8_cache_keeps_next_token_distributions(model_dir, model_dtype):
     noise predicts."""
     model, _ = load_model(model_dir, dtype=model_dtype)
     prompts = random_prompts(4, 256, 24, 40, seed=7)
-    ref_tokens, ref_logp = _run(model, model_dtype, prompts, 200)
-    _, fp8_logp = _run(model, FP8_DTYPE, prompts, 200, forced=ref_tokens)
-    kl = (ref_logp.exp() * (ref_logp - fp8_logp)).sum(-1)  # KL(ref || fp8) per position
-    disagree = fp8_logp.argmax(-1) != ref_tokens
-    top2 = ref_logp.topk(2, dim=-1).values
-    gap = top2[..., 0] - top2[..., 1]  # the reference's margin for its greedy token
+    ref_tokens, ref_logp = next_token_logprobs(model, model_dtype, prompts, 200)
+    _, fp8_logp = next_token_logprobs(model, FP8_DTYPE, prompts, 200, forced=ref_tokens)
+    kl, disagree, gap = compare_logprobs(ref_tokens, ref_logp, fp8_logp)
     print(
         f"fp8 KV vs {model_dtype} KV over {kl.numel()} positions: mean KL {kl.mean():.2e}, "
         f"max KL {kl.max():.2e}, greedy agreement {1 - disagree.double().mean():.4f}, largest "

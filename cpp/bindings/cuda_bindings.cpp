@@ -265,7 +265,7 @@ void reshape_and_cache(Array key, Array value, Array key_cache, Array value_cach
                            "value, got float32");
     check_kv_scales(k_scale, v_scale);
   } else {
-    kv_cache_dtype(key_cache, "key_cache", key, "key");
+    check_same_dtype(key_cache, "key_cache", key, "key");
   }
   check_same_dtype(value_cache, "value_cache", key_cache, "key_cache");
   check_dtype(slot_mapping, "slot_mapping", kInt, 64, "int64");
