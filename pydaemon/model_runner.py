@@ -18,7 +18,7 @@ from pydaemon.distributed import parallel_state as ps
 from pydaemon.input_batch import InputBatch, StepInput
 from pydaemon.kv_cache import GiB, KVCacheSpec
 from pydaemon.kv_cache_fp8 import is_fp8, kv_scales_from_checkpoint, resolve_kv_cache_dtype
-from pydaemon.layers.attention import uses_kernels
+from pydaemon.layers.attention import PagedAttention, uses_kernels
 from pydaemon.model_loader import load_model
 from pydaemon.runner_output import ModelRunnerOutput
 from pydaemon.sampling.step_sampler import StepSampler
@@ -107,8 +107,6 @@ class ModelRunner:
 
     def _set_kv_scales(self) -> None:
         """Per-layer FP8 scales from the checkpoint (1.0 where it has none)."""
-        from pydaemon.layers.attention import PagedAttention
-
         layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         scales = [(1.0, 1.0)] * len(layers)
         if self.config.load_format != "dummy":
