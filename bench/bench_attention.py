@@ -4,7 +4,8 @@
 
 Bytes counted per call: every K and V element of every sequence read once, plus the queries
 and the outputs. The SDPA peer reads the same K/V stored contiguously ([batch, kv_heads,
-context, head_dim]), with enable_gqa for grouped heads.
+context, head_dim]), with enable_gqa for grouped heads. ``--kv-cache-dtype fp8``: our cache is
+e4m3 (1 byte an element, counted so); the peer reads the dequantized K/V in the query dtype.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.timing import bench_ms, copy_bandwidth_gbs  # noqa: E402
 from pydaemon import ops  # noqa: E402
+from pydaemon.kv_cache_fp8 import quantize_fp8  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 HEADS = {"gqa32/8": (32, 8), "mha32/32": (32, 32)}
@@ -34,7 +36,7 @@ def git_commit() -> str:
         return "unknown"
 
 
-def bench_shape(dtype, num_q_heads, num_kv_heads, batch, ctx, head_dim, block_size):
+def bench_shape(dtype, num_q_heads, num_kv_heads, batch, ctx, head_dim, block_size, kv_fp8=False):
     blocks_per_seq = ctx // block_size
     num_blocks = batch * blocks_per_seq
     kv_cache = torch.randn(
@@ -44,6 +46,9 @@ def bench_shape(dtype, num_q_heads, num_kv_heads, batch, ctx, head_dim, block_si
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     query = torch.randn(batch, num_q_heads, head_dim, device="cuda", dtype=dtype)
     out = torch.empty_like(query)
+    if kv_fp8:
+        kv_cache = quantize_fp8(kv_cache, 1.0)
+    kv_bytes = kv_cache.element_size()
     key_cache, value_cache = kv_cache[:, 0, 0], kv_cache[:, 0, 1]
 
     def paged():
@@ -54,7 +59,7 @@ def bench_shape(dtype, num_q_heads, num_kv_heads, batch, ctx, head_dim, block_si
     # The same K/V, contiguous: [batch, num_kv_heads, ctx, head_dim].
     def contiguous(cache):
         g = cache[block_tables.long()]  # [batch, blocks, heads, bs, D]
-        return g.permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, ctx, head_dim)
+        return g.permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, ctx, head_dim).to(dtype)
 
     k, v = contiguous(key_cache), contiguous(value_cache)
     q4 = query.unsqueeze(2)  # [batch, num_q_heads, 1, head_dim]
@@ -68,7 +73,7 @@ def bench_shape(dtype, num_q_heads, num_kv_heads, batch, ctx, head_dim, block_si
     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     t_ours = bench_ms(paged)
     t_sdpa = bench_ms(sdpa)
-    num_bytes = 2 * batch * ctx * num_kv_heads * head_dim * 2 + 2 * query.numel() * 2
+    num_bytes = 2 * batch * ctx * num_kv_heads * head_dim * kv_bytes + 2 * query.numel() * 2
     return {
         "bytes": num_bytes,
         "ours_ms": t_ours["median_ms"],
@@ -91,6 +96,8 @@ def main() -> None:
     ap.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS))
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                    help="fp8: the paged cache in e4m3 (scale 1)")  # fmt: skip
     ap.add_argument("--max-gb", type=float, default=90.0, help="skip shapes whose two K/V "
                     "copies (paged + contiguous) exceed this many GB")  # fmt: skip
     args = ap.parse_args()
@@ -115,10 +122,10 @@ def main() -> None:
                         continue
                     torch.cuda.empty_cache()  # the previous shape's tensors are gone
                     r = bench_shape(DTYPES[dname], hq, hkv, batch, ctx, args.head_dim,
-                                    args.block_size)  # fmt: skip
+                                    args.block_size, args.kv_cache_dtype == "fp8")  # fmt: skip
                     r.update(dtype=dname, heads=hname, num_q_heads=hq, num_kv_heads=hkv,
                              batch=batch, context=ctx, head_dim=args.head_dim,
-                             block_size=args.block_size,
+                             block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
                              fraction_of_copy_bw=r["ours_gbs"] / copy["gbs"])  # fmt: skip
                     rows.append(r)
                     print(f"{dname:5} {hname:9} {batch:5} {ctx:6} {r['ours_ms'] * 1e3:9.1f} "

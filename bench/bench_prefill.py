@@ -8,7 +8,9 @@ peer is aten's flash-attention forward (the kernel SDPA's flash backend runs) on
 tokens stored contiguously, [batch, heads, len, head_dim], causal aligned to the lower right
 (so a chunk after a cached prefix sees the whole prefix), grouped K/V heads passed as such.
 A second table times decode steps (one query token per sequence) through the prefill kernel
-against the split-KV decode kernel, to pick per shape.
+against the split-KV decode kernel, to pick per shape. ``--kv-cache-dtype fp8``: the paged
+cache is e4m3 (scale 1; decode bytes counted at 1 byte an element), the peer reads the
+dequantized K/V in the query dtype.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.bench_attention import git_commit  # noqa: E402
 from bench.timing import bench_ms  # noqa: E402
 from pydaemon import ops  # noqa: E402
+from pydaemon.kv_cache_fp8 import quantize_fp8  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def make_step(dtype, num_q_heads, num_kv_heads, head_dim, block_size, batch, prefix, q_len):
+def make_step(dtype, num_q_heads, num_kv_heads, head_dim, block_size, batch, prefix, q_len,
+              kv_fp8=False):  # fmt: skip
     """A paged cache holding prefix + q_len tokens per sequence, shuffled block tables."""
     ctx = prefix + q_len
     blocks_per_seq = -(-ctx // block_size)
@@ -37,6 +41,8 @@ def make_step(dtype, num_q_heads, num_kv_heads, head_dim, block_size, batch, pre
     kv_cache = torch.randn(
         num_blocks, 1, 2, num_kv_heads, block_size, head_dim, device="cuda", dtype=dtype
     )
+    if kv_fp8:
+        kv_cache = quantize_fp8(kv_cache, 1.0)
     block_tables = torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_seq).int()
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     starts = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * q_len
@@ -44,11 +50,11 @@ def make_step(dtype, num_q_heads, num_kv_heads, head_dim, block_size, batch, pre
     return kv_cache, block_tables, seq_lens, starts, query
 
 
-def contiguous_kv(cache, block_tables, ctx):
-    """[num_blocks, H, bs, D] paged -> [batch, H, ctx, D] contiguous."""
+def contiguous_kv(cache, block_tables, ctx, dtype):
+    """[num_blocks, H, bs, D] paged -> [batch, H, ctx, D] contiguous, in ``dtype``."""
     g = cache[block_tables.long()]  # [batch, blocks, H, bs, D]
     b, nb, h, bs, d = g.shape
-    return g.permute(0, 2, 1, 3, 4).reshape(b, h, nb * bs, d)[:, :, :ctx].contiguous()
+    return g.permute(0, 2, 1, 3, 4).reshape(b, h, nb * bs, d)[:, :, :ctx].to(dtype).contiguous()
 
 
 def flash_peer(q4, k, v, scale):
@@ -68,15 +74,16 @@ def flash_peer(q4, k, v, scale):
         return (lambda: run(ke, ve)), "flash (kv expanded)"
 
 
-def bench_prefill_shape(dtype, hq, hkv, head_dim, block_size, batch, prefix, q_len, tiles):
+def bench_prefill_shape(dtype, hq, hkv, head_dim, block_size, batch, prefix, q_len, tiles,
+                        kv_fp8=False):  # fmt: skip
     kv_cache, tables, seq_lens, starts, query = make_step(
-        dtype, hq, hkv, head_dim, block_size, batch, prefix, q_len
+        dtype, hq, hkv, head_dim, block_size, batch, prefix, q_len, kv_fp8
     )
     key_cache, value_cache = kv_cache[:, 0, 0], kv_cache[:, 0, 1]
     scale = head_dim**-0.5
     out = torch.empty_like(query)
     ctx = prefix + q_len
-    k, v = contiguous_kv(key_cache, tables, ctx), contiguous_kv(value_cache, tables, ctx)
+    k, v = (contiguous_kv(c, tables, ctx, dtype) for c in (key_cache, value_cache))
     q4 = query.view(batch, q_len, hq, head_dim).transpose(1, 2).contiguous()
     peer, peer_mode = flash_peer(q4, k, v, scale)
     ref = peer().transpose(1, 2).reshape(batch * q_len, hq, head_dim).float()
@@ -109,9 +116,9 @@ def bench_prefill_shape(dtype, hq, hkv, head_dim, block_size, batch, prefix, q_l
     return row
 
 
-def bench_decode_shape(dtype, hq, hkv, head_dim, block_size, batch, ctx, tile):
+def bench_decode_shape(dtype, hq, hkv, head_dim, block_size, batch, ctx, tile, kv_fp8=False):
     kv_cache, tables, seq_lens, starts, query = make_step(
-        dtype, hq, hkv, head_dim, block_size, batch, ctx - 1, 1
+        dtype, hq, hkv, head_dim, block_size, batch, ctx - 1, 1, kv_fp8
     )
     key_cache, value_cache = kv_cache[:, 0, 0], kv_cache[:, 0, 1]
     out_p, out_d = torch.empty_like(query), torch.empty_like(query)
@@ -129,7 +136,7 @@ def bench_decode_shape(dtype, hq, hkv, head_dim, block_size, batch, ctx, tile):
 
     via_prefill(), via_decode()
     err = ((out_p.float() - out_d.float()).norm() / out_d.float().norm()).item()
-    num_bytes = 2 * batch * ctx * hkv * head_dim * 2 + 2 * query.numel() * 2
+    num_bytes = 2 * batch * ctx * hkv * head_dim * kv_cache.element_size() + 2 * query.numel() * 2
     t_p, t_d = bench_ms(via_prefill)["median_ms"], bench_ms(via_decode)["median_ms"]
     return {"prefill_kernel_ms": t_p, "decode_kernel_ms": t_d, "bytes": num_bytes,
             "prefill_kernel_gbs": num_bytes / (t_p * 1e6),
@@ -153,10 +160,13 @@ def main() -> None:
     ap.add_argument("--decode-batches", type=int, nargs="*", default=[8, 32, 64, 256])
     ap.add_argument("--decode-contexts", type=int, nargs="*", default=[512, 4096, 16384])
     ap.add_argument("--decode-tile", default="64x64", help="prefill-kernel tile for decodes")
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                    help="fp8: the paged cache in e4m3 (scale 1)")  # fmt: skip
     args = ap.parse_args()
     if not ops.is_available():
         sys.exit(f"GPU kernels unavailable: {ops.unavailable_reason()}")
     hq, hkv = args.heads
+    kv_fp8 = args.kv_cache_dtype == "fp8"
     rows, decode_rows = [], []
     tile_hdr = " ".join(f"{t + ' TF':>10}" for t in args.tiles)
     print(f"{'dtype':5} {'q_len':>5} {'prefix':>6} {'batch':>5} {tile_hdr} {'peer TF':>8} "
@@ -166,8 +176,9 @@ def main() -> None:
             for prefix in (0, q_len):
                 batch = max(1, args.tokens // q_len)
                 r = bench_prefill_shape(DTYPES[dname], hq, hkv, args.head_dim, args.block_size,
-                                        batch, prefix, q_len, args.tiles)  # fmt: skip
+                                        batch, prefix, q_len, args.tiles, kv_fp8)  # fmt: skip
                 r.update(dtype=dname, q_len=q_len, prefix=prefix, batch=batch,
+                         kv_cache_dtype=args.kv_cache_dtype,
                          num_q_heads=hq, num_kv_heads=hkv, head_dim=args.head_dim,
                          block_size=args.block_size)  # fmt: skip
                 rows.append(r)
@@ -189,8 +200,9 @@ def main() -> None:
                 if 2 * batch * ctx * dkv * args.head_dim * 2 > 40e9:
                     continue  # over 40 GB of K/V
                 d = bench_decode_shape(torch.bfloat16, dq, dkv, args.head_dim, args.block_size,
-                                       batch, ctx, args.decode_tile)  # fmt: skip
-                d.update(heads=heads, batch=batch, context=ctx, tile=args.decode_tile)
+                                       batch, ctx, args.decode_tile, kv_fp8)  # fmt: skip
+                d.update(heads=heads, batch=batch, context=ctx, tile=args.decode_tile,
+                         kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
                 decode_rows.append(d)
                 print(f"{heads:6} {batch:5} {ctx:6} {d['prefill_kernel_ms'] * 1e3:10.1f} "
                       f"{d['prefill_kernel_gbs']:6.0f} {d['decode_kernel_ms'] * 1e3:10.1f} "

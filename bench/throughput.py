@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                         ("--gpu-memory-utilization", float), ("--preemption-mode", str),
                         ("--tensor-parallel-size", int)):  # fmt: skip
         e.add_argument(flag, type=type_, default=None)
+    e.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"), default=None,
+                   help="KV-cache storage: auto (the model's dtype) or fp8 (e4m3)")  # fmt: skip
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     h = p.add_argument_group("transformers peers")
@@ -146,14 +148,14 @@ def _child_argv(argv: list[str], backend: str, out: Path) -> list[str]:
 
 def table(results: list[dict], compare: bool) -> str:
     head = (f"{'backend':<14} {'requests':>8} {'wall s':>8} {'out tok/s':>10} {'total tok/s':>11} "
-            f"{'peak KV blk':>11} {'waste %':>7} {'preempt':>7}")  # fmt: skip
+            f"{'KV blocks':>9} {'peak KV blk':>11} {'waste %':>7} {'preempt':>7}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in results:
         waste = r.get("kv_waste", {}).get("fraction_at_peak")
         lines.append(
             f"{r['backend']:<14} {r['workload']['num_requests']:>8} {r['wall_s']:8.2f} "
             f"{r['output_throughput']:10.1f} {r['total_token_throughput']:11.1f} "
-            f"{r.get('peak_kv_blocks_used', '-'):>11} "
+            f"{r.get('num_gpu_blocks', '-'):>9} {r.get('peak_kv_blocks_used', '-'):>11} "
             f"{'-' if waste is None else f'{100 * waste:.1f}':>7} {r.get('num_preemptions', '-'):>7}"
         )
     base = next((r for r in results if r["backend"] == "pagedd"), None)

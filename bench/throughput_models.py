@@ -32,7 +32,11 @@ LLAMA3_8B = {
     "vocab_size": 128256,
 }
 
-MODEL_CONFIGS = {"llama3-8b": LLAMA3_8B}
+# The same shape with a 32k context, for long-context workloads (e.g. 64 x 16k-token prompts:
+# --workload fixed --input-len 16384 --num-requests 64); plain RoPE, random weights anyway.
+LLAMA3_8B_32K = {**LLAMA3_8B, "max_position_embeddings": 32768}
+
+MODEL_CONFIGS = {"llama3-8b": LLAMA3_8B, "llama3-8b-32k": LLAMA3_8B_32K}
 
 
 def write_model_config(name: str, directory: str | Path | None = None) -> Path:

@@ -11,6 +11,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 LOAD_FORMATS = ("auto", "dummy")
 BLOCK_SIZES = (8, 16, 32)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # as pydaemon.kv_cache_fp8 (no torch import here)
 
 
 @dataclass
@@ -24,7 +25,9 @@ class EngineConfig:
     ``tensor_parallel_size`` > 1 shards the model over that many processes (one per GPU, or
     gloo on CPUs), started by the engine itself. On CUDA, decode steps replay CUDA graphs
     (pydaemon/cuda_graphs.py) unless ``enforce_eager``; a decode step whose longest context
-    exceeds ``max_seq_len_to_capture`` runs eagerly.
+    exceeds ``max_seq_len_to_capture`` runs eagerly. ``kv_cache_dtype`` "fp8" (= "fp8_e4m3")
+    stores the KV cache as e4m3 with per-layer scales (from the checkpoint, else 1.0): about
+    twice the blocks for the same memory; "auto" stores it in the model's dtype.
     """
 
     model: str = DEFAULT_MODEL
@@ -46,6 +49,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
     max_seq_len_to_capture: int = 8192
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -56,6 +60,7 @@ class EngineConfig:
             ("dtype", DTYPES),
             ("preemption_mode", PREEMPTION_MODES),
             ("load_format", LOAD_FORMATS),
+            ("kv_cache_dtype", KV_CACHE_DTYPES),
         ):
             if getattr(self, name) not in allowed:
                 raise bad(name, f"must be one of {', '.join(allowed)}")

@@ -19,7 +19,8 @@ from pydaemon.cuda_graphs import CUDAGraphRunner, capture_all, measure_graph_mem
 from pydaemon.distributed import parallel_state as ps
 from pydaemon.input_batch import InputBatch, StepInput
 from pydaemon.kv_cache import GiB, KVCacheSpec
-from pydaemon.layers.attention import uses_kernels
+from pydaemon.kv_cache_fp8 import is_fp8, kv_scales_from_checkpoint, resolve_kv_cache_dtype
+from pydaemon.layers.attention import PagedAttention, uses_kernels
 from pydaemon.model_loader import load_model
 from pydaemon.runner_output import ModelRunnerOutput
 from pydaemon.sampling.step_sampler import StepSampler
@@ -73,8 +74,10 @@ class ModelRunner:
             num_kv_heads=mc.num_key_value_heads // config.tensor_parallel_size,  # this rank's
             block_size=config.block_size,
             head_dim=mc.head_dim,
-            dtype=self.dtype,
+            dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype),
         )
+        if is_fp8(self.spec.dtype):
+            self._set_kv_scales()
         self.num_gpu_blocks = config.num_kv_blocks or self._profile_num_blocks()
         # Tensor parallel: one block manager drives every rank, so all hold as many blocks.
         self.num_gpu_blocks = ps.min_across_ranks(self.num_gpu_blocks)
@@ -101,12 +104,29 @@ class ModelRunner:
         if plan is not None:
             self.cuda_graphs = capture_all(self.model, self.kv_cache, plan)
         logger.info(
-            "KV cache: %d blocks of %d tokens on %s (%.2f GiB), %d swap blocks on the CPU",
+            "KV cache: %d blocks of %d tokens on %s (%s, %.2f GiB), %d swap blocks on the CPU",
             self.num_gpu_blocks,
             config.block_size,
             self.device,
+            self.spec.dtype,
             self.num_gpu_blocks * self.spec.block_bytes / GiB,
             self.num_cpu_blocks,
+        )
+
+    def _set_kv_scales(self) -> None:
+        """Per-layer FP8 scales from the checkpoint (1.0 where it has none)."""
+        layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+        scales = [(1.0, 1.0)] * len(layers)
+        if self.config.load_format != "dummy":
+            scales = kv_scales_from_checkpoint(self.config.model, len(layers))
+        for layer, (k_scale, v_scale) in zip(layers, scales, strict=True):
+            layer.k_scale, layer.v_scale = k_scale, v_scale
+        num_scaled = sum(s != (1.0, 1.0) for s in scales)
+        logger.info(
+            "KV cache in fp8 (e4m3)%s; %d of %d layers have checkpoint scales (others 1.0)",
+            "" if self.device.type == "cuda" else ", emulated on the torch path",
+            num_scaled,
+            len(layers),
         )
 
     # ---- sizing -----------------------------------------------------------------------------

@@ -41,6 +41,7 @@ inline bool is_dtype(const Array& a, nb::dlpack::dtype_code code, int bits) {
 inline constexpr auto kFloat = nb::dlpack::dtype_code::Float;
 inline constexpr auto kBfloat = nb::dlpack::dtype_code::Bfloat;
 inline constexpr auto kInt = nb::dlpack::dtype_code::Int;
+inline constexpr auto kUInt = nb::dlpack::dtype_code::UInt;
 
 inline void check_dtype(const Array& a, const char* name, nb::dlpack::dtype_code code,
                         int bits, const char* expected) {

@@ -5,9 +5,13 @@
 // is ever written instead of the caller's tensor. The stream is an integer (e.g.
 // torch.cuda.current_stream().cuda_stream); the GIL is released around the launch; a CUDA error
 // raises RuntimeError with cudaGetErrorString.
+//
+// An fp8 (e4m3) KV cache arrives as its uint8 storage (torch: cache.view(torch.uint8)), with
+// per-layer k_scale / v_scale; a cache of the query's dtype ignores the scales.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 
@@ -21,14 +25,33 @@ namespace {
 
 using namespace pagedd::bindings;  // Array and the argument checks
 
+// The cache element type: uint8 storage means fp8 e4m3, else the cache must have ref's dtype.
+DType kv_cache_dtype(const Array& cache, const char* name, const Array& ref, const char* ref_name) {
+  if (is_dtype(cache, kUInt, 8)) return DType::kFp8E4M3;
+  if (!(cache.dtype() == ref.dtype()))
+    throw nb::type_error((std::string(name) + " must have the dtype of " + ref_name + " (" +
+                          dtype_name(ref.dtype()) +
+                          ") or be the uint8 storage of an fp8 e4m3 cache, got " +
+                          dtype_name(cache.dtype()))
+                             .c_str());
+  return attention_dtype(ref, ref_name);
+}
+
+void check_kv_scales(double k_scale, double v_scale) {
+  if (!(k_scale > 0.0) || !(v_scale > 0.0) || !std::isfinite(k_scale) || !std::isfinite(v_scale))
+    throw nb::value_error(("k_scale and v_scale must be positive and finite, got " +
+                           std::to_string(k_scale) + " and " + std::to_string(v_scale))
+                              .c_str());
+}
+
 // Shared checks of the attention kernels' query / cache arguments; returns head_dim.
 int64_t check_attention_args(const Array& out, const Array& query, const Array& key_cache,
                              const Array& value_cache, const Array& block_tables,
                              const Array& seq_lens, int dev) {
   attention_dtype(query, "query");
   check_same_dtype(out, "out", query, "query");
-  check_same_dtype(key_cache, "key_cache", query, "query");
-  check_same_dtype(value_cache, "value_cache", query, "query");
+  const DType cache_dtype = kv_cache_dtype(key_cache, "key_cache", query, "query");
+  check_same_dtype(value_cache, "value_cache", key_cache, "key_cache");
   check_dtype(block_tables, "block_tables", kInt, 32, "int32");
   check_dtype(seq_lens, "seq_lens", kInt, 32, "int32");
   for (auto [a, n] : {std::pair{&query, "query"}, {&out, "out"}, {&key_cache, "key_cache"},
@@ -67,6 +90,12 @@ int64_t check_attention_args(const Array& out, const Array& query, const Array& 
   if (query.stride(0) % 8 != 0 || query.stride(1) % 8 != 0 || key_cache.stride(0) % 8 != 0 ||
       key_cache.stride(1) % 8 != 0)
     throw nb::value_error("query and key_cache strides must be multiples of 8 elements");
+  if (cache_dtype == DType::kFp8E4M3 &&
+      (key_cache.stride(0) % 16 != 0 || key_cache.stride(1) % 16 != 0 ||
+       reinterpret_cast<uintptr_t>(key_cache.data()) % 16 != 0 ||
+       reinterpret_cast<uintptr_t>(value_cache.data()) % 16 != 0))
+    throw nb::value_error("an fp8 key_cache / value_cache must be 16-byte aligned, with block "
+                          "and head strides that are multiples of 16");
   for (int i = 0; i < 3; ++i) check_dim(out, "out", i, query.shape(i), "query's shape");
   check_contiguous_from(out, "out", 0);
   if (block_tables.stride(1) != 1 && block_tables.shape(1) > 1)
@@ -79,10 +108,12 @@ int64_t check_attention_args(const Array& out, const Array& query, const Array& 
 void paged_attention_decode(Array out, Array query, Array key_cache, Array value_cache,
                             Array block_tables, Array seq_lens, double scale, int max_seq_len,
                             nb::object tmp_out_obj, nb::object exp_sums_obj,
-                            nb::object max_logits_obj, uintptr_t stream) {
+                            nb::object max_logits_obj, double k_scale, double v_scale,
+                            uintptr_t stream) {
   const int dev = current_device();
   const int64_t head_dim =
       check_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, dev);
+  check_kv_scales(k_scale, v_scale);
   const DType dtype = attention_dtype(query, "query");
   const int64_t num_seqs = query.shape(0), num_q_heads = query.shape(1);
   const int64_t block_size = key_cache.shape(2);
@@ -142,6 +173,9 @@ void paged_attention_decode(Array out, Array query, Array key_cache, Array value
   p.block_size = (int)block_size;
   p.scale = (float)scale;
   p.dtype = dtype;
+  p.cache_dtype = kv_cache_dtype(key_cache, "key_cache", query, "query");
+  p.k_scale = (float)k_scale;
+  p.v_scale = (float)v_scale;
   cudaError_t err;
   {
     nb::gil_scoped_release release;
@@ -153,10 +187,11 @@ void paged_attention_decode(Array out, Array query, Array key_cache, Array value
 void paged_attention_prefill(Array out, Array query, Array key_cache, Array value_cache,
                              Array block_tables, Array seq_lens, Array query_start_loc,
                              double scale, int max_query_len, int block_m, int block_n,
-                             uintptr_t stream) {
+                             double k_scale, double v_scale, uintptr_t stream) {
   const int dev = current_device();
   const int64_t head_dim =
       check_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, dev);
+  check_kv_scales(k_scale, v_scale);
   check_dtype(query_start_loc, "query_start_loc", kInt, 32, "int32");
   check_cuda(query_start_loc, "query_start_loc", dev);
   check_ndim(query_start_loc, "query_start_loc", 1);
@@ -204,6 +239,9 @@ void paged_attention_prefill(Array out, Array query, Array key_cache, Array valu
   p.block_n = block_n;
   p.scale = (float)scale;
   p.dtype = attention_dtype(query, "query");
+  p.cache_dtype = kv_cache_dtype(key_cache, "key_cache", query, "query");
+  p.k_scale = (float)k_scale;
+  p.v_scale = (float)v_scale;
   cudaError_t err;
   {
     nb::gil_scoped_release release;
@@ -213,15 +251,23 @@ void paged_attention_prefill(Array out, Array query, Array key_cache, Array valu
 }
 
 void reshape_and_cache(Array key, Array value, Array key_cache, Array value_cache,
-                       Array slot_mapping, uintptr_t stream) {
+                       Array slot_mapping, double k_scale, double v_scale, uintptr_t stream) {
   const int dev = current_device();
   if (!is_dtype(key, kFloat, 16) && !is_dtype(key, kBfloat, 16) && !is_dtype(key, kFloat, 32))
     throw nb::type_error(("key must be float16, bfloat16 or float32, got " +
                           dtype_name(key.dtype()))
                              .c_str());
   check_same_dtype(value, "value", key, "key");
-  check_same_dtype(key_cache, "key_cache", key, "key");
-  check_same_dtype(value_cache, "value_cache", key, "key");
+  const bool cache_fp8 = is_dtype(key_cache, kUInt, 8);
+  if (cache_fp8) {
+    if (is_dtype(key, kFloat, 32))
+      throw nb::type_error("an fp8 (uint8 storage) key_cache needs float16 or bfloat16 key / "
+                           "value, got float32");
+    check_kv_scales(k_scale, v_scale);
+  } else {
+    check_same_dtype(key_cache, "key_cache", key, "key");
+  }
+  check_same_dtype(value_cache, "value_cache", key_cache, "key_cache");
   check_dtype(slot_mapping, "slot_mapping", kInt, 64, "int64");
   for (auto [a, n] : {std::pair{&key, "key"}, {&value, "value"}, {&key_cache, "key_cache"},
                       {&value_cache, "value_cache"}, {&slot_mapping, "slot_mapping"}})
@@ -264,6 +310,17 @@ void reshape_and_cache(Array key, Array value, Array key_cache, Array value_cach
   p.head_dim = (int)key.shape(2);
   p.block_size = (int)key_cache.shape(2);
   p.elem_size = key.dtype().bits / 8;
+  p.cache_fp8 = cache_fp8;
+  if (cache_fp8) {
+    if (p.head_dim % 8 != 0 || p.cache_block_stride % 8 != 0 || p.cache_head_stride % 8 != 0 ||
+        reinterpret_cast<uintptr_t>(p.key_cache) % 8 != 0 ||
+        reinterpret_cast<uintptr_t>(p.value_cache) % 8 != 0)
+      throw nb::value_error("an fp8 key_cache / value_cache needs head_dim and strides that are "
+                            "multiples of 8 and 8-byte aligned data");
+    p.dtype = attention_dtype(key, "key");
+    p.k_scale = (float)k_scale;
+    p.v_scale = (float)v_scale;
+  }
   cudaError_t err;
   {
     nb::gil_scoped_release release;
@@ -347,28 +404,32 @@ void bind_cuda_ops(nb::module_& m) {
         nb::arg("query"), nb::arg("key_cache"), nb::arg("value_cache"), nb::arg("block_tables"),
         nb::arg("seq_lens"), nb::arg("scale"), nb::arg("max_seq_len"),
         nb::arg("tmp_out").none(), nb::arg("exp_sums").none(), nb::arg("max_logits").none(),
-        nb::arg("stream"),
+        nb::arg("k_scale"), nb::arg("v_scale"), nb::arg("stream"),
         "Paged decode attention (one query token per sequence), split-KV and GQA-aware.\n"
         "out, query: [num_seqs, num_q_heads, head_dim]; key_cache, value_cache: [num_blocks,\n"
         "num_kv_heads, block_size, head_dim]; block_tables: [num_seqs, max_blocks] int32;\n"
         "seq_lens: [num_seqs] int32 (each <= max_seq_len); tmp_out: [num_seqs, num_q_heads,\n"
         "num_partitions, head_dim] f32, exp_sums / max_logits: [num_seqs, num_q_heads,\n"
-        "num_partitions] f32 (None when max_seq_len <= partition_size).");
+        "num_partitions] f32 (None when max_seq_len <= partition_size). An fp8 e4m3 cache\n"
+        "is passed as uint8 storage and read as e4m3 * k_scale / v_scale.");
   m.def("paged_attention_prefill", &paged_attention_prefill, nb::arg("out").noconvert(),
         nb::arg("query"), nb::arg("key_cache"), nb::arg("value_cache"), nb::arg("block_tables"),
         nb::arg("seq_lens"), nb::arg("query_start_loc"), nb::arg("scale"),
-        nb::arg("max_query_len"), nb::arg("block_m"), nb::arg("block_n"), nb::arg("stream"),
+        nb::arg("max_query_len"), nb::arg("block_m"), nb::arg("block_n"), nb::arg("k_scale"),
+        nb::arg("v_scale"), nb::arg("stream"),
         "Causal paged attention of a packed batch of new tokens (prefill chunks and decodes),\n"
         "tensor cores, GQA-packed. out, query: [num_tokens, num_q_heads, head_dim]; key_cache,\n"
         "value_cache: [num_blocks, num_kv_heads, block_size, head_dim]; block_tables:\n"
         "[num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32 (context after the step);\n"
         "query_start_loc: [num_seqs + 1] int32; max_query_len: host int >= every query length;\n"
-        "block_m, block_n: tile shape (tuning), 0 = default.");
+        "block_m, block_n: tile shape (tuning), 0 = default. An fp8 e4m3 cache is passed as\n"
+        "uint8 storage and read as e4m3 * k_scale / v_scale.");
   m.def("reshape_and_cache", &reshape_and_cache, nb::arg("key"), nb::arg("value"),
         nb::arg("key_cache").noconvert(), nb::arg("value_cache").noconvert(),
-        nb::arg("slot_mapping"), nb::arg("stream"),
+        nb::arg("slot_mapping"), nb::arg("k_scale"), nb::arg("v_scale"), nb::arg("stream"),
         "Scatter key/value [num_tokens, num_kv_heads, head_dim] into the caches through\n"
-        "slot_mapping [num_tokens] int64 (negative slots are skipped).");
+        "slot_mapping [num_tokens] int64 (negative slots are skipped). A uint8 cache is fp8\n"
+        "e4m3 storage: it receives saturate(key / k_scale), saturate(value / v_scale).");
   m.def("copy_blocks", &copy_blocks, nb::arg("kv_cache").noconvert(), nb::arg("block_mapping"),
         nb::arg("stream"),
         "kv_cache[dst] = kv_cache[src] for each row of block_mapping [n, 2] int64 (on the\n"

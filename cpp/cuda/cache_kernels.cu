@@ -4,11 +4,14 @@
 #include <cstdint>
 #include <vector>
 
+#include "dtype_utils.cuh"
 #include "pagedd_cuda.h"
 
 namespace pagedd::cuda {
 
 namespace {
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 // One thread block per new token; threads stride over its num_kv_heads * head_dim elements in
 // units of vec_t (16 bytes when every stride and pointer allows it).
@@ -34,6 +37,57 @@ __global__ void reshape_and_cache_kernel(const ReshapeAndCacheParams p, int vecs
   }
 }
 
+// fp8 cache: one thread block per new token; a thread converts 8 elements at a time:
+// saturate(x / scale) as e4m3, one 8-byte store. VEC: 16-byte loads of key / value (the host
+// checked alignment), else element loads.
+template <typename scalar_t, bool VEC>
+__global__ void reshape_and_cache_fp8_kernel(const ReshapeAndCacheParams p) {
+  const int token = blockIdx.x;
+  const int64_t slot = p.slot_mapping[token];
+  if (slot < 0) return;  // padding token: nothing to store
+  const int64_t block_id = slot / p.block_size, offset = slot % p.block_size;
+  const int vecs_per_head = p.head_dim / 8;
+  const float inv_k = 1.f / p.k_scale, inv_v = 1.f / p.v_scale;
+  const scalar_t* key = static_cast<const scalar_t*>(p.key);
+  const scalar_t* value = static_cast<const scalar_t*>(p.value);
+  uint8_t* key_cache = static_cast<uint8_t*>(p.key_cache);
+  uint8_t* value_cache = static_cast<uint8_t*>(p.value_cache);
+  auto load8 = [&](const scalar_t* src, float (&f)[8]) {
+    if constexpr (VEC) {
+      vec8_to_float<scalar_t>(*reinterpret_cast<const uint4*>(src), f);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) f[e] = static_cast<float>(src[e]);
+    }
+  };
+  auto store8 = [&](uint8_t* dst, const float (&f)[8], float inv) {
+    uint2 q;
+    q.x = float4_to_fp8x4(f[0] * inv, f[1] * inv, f[2] * inv, f[3] * inv);
+    q.y = float4_to_fp8x4(f[4] * inv, f[5] * inv, f[6] * inv, f[7] * inv);
+    *reinterpret_cast<uint2*>(dst) = q;
+  };
+  for (int i = threadIdx.x; i < p.num_kv_heads * vecs_per_head; i += blockDim.x) {
+    const int h = i / vecs_per_head, c = (i % vecs_per_head) * 8;
+    const int64_t dst =
+        block_id * p.cache_block_stride + h * p.cache_head_stride + offset * p.head_dim + c;
+    float f[8];
+    load8(key + token * p.key_token_stride + h * p.key_head_stride + c, f);
+    store8(key_cache + dst, f, inv_k);
+    load8(value + token * p.value_token_stride + h * p.value_head_stride + c, f);
+    store8(value_cache + dst, f, inv_v);
+  }
+}
+
+template <typename scalar_t>
+cudaError_t launch_reshape_and_cache_fp8(const ReshapeAndCacheParams& p, bool vec,
+                                         cudaStream_t stream) {
+  if (vec)
+    reshape_and_cache_fp8_kernel<scalar_t, true><<<p.num_tokens, 128, 0, stream>>>(p);
+  else
+    reshape_and_cache_fp8_kernel<scalar_t, false><<<p.num_tokens, 128, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
 template <typename vec_t>
 __global__ void copy_blocks_kernel(char* base, int64_t block_bytes,
                                    const int64_t* block_mapping) {
@@ -46,14 +100,27 @@ __global__ void copy_blocks_kernel(char* base, int64_t block_bytes,
     to[i] = from[i];
 }
 
-bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
-
 }  // namespace
 
 cudaError_t reshape_and_cache(const ReshapeAndCacheParams& p, cudaStream_t stream) {
   if (p.num_tokens < 0 || p.elem_size <= 0 || p.block_size <= 0 || p.num_kv_heads <= 0)
     return cudaErrorInvalidValue;
   if (p.num_tokens == 0) return cudaSuccess;
+  if (p.cache_fp8) {
+    // 8-byte stores into the cache; 16-byte loads of key / value where they line up.
+    if (p.elem_size != 2 || p.head_dim % 8 != 0 || p.cache_block_stride % 8 != 0 ||
+        p.cache_head_stride % 8 != 0 || reinterpret_cast<uintptr_t>(p.key_cache) % 8 != 0 ||
+        reinterpret_cast<uintptr_t>(p.value_cache) % 8 != 0 || !(p.k_scale > 0.f) ||
+        !(p.v_scale > 0.f))
+      return cudaErrorInvalidValue;
+    const bool vec = p.key_token_stride % 8 == 0 && p.key_head_stride % 8 == 0 &&
+                     p.value_token_stride % 8 == 0 && p.value_head_stride % 8 == 0 &&
+                     aligned16(p.key) && aligned16(p.value);
+    if (p.dtype == DType::kFloat16) return launch_reshape_and_cache_fp8<__half>(p, vec, stream);
+    if (p.dtype == DType::kBFloat16)
+      return launch_reshape_and_cache_fp8<__nv_bfloat16>(p, vec, stream);
+    return cudaErrorInvalidValue;
+  }
   const int per16 = 16 / p.elem_size;
   const bool can_vec =
       16 % p.elem_size == 0 && p.head_dim % per16 == 0 && p.key_token_stride % per16 == 0 &&

@@ -13,6 +13,8 @@
 //      are summed by shuffles, warps by shared-memory atomics.
 // With one partition the block normalises and writes `out`; otherwise it writes unnormalised
 // partial outputs + (max, sum) and paged_decode_reduce_kernel merges the partitions.
+// An fp8 (e4m3) cache keeps the same lane layout with 8-byte loads (8 elements); K and V are
+// converted to float in registers, k_scale is folded into the query and v_scale into the output.
 #pragma once
 
 #include <cfloat>
@@ -24,11 +26,19 @@ namespace pagedd::cuda {
 
 constexpr int kDecodeWarps = 4;
 
-// 16-byte global -> shared copy that bypasses registers (zero-fills when !valid).
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+// 16- or 8-byte global -> shared copy that bypasses registers (zero-fills when !valid);
+// .cg (L2 only) exists for 16 bytes, 8-byte copies go through .ca.
+template <int BYTES>
+__device__ __forceinline__ void cp_async(void* smem, const void* gmem, bool valid) {
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
-               "r"(valid ? 16 : 0));
+  if constexpr (BYTES == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
+                 "r"(valid ? 16 : 0));
+  } else {
+    static_assert(BYTES == 8, "cp.async of 8 or 16 bytes");
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(gmem),
+                 "r"(valid ? 8 : 0));
+  }
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -38,7 +48,7 @@ __device__ __forceinline__ void cp_async_wait() {
 
 template <typename scalar_t, int HEAD_DIM>
 struct DecodeLayout {
-  static constexpr int VEC = 8;                  // elements per 16-byte load
+  static constexpr int VEC = 8;                  // elements per load (16 bytes; 8 with fp8)
   static constexpr int NUM_VECS = HEAD_DIM / VEC;  // 16-byte chunks per row
   // Lanes per token row: a power of two >= NUM_VECS (80 and 96 leave some lanes idle).
   static constexpr int TG = NUM_VECS <= 8 ? 8 : (NUM_VECS <= 16 ? 16 : 32);
@@ -77,10 +87,12 @@ constexpr int decode_min_blocks() {
   return HEADS >= 8 ? 3 : (HEADS >= 2 ? 5 : 8);
 }
 
-template <typename scalar_t, int HEAD_DIM, int BLOCK_SIZE, int HEADS>
+template <typename scalar_t, typename cache_t, int HEAD_DIM, int BLOCK_SIZE, int HEADS>
 __global__ void __launch_bounds__(kDecodeWarps * 32, decode_min_blocks<HEADS>())
     paged_decode_kernel(const PagedDecodeParams p) {
   using L = DecodeLayout<scalar_t, HEAD_DIM>;
+  using vec_t = typename KVVec<cache_t>::type;  // 8 cache elements
+  constexpr bool FP8 = is_fp8_v<cache_t>;
   constexpr int TG = L::TG, ROWS = L::ROWS, P = kPartitionSize;
   constexpr int UNROLL = HEADS >= 8 ? 4 : 8;
   constexpr int TOKENS_PER_ITER = ROWS * UNROLL;  // per warp
@@ -92,7 +104,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, decode_min_blocks<HEADS>())
   // (and need no registers). One head per kv head keeps plain register loads (more blocks/SM).
   constexpr bool PIPELINED = HEADS >= 2;
   constexpr int STAGES = PIPELINED ? 2 : 1, STAGE_ROWS = PIPELINED ? UNROLL : 1;
-  __shared__ uint4 s_stage[STAGES][STAGE_ROWS][kDecodeWarps * 32];
+  __shared__ vec_t s_stage[STAGES][STAGE_ROWS][kDecodeWarps * 32];
 
   __shared__ int s_block_ids[P / BLOCK_SIZE];
   __shared__ float s_logits[HEADS][P];
@@ -129,10 +141,13 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, decode_min_blocks<HEADS>())
   const int chunk = lane % TG;  // which 16-byte chunk of a row this lane loads
   const int row = lane / TG;
   const bool lane_active = chunk < L::NUM_VECS;
-  const scalar_t* k_base = static_cast<const scalar_t*>(p.key_cache) +
-                           (int64_t)kv_head * p.kv_head_stride + chunk * L::VEC;
-  const scalar_t* v_base = static_cast<const scalar_t*>(p.value_cache) +
-                           (int64_t)kv_head * p.kv_head_stride + chunk * L::VEC;
+  const cache_t* k_base = static_cast<const cache_t*>(p.key_cache) +
+                          (int64_t)kv_head * p.kv_head_stride + chunk * L::VEC;
+  const cache_t* v_base = static_cast<const cache_t*>(p.value_cache) +
+                          (int64_t)kv_head * p.kv_head_stride + chunk * L::VEC;
+  // fp8: K = e4m3 * k_scale folds into the query, V = e4m3 * v_scale into the output.
+  const float q_scale = FP8 ? p.scale * p.k_scale : p.scale;
+  const float out_scale = FP8 ? p.v_scale : 1.f;
 
   // Address of token t (partition-relative) in this lane's chunk, from the staged block table.
   auto token_offset = [&](int t) -> int64_t {
@@ -143,7 +158,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, decode_min_blocks<HEADS>())
   // Calls compute(row_of, t0) for each of this warp's tiles of TOKENS_PER_ITER tokens;
   // row_of(u) is this lane's chunk of token t0 + u * ROWS + row (zeros past the end / on idle lanes).
   constexpr int TILE_STRIDE = kDecodeWarps * TOKENS_PER_ITER;
-  auto for_each_tile = [&](const scalar_t* base, auto&& compute) {
+  auto for_each_tile = [&](const cache_t* base, auto&& compute) {
     int t0 = warp * TOKENS_PER_ITER;
     if constexpr (PIPELINED) {
       auto issue = [&](int stage, int t_first) {
@@ -151,7 +166,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, decode_min_blocks<HEADS>())
         for (int u = 0; u < UNROLL; ++u) {
           const int t = t_first + u * ROWS + row;
           const bool valid = t < num_tokens && lane_active;
-          cp_async16(&s_stage[stage][u][tid], valid ? base + token_offset(t) : base, valid);
+          cp_async<sizeof(vec_t)>(&s_stage[stage][u][tid], valid ? base + token_offset(t) : base,
+                                  valid);
         }
         cp_async_commit();
       };
@@ -166,13 +182,13 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, decode_min_blocks<HEADS>())
       cp_async_wait<0>();  // drain the last prefetch before the ring is reused
     } else {
       for (; t0 < num_tokens; t0 += TILE_STRIDE) {
-        uint4 vals[UNROLL];
+        vec_t vals[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
           const int t = t0 + u * ROWS + row;
           vals[u] = (t < num_tokens && lane_active)
-                        ? *reinterpret_cast<const uint4*>(base + token_offset(t))
-                        : make_uint4(0, 0, 0, 0);
+                        ? *reinterpret_cast<const vec_t*>(base + token_offset(t))
+                        : vec_t{};
         }
         compute([&](int u) { return vals[u]; }, t0);
       }
@@ -191,7 +207,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, decode_min_blocks<HEADS>())
             (int64_t)qh * p.q_head_stride + chunk * L::VEC);
         vec8_to_float<scalar_t>(raw, q[h]);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) q[h][e] *= p.scale;
+        for (int e = 0; e < 8; ++e) q[h][e] *= q_scale;
       } else {
 #pragma unroll
         for (int e = 0; e < 8; ++e) q[h][e] = 0.f;
@@ -206,7 +222,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, decode_min_blocks<HEADS>())
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
         float k[8];
-        vec8_to_float<scalar_t>(kv(u), k);
+        vec8_to_float<cache_t>(kv(u), k);
 #pragma unroll
         for (int h = 0; h < HEADS; ++h) {
           float d = 0.f;
@@ -255,7 +271,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, decode_min_blocks<HEADS>())
       for (int u = 0; u < UNROLL; ++u) {
         const int t = t0 + u * ROWS + row;
         float v[8];
-        vec8_to_float<scalar_t>(vv(u), v);
+        vec8_to_float<cache_t>(vv(u), v);
 #pragma unroll
         for (int h = 0; h < HEADS; ++h) {
           const float w = t < num_tokens ? s_logits[h][t] : 0.f;
@@ -284,9 +300,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, decode_min_blocks<HEADS>())
       const int h = i / HEAD_DIM, d = i % HEAD_DIM;
       const int64_t row_idx = (int64_t)seq * p.num_q_heads + kv_head * group + h0 + h;
       if (single) {
-        out[row_idx * HEAD_DIM + d] = Convert<scalar_t>::from_float(s_out[h][d] / s_sum[h]);
+        out[row_idx * HEAD_DIM + d] =
+            Convert<scalar_t>::from_float(s_out[h][d] * out_scale / s_sum[h]);
       } else {
-        p.tmp_out[(row_idx * p.num_partitions + part) * HEAD_DIM + d] = s_out[h][d];
+        p.tmp_out[(row_idx * p.num_partitions + part) * HEAD_DIM + d] = s_out[h][d] * out_scale;
       }
     }
     if (!single && tid < heads_here) {
@@ -383,12 +400,12 @@ __global__ void __launch_bounds__(128) paged_decode_reduce_kernel(const PagedDec
     __VA_ARGS__;                                 \
   }
 
-template <typename scalar_t, int HEAD_DIM>
+template <typename scalar_t, typename cache_t, int HEAD_DIM>
 cudaError_t launch_paged_decode_typed(const PagedDecodeParams& p, cudaStream_t stream) {
   const int group = p.num_q_heads / p.num_kv_heads;
   const dim3 grid(p.num_kv_heads, p.num_seqs, p.num_partitions);
   PAGEDD_DISPATCH_BLOCK_SIZE(p.block_size, BLOCK_SIZE, PAGEDD_DISPATCH_HEADS(group, HEADS, {
-    paged_decode_kernel<scalar_t, HEAD_DIM, BLOCK_SIZE, HEADS>
+    paged_decode_kernel<scalar_t, cache_t, HEAD_DIM, BLOCK_SIZE, HEADS>
         <<<grid, kDecodeWarps * 32, 0, stream>>>(p);
   }));
   cudaError_t err = cudaGetLastError();
@@ -408,9 +425,13 @@ cudaError_t launch_paged_decode_typed(const PagedDecodeParams& p, cudaStream_t s
 
 template <int HEAD_DIM>
 cudaError_t launch_paged_decode(const PagedDecodeParams& p, cudaStream_t stream) {
+  if (p.cache_dtype == DType::kFp8E4M3)
+    return p.dtype == DType::kFloat16
+               ? launch_paged_decode_typed<__half, fp8_e4m3, HEAD_DIM>(p, stream)
+               : launch_paged_decode_typed<__nv_bfloat16, fp8_e4m3, HEAD_DIM>(p, stream);
   return p.dtype == DType::kFloat16
-             ? launch_paged_decode_typed<__half, HEAD_DIM>(p, stream)
-             : launch_paged_decode_typed<__nv_bfloat16, HEAD_DIM>(p, stream);
+             ? launch_paged_decode_typed<__half, __half, HEAD_DIM>(p, stream)
+             : launch_paged_decode_typed<__nv_bfloat16, __nv_bfloat16, HEAD_DIM>(p, stream);
 }
 
 }  // namespace pagedd::cuda

@@ -15,6 +15,10 @@
 //   O += P V       P converted in registers to the A fragment, V through ldmatrix.trans
 // Heavier (later) row tiles are launched first. Warps whose rows are all padding (decode rows
 // of a 128-row tile) only help load.
+// An fp8 (e4m3) cache streams raw bytes through the two-stage cp.async ring instead; each
+// thread converts the chunks it copied into a single scalar_t K/V tile (exact: e4m3 fits in
+// fp16 and bf16), so the mma loop is unchanged; k_scale is folded into the softmax scale and
+// v_scale into the final normalisation.
 #pragma once
 
 #include <cmath>
@@ -40,19 +44,28 @@ struct PrefillTile {
   // (as flash-attention 2 does) to leave room for twice the accumulators.
   static constexpr bool Q_IN_REGS = ATOMS == 1 && HEAD_DIM <= 128;
   static constexpr size_t SMEM_BYTES = sizeof(uint16_t) * (BLOCK_M + 4 * BLOCK_N) * ROW;
+  // fp8: Q, one converted K/V tile, and the raw two-stage ring of 1-byte K/V (rows unpadded).
+  static constexpr int RAW_CHUNKS = HEAD_DIM / 16;  // 16-byte chunks of an fp8 row
+  static constexpr size_t SMEM_BYTES_FP8 =
+      sizeof(uint16_t) * (BLOCK_M + 2 * BLOCK_N) * ROW + 4 * BLOCK_N * HEAD_DIM;
   static_assert(HEAD_DIM % 16 == 0 && BLOCK_N % 16 == 0, "tile shape");
 };
 
-template <typename scalar_t, int HEAD_DIM, int WARPS, int ATOMS, int BLOCK_N>
+template <typename scalar_t, typename cache_t, int HEAD_DIM, int WARPS, int ATOMS, int BLOCK_N>
 __global__ void __launch_bounds__(32 * WARPS)
     paged_prefill_kernel(const PagedPrefillParams p, int block_shift) {
   using T = PrefillTile<HEAD_DIM, WARPS, ATOMS, BLOCK_N>;
   using MMA = Mma<scalar_t>;
+  constexpr bool FP8 = is_fp8_v<cache_t>;
   constexpr int BM = T::BLOCK_M, BN = BLOCK_N, ROW = T::ROW, CHUNKS = T::CHUNKS;
+  constexpr int KV_STAGES = FP8 ? 1 : 2;  // scalar_t K/V tiles (fp8 double-buffers raw bytes)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   scalar_t* s_q = reinterpret_cast<scalar_t*>(smem_raw);  // [BM][ROW]
-  scalar_t* s_k = s_q + BM * ROW;                          // [2][BN][ROW]
-  scalar_t* s_v = s_k + 2 * BN * ROW;                      // [2][BN][ROW]
+  scalar_t* s_k = s_q + BM * ROW;                          // [KV_STAGES][BN][ROW]
+  scalar_t* s_v = s_k + KV_STAGES * BN * ROW;              // [KV_STAGES][BN][ROW]
+  // fp8 only: raw K and V tiles, [2][BN][HEAD_DIM] bytes each.
+  unsigned char* r_k = reinterpret_cast<unsigned char*>(s_v + KV_STAGES * BN * ROW);
+  unsigned char* r_v = r_k + 2 * BN * HEAD_DIM;
 
   const int kv_head = blockIdx.x, seq = blockIdx.z;
   const int tile = gridDim.y - 1 - blockIdx.y;  // causal: later tiles have more keys
@@ -102,33 +115,68 @@ __global__ void __launch_bounds__(32 * WARPS)
   }
 
   const int32_t* block_table = p.block_tables + (int64_t)seq * p.block_table_stride;
-  const scalar_t* k_base =
-      static_cast<const scalar_t*>(p.key_cache) + (int64_t)kv_head * p.kv_head_stride;
-  const scalar_t* v_base =
-      static_cast<const scalar_t*>(p.value_cache) + (int64_t)kv_head * p.kv_head_stride;
+  const cache_t* k_base =
+      static_cast<const cache_t*>(p.key_cache) + (int64_t)kv_head * p.kv_head_stride;
+  const cache_t* v_base =
+      static_cast<const cache_t*>(p.value_cache) + (int64_t)kv_head * p.kv_head_stride;
   const int offset_mask = (1 << block_shift) - 1;
-  auto load_kv = [&](int n, int stage) {
-    scalar_t* dk = s_k + stage * BN * ROW;
-    scalar_t* dv = s_v + stage * BN * ROW;
-    constexpr int PER_THREAD = (BN * CHUNKS + T::THREADS - 1) / T::THREADS;
+  // fp8: thread tid copies (and later converts) the 16-byte chunks tid, tid + THREADS, ...
+  constexpr int RAW_PER_THREAD = (BN * T::RAW_CHUNKS + T::THREADS - 1) / T::THREADS;
+  auto load_raw = [&](int n, int stage) {
 #pragma unroll
-    for (int it = 0; it < PER_THREAD; ++it) {
+    for (int it = 0; it < RAW_PER_THREAD; ++it) {
       const int x = tid + it * T::THREADS;
-      if ((BN * CHUNKS) % T::THREADS != 0 && x >= BN * CHUNKS) break;
-      const int r = x / CHUNKS, ch = x % CHUNKS, key = n * BN + r;
-      const bool valid = key < n_end;  // zero-filled past the end: 0 * garbage is never NaN
+      if ((BN * T::RAW_CHUNKS) % T::THREADS != 0 && x >= BN * T::RAW_CHUNKS) break;
+      const int r = x / T::RAW_CHUNKS, ch = x % T::RAW_CHUNKS, key = n * BN + r;
+      const bool valid = key < n_end;  // zero-filled past the end, as below
       int64_t off = 0;
       if (valid)
         off = (int64_t)block_table[key >> block_shift] * p.kv_block_stride +
-              (key & offset_mask) * HEAD_DIM + ch * 8;
-      cp_async16_zfill(dk + r * ROW + ch * 8, k_base + off, valid);
-      cp_async16_zfill(dv + r * ROW + ch * 8, v_base + off, valid);
+              (key & offset_mask) * HEAD_DIM + ch * 16;
+      const int dst = (stage * BN + r) * HEAD_DIM + ch * 16;
+      cp_async16_zfill(r_k + dst, k_base + off, valid);
+      cp_async16_zfill(r_v + dst, v_base + off, valid);
+    }
+  };
+  auto convert_raw = [&](int stage) {  // this thread's chunks of raw stage -> s_k / s_v
+#pragma unroll
+    for (int it = 0; it < RAW_PER_THREAD; ++it) {
+      const int x = tid + it * T::THREADS;
+      if ((BN * T::RAW_CHUNKS) % T::THREADS != 0 && x >= BN * T::RAW_CHUNKS) break;
+      const int r = x / T::RAW_CHUNKS, ch = x % T::RAW_CHUNKS;
+      const int src = (stage * BN + r) * HEAD_DIM + ch * 16;
+      uint4* dk = reinterpret_cast<uint4*>(s_k + r * ROW + ch * 16);
+      uint4* dv = reinterpret_cast<uint4*>(s_v + r * ROW + ch * 16);
+      fp8x16_to_vec<scalar_t>(*reinterpret_cast<const uint4*>(r_k + src), dk[0], dk[1]);
+      fp8x16_to_vec<scalar_t>(*reinterpret_cast<const uint4*>(r_v + src), dv[0], dv[1]);
+    }
+  };
+  auto load_kv = [&](int n, int stage) {
+    if constexpr (FP8) {
+      load_raw(n, stage);
+    } else {
+      scalar_t* dk = s_k + stage * BN * ROW;
+      scalar_t* dv = s_v + stage * BN * ROW;
+      constexpr int PER_THREAD = (BN * CHUNKS + T::THREADS - 1) / T::THREADS;
+#pragma unroll
+      for (int it = 0; it < PER_THREAD; ++it) {
+        const int x = tid + it * T::THREADS;
+        if ((BN * CHUNKS) % T::THREADS != 0 && x >= BN * CHUNKS) break;
+        const int r = x / CHUNKS, ch = x % CHUNKS, key = n * BN + r;
+        const bool valid = key < n_end;  // zero-filled past the end: 0 * garbage is never NaN
+        int64_t off = 0;
+        if (valid)
+          off = (int64_t)block_table[key >> block_shift] * p.kv_block_stride +
+                (key & offset_mask) * HEAD_DIM + ch * 8;
+        cp_async16_zfill(dk + r * ROW + ch * 8, k_base + off, valid);
+        cp_async16_zfill(dv + r * ROW + ch * 8, v_base + off, valid);
+      }
     }
   };
   load_kv(0, 0);
   cp_async_commit_group();  // group 0: Q and the first K/V tile
 
-  const float scale_log2 = p.scale * 1.4426950408889634f;
+  const float scale_log2 = p.scale * (FP8 ? p.k_scale : 1.f) * 1.4426950408889634f;
   const int quad_row = lane / 4, quad_col = 2 * (lane % 4);
   const int warp_row = warp * T::WARP_M;  // first row of this warp; atom a adds 16 * a
   int pos[ATOMS][2];  // positions of this lane's rows warp_row + 16a + quad_row (+ 8)
@@ -157,6 +205,7 @@ __global__ void __launch_bounds__(32 * WARPS)
     if (n + 1 < num_n_tiles) load_kv(n + 1, stage ^ 1);
     cp_async_commit_group();
     cp_async_wait_group<1>();  // tile n (and Q) landed for this thread ...
+    if constexpr (FP8) convert_raw(stage);  // (only this thread's own chunks: no barrier yet)
     __syncthreads();           // ... and for every thread
     if (warp_active) {
       if constexpr (T::Q_IN_REGS) {
@@ -165,8 +214,8 @@ __global__ void __launch_bounds__(32 * WARPS)
           for (int ks = 0; ks < T::K_STEPS; ++ks) ldmatrix_x4(q_frag[ks], q_lane + ks * 16);
         }
       }
-      const scalar_t* sk = s_k + stage * BN * ROW;
-      const scalar_t* sv = s_v + stage * BN * ROW;
+      const scalar_t* sk = s_k + (FP8 ? 0 : stage) * BN * ROW;
+      const scalar_t* sv = s_v + (FP8 ? 0 : stage) * BN * ROW;
 
       // S = Q K^T for this warp's rows x BN keys; each K fragment serves every atom.
       float s[ATOMS][T::N_TILES][4];
@@ -288,7 +337,7 @@ __global__ void __launch_bounds__(32 * WARPS)
       float l = row_sum[a][rr];
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const float inv = l > 0.f ? (FP8 ? p.v_scale : 1.f) / l : 0.f;
       const int i = m0 + warp_row + 16 * a + quad_row + 8 * rr;
       if (i < num_rows) {
         scalar_t* dst = out_row(i) + quad_col;
@@ -300,12 +349,13 @@ __global__ void __launch_bounds__(32 * WARPS)
     }
 }
 
-template <typename scalar_t, int HEAD_DIM, int WARPS, int ATOMS, int BLOCK_N>
+template <typename scalar_t, typename cache_t, int HEAD_DIM, int WARPS, int ATOMS, int BLOCK_N>
 cudaError_t launch_paged_prefill_tiles(const PagedPrefillParams& p, cudaStream_t stream) {
   using T = PrefillTile<HEAD_DIM, WARPS, ATOMS, BLOCK_N>;
-  auto kernel = paged_prefill_kernel<scalar_t, HEAD_DIM, WARPS, ATOMS, BLOCK_N>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         (int)T::SMEM_BYTES);
+  auto kernel = paged_prefill_kernel<scalar_t, cache_t, HEAD_DIM, WARPS, ATOMS, BLOCK_N>;
+  constexpr size_t smem = is_fp8_v<cache_t> ? T::SMEM_BYTES_FP8 : T::SMEM_BYTES;
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (err != cudaSuccess) return err;
   const int64_t rows = (int64_t)p.max_query_len * (p.num_q_heads / p.num_kv_heads);
   const int64_t tiles = rows <= 0 ? 1 : (rows + T::BLOCK_M - 1) / T::BLOCK_M;
@@ -313,35 +363,39 @@ cudaError_t launch_paged_prefill_tiles(const PagedPrefillParams& p, cudaStream_t
   int block_shift = 0;
   while ((1 << block_shift) < p.block_size) ++block_shift;
   const dim3 grid(p.num_kv_heads, (unsigned)tiles, p.num_seqs);
-  kernel<<<grid, T::THREADS, T::SMEM_BYTES, stream>>>(p, block_shift);
+  kernel<<<grid, T::THREADS, smem, stream>>>(p, block_shift);
   return cudaGetLastError();
 }
 
 // Tile shapes: prefill_tile_shape / prefill_tile_is_built (pagedd_cuda.h). Two atoms per warp
 // (128 rows) let each K/V fragment read from shared memory feed two mma.
-template <typename scalar_t, int HEAD_DIM>
+template <typename scalar_t, typename cache_t, int HEAD_DIM>
 cudaError_t launch_paged_prefill_typed(const PagedPrefillParams& p, cudaStream_t stream) {
   int block_m = p.block_m, block_n = p.block_n;
   prefill_tile_shape(HEAD_DIM, p.max_query_len, block_m, block_n);
   if constexpr (HEAD_DIM == 256) {
     if (block_m == 64 && block_n == 32)
-      return launch_paged_prefill_tiles<scalar_t, HEAD_DIM, 4, 1, 32>(p, stream);
+      return launch_paged_prefill_tiles<scalar_t, cache_t, HEAD_DIM, 4, 1, 32>(p, stream);
   } else {
     if (block_m == 128 && block_n == 64)
-      return launch_paged_prefill_tiles<scalar_t, HEAD_DIM, 4, 2, 64>(p, stream);
+      return launch_paged_prefill_tiles<scalar_t, cache_t, HEAD_DIM, 4, 2, 64>(p, stream);
     if (block_m == 128 && block_n == 32)
-      return launch_paged_prefill_tiles<scalar_t, HEAD_DIM, 4, 2, 32>(p, stream);
+      return launch_paged_prefill_tiles<scalar_t, cache_t, HEAD_DIM, 4, 2, 32>(p, stream);
     if (block_m == 64 && block_n == 64)
-      return launch_paged_prefill_tiles<scalar_t, HEAD_DIM, 4, 1, 64>(p, stream);
+      return launch_paged_prefill_tiles<scalar_t, cache_t, HEAD_DIM, 4, 1, 64>(p, stream);
   }
   return cudaErrorInvalidValue;
 }
 
 template <int HEAD_DIM>
 cudaError_t launch_paged_prefill(const PagedPrefillParams& p, cudaStream_t stream) {
+  if (p.cache_dtype == DType::kFp8E4M3)
+    return p.dtype == DType::kFloat16
+               ? launch_paged_prefill_typed<__half, fp8_e4m3, HEAD_DIM>(p, stream)
+               : launch_paged_prefill_typed<__nv_bfloat16, fp8_e4m3, HEAD_DIM>(p, stream);
   return p.dtype == DType::kFloat16
-             ? launch_paged_prefill_typed<__half, HEAD_DIM>(p, stream)
-             : launch_paged_prefill_typed<__nv_bfloat16, HEAD_DIM>(p, stream);
+             ? launch_paged_prefill_typed<__half, __half, HEAD_DIM>(p, stream)
+             : launch_paged_prefill_typed<__nv_bfloat16, __nv_bfloat16, HEAD_DIM>(p, stream);
 }
 
 }  // namespace pagedd::cuda

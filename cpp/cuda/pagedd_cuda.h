@@ -17,7 +17,9 @@
 namespace pagedd::cuda {
 
 // The attention kernels take kFloat16 / kBFloat16; the layer kernels (layer_kernels.h) all three.
-enum class DType : int { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2 };
+// kFp8E4M3 is a KV-cache element type only (the attention params' cache_dtype): one byte, e4m3
+// (OCP "fn" flavour: no infinities, max 448), stored as x / scale and read back as e4m3 * scale.
+enum class DType : int { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2, kFp8E4M3 = 3 };
 
 // Tokens per split-KV partition of the decode kernel (a multiple of every block size).
 constexpr int kPartitionSize = 256;
@@ -50,6 +52,11 @@ struct PagedDecodeParams {
   int block_size;              // 8, 16 or 32
   float scale;                 // softmax scale, usually head_dim ** -0.5
   DType dtype;
+  // Cache element type: kFp8E4M3, or anything else for "same as dtype". With fp8, the kernel
+  // reads k = e4m3 * k_scale, v = e4m3 * v_scale (k_scale folded into the query, v_scale into
+  // the output: no per-element multiply); strides are then in bytes (= elements).
+  DType cache_dtype = DType::kFloat16;
+  float k_scale = 1.f, v_scale = 1.f;
 };
 
 // out[s, h] = softmax(scale * q[s, h] . K[s, kv(h)]^T) V[s, kv(h)] over the first seq_lens[s]
@@ -80,6 +87,11 @@ struct PagedPrefillParams {
   int block_n;                   // tile keys (tuning): 0 = default for head_dim, 32 or 64
   float scale;                   // softmax scale, usually head_dim ** -0.5
   DType dtype;
+  // Cache element type and scales, as in PagedDecodeParams: fp8 K/V tiles are converted to
+  // dtype while staged into shared memory; k_scale is folded into the softmax scale and
+  // v_scale into the final normalisation.
+  DType cache_dtype = DType::kFloat16;
+  float k_scale = 1.f, v_scale = 1.f;
 };
 
 // Causal attention of a packed batch of new tokens over their paged K/V (the cached prefix and
@@ -115,7 +127,13 @@ struct ReshapeAndCacheParams {
   int64_t cache_block_stride, cache_head_stride;
   const int64_t* slot_mapping; // [num_tokens]; slot = block_id * block_size + offset, < 0: skip
   int num_tokens, num_kv_heads, head_dim, block_size;
-  int elem_size;               // bytes per element (2 for fp16 / bf16, 4 for fp32)
+  int elem_size;               // bytes per element of key / value (2 for fp16 / bf16, 4 for fp32)
+  // fp8 cache: key / value are dtype (kFloat16 or kBFloat16) and the cache stores
+  // saturate(x / k_scale) (resp. v_scale) as e4m3; its strides are in bytes. Otherwise the
+  // cache has key's dtype and elements are copied as they are.
+  bool cache_fp8 = false;
+  DType dtype = DType::kFloat16;
+  float k_scale = 1.f, v_scale = 1.f;
 };
 
 cudaError_t reshape_and_cache(const ReshapeAndCacheParams& p, cudaStream_t stream);

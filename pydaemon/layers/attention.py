@@ -11,6 +11,11 @@ the block table. Backend selection lives here and only here:
 
 A layer with a sliding window (Mistral, Qwen2/3) keeps the kernel cache writes but attends on
 the torch path, which applies the window (the CUDA decode kernel has none).
+
+An FP8 cache (``--kv-cache-dtype fp8``, see kv_cache_fp8.py) takes the same routes: the kernels
+quantize on write and dequantize in registers; the torch path quantizes and dequantizes around
+its gathers. ``k_scale`` / ``v_scale`` are this layer's scales (1.0 unless the checkpoint has
+them); a cache in the model's dtype ignores them.
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ import torch
 from torch import nn
 
 from pydaemon.attention_metadata import AttentionMetadata
+from pydaemon.kv_cache_fp8 import FP8_DTYPE
 from pydaemon.layers.paged_attention_torch import paged_attention_torch, write_kv_cache_torch
 
 # "auto": the CUDA kernels where they apply; "torch": always the torch path (debugging, A/B).
 BACKEND = os.environ.get("PAGEDD_ATTENTION_BACKEND", "auto")
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+KERNEL_CACHE_DTYPES = (*KERNEL_DTYPES, FP8_DTYPE)
 KERNEL_HEAD_DIMS = (64, 80, 96, 128, 256)
 
 
@@ -38,11 +45,12 @@ def _kernels_available() -> bool:
 
 
 def uses_kernels(cache: torch.Tensor) -> bool:
-    """True when this cache tensor is served by the CUDA kernels."""
+    """True when this cache tensor is served by the CUDA kernels (an fp8 cache also needs an
+    fp16/bf16 model: ``forward`` checks the query)."""
     return (
         BACKEND != "torch"
         and cache.is_cuda
-        and cache.dtype in KERNEL_DTYPES
+        and cache.dtype in KERNEL_CACHE_DTYPES
         and cache.shape[-1] in KERNEL_HEAD_DIMS
         and _kernels_available()
     )
@@ -79,6 +87,9 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window  # tokens a query sees (itself included); None: all
+        # FP8 cache scales: K is stored as k / k_scale and read as e4m3 * k_scale (V alike).
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(
         self,
@@ -89,24 +100,31 @@ class PagedAttention(nn.Module):
         value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, num_heads * head_dim]
-        if uses_kernels(key_cache):
+        if uses_kernels(key_cache) and query.dtype in KERNEL_DTYPES:
             out = self._forward_cuda(query, key, value, key_cache, value_cache, attn_metadata)
         else:
-            write_kv_cache_torch(key, value, key_cache, value_cache, attn_metadata.slot_mapping)
-            out = paged_attention_torch(
-                query, key_cache, value_cache, attn_metadata, self.scale, self.sliding_window
+            write_kv_cache_torch(
+                key, value, key_cache, value_cache, attn_metadata.slot_mapping, *self._scales()
             )
+            out = self._attend_torch(query, key_cache, value_cache, attn_metadata)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
+
+    def _scales(self) -> tuple[float, float]:
+        return self.k_scale, self.v_scale
+
+    def _attend_torch(self, query, key_cache, value_cache, md: AttentionMetadata):
+        return paged_attention_torch(
+            query, key_cache, value_cache, md, self.scale, self.sliding_window, *self._scales()
+        )
 
     def _forward_cuda(self, query, key, value, key_cache, value_cache, md: AttentionMetadata):
         from pydaemon import ops
 
-        ops.reshape_and_cache(key, value, key_cache, value_cache, md.slot_mapping)
+        k_scale, v_scale = self._scales()
+        ops.reshape_and_cache(key, value, key_cache, value_cache, md.slot_mapping, k_scale, v_scale)
         if self.sliding_window is not None:
             # The CUDA attention kernels have no window: windowed layers attend on the torch path.
-            return paged_attention_torch(
-                query, key_cache, value_cache, md, self.scale, self.sliding_window
-            )
+            return self._attend_torch(query, key_cache, value_cache, md)
         num_kv_heads = key_cache.shape[1]  # this rank's, under tensor parallelism
         group = query.shape[1] // num_kv_heads
         if md.num_prefills == 0 and decode_on_tensor_cores(
@@ -123,6 +141,8 @@ class PagedAttention(nn.Module):
                 scale=self.scale,
                 block_m=64,
                 block_n=64,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         if md.num_prefills > 0:
             return ops.paged_attention_prefill(
@@ -134,6 +154,8 @@ class PagedAttention(nn.Module):
                 md.query_start_loc,
                 md.max_query_len,  # host int: no device read-back
                 scale=self.scale,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         return ops.paged_attention_decode(
             query,
@@ -143,4 +165,6 @@ class PagedAttention(nn.Module):
             md.seq_lens,
             md.max_seq_len,  # host int, computed once per step: no device read-back
             scale=self.scale,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )

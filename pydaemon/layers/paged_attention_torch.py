@@ -9,6 +9,10 @@ back.
 
 ``sliding_window`` (Mistral, Qwen2/3 windowed layers): a query at position ``p`` sees only the
 keys at positions ``(p - sliding_window, p]``, as transformers' sliding-window mask does.
+
+An FP8 cache (float8_e4m3fn, kv_cache_fp8.py) is written as saturate(x / scale) and read back
+as e4m3 * scale in the query's dtype right after each gather: on the CPU this emulates the
+CUDA kernels' numbers (same storage, same rounding), it does not make anything faster.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from pydaemon.attention_metadata import AttentionMetadata
+from pydaemon.kv_cache_fp8 import dequantize_fp8, is_fp8, quantize_fp8
 
 
 def write_kv_cache_torch(
@@ -25,6 +30,8 @@ def write_kv_cache_torch(
     key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
     value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
     slot_mapping: torch.Tensor,  # [T] int64, slot of each token; negative: skip
+    k_scale: float = 1.0,  # fp8 cache only: stores key / k_scale
+    v_scale: float = 1.0,
 ) -> None:
     block_size = key_cache.shape[2]
     slots = slot_mapping.to(torch.int64)
@@ -35,6 +42,8 @@ def write_kv_cache_torch(
     block_ids = torch.div(slots, block_size, rounding_mode="floor")
     offsets = slots % block_size
     # key_cache[block_ids, :, offsets] has shape [T, num_kv_heads, head_dim].
+    if is_fp8(key_cache.dtype):
+        key, value = quantize_fp8(key, k_scale), quantize_fp8(value, v_scale)
     key_cache[block_ids, :, offsets] = key.to(key_cache.dtype)
     value_cache[block_ids, :, offsets] = value.to(value_cache.dtype)
 
@@ -43,13 +52,16 @@ def _gather_kv(
     cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
     block_tables: torch.Tensor,  # [N, num_blocks_per_seq] int32
     max_len: int,
+    dtype: torch.dtype,
+    scale: float,
 ) -> torch.Tensor:
-    """-> [N, num_kv_heads, max_len, head_dim] (positions past a sequence's end: garbage)."""
+    """-> [N, num_kv_heads, max_len, head_dim] in ``dtype`` (positions past a sequence's end:
+    garbage); an fp8 cache is dequantized with ``scale`` after the gather."""
     n, nb = block_tables.shape
     blocks = cache[block_tables.to(torch.int64)]  # [N, nb, Hkv, bs, D]
     h, bs, d = cache.shape[1], cache.shape[2], cache.shape[3]
-    blocks = blocks.permute(0, 2, 1, 3, 4).reshape(n, h, nb * bs, d)
-    return blocks[:, :, :max_len]
+    blocks = blocks.permute(0, 2, 1, 3, 4).reshape(n, h, nb * bs, d)[:, :, :max_len]
+    return dequantize_fp8(blocks, scale, dtype) if is_fp8(cache.dtype) else blocks
 
 
 def paged_attention_torch(
@@ -59,6 +71,8 @@ def paged_attention_torch(
     attn_metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,  # fp8 cache only: K = e4m3 * k_scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of the step's query tokens over their sequences' cached K/V.
 
@@ -67,11 +81,20 @@ def paged_attention_torch(
     already written) are read through ``block_tables[i]``. Returns [T, num_heads, head_dim].
     """
     out = torch.empty_like(query)
+    kv_scales = (k_scale, v_scale)
     num_prefill_tokens = paged_prefill_torch(
-        query, key_cache, value_cache, attn_metadata, scale, out, sliding_window
+        query, key_cache, value_cache, attn_metadata, scale, out, sliding_window, kv_scales
     )
     paged_decode_torch(
-        query, key_cache, value_cache, attn_metadata, scale, out, num_prefill_tokens, sliding_window
+        query,
+        key_cache,
+        value_cache,
+        attn_metadata,
+        scale,
+        out,
+        num_prefill_tokens,
+        sliding_window,
+        kv_scales,
     )
     return out
 
@@ -84,6 +107,7 @@ def paged_prefill_torch(
     scale: float,
     out: torch.Tensor,  # [T, num_heads, head_dim], written for the prefill tokens
     sliding_window: int | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),  # fp8 cache: (k_scale, v_scale)
 ) -> int:
     """Attention of the prefill sequences (the first ``num_prefills``), one SDPA call each.
     Returns the number of prefill tokens written."""
@@ -97,8 +121,8 @@ def paged_prefill_torch(
         q_len, s_len = query_lens[i], seq_lens[i]
         num_blocks = -(-s_len // block_size)
         table = attn_metadata.block_tables[i : i + 1, :num_blocks]
-        k = _gather_kv(key_cache, table, s_len)[0]  # [Hkv, s_len, D]
-        v = _gather_kv(value_cache, table, s_len)[0]
+        k = _gather_kv(key_cache, table, s_len, query.dtype, kv_scales[0])[0]  # [Hkv, s_len, D]
+        v = _gather_kv(value_cache, table, s_len, query.dtype, kv_scales[1])[0]
         if group > 1:
             k = k.repeat_interleave(group, dim=0)
             v = v.repeat_interleave(group, dim=0)
@@ -128,6 +152,7 @@ def paged_decode_torch(
     out: torch.Tensor,  # [T, num_heads, head_dim], written for the decode tokens
     start: int,  # the first decode token
     sliding_window: int | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),  # fp8 cache: (k_scale, v_scale)
 ) -> None:
     """All decode sequences at once: one padded gather and a masked softmax."""
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -141,8 +166,8 @@ def paged_decode_torch(
         max_len = max(decode_lens)
         num_blocks = -(-max_len // block_size)
         tables = attn_metadata.block_tables[num_prefills:, :num_blocks]
-        k = _gather_kv(key_cache, tables, max_len)  # [N, Hkv, L, D]
-        v = _gather_kv(value_cache, tables, max_len)
+        k = _gather_kv(key_cache, tables, max_len, query.dtype, kv_scales[0])  # [N, Hkv, L, D]
+        v = _gather_kv(value_cache, tables, max_len, query.dtype, kv_scales[1])
         q = query[start : start + num_decodes].view(num_decodes, num_kv_heads, group, head_dim)
         scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [N, Hkv, G, L]
         lens = attn_metadata.seq_lens[num_prefills:].to(device=query.device, dtype=torch.int64)

@@ -48,6 +48,12 @@ def core() -> ModuleType:
     return _CORE
 
 
+def kv_cache_arg(cache: torch.Tensor) -> torch.Tensor:
+    """The tensor the kernels get for a KV cache: an fp8 (float8_e4m3fn) cache goes as its
+    uint8 storage (a view, no copy), which the binding reads as e4m3."""
+    return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
+
+
 def stream_handle(device: torch.device) -> int:
     """The raw handle of the current torch stream on ``device``, for the kernels.
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pydaemon.ops._core_ext import core, stream_handle
+from pydaemon.ops._core_ext import core, kv_cache_arg, stream_handle
 
 BlockPairs = Sequence[tuple[int, int]] | torch.Tensor
 
@@ -17,17 +17,29 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Store the new tokens' K and V in the paged cache, in place.
 
     key, value:   [num_tokens, num_kv_heads, head_dim], last dim contiguous
-    key_cache:    [num_blocks, num_kv_heads, block_size, head_dim] (kv_cache[:, l, 0])
-    value_cache:  same shape and strides (kv_cache[:, l, 1])
+    key_cache:    [num_blocks, num_kv_heads, block_size, head_dim] (kv_cache[:, l, 0]), the
+                  dtype of key, or float8_e4m3fn (then key / value must be fp16 / bf16)
+    value_cache:  same shape, dtype and strides (kv_cache[:, l, 1])
     slot_mapping: [num_tokens] int64 on the GPU; slot = block_id * block_size + offset,
                   negative slots (padding) are skipped
+    k_scale, v_scale: fp8 cache only: it stores saturate(key / k_scale), saturate(value /
+                  v_scale), rounded to nearest even
     """
     core().reshape_and_cache(
-        key, value, key_cache, value_cache, slot_mapping, stream_handle(key.device)
+        key,
+        value,
+        kv_cache_arg(key_cache),
+        kv_cache_arg(value_cache),
+        slot_mapping,
+        float(k_scale),
+        float(v_scale),
+        stream_handle(key.device),
     )
 
 
@@ -50,7 +62,7 @@ def copy_blocks(kv_cache: torch.Tensor, blocks_to_copy: BlockPairs) -> None:
     if len(blocks_to_copy) == 0:
         return
     mapping = _pairs_tensor(blocks_to_copy, kv_cache.device)
-    core().copy_blocks(kv_cache, mapping, stream_handle(kv_cache.device))
+    core().copy_blocks(kv_cache_arg(kv_cache), mapping, stream_handle(kv_cache.device))
 
 
 def swap_blocks(
@@ -72,7 +84,7 @@ def swap_blocks(
     gpu = src if src.is_cuda else dst
     if stream is None:
         stream = stream_handle(gpu.device)
-    core().swap_blocks(src, dst, mapping, stream)
+    core().swap_blocks(kv_cache_arg(src), kv_cache_arg(dst), mapping, stream)
 
 
 class SwapStream:

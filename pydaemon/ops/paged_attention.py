@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pydaemon.ops._core_ext import core, stream_handle
+from pydaemon.ops._core_ext import core, kv_cache_arg, stream_handle
 
 # Tokens per split-KV partition; must equal pagedd::cuda::kPartitionSize (checked on use).
 PARTITION_SIZE = 256
@@ -24,13 +24,16 @@ def paged_attention_decode(
     max_seq_len: int,
     scale: float | None = None,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged KV cache.
 
     query:        [num_seqs, num_q_heads, head_dim] fp16/bf16, last dim contiguous
     key_cache:    [num_blocks, num_kv_heads, block_size, head_dim], e.g. kv_cache[:, l, 0];
                   inner [block_size, head_dim] contiguous, any block / head stride
-    value_cache:  same shape, dtype and strides as key_cache (kv_cache[:, l, 1])
+    value_cache:  same shape, dtype and strides as key_cache (kv_cache[:, l, 1]); the dtype
+                  of query, or float8_e4m3fn (read as e4m3 * k_scale / v_scale)
     block_tables: [num_seqs, max_num_blocks_per_seq] int32 on the GPU
     seq_lens:     [num_seqs] int32 on the GPU, context length of each sequence (this token
                   included); every entry must be <= max_seq_len
@@ -38,6 +41,7 @@ def paged_attention_decode(
                   the device (no host-device sync). A sequence longer than this gets NaN.
     scale:        softmax scale, default head_dim ** -0.5
     out:          optional [num_seqs, num_q_heads, head_dim] contiguous output
+    k_scale, v_scale: the fp8 cache's per-layer scales (ignored for other caches)
     returns       out: [num_seqs, num_q_heads, head_dim], dtype of query
 
     head_dim in {64, 80, 96, 128, 256}, block_size in {8, 16, 32}, num_q_heads a multiple of
@@ -68,8 +72,8 @@ def paged_attention_decode(
     _core.paged_attention_decode(
         out,
         query,
-        key_cache,
-        value_cache,
+        kv_cache_arg(key_cache),
+        kv_cache_arg(value_cache),
         block_tables,
         seq_lens,
         float(scale),
@@ -77,6 +81,8 @@ def paged_attention_decode(
         tmp_out,
         exp_sums,
         max_logits,
+        float(k_scale),
+        float(v_scale),
         stream_handle(query.device),
     )
     return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pydaemon.ops._core_ext import core, stream_handle
+from pydaemon.ops._core_ext import core, kv_cache_arg, stream_handle
 
 
 def paged_attention_prefill(
@@ -19,6 +19,8 @@ def paged_attention_prefill(
     out: torch.Tensor | None = None,
     block_m: int = 0,
     block_n: int = 0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of a step's new tokens over their paged K/V, one launch for the batch.
 
@@ -26,7 +28,8 @@ def paged_attention_prefill(
                      sequence s owns rows [query_start_loc[s], query_start_loc[s + 1])
     key_cache:       [num_blocks, num_kv_heads, block_size, head_dim] (kv_cache[:, l, 0]),
                      already holding this step's K (reshape_and_cache runs first)
-    value_cache:     same shape, dtype and strides as key_cache
+    value_cache:     same shape, dtype and strides as key_cache; the dtype of query, or
+                     float8_e4m3fn (read as e4m3 * k_scale / v_scale)
     block_tables:    [num_seqs, max_num_blocks_per_seq] int32 on the GPU
     seq_lens:        [num_seqs] int32 on the GPU, context length after this step; query token
                      j of sequence s sits at position seq_lens[s] - query_len_s + j
@@ -37,6 +40,7 @@ def paged_attention_prefill(
     out:             optional [num_tokens, num_q_heads, head_dim] contiguous output
     block_m, block_n: tile rows x keys (tuning; 0 = the measured default, see
                      prefill_tile_shape in cpp/cuda/pagedd_cuda.h)
+    k_scale, v_scale: the fp8 cache's per-layer scales (ignored for other caches)
     returns          out: [num_tokens, num_q_heads, head_dim], dtype of query
 
     Query lengths of 1 (decode rows) may be mixed with prefill chunks. head_dim in
@@ -49,8 +53,8 @@ def paged_attention_prefill(
     core().paged_attention_prefill(
         out,
         query,
-        key_cache,
-        value_cache,
+        kv_cache_arg(key_cache),
+        kv_cache_arg(value_cache),
         block_tables,
         seq_lens,
         query_start_loc,
@@ -58,6 +62,8 @@ def paged_attention_prefill(
         int(max_query_len),
         int(block_m),
         int(block_n),
+        float(k_scale),
+        float(v_scale),
         stream_handle(query.device),
     )
     return out

@@ -27,6 +27,7 @@ ENGINE_FLAGS: tuple[tuple[str, Any, str], ...] = (
     ),
     ("--device", str, "auto | cpu | cuda"),
     ("--dtype", str, "auto | float32 | float16 | bfloat16"),
+    ("--kv-cache-dtype", str, "auto (the model's dtype) | fp8 (e4m3, per-layer scales)"),
     ("--block-size", int, "tokens per KV block (8, 16, 32)"),
     ("--num-kv-blocks", int, "override the number of KV blocks (default: from memory)"),
     ("--gpu-memory-utilization", float, "fraction of GPU memory for weights + KV cache"),
