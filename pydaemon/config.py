@@ -22,7 +22,10 @@ class EngineConfig:
     KV-cache size derived from ``gpu_memory_utilization`` (CUDA) or ``cpu_kv_cache_space``
     (GiB, CPU). ``swap_space`` (GiB) sizes the CPU swap pool used by swap preemption.
     ``tensor_parallel_size`` > 1 shards the model over that many processes (one per GPU, or
-    gloo on CPUs), started by the engine itself.
+    gloo on CPUs), started by the engine itself. ``async_scheduling`` schedules and launches
+    each step while the previous one runs on the GPU (pydaemon.async_step); ``None`` turns it
+    on for CUDA with one GPU and off otherwise (on a CPU there is nothing to overlap, but
+    ``True`` runs the same path, for tests); tensor parallelism does not support it.
     """
 
     model: str = DEFAULT_MODEL
@@ -42,6 +45,7 @@ class EngineConfig:
     seed: int = 0
     watermark: float = 0.01
     tensor_parallel_size: int = 1
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -79,6 +83,10 @@ class EngineConfig:
             or self.tensor_parallel_size < 1
         ):
             raise bad("tensor_parallel_size", "must be a positive integer")
+        if self.async_scheduling not in (None, True, False):
+            raise bad("async_scheduling", "must be true, false or None (auto)")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise bad("async_scheduling", "is not supported with tensor_parallel_size > 1")
         if not self.model:
             raise bad(
                 "model", f"must name {DEFAULT_MODEL!r}, 'demo', a model directory or a .gguf file"

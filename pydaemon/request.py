@@ -20,6 +20,10 @@ from pydaemon.stop_checker import StopChecker
 
 _seq_counter = itertools.count()
 
+# Async scheduling appends this id for a token the GPU is still sampling (the next step is
+# scheduled before it is known); the real id replaces it when the step's output arrives.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # not admitted, or preempted by recompute (no blocks)
@@ -55,6 +59,11 @@ class Sequence:
     @property
     def last_token_id(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def has_pending_token(self) -> bool:
+        """The last output token is a placeholder: sampled on the GPU, not yet seen here."""
+        return bool(self.output_token_ids) and self.output_token_ids[-1] == PLACEHOLDER_TOKEN_ID
 
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids

@@ -41,7 +41,14 @@ ENGINE_FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("--watermark", float, "fraction of KV blocks kept free at admission"),
     ("--tensor-parallel-size", int, "shard the model over this many GPUs (processes)"),
 )
-ENGINE_BOOL_FLAGS = (("--enable-prefix-caching", "automatic prefix caching"),)
+ENGINE_BOOL_FLAGS = (
+    ("--enable-prefix-caching", "automatic prefix caching"),
+    (
+        "--async-scheduling",
+        "schedule each step while the previous one runs on the GPU (default: on with one CUDA "
+        "GPU, off on CPU and with tensor parallelism; --async-scheduling forces it on)",
+    ),
+)
 SERVER_BOOL_FLAGS = (("--metrics-auth", True, "with an API key, /metrics requires it too"),)
 
 # (flag, type, default, help). Keys map onto ServerOptions / ServingOptions.
