@@ -61,6 +61,16 @@ def test_flag_defaults_and_validation(model):
         EngineConfig(model="demo", async_scheduling=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig(model="demo", async_scheduling="yes")
+    from pydaemon.cli import build_parser
+    from pydaemon.server.settings import resolve
+
+    for argv, want in (
+        ([], None),
+        (["--no-async-scheduling"], False),
+        (["--async-scheduling"], True),
+    ):
+        engine_kwargs, _, _ = resolve(build_parser().parse_args(["serve", *argv]))
+        assert engine_kwargs.get("async_scheduling") is want, argv
 
 
 def test_greedy_and_lengths_match_sync(model):
@@ -76,6 +86,19 @@ def test_greedy_and_lengths_match_sync(model):
     stepper = _stepper(llm)
     assert stepper.num_overlapped_steps > 20  # decode steps overlapped
     assert stepper.in_flight is None
+
+
+def test_the_model_length_limit_matches_sync(model):
+    """A sequence that reaches max_model_len still computes its last token in the step
+    launched before its end was known: no write past the context, the same outputs."""
+    path, _ = model
+    prompts = random_prompts(4, VOCAB, 10, 28, seed=12)
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    sync, asyn, _ = _both(path, prompts, params, max_model_len=32)
+    assert _completions(asyn) == _completions(sync)
+    for prompt, out in zip(prompts, asyn, strict=True):
+        assert out.outputs[0].finish_reason == "length"
+        assert len(prompt) + len(out.outputs[0].token_ids) == 32
 
 
 def test_seeded_sampling_penalties_and_logprobs_match_sync(model):
