@@ -137,24 +137,29 @@ class InputBatch:
         rows = np.fromiter((seqs[s].row for s in cached.seq_ids), dtype=np.int64, count=num_cached)
         self.num_computed_tokens[rows] = cached.num_computed_tokens
         new_tokens = cached.new_token_ids
+        # Where each held sequence's last new token lands (-1: no new token).
+        last_positions = np.full(num_cached, -1, dtype=np.int64)
         if all(len(t) == 1 for t in new_tokens):  # decodes: one token each, in one go
             ends = self.num_tokens[rows]
             values = np.fromiter((t[0] for t in new_tokens), dtype=np.int32, count=num_cached)
             self.token_ids[rows, ends] = values
             self.num_tokens[rows] = ends + 1
             is_placeholder = values < 0
-            if is_placeholder.any():
-                if last_output is None:
-                    raise RuntimeError("placeholder tokens without a previous step to fill them")
-                seq_ids = np.asarray(cached.seq_ids, dtype=np.int64)[is_placeholder]
-                self._placeholders.append((seq_ids, ends[is_placeholder], last_output))
-        else:
-            for row, tokens in zip(rows.tolist(), new_tokens, strict=True):
-                if any(t < 0 for t in tokens):
-                    raise RuntimeError("a placeholder token outside a decode")
+            last_positions[:] = ends
+        else:  # prefill chunks (no new token) beside decodes
+            is_placeholder = np.zeros(num_cached, dtype=bool)
+            for i, (row, tokens) in enumerate(zip(rows.tolist(), new_tokens, strict=True)):
                 n = int(self.num_tokens[row])
                 self.token_ids[row, n : n + len(tokens)] = tokens
                 self.num_tokens[row] = n + len(tokens)
+                if tokens:
+                    is_placeholder[i] = tokens[-1] < 0
+                    last_positions[i] = n + len(tokens) - 1
+        if is_placeholder.any():  # only ever a decode's one new token
+            if last_output is None:
+                raise RuntimeError("placeholder tokens without a previous step to fill them")
+            seq_ids = np.asarray(cached.seq_ids, dtype=np.int64)[is_placeholder]
+            self._placeholders.append((seq_ids, last_positions[is_placeholder], last_output))
         for row, blocks in zip(rows.tolist(), cached.new_block_ids, strict=True):
             if blocks is not None:  # a new block every block_size tokens, or a copy-on-write
                 start, ids = blocks

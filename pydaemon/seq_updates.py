@@ -2,9 +2,10 @@
 
 It records what the step computes (``advance``: ``num_computed_tokens``, full blocks offered
 to the prefix cache, a placeholder token for every sequence that samples), then, once the
-step's output is on the host (``update``), puts each sampled token in its placeholder's place, checks token-level stops (EOS, stop token ids, min/max
-tokens, the model's length), forks n > 1 requests at their first sample, runs beam steps, and
-frees finished sequences at once. It reports per request the new token ids
+step's output is on the host (``update``), puts each sampled token in its placeholder's
+place, checks token-level stops (EOS, stop token ids, min/max tokens, the model's length),
+forks n > 1 requests at their first sample, runs beam steps, and frees finished sequences
+at once. It reports per request the new token ids
 (``EngineCoreOutputs``); text, stop strings and streaming are the front end's. An exception
 while processing one request fails that request alone (its blocks are freed, its output
 carries the error); the step and every other request go on.

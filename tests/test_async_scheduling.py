@@ -88,6 +88,17 @@ def test_greedy_and_lengths_match_sync(model):
     assert stepper.in_flight is None
 
 
+def test_chunked_prefills_beside_overlapped_decodes_match_sync(model):
+    """A small token budget: long prompts prefill in chunks in the same steps as the decodes
+    of others, whose tokens are placeholders."""
+    path, _ = model
+    prompts = random_prompts(6, VOCAB, 20, 60, seed=13)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 20) * 3]
+    sync, asyn, llm = _both(path, prompts, params, max_num_batched_tokens=12, max_num_seqs=4)
+    assert _completions(asyn) == _completions(sync)
+    assert _stepper(llm).num_overlapped_steps > 20
+
+
 def test_the_model_length_limit_matches_sync(model):
     """A sequence that reaches max_model_len still computes its last token in the step
     launched before its end was known: no write past the context, the same outputs."""
