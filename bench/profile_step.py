@@ -195,7 +195,7 @@ def _time_async(core, stepper, num_steps: int) -> dict:
         t = time.perf_counter()
         stepper.step()
         walls.append(time.perf_counter() - t)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
         for _ in range(num_steps):
             stepper.step()
@@ -204,7 +204,7 @@ def _time_async(core, stepper, num_steps: int) -> dict:
         wall = (time.perf_counter() - t) / num_steps
     gpu_s = (
         sum(
-            (e.device_time_total or 0.0)
+            (getattr(e, "device_time_total", 0.0) or 0.0)
             for e in prof.key_averages()
             if e.device_type.name == "CUDA"
         )
