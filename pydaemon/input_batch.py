@@ -27,6 +27,8 @@ from pydaemon.scheduler_output import SchedulerOutput
 if TYPE_CHECKING:
     from pydaemon.runner_output import ModelRunnerOutput
 
+_NO_IDS = np.zeros(0, dtype=np.int64)
+
 
 @dataclass
 class CachedSeqState:
@@ -137,29 +139,31 @@ class InputBatch:
         rows = np.fromiter((seqs[s].row for s in cached.seq_ids), dtype=np.int64, count=num_cached)
         self.num_computed_tokens[rows] = cached.num_computed_tokens
         new_tokens = cached.new_token_ids
-        # Where each held sequence's last new token lands (-1: no new token).
-        last_positions = np.full(num_cached, -1, dtype=np.int64)
+        # A placeholder is only ever a decode's one new token: (seq_id, position) of each.
+        placeholders: tuple[np.ndarray, np.ndarray] | None = None
         if all(len(t) == 1 for t in new_tokens):  # decodes: one token each, in one go
             ends = self.num_tokens[rows]
             values = np.fromiter((t[0] for t in new_tokens), dtype=np.int32, count=num_cached)
             self.token_ids[rows, ends] = values
             self.num_tokens[rows] = ends + 1
             is_placeholder = values < 0
-            last_positions[:] = ends
+            if is_placeholder.any():
+                seq_ids = np.asarray(cached.seq_ids, dtype=np.int64)[is_placeholder]
+                placeholders = seq_ids, ends[is_placeholder]
         else:  # prefill chunks (no new token) beside decodes
-            is_placeholder = np.zeros(num_cached, dtype=bool)
-            for i, (row, tokens) in enumerate(zip(rows.tolist(), new_tokens, strict=True)):
+            found: list[tuple[int, int]] = []
+            for seq_id, row, tokens in zip(cached.seq_ids, rows.tolist(), new_tokens, strict=True):
                 n = int(self.num_tokens[row])
                 self.token_ids[row, n : n + len(tokens)] = tokens
                 self.num_tokens[row] = n + len(tokens)
-                if tokens:
-                    is_placeholder[i] = tokens[-1] < 0
-                    last_positions[i] = n + len(tokens) - 1
-        if is_placeholder.any():  # only ever a decode's one new token
+                if tokens and tokens[-1] < 0:
+                    found.append((seq_id, n + len(tokens) - 1))
+            if found:
+                placeholders = np.array(found, dtype=np.int64).T
+        if placeholders is not None:
             if last_output is None:
                 raise RuntimeError("placeholder tokens without a previous step to fill them")
-            seq_ids = np.asarray(cached.seq_ids, dtype=np.int64)[is_placeholder]
-            self._placeholders.append((seq_ids, last_positions[is_placeholder], last_output))
+            self._placeholders.append((placeholders[0], placeholders[1], last_output))
         for row, blocks in zip(rows.tolist(), cached.new_block_ids, strict=True):
             if blocks is not None:  # a new block every block_size tokens, or a copy-on-write
                 start, ids = blocks
@@ -197,7 +201,10 @@ class InputBatch:
         is_sampled = seq_lens == self.num_tokens[rows]
         sample_index = (query_start_loc[1:][is_sampled] - 1).astype(np.int64)
         placeholder_index = np.flatnonzero(input_ids < 0)
-        placeholder_seqs = np.searchsorted(query_start_loc, placeholder_index, side="right") - 1
+        placeholder_seq_ids = _NO_IDS
+        if len(placeholder_index):
+            index = np.searchsorted(query_start_loc, placeholder_index, side="right") - 1
+            placeholder_seq_ids = np.asarray(seq_ids, dtype=np.int64)[index]
         return StepInput(
             seq_ids=seq_ids,
             num_prefills=out.num_prefills,
@@ -211,7 +218,7 @@ class InputBatch:
             is_sampled=is_sampled,
             sample_index=sample_index,
             placeholder_index=placeholder_index,
-            placeholder_seq_ids=np.asarray(seq_ids, dtype=np.int64)[placeholder_seqs],
+            placeholder_seq_ids=placeholder_seq_ids,
         )
 
     def resolve_placeholders(self) -> None:

@@ -10,6 +10,7 @@ block manager holds slots for its first ``num_slots`` tokens.
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 from dataclasses import dataclass, field
 
@@ -106,6 +107,12 @@ class Request:
         if self.params.is_beam_search:
             return self.params.beam_width
         return self.params.best_of or 1
+
+    @functools.cached_property
+    def has_one_seq(self) -> bool:
+        """Neither n > 1 nor beam search: one sequence, one token per sample (its steps may
+        run on placeholder tokens under async scheduling)."""
+        return self.params.best_of == 1 and not self.params.is_beam_search
 
     @property
     def forks_at_first_sample(self) -> bool:

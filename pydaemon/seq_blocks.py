@@ -66,10 +66,9 @@ class SeqBlocks:
             seq.changed_block_start = changed if start is None else min(start, changed)
 
     def set_last_token(self, seq: Sequence) -> None:
-        """The sequence's last token replaced a placeholder: tell the block manager if that
-        token already has a slot (its block is hashed only after this)."""
-        if seq.num_slots == seq.num_tokens:
-            self.block_manager.set_last_token_id(seq.seq_id, seq.last_token_id)
+        """The sequence's last token, which has a slot, replaced a placeholder: tell the
+        block manager (the token's block is hashed only after this)."""
+        self.block_manager.set_last_token_id(seq.seq_id, seq.output_token_ids[-1])
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares every block of ``parent`` (it starts outside the runner)."""

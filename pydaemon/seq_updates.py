@@ -10,9 +10,10 @@ at once. It reports per request the new token ids
 while processing one request fails that request alone (its blocks are freed, its output
 carries the error); the step and every other request go on.
 
-Synchronous steps run both halves back to back. Async scheduling (pydaemon.async_step) runs
-``advance`` as soon as the step is launched, so that the next step can be scheduled with the
-placeholders, and ``update`` one step later; a request that finished or was aborted in between
+Synchronous steps run both halves back to back (no placeholders: ``update`` appends the
+tokens). Async scheduling (pydaemon.async_step) runs ``advance`` as soon as the step is
+launched, so that the next step can be scheduled with the placeholders, and ``update`` one
+step later; a request that finished or was aborted in between
 has its token of the step discarded.
 """
 
@@ -29,7 +30,7 @@ from pydaemon.outputs import TokenLogprobs
 from pydaemon.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus, Sequence
 from pydaemon.runner_output import ModelRunnerOutput
 from pydaemon.seq_blocks import SeqBlocks
-from pydaemon.step_plan import ScheduledSeq, StepPlan
+from pydaemon.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -48,18 +49,22 @@ class SeqUpdater:
         finished, self._finished = self._finished, []
         return finished
 
-    def advance(self, plan: StepPlan) -> None:
-        """The step's tokens count as computed; each sequence the step samples gets a
-        placeholder token (not one that forks at this sample, nor a beam: their steps are
-        synchronous). Idempotent. Skips requests that ended since the step was scheduled."""
+    def advance(self, plan: StepPlan, placeholders: bool = True) -> None:
+        """The step's tokens count as computed; with ``placeholders``, each sequence the step
+        samples gets a placeholder token (only requests of one sequence: n > 1 and beam
+        search run synchronous steps). Idempotent. Skips requests that ended since the step
+        was scheduled."""
         if plan.is_advanced:
             return
         plan.is_advanced = True
         now = time.monotonic()
         block_size = self.blocks.block_size
+        finished = RequestStatus.FINISHED
+        by_seq_id = plan.by_seq_id
         for scheduled in plan.scheduled:
             seq, request = scheduled.seq, scheduled.request
-            if request.is_finished:
+            by_seq_id[seq.seq_id] = scheduled
+            if request.status is finished:
                 continue  # aborted, or finished by the step before (async scheduling)
             before = seq.num_computed_tokens
             seq.num_computed_tokens = after = before + scheduled.num_new_tokens
@@ -69,15 +74,16 @@ class SeqUpdater:
                 self.blocks.mark_computed(seq)
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
-            is_sampled = after == seq.num_tokens
-            if is_sampled and request.beam is None and not request.forks_at_first_sample:
-                seq.output_token_ids.append(PLACEHOLDER_TOKEN_ID)
+            if placeholders and request.has_one_seq:
+                output_token_ids = seq.output_token_ids
+                if after == len(seq.prompt_token_ids) + len(output_token_ids):  # it samples
+                    output_token_ids.append(PLACEHOLDER_TOKEN_ID)
         self.num_prompt_tokens += sum(s.num_new_tokens for s in plan.prefills)
 
     def update(self, plan: StepPlan, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
-        self.advance(plan)
+        self.advance(plan, placeholders=False)  # a synchronous step appends the tokens
         now = time.monotonic()
-        by_seq_id: dict[int, ScheduledSeq] = {s.seq.seq_id: s for s in plan.scheduled}
+        by_seq_id = plan.by_seq_id
         outputs: dict[str, EngineCoreOutput] = {}
         touched: dict[str, Request] = {}
         for request, message in plan.rejected:
@@ -147,15 +153,17 @@ class SeqUpdater:
             targets, token_ids, chosen_logprobs, logprobs, strict=True
         ):
             output_token_ids = target.output_token_ids
-            if target.has_pending_token:  # the placeholder advance() put there
-                output_token_ids[-1] = token_id
-                self.blocks.set_last_token(target)
+            if output_token_ids and output_token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+                output_token_ids[-1] = token_id  # the placeholder advance() put there
+                num_tokens = len(target.prompt_token_ids) + len(output_token_ids)
+                if target.num_slots == num_tokens:  # async: its slot was taken already
+                    self.blocks.set_last_token(target)
             else:
                 output_token_ids.append(token_id)
+                num_tokens = len(target.prompt_token_ids) + len(output_token_ids)
             target.cumulative_logprob += chosen
             self.num_generation_tokens += 1
             finish_reason, stop_reason = checker.check_token(token_id, len(output_token_ids))
-            num_tokens = len(target.prompt_token_ids) + len(output_token_ids)
             if finish_reason is None and num_tokens >= self.max_model_len:
                 finish_reason = "length"
             output.seqs.append(
