@@ -7,6 +7,11 @@ the GPU waits for. A batch of ``--num-seqs`` sequences with W1-like prompt lengt
 
     PYTHONPATH=. python bench/bench_host_step.py                 # 512 sequences
     PYTHONPATH=. python bench/bench_host_step.py --num-seqs 256
+    PYTHONPATH=. python bench/bench_host_step.py --async-scheduling  # the overlapped order
+
+``--async-scheduling`` runs the phases in async scheduling's order (pydaemon.async_step):
+schedule(overlap=True) on placeholder tokens, the inputs with placeholders, then the update of
+the step before, then ``advance``; this host time is what hides behind the GPU's step.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--async-scheduling", action="store_true")
     args = parser.parse_args(argv)
 
     rng = random.Random(0)
@@ -60,11 +66,14 @@ def main(argv: list[str] | None = None) -> int:
         scheduler.add_request(request)
 
     phases: dict[str, list[float]] = {"schedule": [], "runner inputs": [], "update": []}
+    last = None  # async: (SchedulerOutput, ModelRunnerOutput) of the step "in flight"
     for step in range(args.steps + 1):
         t0 = time.perf_counter()
-        out = scheduler.schedule()
+        out = scheduler.schedule(overlap=last is not None)
+        if out is None:
+            raise RuntimeError("the overlapped schedule was refused")
         t1 = time.perf_counter()
-        batch.update(out)
+        batch.update(out, None if last is None else (lambda ro=last[1]: ro))
         inputs = batch.prepare(out)
         t2 = time.perf_counter()
         sampled = np.asarray(inputs.seq_ids)[inputs.is_sampled].tolist()
@@ -75,7 +84,13 @@ def main(argv: list[str] | None = None) -> int:
             logprobs=[[None]] * len(sampled),
         )
         t3 = time.perf_counter()
-        scheduler.update_from_output(out, runner_output)
+        if not args.async_scheduling:
+            scheduler.update_from_output(out, runner_output)
+        else:
+            if last is not None:
+                scheduler.update_from_output(*last)
+            scheduler.advance(out)
+            last = (out, runner_output)
         t4 = time.perf_counter()
         if step == 0:
             continue  # the prefill step
@@ -83,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         phases["runner inputs"].append(t2 - t1)
         phases["update"].append(t4 - t3)
     total = 0.0
-    print(f"decode step, {args.num_seqs} sequences, median of {args.steps} steps:")
+    mode = "async scheduling" if args.async_scheduling else "synchronous"
+    print(f"decode step ({mode}), {args.num_seqs} sequences, median of {args.steps} steps:")
     for name, values in phases.items():
         median = statistics.median(values) * 1e3
         total += median

@@ -9,9 +9,14 @@ prompts, steps until every prompt is prefilled, then times ``--steps`` decode st
   attention, norm, rotary, activation, sampling, copies, other), and the share of the step's
   wall time the GPU was busy.
 
+``--async-scheduling both`` then times the same engine, in the same batch state, with async
+scheduling (pydaemon.async_step: step N+1 scheduled and launched while step N runs), one
+block of steps of each kind after the other, and reports both walls and the ratio.
+
 The summary is printed as a table and written as JSON (``--out``).
 
     python bench/profile_step.py --model /tmp/l3 --load-format dummy --out profile.json
+    python bench/profile_step.py --model /tmp/l3 --load-format dummy --async-scheduling both
 """
 
 from __future__ import annotations
@@ -51,11 +56,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--top", type=int, default=12, help="kernels listed by name")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
+    parser.add_argument(
+        "--async-scheduling",
+        choices=("off", "both"),
+        default="off",
+        help="both: also time steps with async scheduling, side by side",
+    )
     args = parser.parse_args(argv)
 
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    from pydaemon.async_step import AsyncStepper
     from pydaemon.config import EngineConfig
     from pydaemon.engine_core import EngineCore
     from pydaemon.engine_core_types import EngineCoreRequest
@@ -67,10 +79,11 @@ def main(argv: list[str] | None = None) -> int:
         device="cuda",
         max_num_seqs=args.num_seqs,
         enforce_eager=args.enforce_eager,
+        async_scheduling=False,  # core.step() is synchronous; the stepper below is not
     )
     core = EngineCore(config)
     rng = random.Random(0)
-    params = SamplingParams(temperature=0.0, max_tokens=4 * args.steps + 64, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8 * args.steps + 64, ignore_eos=True)
     for i in range(args.num_seqs):
         prompt = [rng.randrange(100, 30000) for _ in range(rng.randint(64, 1024))]
         core.add_request(EngineCoreRequest(f"r{i}", prompt, params, [], float(i)))
@@ -158,11 +171,66 @@ def main(argv: list[str] | None = None) -> int:
     print("  top kernels:")
     for k, v in result["top_kernels_ms_per_step"].items():
         print(f"    {v:8.3f} ms  {k[:90]}")
+    if args.async_scheduling == "both":
+        result["async"] = _time_async(core, AsyncStepper(core.scheduler, core.runner), args.steps)
+        sync_ms, async_ms = _time_sync_again(step_parts, args.steps), result["async"]["wall_ms"]
+        result["async"]["sync_wall_ms_same_run"] = sync_ms
+        print(f"  async scheduling: {async_ms:8.2f} ms per step (sync, same run: {sync_ms:.2f} ms)")
+        print(f"    sync / async wall      {sync_ms / async_ms:8.2f}x")
+        print(f"    GPU busy, async        {result['async']['gpu_busy_fraction']:8.0%}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
     core.shutdown()
     return 0
+
+
+def _time_async(core, stepper, num_steps: int) -> dict:
+    """Median wall of ``num_steps`` async steps (after warm-up), and the GPU's busy share."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        stepper.step()
+    walls = []
+    for _ in range(num_steps):
+        t = time.perf_counter()
+        stepper.step()
+        walls.append(time.perf_counter() - t)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(num_steps):
+            stepper.step()
+        stepper.finish_in_flight()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t) / num_steps
+    gpu_s = (
+        sum(
+            (getattr(e, "device_time_total", 0.0) or 0.0)
+            for e in prof.key_averages()
+            if e.device_type.name == "CUDA"
+        )
+        / 1e6
+        / num_steps
+    )
+    return {
+        "wall_ms": statistics.median(walls) * 1e3,
+        "profiled_step_wall_ms": wall * 1e3,
+        "gpu_kernel_ms_per_step": gpu_s * 1e3,
+        "gpu_busy_fraction": gpu_s / wall,
+        "overlapped_steps": stepper.num_overlapped_steps,
+        "sync_steps": stepper.num_sync_steps,
+    }
+
+
+def _time_sync_again(step_parts, num_steps: int) -> float:
+    """Median wall of synchronous steps right after the async block (same batch state)."""
+    walls = []
+    for _ in range(num_steps):
+        t = time.perf_counter()
+        step_parts()
+        walls.append(time.perf_counter() - t)
+    return statistics.median(walls) * 1e3
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ workload through transformers' continuous batching and static-batch ``generate``
     PYTHONPATH=. python bench/throughput.py --model-config llama3-8b            # W1, pagedd
     PYTHONPATH=. python bench/throughput.py --model-config llama3-8b \\
         --backend pagedd,hf-continuous,hf-static --num-requests 64 --compare
+    PYTHONPATH=. python bench/throughput.py --model-config llama3-8b \\
+        --backend pagedd,pagedd-sync --compare    # async scheduling on (default) vs off
 
 Reports wall time (first submit to last token), output and total tokens/s, and for pagedd
 the peak KV blocks in use, the KV waste (allocated slots holding no token) and preemptions.
@@ -27,7 +29,8 @@ from bench.loadgen_env import environment, write_json  # noqa: E402
 from bench.throughput_models import MODEL_CONFIGS, write_model_config  # noqa: E402
 from bench.workloads import add_workload_flags, build_workload, summarize  # noqa: E402
 
-BACKENDS = ("pagedd", "hf-continuous", "hf-static")
+# pagedd-sync: pagedd with async scheduling off (--no-async-scheduling), to compare with.
+BACKENDS = ("pagedd", "pagedd-sync", "hf-continuous", "hf-static")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV-cache storage: auto (the model's dtype) or fp8 (e4m3)")  # fmt: skip
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlap each step's host work with the GPU (default: on for CUDA)")  # fmt: skip
     h = p.add_argument_group("transformers peers")
     h.add_argument("--static-batch-size", type=int, default=64, help="hf-static batch size")
     h.add_argument("--hf-num-requests", type=int, default=None,
@@ -94,15 +99,18 @@ def _resolve_model(args: argparse.Namespace) -> None:
 
 def run_backend(backend: str, args: argparse.Namespace) -> dict:
     """One backend in this process."""
-    n = args.hf_num_requests if backend != "pagedd" and args.hf_num_requests else args.num_requests
+    is_pagedd = backend in ("pagedd", "pagedd-sync")
+    n = args.hf_num_requests if not is_pagedd and args.hf_num_requests else args.num_requests
     args.num_requests = n
     vocab = None
     if args.model != "demo":
         vocab = json.loads((Path(args.model) / "config.json").read_text()).get("vocab_size")
     requests = build_workload(args, vocab_size=vocab or (512 if args.model == "demo" else None))
-    if backend == "pagedd":
+    if is_pagedd:
         from bench.throughput_pagedd import run_pagedd
 
+        if backend == "pagedd-sync":
+            args.async_scheduling = False
         figures = run_pagedd(args.model, requests, args)
     else:
         if args.model == "demo":

@@ -42,7 +42,8 @@ class StepStats:
 def engine_kwargs(args) -> dict:
     keys = ("device", "dtype", "block_size", "num_kv_blocks", "gpu_memory_utilization",
             "max_num_seqs", "max_num_batched_tokens", "max_model_len", "preemption_mode",
-            "load_format", "seed", "tensor_parallel_size", "kv_cache_dtype")  # fmt: skip
+            "load_format", "seed", "tensor_parallel_size", "kv_cache_dtype",
+            "async_scheduling")  # fmt: skip
     kwargs = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     kwargs["enable_prefix_caching"] = not args.no_prefix_caching
     kwargs["enforce_eager"] = args.enforce_eager
@@ -79,6 +80,7 @@ def run_pagedd(model: str, requests: list[WorkloadRequest], args) -> dict:
         "num_prompt_tokens": num_prompt,
         "num_output_tokens": num_output,
         "num_steps": stats.num_steps,
+        "async_scheduling": engine.core.async_stepper is not None,
         "peak_kv_blocks_used": engine.peak_used_blocks,
         "num_gpu_blocks": after.num_gpu_blocks,
         "block_size": block_size,

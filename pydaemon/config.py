@@ -28,6 +28,10 @@ class EngineConfig:
     exceeds ``max_seq_len_to_capture`` runs eagerly. ``kv_cache_dtype`` "fp8" (= "fp8_e4m3")
     stores the KV cache as e4m3 with per-layer scales (from the checkpoint, else 1.0): about
     twice the blocks for the same memory; "auto" stores it in the model's dtype.
+    ``async_scheduling`` schedules and launches each step while the previous one runs on the
+    GPU (pydaemon.async_step); ``None`` turns it on for CUDA with one GPU and off otherwise (on
+    a CPU there is nothing to overlap, but ``True`` runs the same path, for tests); tensor
+    parallelism does not support it.
     """
 
     model: str = DEFAULT_MODEL
@@ -50,6 +54,7 @@ class EngineConfig:
     enforce_eager: bool = False
     max_seq_len_to_capture: int = 8192
     kv_cache_dtype: str = "auto"
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -96,6 +101,10 @@ class EngineConfig:
             or self.max_seq_len_to_capture < 1
         ):
             raise bad("max_seq_len_to_capture", "must be a positive integer")
+        if self.async_scheduling not in (None, True, False):
+            raise bad("async_scheduling", "must be true, false or None (auto)")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise bad("async_scheduling", "is not supported with tensor_parallel_size > 1")
         if not self.model:
             raise bad(
                 "model", f"must name {DEFAULT_MODEL!r}, 'demo', a model directory or a .gguf file"

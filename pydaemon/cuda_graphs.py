@@ -25,6 +25,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -148,7 +149,12 @@ class CUDAGraphRunner:
         key = self.plan.key_for(num_seqs, int(step.seq_lens.max()))
         return key if key in self.graphs else None
 
-    def run(self, step: StepInput, key: GraphKey) -> torch.Tensor:
+    def run(
+        self,
+        step: StepInput,
+        key: GraphKey,
+        fill_input_ids: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
         """-> hidden [num_seqs, hidden_size]: a view of the graph's output buffer, valid until
         the next replay (stream order makes the caller's LM head read it first).
 
@@ -160,6 +166,8 @@ class CUDAGraphRunner:
         self.load_inputs(
             step.input_ids, step.positions, step.slot_mapping, step.block_tables, step.seq_lens, key
         )
+        if fill_input_ids is not None:  # async scheduling: placeholders filled on the device
+            fill_input_ids(decode_input_views(self.buffer, key)["input_ids"])
         entry = self.graphs[key]
         entry.graph.replay()
         self.num_replays += 1

@@ -5,7 +5,9 @@ A step is three calls (vLLM v1's shape): ``schedule()`` -> a plain ``SchedulerOu
 ``update_from_output()`` -> ``EngineCoreOutputs``. The scheduler alone owns the block
 manager; the runner (every tensor-parallel rank) builds its inputs from the SchedulerOutput.
 Requests arrive tokenized (``EngineCoreRequest``); detokenization and stop strings are the
-front end's (``LLMEngine`` in-process, or the daemon's front end over a socket).
+front end's (``LLMEngine`` in-process, or the daemon's front end over a socket). With
+async scheduling (on by default on CUDA) the next step is scheduled and launched before the
+last one's results are processed: pydaemon.async_step.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import math
 
 from pydaemon import _core
+from pydaemon.async_step import AsyncStepper
 from pydaemon.beam_search import BeamSearchState
 from pydaemon.config import EngineConfig
 from pydaemon.engine_core_types import EngineCoreOutputs, EngineCoreRequest
@@ -62,6 +65,10 @@ class EngineCore:
             preemption_mode=config.preemption_mode,
             enable_prefix_caching=config.enable_prefix_caching,
         )
+        use_async = config.async_scheduling
+        if use_async is None:  # auto: where there is a GPU to overlap with
+            use_async = runner.device.type == "cuda" and config.tensor_parallel_size == 1
+        self.async_stepper = AsyncStepper(self.scheduler, runner) if use_async else None
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, r: EngineCoreRequest) -> None:
@@ -130,10 +137,18 @@ class EngineCore:
         return self.scheduler.finish_seq(request_id, index)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to run, or a step still in flight (async scheduling)."""
+        stepper = self.async_stepper
+        return self.scheduler.has_unfinished_requests() or (
+            stepper is not None and stepper.has_step_in_flight
+        )
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
+        """The outputs of one step: under async scheduling, of the step before the one this
+        call launches (pydaemon.async_step)."""
+        if self.async_stepper is not None:
+            return self.async_stepper.step()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)

@@ -6,16 +6,28 @@ plain deltas of each ``SchedulerOutput``. A step's inputs (token ids, positions,
 mapping, block tables) are then gathered from those rows with a few numpy operations over
 the whole batch: no Python loop over tokens, and O(num_seqs) Python with small constants.
 Every tensor-parallel rank holds the same state, built from the same SchedulerOutput.
+
+Async scheduling: a decode may arrive with a placeholder token (``PLACEHOLDER_TOKEN_ID``), the
+token the previous step is still sampling. The step's inputs list where placeholders are (the
+runner fills them on the device); the rows get the real ids once that step's output is on
+the host: before any read of token history, and at the next update at the latest.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pydaemon.sampling_params import SamplingParams
 from pydaemon.scheduler_output import SchedulerOutput
+
+if TYPE_CHECKING:
+    from pydaemon.runner_output import ModelRunnerOutput
+
+_NO_IDS = np.zeros(0, dtype=np.int64)
 
 
 @dataclass
@@ -45,6 +57,9 @@ class StepInput:
     query_start_loc: np.ndarray  # [num_seqs + 1] int32
     is_sampled: np.ndarray  # [num_seqs] bool: the step reaches the sequence's last token
     sample_index: np.ndarray  # [num_sampled] int64, token rows whose logits are sampled
+    # Tokens that are placeholders (async scheduling), and their sequences.
+    placeholder_index: np.ndarray  # [num_placeholders] int64, into input_ids
+    placeholder_seq_ids: np.ndarray  # [num_placeholders] int64
 
 
 class InputBatch:
@@ -61,6 +76,10 @@ class InputBatch:
         self.block_table = np.zeros((0, self.max_blocks), dtype=np.int32)
         self._counters = np.zeros((4, 0), dtype=np.int32)
         self._allocate(max(1, capacity))
+        # Placeholders written into rows: (seq_ids, positions, the output of the step that
+        # samples them), resolved by resolve_placeholders().
+        self._placeholders: list[tuple[np.ndarray, np.ndarray, Callable[[], ModelRunnerOutput]]]
+        self._placeholders = []
 
     def _allocate(self, capacity: int) -> None:
         start = self.capacity
@@ -84,8 +103,14 @@ class InputBatch:
         self._free_rows.extend(range(capacity - 1, start - 1, -1))
 
     # ---- state updates ----------------------------------------------------------------------
-    def update(self, out: SchedulerOutput) -> None:
-        """Forget finished sequences, add new ones, apply the deltas of held ones."""
+    def update(
+        self,
+        out: SchedulerOutput,
+        last_output: Callable[[], ModelRunnerOutput] | None = None,
+    ) -> None:
+        """Forget finished sequences, add new ones, apply the deltas of held ones.
+        ``last_output``: the previous step's output, whose samples placeholders stand for."""
+        self.resolve_placeholders()  # an older step's: its output is on the host by now
         for seq_id in out.finished_seq_ids:
             state = self.seqs.pop(seq_id, None)
             if state is not None:
@@ -114,15 +139,31 @@ class InputBatch:
         rows = np.fromiter((seqs[s].row for s in cached.seq_ids), dtype=np.int64, count=num_cached)
         self.num_computed_tokens[rows] = cached.num_computed_tokens
         new_tokens = cached.new_token_ids
+        # A placeholder is only ever a decode's one new token: (seq_id, position) of each.
+        placeholders: tuple[np.ndarray, np.ndarray] | None = None
         if all(len(t) == 1 for t in new_tokens):  # decodes: one token each, in one go
             ends = self.num_tokens[rows]
-            self.token_ids[rows, ends] = [t[0] for t in new_tokens]
+            values = np.fromiter((t[0] for t in new_tokens), dtype=np.int32, count=num_cached)
+            self.token_ids[rows, ends] = values
             self.num_tokens[rows] = ends + 1
-        else:
-            for row, tokens in zip(rows.tolist(), new_tokens, strict=True):
+            is_placeholder = values < 0
+            if is_placeholder.any():
+                seq_ids = np.asarray(cached.seq_ids, dtype=np.int64)[is_placeholder]
+                placeholders = seq_ids, ends[is_placeholder]
+        else:  # prefill chunks (no new token) beside decodes
+            found: list[tuple[int, int]] = []
+            for seq_id, row, tokens in zip(cached.seq_ids, rows.tolist(), new_tokens, strict=True):
                 n = int(self.num_tokens[row])
                 self.token_ids[row, n : n + len(tokens)] = tokens
                 self.num_tokens[row] = n + len(tokens)
+                if tokens and tokens[-1] < 0:
+                    found.append((seq_id, n + len(tokens) - 1))
+            if found:
+                placeholders = np.array(found, dtype=np.int64).T
+        if placeholders is not None:
+            if last_output is None:
+                raise RuntimeError("placeholder tokens without a previous step to fill them")
+            self._placeholders.append((placeholders[0], placeholders[1], last_output))
         for row, blocks in zip(rows.tolist(), cached.new_block_ids, strict=True):
             if blocks is not None:  # a new block every block_size tokens, or a copy-on-write
                 start, ids = blocks
@@ -159,6 +200,11 @@ class InputBatch:
         seq_lens = (start + query_lens).astype(np.int32)
         is_sampled = seq_lens == self.num_tokens[rows]
         sample_index = (query_start_loc[1:][is_sampled] - 1).astype(np.int64)
+        placeholder_index = np.flatnonzero(input_ids < 0)
+        placeholder_seq_ids = _NO_IDS
+        if len(placeholder_index):
+            index = np.searchsorted(query_start_loc, placeholder_index, side="right") - 1
+            placeholder_seq_ids = np.asarray(seq_ids, dtype=np.int64)[index]
         return StepInput(
             seq_ids=seq_ids,
             num_prefills=out.num_prefills,
@@ -171,9 +217,23 @@ class InputBatch:
             query_start_loc=query_start_loc,
             is_sampled=is_sampled,
             sample_index=sample_index,
+            placeholder_index=placeholder_index,
+            placeholder_seq_ids=placeholder_seq_ids,
         )
 
+    def resolve_placeholders(self) -> None:
+        """Write the real ids over the placeholders (waits for their step's output)."""
+        for seq_ids, positions, get_output in self._placeholders:
+            out = get_output()
+            index = {seq_id: i for i, seq_id in enumerate(out.seq_ids)}
+            for seq_id, position in zip(seq_ids.tolist(), positions.tolist(), strict=True):
+                state = self.seqs.get(seq_id)
+                if state is not None:  # else forgotten since (finished, aborted)
+                    self.token_ids[state.row, position] = out.sampled_token_ids[index[seq_id]][0]
+        self._placeholders = []
+
     def output_token_ids(self, seq_id: int) -> list[int]:
+        self.resolve_placeholders()
         row = self.seqs[seq_id].row
         return self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]].tolist()
 

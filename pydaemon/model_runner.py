@@ -22,7 +22,7 @@ from pydaemon.kv_cache import GiB, KVCacheSpec
 from pydaemon.kv_cache_fp8 import is_fp8, kv_scales_from_checkpoint, resolve_kv_cache_dtype
 from pydaemon.layers.attention import PagedAttention, uses_kernels
 from pydaemon.model_loader import load_model
-from pydaemon.runner_output import ModelRunnerOutput
+from pydaemon.runner_output import AsyncModelRunnerOutput, ModelRunnerOutput
 from pydaemon.sampling.step_sampler import StepSampler
 from pydaemon.scheduler_output import SchedulerOutput
 
@@ -92,6 +92,7 @@ class ModelRunner:
         )
         self.input_batch = InputBatch(config.max_num_seqs, self.max_model_len, config.block_size)
         self.step_sampler = StepSampler(self.input_batch, self.device)
+        self._last_output: AsyncModelRunnerOutput | None = None  # the previous step's
         self.swap_stream = None
         if uses_kernels(self.kv_cache):
             from pydaemon.ops import SwapStream
@@ -188,23 +189,33 @@ class ModelRunner:
         self.model.compute_logits(hidden[-1:])
 
     # ---- the step ---------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
         """Updates the cached state, moves blocks, runs the forward pass and samples.
 
         Returns None on tensor-parallel ranks > 0 (rank 0 samples from the gathered logits).
         """
-        self.input_batch.update(out)
+        result = self.execute_model_async(out)
+        return None if result is None else result.get_output()
+
+    @torch.inference_mode()
+    def execute_model_async(self, out: SchedulerOutput) -> AsyncModelRunnerOutput | None:
+        """As execute_model, but returns as soon as the step is launched: the sampled ids
+        come back through ``get_output()`` (async scheduling)."""
+        last = self._last_output
+        self.input_batch.update(out, None if last is None else last.get_output)
         self.step_sampler.forget(out.finished_request_ids)
         self._move_blocks(out)
         is_driver = ps.get_tp_rank() == 0
         if out.num_seqs == 0:
-            return ModelRunnerOutput() if is_driver else None
-        step = self.input_batch.prepare(out)
-        logits = self._forward(step)
-        if not is_driver:
-            return None
-        return self.step_sampler.sample(logits, step, out.num_samples)
+            result = AsyncModelRunnerOutput(ModelRunnerOutput())
+        else:
+            step = self.input_batch.prepare(out)
+            logits = self._forward(step)
+            if not is_driver:
+                return None
+            result = self.step_sampler.sample(logits, step, out.num_samples)
+        self._last_output = result
+        return result if is_driver else None
 
     def _forward(self, step: StepInput) -> torch.Tensor | None:
         """-> logits [len(step.sample_index), vocab] float32 (None on TP ranks > 0)."""
@@ -212,7 +223,8 @@ class ModelRunner:
         key = None if graphs is None else graphs.key_for(step)
         if key is None:
             return self._forward_eager(step)
-        hidden = graphs.run(step, key)  # [num_seqs, hidden_size], a view of the graph's output
+        # hidden: [num_seqs, hidden_size], a view of the graph's output
+        hidden = graphs.run(step, key, lambda ids: self._fill_placeholders(ids, step))
         if len(step.sample_index) == len(step.seq_ids):  # every row, in order: no gather
             return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[_to(step.sample_index, self.device)])
@@ -235,7 +247,7 @@ class ModelRunner:
             seq_lens_cpu=step.seq_lens.tolist(),
             query_lens_cpu=query_len.tolist(),
         )
-        hidden = self.model(_to(step.input_ids, dev), _to(step.positions, dev), self.kv_cache, meta)
+        hidden = self.model(self._input_ids(step), _to(step.positions, dev), self.kv_cache, meta)
         if len(step.sample_index) == 0:
             return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden[_to(step.sample_index, dev)])
@@ -247,6 +259,25 @@ class ModelRunner:
         if self.cuda_graphs is not None:
             self.cuda_graphs.release()
             self.cuda_graphs = None
+
+    def _input_ids(self, step: StepInput) -> torch.Tensor:
+        """[num_tokens] int64 on the device, placeholders filled (``_fill_placeholders``)."""
+        input_ids = _to(step.input_ids, self.device)
+        self._fill_placeholders(input_ids, step)
+        return input_ids
+
+    def _fill_placeholders(self, input_ids: torch.Tensor, step: StepInput) -> None:
+        """input_ids: [>= num_tokens] int64 on the device, the step's tokens first. A
+        placeholder (async scheduling: a token the previous step sampled and the host has not
+        seen yet) is gathered from that step's sampled ids on the device: no host round trip."""
+        if not len(step.placeholder_index):
+            return
+        last = self._last_output
+        if last is None or last.sampled_token_ids is None:
+            raise RuntimeError("placeholder tokens but the previous step sampled nothing")
+        rows = _to(last.sample_rows(step.placeholder_seq_ids.tolist()), self.device)
+        index = _to(step.placeholder_index, self.device)
+        input_ids[index] = last.sampled_token_ids[rows]
 
     def _move_blocks(self, out: SchedulerOutput) -> None:
         """Swap out, swap in, then copy-on-write, before this step's K/V writes."""

@@ -10,6 +10,7 @@ block manager holds slots for its first ``num_slots`` tokens.
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 from dataclasses import dataclass, field
 
@@ -19,6 +20,10 @@ from pydaemon.sampling_params import SamplingParams
 from pydaemon.stop_checker import StopChecker
 
 _seq_counter = itertools.count()
+
+# Async scheduling appends this id for a token the GPU is still sampling (the next step is
+# scheduled before it is known); the real id replaces it when the step's output arrives.
+PLACEHOLDER_TOKEN_ID = -1
 
 
 class RequestStatus(enum.Enum):
@@ -55,6 +60,11 @@ class Sequence:
     @property
     def last_token_id(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def has_pending_token(self) -> bool:
+        """The last output token is a placeholder: sampled on the GPU, not yet seen here."""
+        return bool(self.output_token_ids) and self.output_token_ids[-1] == PLACEHOLDER_TOKEN_ID
 
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
@@ -97,6 +107,12 @@ class Request:
         if self.params.is_beam_search:
             return self.params.beam_width
         return self.params.best_of or 1
+
+    @functools.cached_property
+    def has_one_seq(self) -> bool:
+        """Neither n > 1 nor beam search: one sequence, one token per sample (its steps may
+        run on placeholder tokens under async scheduling)."""
+        return self.params.best_of == 1 and not self.params.is_beam_search
 
     @property
     def forks_at_first_sample(self) -> bool:

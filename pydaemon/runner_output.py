@@ -1,9 +1,12 @@
-"""ModelRunnerOutput: what one step sampled, as plain host data (one device-to-host copy)."""
+"""ModelRunnerOutput: what one step sampled, as plain host data (one device-to-host copy),
+and AsyncModelRunnerOutput, the same while that copy is still in flight."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pydaemon.outputs import TokenLogprobs
@@ -28,3 +31,56 @@ class ModelRunnerOutput:
 
 
 EMPTY_RUNNER_OUTPUT = ModelRunnerOutput()
+
+
+class AsyncModelRunnerOutput:
+    """A step's ModelRunnerOutput on its way to the host (vLLM v1's name).
+
+    The device-to-host copy of the sampler's packed results starts at construction: on a GPU
+    into pinned memory, non-blocking, with a CUDA event behind it, so that nothing waits for
+    the step until ``get_output()`` is called (async scheduling calls it after launching the
+    next step). ``sampled_token_ids`` stays on the device: the next step's input ids for
+    placeholder tokens are gathered from it there, with no host round trip.
+    """
+
+    def __init__(
+        self,
+        output: ModelRunnerOutput,
+        sampled_token_ids: torch.Tensor | None = None,
+        packed: torch.Tensor | None = None,
+        fill: Callable[[list[list[float]]], None] | None = None,
+        sample_rows: dict[int, int] | None = None,
+    ) -> None:
+        """sampled_token_ids: [num_samples] int64 on the device; packed: [num_samples, cols]
+        float64 on the device, which ``fill`` turns into ``output``'s token lists;
+        sample_rows: seq_id -> its (first) row in both."""
+        self._output = output
+        self.sampled_token_ids = sampled_token_ids
+        self._sample_rows = sample_rows or {}
+        self._fill = fill
+        self._event = None
+        self._host = packed
+        if packed is not None and packed.is_cuda:
+            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self._host.copy_(packed, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def get_output(self) -> ModelRunnerOutput:
+        """Waits for the copy (once) and returns the host output."""
+        if self._host is not None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._fill(self._host.tolist())
+            self._host = self._event = self._fill = None
+        return self._output
+
+    def sample_rows(self, seq_ids: Sequence[int]) -> np.ndarray:
+        """[len(seq_ids)] int64: each sequence's row in ``sampled_token_ids``."""
+        try:
+            return np.fromiter((self._sample_rows[s] for s in seq_ids), np.int64, len(seq_ids))
+        except KeyError as e:
+            raise RuntimeError(
+                f"sequence {e.args[0]} decodes a placeholder token but sampled nothing in the "
+                "previous step"
+            ) from None

@@ -15,11 +15,17 @@ Policy lives here; memory lives in the C++ block manager; tensors never appear. 
 live sequences it scheduled to itself; ``update_from_output()`` records what the runner
 computed and sampled (``pydaemon.seq_updates``). The scheduler alone owns the block
 manager, through ``SeqBlocks``.
+
+Async scheduling (pydaemon.async_step): ``advance()`` records a launched step as computed,
+with a placeholder for each token it samples; ``schedule(overlap=True)`` then plans the next
+step while that one runs, or returns None (changing nothing) when the next step might
+preempt, swap, fork or run beams: those steps wait for the results first.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import deque
 from dataclasses import dataclass
 
 from pydaemon import _core
@@ -68,18 +74,28 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.finished_request_ids: list[str] = []  # told to the runner at the next step
         self.updater = SeqUpdater(self.blocks, max_model_len)
-        self._plan = StepPlan()  # the last schedule()'s, for update_from_output()
+        # Scheduled steps awaiting update_from_output(), oldest first (two under async
+        # scheduling), each with the output it was sent as.
+        self._plans: deque[tuple[SchedulerOutput, StepPlan]] = deque()
+        self._num_sync_only_requests = 0  # beam search or n > 1: never overlapped
 
     # ---- queues -----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already running")
         self.requests[request.request_id] = request
+        if _is_sync_only(request):
+            self._num_sync_only_requests += 1
         request.status = RequestStatus.WAITING
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
+
+    def can_overlap(self) -> bool:
+        """Whether the next step may be scheduled while the last one runs: no beam search or
+        n > 1 request (forks and beam steps need the results) and no swapped request."""
+        return self._num_sync_only_requests == 0 and not self.swapped
 
     def num_running_seqs(self) -> int:
         return sum(len(r.seqs) for r in self.running)
@@ -108,7 +124,8 @@ class Scheduler:
 
     def remove_request(self, request: Request) -> None:
         """Take a request out of every queue and free all its blocks at once."""
-        self.requests.pop(request.request_id, None)
+        if self.requests.pop(request.request_id, None) is not None and _is_sync_only(request):
+            self._num_sync_only_requests -= 1
         for queue in (self.waiting, self.running, self.swapped):
             if request in queue:
                 queue.remove(request)
@@ -117,15 +134,21 @@ class Scheduler:
         self.finished_request_ids.append(request.request_id)
 
     # ---- the step ---------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
-        """Who runs this step, as plain data for the runner (the live plan stays here)."""
+    def schedule(self, overlap: bool = False) -> SchedulerOutput | None:
+        """Who runs this step, as plain data for the runner (the live plan stays here).
+
+        ``overlap``: the previous step is still running (async scheduling). Returns None,
+        having changed nothing, when this step cannot be planned without its results."""
+        if overlap and not self.can_overlap():
+            return None
         plan = StepPlan()
-        self._plan = plan
         budget = self.max_num_batched_tokens
         # 1. Decodes of running requests, preempting from the tail when blocks run out.
         pending_prefill: set[str] = set()  # requests with work besides their decodes
         decodes = [(r, self._split_decoding(r, pending_prefill)) for r in self.running]
         if not self._reserve_all_decode_slots(decodes, budget, plan):
+            if overlap:
+                return None  # it may preempt: after the previous step's sequences are freed
             self._reserve_decode_slots_in_order(budget, plan, pending_prefill)
         budget -= len(plan.decodes)
         # 2. Prefill chunks of running requests.
@@ -167,17 +190,30 @@ class Scheduler:
                     budget -= self._schedule_after_resume(request, seq, budget, plan)
         out = build_scheduler_output(plan, self.blocks, self.finished_request_ids)
         self.finished_request_ids = []
+        self._plans.append((out, plan))
         return out
+
+    def advance(self, scheduler_output: SchedulerOutput) -> None:
+        """The step was launched: its tokens count as computed and each sequence it samples
+        holds a placeholder token, so that the next step can be scheduled before its results
+        (``update_from_output`` also does this, if not done)."""
+        for out, plan in self._plans:
+            if out is scheduler_output:
+                self.updater.advance(plan)
+                return
+        raise RuntimeError("advance: not the output of a pending schedule()")
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> EngineCoreOutputs:
         """Records what the step computed and sampled: appends tokens, checks token-level
         stops, forks, runs beam steps, frees what finished. A failure while processing one
-        request fails that request alone."""
-        plan, self._plan = self._plan, StepPlan()
-        if plan.num_seqs != scheduler_output.num_seqs:
-            raise RuntimeError("update_from_output: not the output of the last schedule()")
+        request fails that request alone. Steps are updated in the order they were scheduled."""
+        if not self._plans or self._plans[0][0] is not scheduler_output:
+            raise RuntimeError(
+                "update_from_output: not the output of the oldest pending schedule()"
+            )
+        _, plan = self._plans.popleft()
         outputs = self.updater.update(plan, runner_output)
         for request in self.updater.take_finished():
             self.remove_request(request)
@@ -336,6 +372,10 @@ class Scheduler:
             seq.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+
+
+def _is_sync_only(request: Request) -> bool:
+    return request.params.is_beam_search or request.params.best_of > 1
 
 
 def _needs_more_blocks(request: Request) -> str:

@@ -2,7 +2,9 @@
 
 A sequence the runner does not hold is sent whole; for one it holds, only the tokens it has
 not seen (one per decode), the block ids that changed (a new block every ``block_size``
-tokens, or a copy-on-write) and its computed length: O(1) per decode sequence.
+tokens, or a copy-on-write) and its computed length: O(1) per decode sequence. Under async
+scheduling the token a decode computes may be a placeholder (``PLACEHOLDER_TOKEN_ID``): the
+runner takes its value from the previous step's sampled ids on the device.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ def build_scheduler_output(
 
 
 def _new_seq_data(request: Request, seq: Sequence, blocks: SeqBlocks) -> NewSeqData:
+    if seq.has_pending_token:  # only held sequences decode on a placeholder (async scheduling)
+        raise RuntimeError(f"sequence {seq.seq_id} is sent whole with a placeholder token")
     seq.is_in_runner = True
     seq.num_sent_tokens = seq.num_tokens
     params = request.params

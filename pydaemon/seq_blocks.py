@@ -65,6 +65,11 @@ class SeqBlocks:
             start = seq.changed_block_start
             seq.changed_block_start = changed if start is None else min(start, changed)
 
+    def set_last_token(self, seq: Sequence) -> None:
+        """The sequence's last token, which has a slot, replaced a placeholder: tell the
+        block manager (the token's block is hashed only after this)."""
+        self.block_manager.set_last_token_id(seq.seq_id, seq.output_token_ids[-1])
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares every block of ``parent`` (it starts outside the runner)."""
         self.block_manager.fork(parent.seq_id, child.seq_id)

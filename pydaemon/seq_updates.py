@@ -1,12 +1,20 @@
 """SeqUpdater: the scheduler's half of a step after the model ran.
 
-It records what the step computed (``num_computed_tokens``, full blocks offered to the prefix
-cache), appends each sampled token, checks token-level stops (EOS, stop token ids, min/max
-tokens, the model's length), forks n > 1 requests at their first sample, runs beam steps, and
-frees finished sequences at once. It reports per request the new token ids
+It records what the step computes (``advance``: ``num_computed_tokens``, full blocks offered
+to the prefix cache, a placeholder token for every sequence that samples), then, once the
+step's output is on the host (``update``), puts each sampled token in its placeholder's
+place, checks token-level stops (EOS, stop token ids, min/max tokens, the model's length),
+forks n > 1 requests at their first sample, runs beam steps, and frees finished sequences
+at once. It reports per request the new token ids
 (``EngineCoreOutputs``); text, stop strings and streaming are the front end's. An exception
 while processing one request fails that request alone (its blocks are freed, its output
 carries the error); the step and every other request go on.
+
+Synchronous steps run both halves back to back (no placeholders: ``update`` appends the
+tokens). Async scheduling (pydaemon.async_step) runs ``advance`` as soon as the step is
+launched, so that the next step can be scheduled with the placeholders, and ``update`` one
+step later; a request that finished or was aborted in between
+has its token of the step discarded.
 """
 
 from __future__ import annotations
@@ -19,10 +27,10 @@ import torch
 from pydaemon.beam_step import advance_beams
 from pydaemon.engine_core_types import EngineCoreOutput, EngineCoreOutputs, SeqOutput
 from pydaemon.outputs import TokenLogprobs
-from pydaemon.request import Request, RequestStatus, Sequence
+from pydaemon.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus, Sequence
 from pydaemon.runner_output import ModelRunnerOutput
 from pydaemon.seq_blocks import SeqBlocks
-from pydaemon.step_plan import ScheduledSeq, StepPlan
+from pydaemon.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -41,20 +49,41 @@ class SeqUpdater:
         finished, self._finished = self._finished, []
         return finished
 
-    def update(self, plan: StepPlan, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
+    def advance(self, plan: StepPlan, placeholders: bool = True) -> None:
+        """The step's tokens count as computed; with ``placeholders``, each sequence the step
+        samples gets a placeholder token (only requests of one sequence: n > 1 and beam
+        search run synchronous steps). Idempotent. Skips requests that ended since the step
+        was scheduled."""
+        if plan.is_advanced:
+            return
+        plan.is_advanced = True
         now = time.monotonic()
-        by_seq_id: dict[int, ScheduledSeq] = {}
         block_size = self.blocks.block_size
+        finished = RequestStatus.FINISHED
+        by_seq_id = plan.by_seq_id
         for scheduled in plan.scheduled:
-            seq = scheduled.seq
+            seq, request = scheduled.seq, scheduled.request
+            by_seq_id[seq.seq_id] = scheduled
+            if request.status is finished:
+                continue  # aborted, or finished by the step before (async scheduling)
             before = seq.num_computed_tokens
             seq.num_computed_tokens = after = before + scheduled.num_new_tokens
+            # Blocks below ``after`` hold real ids only: a placeholder is always the last token
+            # and is replaced before the step that computes it is advanced.
             if after // block_size > before // block_size:  # a block just filled up
                 self.blocks.mark_computed(seq)
-            by_seq_id[seq.seq_id] = scheduled
-            if scheduled.request.metrics.first_scheduled_time is None:
-                scheduled.request.metrics.first_scheduled_time = now
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+            if placeholders and request.has_one_seq:
+                output_token_ids = seq.output_token_ids
+                if after == len(seq.prompt_token_ids) + len(output_token_ids):  # it samples
+                    output_token_ids.append(PLACEHOLDER_TOKEN_ID)
         self.num_prompt_tokens += sum(s.num_new_tokens for s in plan.prefills)
+
+    def update(self, plan: StepPlan, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
+        self.advance(plan, placeholders=False)  # a synchronous step appends the tokens
+        now = time.monotonic()
+        by_seq_id = plan.by_seq_id
         outputs: dict[str, EngineCoreOutput] = {}
         touched: dict[str, Request] = {}
         for request, message in plan.rejected:
@@ -65,7 +94,7 @@ class SeqUpdater:
         ):
             request = by_seq_id[seq_id].request
             if request.is_finished:
-                continue  # failed earlier in this step
+                continue  # failed earlier in this step, or ended after it was launched
             touched[request.request_id] = request
             output = outputs.get(request.request_id)
             if output is None:
@@ -77,6 +106,8 @@ class SeqUpdater:
         beams: dict[str, list[tuple[int, Sequence]]] = {}
         for row, seq_id in enumerate(ro.beam_seq_ids):
             scheduled = by_seq_id[seq_id]
+            if scheduled.request.is_finished:
+                continue
             beams.setdefault(scheduled.request.request_id, []).append((row, scheduled.seq))
         for request_id, items in beams.items():
             request = by_seq_id[items[0][1].seq_id].request
@@ -122,11 +153,17 @@ class SeqUpdater:
             targets, token_ids, chosen_logprobs, logprobs, strict=True
         ):
             output_token_ids = target.output_token_ids
-            output_token_ids.append(token_id)
+            if output_token_ids and output_token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+                output_token_ids[-1] = token_id  # the placeholder advance() put there
+                num_tokens = len(target.prompt_token_ids) + len(output_token_ids)
+                if target.num_slots == num_tokens:  # async: its slot was taken already
+                    self.blocks.set_last_token(target)
+            else:
+                output_token_ids.append(token_id)
+                num_tokens = len(target.prompt_token_ids) + len(output_token_ids)
             target.cumulative_logprob += chosen
             self.num_generation_tokens += 1
             finish_reason, stop_reason = checker.check_token(token_id, len(output_token_ids))
-            num_tokens = len(target.prompt_token_ids) + len(output_token_ids)
             if finish_reason is None and num_tokens >= self.max_model_len:
                 finish_reason = "length"
             output.seqs.append(

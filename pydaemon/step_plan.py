@@ -23,6 +23,8 @@ class StepPlan:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
     preempted: list[Request] = field(default_factory=list)
     rejected: list[tuple[Request, str]] = field(default_factory=list)  # can never run
+    is_advanced: bool = False  # its tokens count as computed (SeqUpdater.advance)
+    by_seq_id: dict[int, ScheduledSeq] = field(default_factory=dict)  # set by advance
 
     @property
     def scheduled(self) -> list[ScheduledSeq]:

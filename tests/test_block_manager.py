@@ -332,6 +332,21 @@ def test_evicted_parent_invalidates_cached_child() -> None:
     assert bm.lookup_prefix(toks(8)) == ([0], 4)
 
 
+def test_set_last_token_id_fixes_a_placeholder_before_hashing() -> None:
+    """Async scheduling appends a slot with a placeholder id (-1) for a token still being
+    sampled; the real id replaces it before the block is marked, so the cache holds it."""
+    bm = make_bm()
+    bm.allocate(1, toks(7))
+    bm.append_slot(1, -1)  # position 7 fills block 1
+    bm.set_last_token_id(1, 7)
+    bm.mark_blocks_computed(1, 8)
+    assert bm.lookup_prefix(toks(8)) == ([0, 1], 8)
+    with pytest.raises(BlockManagerError, match="already hashed"):
+        bm.set_last_token_id(1, 99)  # block 1 is in the cache now
+    with pytest.raises(BlockManagerError, match="unknown sequence 5"):
+        bm.set_last_token_id(5, 1)
+
+
 def test_prefix_caching_disabled() -> None:
     bm = make_bm(enable_prefix_caching=False)
     bm.allocate(1, toks(9))

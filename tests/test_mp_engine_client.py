@@ -52,13 +52,16 @@ def offline():
     return cases, {k: _summary(r) for k, r in zip(ids, results, strict=True)}
 
 
-def test_same_outputs_as_in_process_and_clean_errors(offline):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_same_outputs_as_in_process_and_clean_errors(offline, async_scheduling):
+    """Also with async scheduling forced on in the core process (its loop, stop strings from
+    the front end, an abandoned stream): the same outputs as the synchronous in-process run."""
     cases, expected = offline
     assert expected["stop"][0][3] == "stop" and isinstance(expected["stop"][0][4], str)
 
     async def main():
         client = await asyncio.get_running_loop().run_in_executor(
-            None, MPEngineClient.launch, EngineConfig(**CONFIG)
+            None, MPEngineClient.launch, EngineConfig(**CONFIG, async_scheduling=async_scheduling)
         )
         client.start()
         try:

@@ -251,3 +251,36 @@ def test_abort_frees_blocks_and_tells_the_runner(mode):
     out = h.step()
     assert out.finished_seq_ids == [sa] and out.finished_request_ids == ["a"]
     assert sa not in h.batch.seqs
+
+
+def test_overlapped_schedule_decodes_placeholders_and_refuses_preemption():
+    """Async scheduling: the next step is planned on placeholder tokens while the last one
+    runs; a step that would have to preempt is refused, changing nothing."""
+    from pydaemon.request import PLACEHOLDER_TOKEN_ID
+
+    h = Harness(num_gpu_blocks=5)
+    a, b = make_request("a", _prompt(10, 7)), make_request("b", _prompt(40, 8))
+    h.add(a, b)
+    first = h.scheduler.schedule()
+    h.batch.update(first)
+    h.scheduler.advance(first)  # launched: a and b hold a placeholder each
+    sa, sb = h.seq_id("a"), h.seq_id("b")
+    assert a.seqs[0].output_token_ids == [PLACEHOLDER_TOKEN_ID]
+    free = h.bm.free_block_ids()
+    second = h.scheduler.schedule(overlap=True)  # a's 8th token fits; b's 9th takes block 4
+    assert second.num_scheduled_tokens == {sa: 1, sb: 1}
+    assert second.scheduled_cached_seqs.new_token_ids == [[PLACEHOLDER_TOKEN_ID]] * 2
+    assert second.scheduled_cached_seqs.new_block_ids == [None, (2, [4])]
+    assert h.bm.free_block_ids() == free[1:]
+    ro = ModelRunnerOutput(seq_ids=[sa, sb], sampled_token_ids=[[5], [6]],
+                           chosen_logprobs=[[-1.0], [-1.0]], logprobs=[[None], [None]])  # fmt: skip
+    outputs = h.scheduler.update_from_output(first, ro)  # the first step's results arrive
+    assert [s.new_token_ids for o in outputs.outputs for s in o.seqs] == [[5], [6]]
+    assert a.seqs[0].output_token_ids == [5] and b.seqs[0].output_token_ids == [6]
+    h.scheduler.advance(second)
+    assert a.seqs[0].num_computed_tokens == 8 and b.seqs[0].num_computed_tokens == 9
+    # a's 9th token needs a block and none is free: only a synchronous step may preempt.
+    assert h.scheduler.schedule(overlap=True) is None
+    assert h.bm.free_block_ids() == [] and h.scheduler.running == [a, b]
+    with pytest.raises(RuntimeError, match="oldest pending"):
+        h.scheduler.update_from_output(first, ro)

@@ -112,6 +112,8 @@ void bind_block_manager(nb::module_& m) {
       .def("can_append_slots", &BlockManager::can_append_slots, "seq_ids"_a)
       .def("append_slot", &BlockManager::append_slot, "seq_id"_a, "token_id"_a,
            "One more token; returns (src, dst) to copy on write, else None.")
+      .def("set_last_token_id", &BlockManager::set_last_token_id, "seq_id"_a, "token_id"_a,
+           "Replace the last token's (placeholder) id before its block is marked computed.")
       .def("fork", &BlockManager::fork, "parent_id"_a, "child_id"_a)
       .def("free", &BlockManager::free, "seq_id"_a)
       .def("mark_blocks_computed", &BlockManager::mark_blocks_computed, "seq_id"_a,

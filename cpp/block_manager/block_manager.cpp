@@ -223,6 +223,17 @@ std::optional<BlockPair> BlockManager::append_slot(SeqId seq_id, int32_t token_i
   return cow;
 }
 
+void BlockManager::set_last_token_id(SeqId seq_id, int32_t token_id) {
+  Impl& m = *impl_;
+  Sequence& s = m.get(seq_id, "set_last_token_id");
+  const int64_t last = static_cast<int64_t>(s.token_ids.size()) - 1;
+  if (last / m.block_size < static_cast<int64_t>(s.block_hashes.size()))
+    throw BlockManagerError("set_last_token_id: the last token of " + seq_str(seq_id) +
+                            " is in block " + std::to_string(last / m.block_size) +
+                            ", which is already hashed for the prefix cache");
+  s.token_ids.back() = token_id;
+}
+
 void BlockManager::fork(SeqId parent_id, SeqId child_id) {
   Impl& m = *impl_;
   const Sequence& parent = m.get(parent_id, "fork");

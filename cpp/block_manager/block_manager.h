@@ -106,6 +106,13 @@ class BlockManager {
   // copies src's KV to dst before writing. Throws NoFreeBlocksError if no block is free.
   std::optional<BlockPair> append_slot(SeqId seq_id, int32_t token_id);
 
+  // Replace the token id of the sequence's last slot (a token appended with a placeholder id
+  // before its value was known: async scheduling appends the slot of a token the GPU is still
+  // sampling). Throws BlockManagerError if the last token's block already has a prefix-cache
+  // hash (mark_blocks_computed covered it, or it was a cache hit): a hash must never be
+  // computed over a placeholder, so the id may only change before its block is marked.
+  void set_last_token_id(SeqId seq_id, int32_t token_id);
+
   // The child gets the parent's block table and tokens; every block's ref_count rises by one.
   void fork(SeqId parent_id, SeqId child_id);
 

@@ -102,6 +102,28 @@ static void test_prefix_cache_and_collision() {
   CHECK(bm.num_free_blocks(Device::GPU) == 8);
 }
 
+// Async scheduling appends the slot of a token still being sampled with a placeholder id and
+// sets the real id before the block is marked: the cache then holds the real content only.
+static void test_set_last_token_id() {
+  BlockManager bm(4, 8, 0, 0.0);
+  bm.allocate(1, tokens(7));
+  bm.mark_blocks_computed(1, 7);  // block 0 is cached; block 1 holds tokens 4..6
+  bm.append_slot(1, -1);          // placeholder for position 7: block 1 is now full
+  bm.set_last_token_id(1, 7);
+  bm.mark_blocks_computed(1, 8);
+  CHECK(bm.num_cached_blocks() == 2);
+  CHECK(bm.lookup_prefix(tokens(8)).num_cached_tokens == 8);  // hashed over the real id
+  bm.append_slot(1, -1);
+  bm.set_last_token_id(1, 8);  // a fresh block: fine
+  // The last token of a hashed block can no longer change.
+  BlockManager hashed(4, 8, 0, 0.0);
+  hashed.allocate(2, tokens(8));
+  hashed.mark_blocks_computed(2, 8);
+  CHECK_THROWS(hashed.set_last_token_id(2, 99), BlockManagerError);
+  CHECK(hashed.lookup_prefix(tokens(8)).num_cached_tokens == 8);
+  CHECK_THROWS(hashed.set_last_token_id(3, 1), BlockManagerError);  // unknown sequence
+}
+
 static void test_bad_args_and_metadata() {
   CHECK_THROWS(BlockManager(0, 8, 0), std::invalid_argument);
   CHECK_THROWS(BlockManager(4, 0, 0), std::invalid_argument);
@@ -173,6 +195,7 @@ int main() {
   test_allocate_grow_free();
   test_fork_cow_swap();
   test_prefix_cache_and_collision();
+  test_set_last_token_id();
   test_bad_args_and_metadata();
   test_random_ops();
   if (g_failures) {

@@ -10,7 +10,9 @@ Order of operations per row (vLLM's):
 
 Logprobs (``logprobs`` and ``chosen_logprobs``) are the log_softmax of the RAW model logits,
 before penalties, masks and temperature: what the model thinks, not what the sampler did
-(vLLM's default "raw_logprobs"). The only host-device sync is one ``.tolist()`` at the end.
+(vLLM's default "raw_logprobs"). ``sample_packed`` does everything on the device and returns
+one packed tensor; ``unpack`` reads its host copy. ``Sampler()(...)`` does both: the only
+host-device sync is that one copy.
 """
 
 from __future__ import annotations
@@ -99,6 +101,15 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits: [num_seqs, vocab] float32, one row per sequence of ``metadata``."""
+        _, packed = self.sample_packed(logits, metadata)
+        return self.unpack(packed.tolist(), metadata)
+
+    def sample_packed(
+        self, logits: torch.Tensor, metadata: SamplingMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Samples on the device without waiting for it. logits: [num_seqs, vocab] float32.
+        -> (sampled [num_seqs] int64, packed [num_seqs, 2 + 2 * max_num_logprobs] float64),
+        both on logits' device; ``unpack(packed.tolist(), metadata)`` reads the packed rows."""
         if logits.dim() != 2 or logits.shape[0] != metadata.num_seqs:
             raise ValueError(
                 f"Sampler: logits must be [num_seqs={metadata.num_seqs}, vocab], "
@@ -133,7 +144,7 @@ class Sampler:
                 metadata.frequency_penalty,
             )
         sampled = self._sample(logits, metadata)
-        return self._gather_outputs(raw_logits, sampled, metadata)
+        return sampled, self._pack(raw_logits, sampled, metadata)
 
     @staticmethod
     def _sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -152,10 +163,11 @@ class Sampler:
         return sampled
 
     @staticmethod
-    def _gather_outputs(
+    def _pack(
         raw_logits: torch.Tensor, sampled: torch.Tensor, metadata: SamplingMetadata
-    ) -> SamplerOutput:
-        """raw_logits: [num_seqs, vocab]; sampled: [num_seqs] int64."""
+    ) -> torch.Tensor:
+        """raw_logits: [num_seqs, vocab]; sampled: [num_seqs] int64.
+        -> [num_seqs, 2 + 2 * num_top] float64: id, its logprob, top ids, top logprobs."""
         num_top = metadata.max_num_logprobs or 0
         if metadata.max_num_logprobs is None:
             # Only the chosen token's logprob: a logsumexp, not a full log_softmax.
@@ -171,9 +183,12 @@ class Sampler:
                 top_values, top_ids = logprobs.topk(min(num_top, logprobs.shape[1]), dim=-1)
                 columns += [top_ids.double(), top_values.double()]
         # Ids (< 2**53) and float32 logprobs are exact in float64: one packed tensor, so the
-        # step pays exactly one device-to-host copy / sync.
-        rows = torch.cat(columns, dim=1).tolist()
+        # step pays exactly one device-to-host copy.
+        return torch.cat(columns, dim=1)
 
+    @staticmethod
+    def unpack(rows: list[list[float]], metadata: SamplingMetadata) -> SamplerOutput:
+        """rows: the host copy of ``sample_packed``'s packed tensor, as lists."""
         num_top = (len(rows[0]) - 2) // 2 if rows else 0
         sampled_ids: list[int] = []
         chosen_logprobs: list[float] = []

@@ -34,11 +34,20 @@ def make_generator(
     return generator
 
 
+def _to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on ``device``. To a GPU through pinned memory, non-blocking: a plain
+    ``.to("cuda")`` waits for the stream, which would stall async scheduling behind the
+    forward pass just launched."""
+    if torch.device(device).type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 def _padded(token_lists: Sequence[Sequence[int]], device: torch.device | str) -> torch.Tensor:
     """[num_seqs, max_len] int64, padded with -1 (the sampler maps -1 to a dummy column)."""
     max_len = max((len(t) for t in token_lists), default=0)
     rows = [list(t) + [-1] * (max_len - len(t)) for t in token_lists]
-    return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), max_len).to(device)
+    return _to_device(torch.tensor(rows, dtype=torch.int64).reshape(len(rows), max_len), device)
 
 
 @dataclass
@@ -118,7 +127,7 @@ class SamplingMetadata:
         all_random = not any(greedy)
 
         def f32(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32).to(device)
+            return _to_device(torch.tensor(values, dtype=torch.float32), device)
 
         temperature = is_greedy = top_k = top_p = min_p = None
         max_top_k = 0
@@ -127,11 +136,11 @@ class SamplingMetadata:
                 [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
             )
             if not all_random:
-                is_greedy = torch.tensor(greedy, dtype=torch.bool).to(device)
+                is_greedy = _to_device(torch.tensor(greedy, dtype=torch.bool), device)
             # Filters only matter for random rows: greedy rows take the argmax before them.
             ks = [0 if g else p.top_k for g, p in zip(greedy, params, strict=True)]
             if any(ks):
-                top_k = torch.tensor(ks, dtype=torch.int64).to(device)
+                top_k = _to_device(torch.tensor(ks, dtype=torch.int64), device)
                 max_top_k = max(ks)
             ps = [1.0 if g else p.top_p for g, p in zip(greedy, params, strict=True)]
             if any(v < 1.0 for v in ps):
@@ -163,8 +172,8 @@ class SamplingMetadata:
                     mask_ids.append(token_id)
         min_tokens_rows = min_tokens_ids = None
         if mask_rows:
-            min_tokens_rows = torch.tensor(mask_rows, dtype=torch.int64).to(device)
-            min_tokens_ids = torch.tensor(mask_ids, dtype=torch.int64).to(device)
+            min_tokens_rows = _to_device(torch.tensor(mask_rows, dtype=torch.int64), device)
+            min_tokens_ids = _to_device(torch.tensor(mask_ids, dtype=torch.int64), device)
 
         gens = [None if g else gen for g, gen in zip(greedy, generators, strict=True)]
         num_logprobs = [p.logprobs for p in params]

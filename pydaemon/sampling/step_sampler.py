@@ -1,4 +1,5 @@
-"""StepSampler: a step's logits -> ModelRunnerOutput, on the device, one copy back.
+"""StepSampler: a step's logits -> AsyncModelRunnerOutput, on the device, one copy back
+(started, not waited for).
 
 It picks the sampling parameters, token history and random stream of every sampled row from
 the runner's InputBatch (token ids are read only for rows that use penalties or min_tokens),
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from pydaemon.input_batch import CachedSeqState, InputBatch, StepInput
-from pydaemon.runner_output import ModelRunnerOutput
+from pydaemon.runner_output import AsyncModelRunnerOutput, ModelRunnerOutput
 from pydaemon.sampling.sampler import Sampler
 from pydaemon.sampling.sampling_metadata import SamplingMetadata, make_generator
 
@@ -34,8 +35,10 @@ class StepSampler:
 
     def sample(
         self, logits: torch.Tensor, step: StepInput, num_samples: dict[int, int]
-    ) -> ModelRunnerOutput:
-        """logits: [num_sampled_seqs, vocab] float32, one row per sequence that samples."""
+    ) -> AsyncModelRunnerOutput:
+        """logits: [num_sampled_seqs, vocab] float32, one row per sequence that samples.
+        Nothing here waits for the device, unless a row reads token history (penalties,
+        min_tokens) that holds the previous step's not-yet-copied sample."""
         batch = self.input_batch
         sampled_ids = [
             s for s, keep in zip(step.seq_ids, step.is_sampled.tolist(), strict=True) if keep
@@ -62,7 +65,7 @@ class StepSampler:
             chosen = logits[torch.tensor(beam_rows, device=logits.device)]
             out.beam_logprobs = torch.log_softmax(chosen, dim=-1).cpu()
         if not rows:
-            return out
+            return AsyncModelRunnerOutput(out)
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, device=logits.device)]
         ids = [s.seq_id for s in states]
@@ -74,16 +77,26 @@ class StepSampler:
             device=logits.device,
             stop_ids_for_min_tokens=[s.min_tokens_stop_ids for s in states],
         )
-        result = self.sampler(logits, metadata)  # the step's one device-to-host copy
+        sampled, packed = self.sampler.sample_packed(logits, metadata)
+        counts = [num_samples.get(seq_id, 1) for seq_id in out.seq_ids]
+        sample_rows: dict[int, int] = {}
         cursor = 0
-        for seq_id in out.seq_ids:
-            count = num_samples.get(seq_id, 1)
-            end = cursor + count
-            out.sampled_token_ids.append(result.sampled_token_ids[cursor:end])
-            out.chosen_logprobs.append(result.chosen_logprobs[cursor:end])
-            out.logprobs.append(result.logprobs[cursor:end])
-            cursor = end
-        return out
+        for seq_id, count in zip(out.seq_ids, counts, strict=True):
+            sample_rows[seq_id] = cursor
+            cursor += count
+
+        def fill(host_rows: list[list[float]]) -> None:
+            result = self.sampler.unpack(host_rows, metadata)
+            start = 0
+            for count in counts:
+                end = start + count
+                out.sampled_token_ids.append(result.sampled_token_ids[start:end])
+                out.chosen_logprobs.append(result.chosen_logprobs[start:end])
+                out.logprobs.append(result.logprobs[start:end])
+                start = end
+
+        # The step's one device-to-host copy, started here and waited for by get_output().
+        return AsyncModelRunnerOutput(out, sampled, packed, fill, sample_rows)
 
     def _generator(self, state: CachedSeqState, index: int) -> torch.Generator | None:
         """The seeded random stream of (request, output index), kept until the request ends."""

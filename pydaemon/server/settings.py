@@ -46,6 +46,11 @@ ENGINE_FLAGS: tuple[tuple[str, Any, str], ...] = (
 ENGINE_BOOL_FLAGS = (
     ("--enable-prefix-caching", "automatic prefix caching"),
     ("--enforce-eager", "run every step eagerly: no CUDA graphs for decode steps"),
+    (
+        "--async-scheduling",
+        "schedule each step while the previous one runs on the GPU (default: on with one CUDA "
+        "GPU, off on CPU and with tensor parallelism; --async-scheduling forces it on)",
+    ),
 )
 SERVER_BOOL_FLAGS = (("--metrics-auth", True, "with an API key, /metrics requires it too"),)
 
