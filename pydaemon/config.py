@@ -10,6 +10,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATIONS = (None, "fp8", "fp8_emulated")
 BLOCK_SIZES = (8, 16, 32)
 
 
@@ -22,7 +23,8 @@ class EngineConfig:
     KV-cache size derived from ``gpu_memory_utilization`` (CUDA) or ``cpu_kv_cache_space``
     (GiB, CPU). ``swap_space`` (GiB) sizes the CPU swap pool used by swap preemption.
     ``tensor_parallel_size`` > 1 shards the model over that many processes (one per GPU, or
-    gloo on CPUs), started by the engine itself.
+    gloo on CPUs), started by the engine itself. ``quantization``: None (as the checkpoint
+    is), "fp8" (FP8 weights, CUDA sm_89+) or "fp8_emulated" (the same, emulated: any device).
     """
 
     model: str = DEFAULT_MODEL
@@ -42,6 +44,7 @@ class EngineConfig:
     seed: int = 0
     watermark: float = 0.01
     tensor_parallel_size: int = 1
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -55,6 +58,8 @@ class EngineConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise bad(name, f"must be one of {', '.join(allowed)}")
+        if self.quantization not in QUANTIZATIONS:
+            raise bad("quantization", "must be None, 'fp8' or 'fp8_emulated'")
         if self.block_size not in BLOCK_SIZES:
             raise bad("block_size", f"must be one of {BLOCK_SIZES}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

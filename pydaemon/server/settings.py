@@ -40,6 +40,12 @@ ENGINE_FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("--seed", int, "seed of the engine's sampling generator"),
     ("--watermark", float, "fraction of KV blocks kept free at admission"),
     ("--tensor-parallel-size", int, "shard the model over this many GPUs (processes)"),
+    (
+        "--quantization",
+        str,
+        "fp8 (FP8 weights with per-channel scales, per-token FP8 activations: CUDA sm_89+) | "
+        "fp8_emulated (the same emulated, any device, slow; default: as the checkpoint is)",
+    ),
 )
 ENGINE_BOOL_FLAGS = (("--enable-prefix-caching", "automatic prefix caching"),)
 SERVER_BOOL_FLAGS = (("--metrics-auth", True, "with an API key, /metrics requires it too"),)
