@@ -2,6 +2,8 @@
 workload through transformers' continuous batching and static-batch ``generate``.
 
     PYTHONPATH=. python bench/throughput.py --model-config llama3-8b            # W1, pagedd
+    PYTHONPATH=. python bench/throughput.py --model-config llama3-8b \
+        --backend pagedd,pagedd-fp8 --compare          # W1, bf16 and FP8 weights, side by side
     PYTHONPATH=. python bench/throughput.py --model-config llama3-8b \\
         --backend pagedd,hf-continuous,hf-static --num-requests 64 --compare
 
@@ -27,7 +29,8 @@ from bench.loadgen_env import environment, write_json  # noqa: E402
 from bench.throughput_models import MODEL_CONFIGS, write_model_config  # noqa: E402
 from bench.workloads import add_workload_flags, build_workload, summarize  # noqa: E402
 
-BACKENDS = ("pagedd", "hf-continuous", "hf-static")
+# pagedd-fp8: pagedd with --quantization fp8 (FP8 weights, quantized at load).
+BACKENDS = ("pagedd", "pagedd-fp8", "hf-continuous", "hf-static")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                         ("--tensor-parallel-size", int)):  # fmt: skip
         e.add_argument(flag, type=type_, default=None)
     e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--quantization", choices=("fp8", "fp8_emulated"), default=None,
+                   help="FP8 weights (fp8: CUDA sm_89+); default: as the checkpoint is")  # fmt: skip
     h = p.add_argument_group("transformers peers")
     h.add_argument("--static-batch-size", type=int, default=64, help="hf-static batch size")
     h.add_argument("--hf-num-requests", type=int, default=None,
@@ -91,14 +96,18 @@ def _resolve_model(args: argparse.Namespace) -> None:
 
 def run_backend(backend: str, args: argparse.Namespace) -> dict:
     """One backend in this process."""
-    n = args.hf_num_requests if backend != "pagedd" and args.hf_num_requests else args.num_requests
+    is_pagedd = backend in ("pagedd", "pagedd-fp8")
+    n = args.hf_num_requests if not is_pagedd and args.hf_num_requests else args.num_requests
     args.num_requests = n
     vocab = None
     if args.model != "demo":
         vocab = json.loads((Path(args.model) / "config.json").read_text()).get("vocab_size")
     requests = build_workload(args, vocab_size=vocab or (512 if args.model == "demo" else None))
-    if backend == "pagedd":
+    if is_pagedd:
         from bench.throughput_pagedd import run_pagedd
+
+        if backend == "pagedd-fp8":
+            args.quantization = "fp8"
 
         figures = run_pagedd(args.model, requests, args)
     else:

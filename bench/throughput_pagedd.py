@@ -42,7 +42,7 @@ class StepStats:
 def engine_kwargs(args) -> dict:
     keys = ("device", "dtype", "block_size", "num_kv_blocks", "gpu_memory_utilization",
             "max_num_seqs", "max_num_batched_tokens", "max_model_len", "preemption_mode",
-            "load_format", "seed", "tensor_parallel_size")  # fmt: skip
+            "load_format", "seed", "tensor_parallel_size", "quantization")  # fmt: skip
     kwargs = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     kwargs["enable_prefix_caching"] = not args.no_prefix_caching
     return kwargs
