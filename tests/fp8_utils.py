@@ -16,6 +16,24 @@ from safetensors.torch import load_file, save_file
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# English text for teacher-forced comparisons on a trained model (~240 SmolLM2 tokens).
+PASSAGE = (
+    "The history of the printing press begins in the fifteenth century, when Johannes "
+    "Gutenberg developed a system of movable metal type in Mainz. Before that, books were "
+    "copied by hand, usually by monks working in the scriptoria of monasteries, and a single "
+    "Bible could take a scribe more than a year to finish. Gutenberg combined several "
+    "existing technologies: the screw press used by winemakers, oil-based inks that stuck "
+    "to metal, and a hand mould that could cast letters quickly and in large numbers. The "
+    "result was a machine that could print hundreds of pages a day. Within fifty years, "
+    "printing shops had spread to more than two hundred cities across Europe, and millions "
+    "of books were in circulation. Prices fell, literacy rose, and ideas travelled faster "
+    "than ever before. Scholars could compare identical copies of a text, which made it "
+    "easier to correct errors and to build on the work of others. Historians often link the "
+    "press to the Reformation, the Scientific Revolution and the rise of newspapers, "
+    "although each of these had many causes. Today the word press still names the "
+    "journalists who report the news, a reminder of the machine that first made it "
+    "possible to share the same words with thousands of readers at once."
+)
 
 
 def is_linear_weight(name: str) -> bool:

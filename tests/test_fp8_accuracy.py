@@ -20,26 +20,10 @@ from pydaemon.model_loader import load_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_utils import make_hf_model  # noqa: E402
+from fp8_utils import PASSAGE  # noqa: E402
 from model_utils import Seq, SimpleAllocator, build_step, make_kv_cache  # noqa: E402
 
 BLOCK_SIZE = 16
-PASSAGE = (
-    "The history of the printing press begins in the fifteenth century, when Johannes "
-    "Gutenberg developed a system of movable metal type in Mainz. Before that, books were "
-    "copied by hand, usually by monks working in the scriptoria of monasteries, and a single "
-    "Bible could take a scribe more than a year to finish. Gutenberg combined several "
-    "existing technologies: the screw press used by winemakers, oil-based inks that stuck "
-    "to metal, and a hand mould that could cast letters quickly and in large numbers. The "
-    "result was a machine that could print hundreds of pages a day. Within fifty years, "
-    "printing shops had spread to more than two hundred cities across Europe, and millions "
-    "of books were in circulation. Prices fell, literacy rose, and ideas travelled faster "
-    "than ever before. Scholars could compare identical copies of a text, which made it "
-    "easier to correct errors and to build on the work of others. Historians often link the "
-    "press to the Reformation, the Scientific Revolution and the rise of newspapers, "
-    "although each of these had many causes. Today the word press still names the "
-    "journalists who report the news, a reminder of the machine that first made it "
-    "possible to share the same words with thousands of readers at once."
-)
 
 
 @torch.inference_mode()
