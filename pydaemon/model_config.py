@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from pydaemon.quantization.config import CheckpointQuantization, parse_quantization_config
+from pydaemon.quantization.checkpoint_format import CheckpointQuantization
+from pydaemon.quantization.config import parse_quantization_config
 from pydaemon.tokenizer_files import normalize_token_ids
 
 SUPPORTED_ARCHITECTURES = (

@@ -25,21 +25,13 @@ from typing import Any
 
 import torch
 
+from pydaemon.quantization.checkpoint_format import CheckpointQuantization
 from pydaemon.quantization.fp8 import MIN_CAPABILITY, Fp8LinearMethod
 
 QUANTIZATIONS = ("fp8", "fp8_emulated")
 SCALE_NAMES = ("weight_scale", "weight_scale_inv")
 _CT_FORMATS = ("float-quantized", "naive-quantized")
 _CT_STRATEGIES = ("tensor", "channel", "block")
-
-
-@dataclass(frozen=True)
-class CheckpointQuantization:
-    """How a checkpoint stores its linear weights: FP8 e4m3 with scales."""
-
-    quant_method: str  # "fp8" | "compressed-tensors"
-    strategy: str  # "tensor" | "channel" | "block": the granularity of the weight scales
-    block_size: tuple[int, int] | None  # (rows, columns) of a scale block, for "block"
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from pydaemon.quantization.config import CheckpointQuantization
+    from pydaemon.quantization.checkpoint_format import CheckpointQuantization
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0

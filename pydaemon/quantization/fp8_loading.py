@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from pydaemon.quantization.config import SCALE_NAMES, CheckpointQuantization
+from pydaemon.quantization.checkpoint_format import CheckpointQuantization
+from pydaemon.quantization.config import SCALE_NAMES
 from pydaemon.quantization.fp8 import FP8_DTYPE, _to_fp8, quantize_per_channel
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
