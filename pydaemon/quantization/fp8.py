@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from pydaemon import ops
+
 if TYPE_CHECKING:
     from pydaemon.quantization.checkpoint_format import CheckpointQuantization
 
@@ -47,11 +49,19 @@ def quantize_per_channel(
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [T, K] -> (xq [T, K] float8_e4m3fn, scale [T, 1] float32), xq * scale ~ x.
 
-    Three passes over x, no float32 copy of it for bf16: the max-abs reduction (no |x|
-    temporary), x times the inverse scale (in bf16 for bf16 x), the cast. The returned
-    scale is the exact inverse of the multiplier used, so dequantization stays consistent;
-    no clamp: |x| * inverse <= 448 up to one rounding, and the cast rounds anything below
-    464 to 448 at most."""
+    On CUDA with pagedd's kernels: one kernel (pydaemon/ops/fp8_quant.py), bit for bit the
+    torch code below, which runs elsewhere."""
+    if x.is_cuda and x.stride(-1) == 1 and ops.is_available():
+        return ops.per_token_fp8_quant(x)
+    return quantize_per_token_native(x)
+
+
+def quantize_per_token_native(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_per_token in torch. Three passes over x, no float32 copy of it for bf16: the
+    max-abs reduction (no |x| temporary), x times the inverse scale (in bf16 for bf16 x), the
+    cast. The returned scale is the exact inverse of the multiplier used, so dequantization
+    stays consistent; no clamp: |x| * inverse <= 448 up to one rounding, and the cast rounds
+    anything below 464 to 448 at most."""
     amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1, keepdim=True)  # [T, 1]
     inverse = FP8_MAX / amax.float().clamp(min=FP8_MAX * MIN_SCALE)
     if x.dtype == torch.bfloat16:  # float32's range: the inverse cannot overflow
@@ -108,7 +118,7 @@ class Fp8LinearMethod:
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:  # x: [..., in] -> [..., out], x's dtype
         x2d = x.reshape(-1, x.shape[-1])
-        if not x2d.is_contiguous():
+        if x2d.stride(-1) != 1:  # rows may be strided (a slice of qkv), elements not
             x2d = x2d.contiguous()
         xq, x_scale = quantize_per_token(x2d)
         mm = emulated_scaled_mm if self.emulate else scaled_mm

@@ -18,13 +18,14 @@ from engine_utils import make_hf_model  # noqa: E402
 from fp8_utils import PASSAGE, fp8_weight, write_fp8_checkpoint  # noqa: E402
 from model_utils import Seq, SimpleAllocator, build_step, make_kv_cache  # noqa: E402
 
-from pydaemon import LLM, SamplingParams  # noqa: E402
+from pydaemon import LLM, SamplingParams, ops  # noqa: E402
 from pydaemon.model_loader import load_model  # noqa: E402
 from pydaemon.quantization.fp8 import (  # noqa: E402
     Fp8LinearMethod,
     emulated_scaled_mm,
     quantize_per_channel,
     quantize_per_token,
+    quantize_per_token_native,
     scaled_mm,
 )
 
@@ -32,6 +33,25 @@ if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
     pytest.skip("FP8 GEMMs need compute capability 8.9+", allow_module_level=True)
 
 BLOCK_SIZE = 16
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("num_tokens, d", [(1, 64), (7, 4096), (300, 14336), (5, 100)])
+def test_per_token_kernel_is_the_torch_code_bit_for_bit(dtype, num_tokens, d):
+    gen = torch.Generator(device="cuda").manual_seed(d + num_tokens)
+    spread = torch.logspace(-3, 2, num_tokens, device="cuda")[:, None]
+    # rows strided (a slice of a wider tensor); d = 100 takes the scalar path
+    x = (torch.randn(num_tokens, d + 8, device="cuda", generator=gen) * spread)[:, :d]
+    x = x.to(dtype)
+    if num_tokens > 1:
+        x[1] = 0.0
+    xq, scale = ops.per_token_fp8_quant(x)
+    ref_q, ref_scale = quantize_per_token_native(x)
+    assert xq.dtype == torch.float8_e4m3fn and scale.shape == (num_tokens, 1)
+    assert torch.equal(xq.view(torch.uint8), ref_q.view(torch.uint8))
+    nonzero = x.float().abs().amax(dim=1) > 0
+    assert torch.equal(scale[nonzero], ref_scale[nonzero])
+    assert bool((scale[~nonzero] < 1e-11).all()) and not bool(xq.float()[~nonzero].any())
 
 
 @pytest.mark.parametrize("num_tokens", [1, 7, 64, 300, 2048])
