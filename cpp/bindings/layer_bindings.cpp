@@ -142,7 +142,8 @@ void silu_and_mul(Array out, Array input, uintptr_t stream) {
 void per_token_fp8_quant(Array out, Array scale, Array input, uintptr_t stream) {
   const int dev = current_device();
   const DType dtype = layer_dtype(input, "input");
-  check_dtype(out, "out", nb::dlpack::dtype_code::UInt, 8, "uint8 (a float8_e4m3fn tensor's bytes)");
+  check_dtype(out, "out", nb::dlpack::dtype_code::UInt, 8,
+              "uint8 (a float8_e4m3fn tensor's bytes)");
   check_dtype(scale, "scale", kFloat, 32, "float32");
   check_ndim(input, "input", 2);
   const int64_t num_tokens = input.shape(0), d = input.shape(1);
