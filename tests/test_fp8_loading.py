@@ -265,6 +265,16 @@ def test_unsupported_quantization_configs(float_model, tmp_path, qc, message):
         load_model(d, quantization="fp8_emulated")
 
 
+def test_scaled_mm_shapes_checked_at_construction():
+    from torch import nn
+
+    from pydaemon.quantization.fp8 import Fp8LinearMethod
+
+    with pytest.raises(ValueError, match=r"multiples of 16.*\[out 100, in 64\]"):
+        Fp8LinearMethod(emulate=False).create_weights(nn.Module(), 100, 64)
+    Fp8LinearMethod(emulate=True).create_weights(nn.Module(), 100, 64)  # emulation: any shape
+
+
 def test_fp8_refused_on_cpu_with_the_reason(float_model, tmp_path):
     with pytest.raises(ValueError, match=r"compute capability 8.9 or newer.*runs on cpu"):
         load_model(float_model, quantization="fp8")

@@ -109,6 +109,12 @@ class Fp8LinearMethod:
         self.checkpoint = checkpoint
 
     def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
+        if not self.emulate and (out_features % 16 or in_features % 16):
+            raise ValueError(
+                f"quantization='fp8' needs linear layers whose in and out features (per "
+                f"tensor-parallel rank) are multiples of 16 (torch._scaled_mm); this model has "
+                f"one of [out {out_features}, in {in_features}]"
+            )
         weight = torch.empty(out_features, in_features, dtype=FP8_DTYPE)
         layer.weight = nn.Parameter(weight, requires_grad=False)
         scale = torch.empty(out_features, dtype=torch.float32)
