@@ -43,7 +43,7 @@ def quantize_per_channel(
     if amax is None:
         amax = weight.abs().amax(dim=1)
     scale = (amax.float() / FP8_MAX).clamp(min=MIN_SCALE)
-    return _to_fp8(weight.float() / scale[:, None]), scale
+    return to_fp8(weight.float() / scale[:, None]), scale
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,7 +69,7 @@ def quantize_per_token_native(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return (x * inverse).to(FP8_DTYPE), 1.0 / inverse.float()
 
 
-def _to_fp8(x: torch.Tensor) -> torch.Tensor:
+def to_fp8(x: torch.Tensor) -> torch.Tensor:
     # The cast does not saturate (out-of-range values become NaN): clamp first.
     return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 

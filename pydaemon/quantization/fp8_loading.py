@@ -31,7 +31,7 @@ import torch
 
 from pydaemon.quantization.checkpoint_format import CheckpointQuantization
 from pydaemon.quantization.config import SCALE_NAMES
-from pydaemon.quantization.fp8 import FP8_DTYPE, _to_fp8, quantize_per_channel
+from pydaemon.quantization.fp8 import FP8_DTYPE, quantize_per_channel, to_fp8
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 _REQUANT_ROWS = 1024  # rows re-quantized at a time (bounds the float32 temporaries)
@@ -161,7 +161,7 @@ class Fp8WeightPart:
             r1 = min(r0 + _REQUANT_ROWS, row_stop - row_start)
             block_scales = self.block_scales[row_blocks[r0:r1]][:, col_blocks]  # [r, cols]
             ratio = block_scales / new_scale[r0:r1, None]  # <= 1: no value grows
-            self.weight[r0:r1] = _to_fp8(self.weight[r0:r1].float() * ratio)
+            self.weight[r0:r1] = to_fp8(self.weight[r0:r1].float() * ratio)
         self.weight_scale.copy_(new_scale)
 
 
