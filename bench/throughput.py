@@ -2,6 +2,8 @@
 workload through transformers' continuous batching and static-batch ``generate``.
 
     PYTHONPATH=. python bench/throughput.py --model-config llama3-8b            # W1, pagedd
+    PYTHONPATH=. python bench/throughput.py --model-config llama3-8b \
+        --backend pagedd,pagedd-fp8 --compare          # W1, bf16 and FP8 weights, side by side
     PYTHONPATH=. python bench/throughput.py --model-config llama3-8b \\
         --backend pagedd,hf-continuous,hf-static --num-requests 64 --compare
     PYTHONPATH=. python bench/throughput.py --model-config llama3-8b \\
@@ -30,7 +32,8 @@ from bench.throughput_models import MODEL_CONFIGS, write_model_config  # noqa: E
 from bench.workloads import add_workload_flags, build_workload, summarize  # noqa: E402
 
 # pagedd-sync: pagedd with async scheduling off (--no-async-scheduling), to compare with.
-BACKENDS = ("pagedd", "pagedd-sync", "hf-continuous", "hf-static")
+# pagedd-fp8: pagedd with --quantization fp8 (FP8 weights, quantized at load).
+BACKENDS = ("pagedd", "pagedd-sync", "pagedd-fp8", "hf-continuous", "hf-static")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap each step's host work with the GPU (default: on for CUDA)")  # fmt: skip
+    e.add_argument("--quantization", choices=("fp8", "fp8_emulated"), default=None,
+                   help="FP8 weights (fp8: CUDA sm_89+); default: as the checkpoint is")  # fmt: skip
     h = p.add_argument_group("transformers peers")
     h.add_argument("--static-batch-size", type=int, default=64, help="hf-static batch size")
     h.add_argument("--hf-num-requests", type=int, default=None,
@@ -99,7 +104,7 @@ def _resolve_model(args: argparse.Namespace) -> None:
 
 def run_backend(backend: str, args: argparse.Namespace) -> dict:
     """One backend in this process."""
-    is_pagedd = backend in ("pagedd", "pagedd-sync")
+    is_pagedd = backend in ("pagedd", "pagedd-sync", "pagedd-fp8")
     n = args.hf_num_requests if not is_pagedd and args.hf_num_requests else args.num_requests
     args.num_requests = n
     vocab = None
@@ -111,6 +116,9 @@ def run_backend(backend: str, args: argparse.Namespace) -> dict:
 
         if backend == "pagedd-sync":
             args.async_scheduling = False
+        if backend == "pagedd-fp8":
+            args.quantization = "fp8"
+
         figures = run_pagedd(args.model, requests, args)
     else:
         if args.model == "demo":

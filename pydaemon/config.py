@@ -10,6 +10,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATIONS = (None, "fp8", "fp8_emulated")
 BLOCK_SIZES = (8, 16, 32)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # as pydaemon.kv_cache_fp8 (no torch import here)
 
@@ -32,6 +33,8 @@ class EngineConfig:
     GPU (pydaemon.async_step); ``None`` turns it on for CUDA with one GPU and off otherwise (on
     a CPU there is nothing to overlap, but ``True`` runs the same path, for tests); tensor
     parallelism does not support it.
+    ``quantization``: None (as the checkpoint is), "fp8" (FP8 weights, CUDA sm_89+) or
+    "fp8_emulated" (the same, emulated: any device).
     """
 
     model: str = DEFAULT_MODEL
@@ -55,6 +58,7 @@ class EngineConfig:
     max_seq_len_to_capture: int = 8192
     kv_cache_dtype: str = "auto"
     async_scheduling: bool | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -69,6 +73,8 @@ class EngineConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise bad(name, f"must be one of {', '.join(allowed)}")
+        if self.quantization not in QUANTIZATIONS:
+            raise bad("quantization", "must be None, 'fp8' or 'fp8_emulated'")
         if self.block_size not in BLOCK_SIZES:
             raise bad("block_size", f"must be one of {BLOCK_SIZES}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

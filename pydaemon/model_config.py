@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from pydaemon.quantization.checkpoint_format import CheckpointQuantization
+from pydaemon.quantization.config import parse_quantization_config
 from pydaemon.tokenizer_files import normalize_token_ids
 
 SUPPORTED_ARCHITECTURES = (
@@ -79,6 +81,8 @@ class ModelConfig:
     # Per layer: the attention window in tokens (a query sees itself and the window - 1
     # tokens before it), or None for full causal attention.
     layer_sliding_windows: list[int | None] = field(default_factory=list)
+    # How the checkpoint's linear weights are quantized (config.json quantization_config).
+    quantization: CheckpointQuantization | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -156,6 +160,7 @@ class ModelConfig:
             eos_token_ids=normalize_token_ids(eos, "config.json eos_token_id"),
             qk_norm=arch == "Qwen3ForCausalLM",
             layer_sliding_windows=windows,
+            quantization=parse_quantization_config(cfg.get("quantization_config")),
             raw=dict(cfg),
         )
 

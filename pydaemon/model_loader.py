@@ -16,6 +16,11 @@ Tensor parallel: a sharded parameter (see layers/parallel_linear.py) is read as 
 slice only (``get_slice``), so no rank ever holds the whole model. Dummy weights are drawn at
 the full shape one checkpoint tensor at a time and sliced, so that they do not depend on the
 TP size (nor on the packing).
+
+Quantization (``quantization="fp8"``, or a checkpoint whose config.json says it is FP8; see
+pydaemon/quantization/): the linear layers hold FP8 weights with per-channel scales, filled
+from the checkpoint's FP8 tensors or quantized from unquantized ones as they are copied
+(dummy weights too: the same draws as the unquantized model, then quantized).
 """
 
 from __future__ import annotations
@@ -28,9 +33,12 @@ from safetensors import safe_open
 from torch import nn
 
 from pydaemon.gguf import GGUFFile, is_gguf_file, iter_gguf_weights, load_gguf_config
+from pydaemon.layers.parallel_linear import LinearBase
 from pydaemon.layers.rotary_embedding import RotaryEmbedding
 from pydaemon.model_config import ModelConfig, resolve_dtype
 from pydaemon.models import get_model_class
+from pydaemon.quantization.config import resolve_quantization
+from pydaemon.quantization.fp8_loading import Fp8Target
 from pydaemon.weight_targets import WeightLoader, weight_targets
 
 SINGLE_FILE = "model.safetensors"
@@ -43,8 +51,10 @@ def load_model(
     device: str | torch.device = "cpu",
     load_format: str = "auto",
     seed: int = 0,
+    quantization: str | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
-    """-> (model in eval mode on ``device``, its config). ``model_dir`` may be a .gguf file."""
+    """-> (model in eval mode on ``device``, its config). ``model_dir`` may be a .gguf file.
+    ``quantization``: None (as the checkpoint is), "fp8" or "fp8_emulated"."""
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"unsupported load_format {load_format!r}: expected 'auto' or 'dummy'")
     model_dir = Path(model_dir)
@@ -57,11 +67,12 @@ def load_model(
     else:
         config = ModelConfig.from_model_dir(model_dir)
     torch_dtype = resolve_dtype(config, dtype)
+    quant_config = resolve_quantization(quantization, config.quantization, device)
     with torch.device("meta"):
-        model = get_model_class(config.architecture)(config)
+        model = get_model_class(config.architecture)(config, quant_config)
     _materialize(model, torch_dtype, device)
     if load_format == "dummy":
-        _fill_dummy(model, seed)
+        _fill_dummy(model, seed, torch_dtype)
     elif gguf is not None:
         _load_gguf_weights(model, config, gguf)
     else:
@@ -87,23 +98,33 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
 
 
 def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
-    """Replace meta parameters by uninitialised ones on ``device`` in ``dtype``."""
+    """Replace meta parameters by uninitialised ones on ``device`` in ``dtype`` (those of a
+    quantization method in their own dtype: FP8 weights, float32 scales)."""
     for module in model.modules():
+        quant = module.quant_method if isinstance(module, LinearBase) else None
+        own_dtype = quant.own_dtype_params if quant is not None else ()
         for name, param in list(module._parameters.items()):
             if param is None:
                 continue
-            empty = torch.empty(param.shape, dtype=dtype, device=device)
+            param_dtype = param.dtype if name in own_dtype else dtype
+            empty = torch.empty(param.shape, dtype=param_dtype, device=device)
             module._parameters[name] = nn.Parameter(empty, requires_grad=False)
         if isinstance(module, RotaryEmbedding):
             module.reset_parameters(device)
 
 
-def _fill_dummy(model: nn.Module, seed: int) -> None:
+def _fill_dummy(model: nn.Module, seed: int, dtype: torch.dtype) -> None:
     device = next(model.parameters()).device
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     for name, target in weight_targets(model).items():
-        if name.endswith("norm.weight"):
+        if isinstance(target, Fp8Target):
+            if target.required:  # the unquantized model's draws, quantized as they load
+                full = torch.empty(target.checkpoint_shape, dtype=dtype, device=device)
+                target.load(name, full.normal_(0.0, 0.02, generator=gen), full.shape, "dummy")
+                target.finish("dummy")
+                del full
+        elif name.endswith("norm.weight"):
             target.dest.fill_(1.0)
         elif target.shard is None:
             target.dest.normal_(0.0, 0.02, generator=gen)

@@ -61,6 +61,7 @@ class ModelRunner:
             device=self.device,
             load_format=config.load_format,
             seed=config.seed,
+            quantization=config.quantization,
         )
         self.model.eval()
         self.dtype = next(self.model.parameters()).dtype

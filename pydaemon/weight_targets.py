@@ -13,6 +13,10 @@ mapping) loads through ``WeightLoader``, so each gets the packed layout and the 
     for name, tensor in tensors:        # HF names; a tensor or a lazy safetensors slice
         loader.load(name, tensor, tensor.shape, where="model.gguf")
     loader.check_complete(where="model.gguf")
+
+A quantized layer (``LinearBase.quant_method``) takes its weights through the method's own
+targets (pydaemon/quantization/fp8_loading.py: an FP8 weight and its scales, or an
+unquantized weight quantized as it is copied); its bias loads as usual.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pydaemon.layers.parallel_linear import MergedColumnParallelLinear, shard_range
+from pydaemon.layers.parallel_linear import LinearBase, MergedColumnParallelLinear, shard_range
+from pydaemon.quantization.fp8_loading import Fp8Target, fp8_targets
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,7 @@ class WeightTarget:
 
     dest: torch.Tensor
     shard: tuple[int, int, int, int] | None
+    required = True  # check_complete reports it when the checkpoint lacks it
 
     @property
     def checkpoint_shape(self) -> list[int]:
@@ -62,23 +68,48 @@ class WeightTarget:
         if padding > 0:  # vocabulary padding of the last rank
             self.dest.narrow(dim, stop - start, padding).zero_()
 
+    def load(self, name: str, tensor: Any, shape: Sequence[int], where: str) -> None:
+        """Copies this rank's part of checkpoint tensor ``name`` (shape ``shape``)."""
+        expected = self.checkpoint_shape
+        if list(shape) != expected:
+            raise ValueError(
+                f"tensor {name!r} in {where} has shape {list(shape)}, expected {expected}"
+            )
+        self.copy_(tensor[self.read_index()])
 
-def weight_targets(model: nn.Module) -> dict[str, WeightTarget]:
-    """-> checkpoint tensor name -> destination, for every tensor the model needs, in the
-    model's parameter order (packed parameters expanded part by part: q.weight, q.bias,
-    k.weight, ...; the order dummy weights are drawn in)."""
-    targets: dict[str, WeightTarget] = {}
+    def finish(self, where: str) -> None:
+        """Nothing to do once every tensor is loaded (quantized targets convert here)."""
+
+
+def weight_targets(model: nn.Module) -> dict[str, WeightTarget | Fp8Target]:
+    """-> checkpoint tensor name -> destination, for every tensor the model needs (and the
+    optional ones a quantized checkpoint may hold), in the model's parameter order (packed
+    parameters expanded part by part: q.weight, q.bias, k.weight, ...; the order dummy
+    weights are drawn in)."""
+    targets: dict[str, WeightTarget | Fp8Target] = {}
     for module_name, module in model.named_modules():
         params = list(module.named_parameters(recurse=False))
+        quant = module.quant_method if isinstance(module, LinearBase) else None
+        if quant is not None:  # the quantized weight loads through its own targets
+            params = [(local, param) for local, param in params if local == "bias"]
         if isinstance(module, MergedColumnParallelLinear):
             parent = module_name.rpartition(".")[0]
             for index, part in enumerate(module.packed_parts):
                 offset, size, start, full_size = module.part_range(index)
+                prefix = f"{parent}.{part}" if parent else part
+                shard = (0, start, start + size, full_size)
+                if quant is not None:
+                    weight = module.weight.data.narrow(0, offset, size)
+                    scale = module.weight_scale.data.narrow(0, offset, size)
+                    targets.update(fp8_targets(prefix, weight, scale, shard, quant.checkpoint))
                 for local, param in params:
-                    name = f"{parent}.{part}.{local}" if parent else f"{part}.{local}"
                     dest = param.data.narrow(0, offset, size)
-                    targets[name] = WeightTarget(dest, (0, start, start + size, full_size))
+                    targets[f"{prefix}.{local}"] = WeightTarget(dest, shard)
             continue
+        if quant is not None:
+            shard = shard_range(module, "weight")
+            weight, scale = module.weight.data, module.weight_scale.data
+            targets.update(fp8_targets(module_name, weight, scale, shard, quant.checkpoint))
         for local, param in params:
             name = f"{module_name}.{local}" if module_name else local
             targets[name] = WeightTarget(param.data, shard_range(module, local))
@@ -100,18 +131,16 @@ class WeightLoader:
         target = self.targets.get(name)
         if target is None:
             return False
-        expected = target.checkpoint_shape
-        if list(shape) != expected:
-            raise ValueError(
-                f"tensor {name!r} in {where} has shape {list(shape)}, expected {expected}"
-            )
-        target.copy_(tensor[target.read_index()])
+        target.load(name, tensor, shape, where)
         self.loaded.add(name)
         return True
 
     def check_complete(self, where: str) -> None:
-        """ValueError naming the checkpoint tensors the model needs and never got."""
-        missing = [name for name in self.targets if name not in self.loaded]
+        """ValueError naming the checkpoint tensors the model needs and never got; then the
+        conversions that need several tensors (block-wise FP8 weights and their scales)."""
+        missing = [n for n, t in self.targets.items() if t.required and n not in self.loaded]
         if missing:
             shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
             raise ValueError(f"missing tensors in {where}: {shown}")
+        for target in self.targets.values():
+            target.finish(where)

@@ -88,3 +88,14 @@ def test_llama3_8b_config(tmp_path):
 
     parsed = ModelConfig.from_model_dir(path)  # pagedd reads it
     assert (parsed.head_dim, parsed.rope_theta, parsed.max_model_len) == (128, 500000.0, 8192)
+
+
+def test_fp8_quantization_flag(tmp_path, capsys):
+    # The emulated FP8 path runs anywhere; the real one refuses the CPU by name.
+    out = tmp_path / "fp8.json"
+    argv = [*SMALL, "--num-kv-blocks", "256", "--quantization", "fp8_emulated", "--out", str(out)]
+    assert throughput.main(argv) == 0
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["engine"]["quantization"] == "fp8_emulated" and r["num_output_tokens"] == 48
+    assert throughput.main([*SMALL, "--backend", "pagedd-fp8", "--out", str(out)]) == 2
+    assert "quantization='fp8' needs a CUDA GPU" in capsys.readouterr().err

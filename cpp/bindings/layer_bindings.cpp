@@ -1,7 +1,8 @@
 // Validating binding of the per-token layer kernels in cpp/cuda/layer_kernels.h: RMSNorm,
-// residual-add + RMSNorm, SiLU-and-multiply, rotary embedding. Same conventions as cuda_bindings.cpp: every tensor
-// is checked (a bad one raises TypeError / ValueError naming it), written tensors are
-// .noconvert(), the stream is passed in, the GIL is released around the launch.
+// residual-add + RMSNorm, SiLU-and-multiply, rotary embedding, per-token FP8 quantization.
+// Same conventions as cuda_bindings.cpp: every tensor is checked (a bad one raises TypeError /
+// ValueError naming it), written tensors are .noconvert(), the stream is passed in, the GIL is
+// released around the launch.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 
@@ -198,6 +199,39 @@ void rotary_embedding(Array query, Array key, const Array& cos, const Array& sin
   check_cuda_error(err, "rotary_embedding");
 }
 
+void per_token_fp8_quant(Array out, Array scale, Array input, uintptr_t stream) {
+  const int dev = current_device();
+  const DType dtype = layer_dtype(input, "input");
+  check_dtype(out, "out", nb::dlpack::dtype_code::UInt, 8,
+              "uint8 (a float8_e4m3fn tensor's bytes)");
+  check_dtype(scale, "scale", kFloat, 32, "float32");
+  check_ndim(input, "input", 2);
+  const int64_t num_tokens = input.shape(0), d = input.shape(1);
+  check_sizes(num_tokens, d, "d (input.shape[1])");
+  check_rows(input, "input", num_tokens, d, dev, false);
+  check_rows(out, "out", num_tokens, d, dev, true);
+  check_cuda(scale, "scale", dev);
+  check_ndim(scale, "scale", 1);
+  check_dim(scale, "scale", 0, num_tokens, "num_tokens");
+  if (num_tokens > 1 && scale.stride(0) != 1) throw nb::value_error("scale must be contiguous");
+
+  pagedd::cuda::PerTokenFp8QuantParams p{};
+  p.out = out.data();
+  p.scale = static_cast<float*>(scale.data());
+  p.input = input.data();
+  p.out_stride = out.stride(0);
+  p.input_stride = input.stride(0);
+  p.num_tokens = (int)num_tokens;
+  p.d = (int)d;
+  p.dtype = dtype;
+  cudaError_t err;
+  {
+    nb::gil_scoped_release release;
+    err = pagedd::cuda::per_token_fp8_quant(p, as_stream(stream));
+  }
+  check_cuda_error(err, "per_token_fp8_quant");
+}
+
 }  // namespace
 
 void bind_layer_ops(nb::module_& m) {
@@ -219,4 +253,10 @@ void bind_layer_ops(nb::module_& m) {
         "Rotates query [num_tokens, num_heads, head_dim] and key [num_tokens, num_kv_heads,\n"
         "head_dim] in place (rotate_half convention, rounded as transformers does); cos, sin:\n"
         "[num_tokens, head_dim] float32. query and key: float16, bfloat16 or float32.");
+  m.def("per_token_fp8_quant", &per_token_fp8_quant, nb::arg("out").noconvert(),
+        nb::arg("scale").noconvert(), nb::arg("input"), nb::arg("stream"),
+        "Dynamic per-token FP8 e4m3: scale[t] = max |input[t]| / 448 (as an exact inverse),\n"
+        "out[t] = e4m3(input[t] / scale[t]). input: [num_tokens, d] float16, bfloat16 or\n"
+        "float32; out: [num_tokens, d] uint8 (a float8_e4m3fn tensor viewed as bytes); scale:\n"
+        "[num_tokens] float32.");
 }

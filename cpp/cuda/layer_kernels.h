@@ -75,4 +75,21 @@ struct RotaryParams {
 // transformers' apply_rotary_pos_emb computes it. One block per token.
 cudaError_t rotary_embedding(const RotaryParams& p, cudaStream_t stream);
 
+struct PerTokenFp8QuantParams {
+  void* out;             // [num_tokens, d] float8_e4m3fn (as bytes), last dim contiguous
+  float* scale;          // [num_tokens], contiguous
+  const void* input;     // [num_tokens, d], last dim contiguous
+  int64_t out_stride;    // elements between rows
+  int64_t input_stride;  // elements between rows
+  int num_tokens;
+  int d;
+  DType dtype;           // of input: kFloat16, kBFloat16 or kFloat32
+};
+
+// Dynamic per-token FP8: inverse = 448 / max(max_k |input[t, k]|, 448e-12) (rounded to bf16
+// for bf16 input), out[t, k] = e4m3(input[t, k] * inverse) (the product rounded to bf16 first
+// for bf16 input), scale[t] = 1 / inverse: bit for bit pydaemon/quantization/fp8.py's
+// quantize_per_token. One block per row.
+cudaError_t per_token_fp8_quant(const PerTokenFp8QuantParams& p, cudaStream_t stream);
+
 }  // namespace pagedd::cuda

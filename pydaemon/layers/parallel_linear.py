@@ -15,17 +15,28 @@ at TP=1 (so the single-GPU model is exactly the unsharded one).
 Every sharded module lists ``tp_shards``: parameter name -> (dim, size in the checkpoint),
 which the loader uses to read only this rank's slice (``shard_range``); a merged linear
 describes its parts instead (``packed_parts``, ``part_range``; see pydaemon/weight_targets.py).
+
+Quantization (vLLM's scheme): a linear layer built with a ``quant_config`` gets its weights
+from ``quant_config.linear_method()`` (``create_weights``: e.g. an FP8 ``weight`` and its
+``weight_scale``) and computes through it (``apply``); without one it is a plain
+``F.linear``. The factories then return the parallel class even at TP=1 (there it is the
+unsharded layer). The embedding and the LM head are never quantized.
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pydaemon.distributed import parallel_state as ps
+
+if TYPE_CHECKING:
+    from pydaemon.quantization.config import Fp8Config
+    from pydaemon.quantization.fp8 import Fp8LinearMethod
 
 
 def _split(size: int, tp: int, what: str) -> int:
@@ -34,20 +45,49 @@ def _split(size: int, tp: int, what: str) -> int:
     return size // tp
 
 
-class ColumnParallelLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, what: str) -> None:
+class LinearBase(nn.Module):
+    """A linear layer whose weight a quantization method may own (``quant_method``; None:
+    unquantized, ``weight`` [out, in] in the activation dtype)."""
+
+    def __init__(self, quant_config: Fp8Config | None) -> None:
         super().__init__()
+        self.quant_method: Fp8LinearMethod | None = (
+            None if quant_config is None else quant_config.linear_method()
+        )
+
+    def create_weights(self, out_features: int, in_features: int, bias: bool) -> None:
+        if self.quant_method is None:
+            weight = torch.empty(out_features, in_features)
+            self.weight = nn.Parameter(weight, requires_grad=False)
+        else:
+            self.quant_method.create_weights(self, out_features, in_features)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant_method is None:
+            return F.linear(x, self.weight, bias)
+        return self.quant_method.apply(self, x, bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        what: str,
+        quant_config: Fp8Config | None = None,
+    ) -> None:
+        super().__init__(quant_config)
         tp = ps.get_tp_world_size()
-        local = _split(out_features, tp, what)
-        self.weight = nn.Parameter(torch.empty(local, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(local), requires_grad=False) if bias else None
+        self.create_weights(_split(out_features, tp, what), in_features, bias)
         self.tp_shards = {"weight": (0, out_features), "bias": (0, out_features)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out / tp]
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
-class MergedColumnParallelLinear(nn.Module):
+class MergedColumnParallelLinear(LinearBase):
     """Column-parallel projections of the same input fused into one GEMM (vLLM's
     MergedColumnParallelLinear / QKVParallelLinear).
 
@@ -59,20 +99,25 @@ class MergedColumnParallelLinear(nn.Module):
     The output [T, sum(output_sizes)] splits with ``output_sizes``.
     """
 
-    def __init__(self, in_features: int, parts: dict[str, int], bias: bool, what: str) -> None:
-        super().__init__()
+    def __init__(
+        self,
+        in_features: int,
+        parts: dict[str, int],
+        bias: bool,
+        what: str,
+        quant_config: Fp8Config | None = None,
+    ) -> None:
+        super().__init__(quant_config)
         tp = ps.get_tp_world_size()
         self.packed_parts = tuple(parts)  # names of the checkpoint modules, e.g. "q_proj"
         self.full_sizes = tuple(parts.values())
         self.output_sizes = tuple(
             _split(size, tp, f"{what}: {name} out_features") for name, size in parts.items()
         )
-        local = sum(self.output_sizes)
-        self.weight = nn.Parameter(torch.empty(local, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(local), requires_grad=False) if bias else None
+        self.create_weights(sum(self.output_sizes), in_features, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, sum(output_sizes)]
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
     def part_range(self, index: int) -> tuple[int, int, int, int]:
         """-> (offset, size, start, full_size): part ``index`` fills rows [offset, offset +
@@ -83,17 +128,22 @@ class MergedColumnParallelLinear(nn.Module):
         return offset, size, ps.get_tp_rank() * size, self.full_sizes[index]
 
 
-class RowParallelLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, what: str) -> None:
-        super().__init__()
+class RowParallelLinear(LinearBase):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        what: str,
+        quant_config: Fp8Config | None = None,
+    ) -> None:
+        super().__init__(quant_config)
         tp = ps.get_tp_world_size()
-        local = _split(in_features, tp, what)
-        self.weight = nn.Parameter(torch.empty(out_features, local), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.create_weights(out_features, _split(in_features, tp, what), bias)
         self.tp_shards = {"weight": (1, in_features)}  # the bias is replicated
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in / tp] -> [T, out]
-        out = ps.all_reduce(F.linear(x, self.weight))
+        out = ps.all_reduce(self.matmul(x, None))
         return out if self.bias is None else out + self.bias
 
 
@@ -135,16 +185,28 @@ def parallel_logits(
     return None if full is None else full[:, :vocab_size].float()
 
 
-def column_linear(in_features: int, out_features: int, bias: bool, what: str) -> nn.Module:
-    if ps.get_tp_world_size() == 1:
+def column_linear(
+    in_features: int,
+    out_features: int,
+    bias: bool,
+    what: str,
+    quant_config: Fp8Config | None = None,
+) -> nn.Module:
+    if ps.get_tp_world_size() == 1 and quant_config is None:
         return nn.Linear(in_features, out_features, bias=bias)
-    return ColumnParallelLinear(in_features, out_features, bias, what)
+    return ColumnParallelLinear(in_features, out_features, bias, what, quant_config)
 
 
-def row_linear(in_features: int, out_features: int, bias: bool, what: str) -> nn.Module:
-    if ps.get_tp_world_size() == 1:
+def row_linear(
+    in_features: int,
+    out_features: int,
+    bias: bool,
+    what: str,
+    quant_config: Fp8Config | None = None,
+) -> nn.Module:
+    if ps.get_tp_world_size() == 1 and quant_config is None:
         return nn.Linear(in_features, out_features, bias=bias)
-    return RowParallelLinear(in_features, out_features, bias, what)
+    return RowParallelLinear(in_features, out_features, bias, what, quant_config)
 
 
 def vocab_embedding(vocab_size: int, hidden_size: int) -> nn.Module:

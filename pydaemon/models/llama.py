@@ -11,9 +11,14 @@ Tensor parallel (Megatron): qkv_proj and gate_up_proj are column-parallel (each 
 heads / its MLP columns, of each part), o_proj and down_proj row-parallel with an all-reduce,
 embedding and LM head vocabulary-parallel. At TP=1 o_proj, down_proj, the embedding and LM
 head are plain nn.Linear / nn.Embedding.
+
+Quantization: a ``quant_config`` (pydaemon/quantization/config.py) makes qkv_proj, o_proj,
+gate_up_proj and down_proj quantized layers; the embedding and the LM head stay unquantized.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -34,9 +39,14 @@ from pydaemon.layers.rms_norm import RMSNorm
 from pydaemon.layers.rotary_embedding import RotaryEmbedding, apply_rotary_qk
 from pydaemon.model_config import ModelConfig
 
+if TYPE_CHECKING:
+    from pydaemon.quantization.config import Fp8Config
+
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, quant_config: Fp8Config | None = None
+    ) -> None:
         super().__init__()
         check_tensor_parallel(config, ps.get_tp_world_size())
         tp = ps.get_tp_world_size()
@@ -47,8 +57,8 @@ class LlamaAttention(nn.Module):
         num_q, num_kv = config.num_attention_heads * d, config.num_key_value_heads * d
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d  # this rank's
         parts = {"q_proj": num_q, "k_proj": num_kv, "v_proj": num_kv}
-        self.qkv_proj = MergedColumnParallelLinear(h, parts, bias, "qkv_proj")
-        self.o_proj = row_linear(num_q, h, config.o_proj_bias, "o_proj in_features")
+        self.qkv_proj = MergedColumnParallelLinear(h, parts, bias, "qkv_proj", quant_config)
+        self.o_proj = row_linear(num_q, h, config.o_proj_bias, "o_proj in_features", quant_config)
         # Qwen3: q and k normalised per head over head_dim (weights shared by all heads).
         self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
@@ -82,12 +92,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, quant_config: Fp8Config | None = None) -> None:
         super().__init__()
         h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
         parts = {"gate_proj": i, "up_proj": i}
-        self.gate_up_proj = MergedColumnParallelLinear(h, parts, bias, "intermediate_size")
-        self.down_proj = row_linear(i, h, bias, "intermediate_size")
+        self.gate_up_proj = MergedColumnParallelLinear(
+            h, parts, bias, "intermediate_size", quant_config
+        )
+        self.down_proj = row_linear(i, h, bias, "intermediate_size", quant_config)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden_size]
@@ -96,10 +108,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, quant_config: Fp8Config | None = None
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, layer_idx, quant_config)
+        self.mlp = LlamaMLP(config, quant_config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -128,11 +142,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, quant_config: Fp8Config | None = None) -> None:
         super().__init__()
         self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+            [LlamaDecoderLayer(config, i, quant_config) for i in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
@@ -162,10 +176,10 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, quant_config: Fp8Config | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = LlamaModel(config, quant_config)
         # Tied: the logits reuse model.embed_tokens.weight, there is no lm_head parameter.
         self.lm_head = (
             None if config.tie_word_embeddings else lm_head(config.hidden_size, config.vocab_size)

@@ -42,6 +42,12 @@ ENGINE_FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("--watermark", float, "fraction of KV blocks kept free at admission"),
     ("--tensor-parallel-size", int, "shard the model over this many GPUs (processes)"),
     ("--max-seq-len-to-capture", int, "decode steps with longer contexts run without CUDA graphs"),
+    (
+        "--quantization",
+        str,
+        "fp8 (FP8 weights with per-channel scales, per-token FP8 activations: CUDA sm_89+) | "
+        "fp8_emulated (the same emulated, any device, slow; default: as the checkpoint is)",
+    ),
 )
 ENGINE_BOOL_FLAGS = (
     ("--enable-prefix-caching", "automatic prefix caching"),

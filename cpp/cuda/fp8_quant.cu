@@ -1,0 +1,122 @@
+// Dynamic per-token FP8 (e4m3) quantization of activations (layer_kernels.h): one block per
+// token row; the row is read twice (its largest |value|, then the scaled values), written once.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "elementwise.cuh"
+#include "layer_kernels.h"
+
+namespace pagedd::cuda {
+
+namespace {
+
+constexpr float kFp8Max = 448.0f;
+// The smallest amax used: an all-zero row gets a finite scale (torch path: FP8_MAX * 1e-12).
+constexpr float kMinAmax = 448.0f * 1e-12f;
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1)
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
+// Max of v over the block; every thread gets it. Same contract as block_sum.
+__device__ __forceinline__ float block_max(float v) {
+  __shared__ float warp_maxes[32];
+  __shared__ float total;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  v = warp_max(v);
+  if (lane == 0) warp_maxes[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    float m = lane < (int)(blockDim.x / 32) ? warp_maxes[lane] : 0.0f;
+    m = warp_max(m);
+    if (lane == 0) total = m;
+  }
+  __syncthreads();
+  return total;
+}
+
+// x * inverse as the torch path rounds it: bf16 rows multiply in bf16 (the inverse rounded
+// to bf16, the product rounded to bf16); fp16 and fp32 rows in float32.
+template <typename T>
+__device__ __forceinline__ float inverse_as(float inverse) {
+  return inverse;
+}
+template <>
+__device__ __forceinline__ float inverse_as<__nv_bfloat16>(float inverse) {
+  return round_to<__nv_bfloat16>(inverse);
+}
+template <typename T>
+__device__ __forceinline__ float scaled(float x, float inverse) {
+  return x * inverse;
+}
+template <>
+__device__ __forceinline__ float scaled<__nv_bfloat16>(float x, float inverse) {
+  return round_to<__nv_bfloat16>(x * inverse);
+}
+
+template <typename T, int VEC>
+__global__ void per_token_fp8_quant_kernel(uint8_t* out, float* scale, const T* input,
+                                           int64_t out_stride, int64_t input_stride, int d) {
+  using V = Vec<T, VEC>;
+  using O = Vec<uint8_t, VEC>;
+  const int64_t row = blockIdx.x;
+  const V* in = reinterpret_cast<const V*>(input + row * input_stride);
+  float amax = 0.0f;
+  for (int i = threadIdx.x; i < d / VEC; i += blockDim.x) {
+    const V x = in[i];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) amax = fmaxf(amax, fabsf(to_float(x.v[j])));
+  }
+  amax = block_max(amax);
+  const float inverse = inverse_as<T>(kFp8Max / fmaxf(amax, kMinAmax));
+  if (threadIdx.x == 0) scale[row] = 1.0f / inverse;
+  O* o = reinterpret_cast<O*>(out + row * out_stride);
+  for (int i = threadIdx.x; i < d / VEC; i += blockDim.x) {
+    const V x = in[i];
+    O y;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j)
+      // |value| <= 448 up to one rounding: saturation never changes a finite result
+      y.v[j] = __nv_cvt_float_to_fp8(scaled<T>(to_float(x.v[j]), inverse), __NV_SATFINITE,
+                                     __NV_E4M3);
+    o[i] = y;
+  }
+}
+
+template <typename T>
+cudaError_t launch_typed(const PerTokenFp8QuantParams& p, cudaStream_t stream) {
+  constexpr int VEC = 16 / sizeof(T);
+  uint8_t* out = static_cast<uint8_t*>(p.out);
+  const T* input = static_cast<const T*>(p.input);
+  const bool can_vec = p.d % VEC == 0 && p.out_stride % VEC == 0 && p.input_stride % VEC == 0 &&
+                       is_aligned16(p.input) && reinterpret_cast<uintptr_t>(out) % VEC == 0;
+  if (can_vec)
+    per_token_fp8_quant_kernel<T, VEC><<<p.num_tokens, threads_for(p.d / VEC), 0, stream>>>(
+        out, p.scale, input, p.out_stride, p.input_stride, p.d);
+  else
+    per_token_fp8_quant_kernel<T, 1><<<p.num_tokens, threads_for(p.d), 0, stream>>>(
+        out, p.scale, input, p.out_stride, p.input_stride, p.d);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t per_token_fp8_quant(const PerTokenFp8QuantParams& p, cudaStream_t stream) {
+  if (p.num_tokens < 0 || p.d <= 0) return cudaErrorInvalidValue;
+  if (p.num_tokens == 0) return cudaSuccess;
+  switch (p.dtype) {
+    case DType::kFloat16: return launch_typed<__half>(p, stream);
+    case DType::kBFloat16: return launch_typed<__nv_bfloat16>(p, stream);
+    case DType::kFloat32: return launch_typed<float>(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace pagedd::cuda

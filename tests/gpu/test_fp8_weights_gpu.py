@@ -1,0 +1,189 @@
+"""FP8 weights on CUDA (sm_89+): the torch._scaled_mm path against the emulated one, the
+default model (SmolLM2-135M) in FP8 against bf16, and pre-quantized checkpoints.
+
+Figures are printed (run with ``-s``) and recorded as properties. Skipped below sm_89, where
+``quantization="fp8"`` is refused (tested on the CPU).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine_utils import make_hf_model  # noqa: E402
+from fp8_utils import PASSAGE, fp8_weight, write_fp8_checkpoint  # noqa: E402
+from model_utils import Seq, SimpleAllocator, build_step, make_kv_cache  # noqa: E402
+
+from pydaemon import LLM, SamplingParams, ops  # noqa: E402
+from pydaemon.model_loader import load_model  # noqa: E402
+from pydaemon.quantization.fp8 import (  # noqa: E402
+    Fp8LinearMethod,
+    emulated_scaled_mm,
+    quantize_per_channel,
+    quantize_per_token,
+    quantize_per_token_native,
+    scaled_mm,
+)
+
+if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
+    pytest.skip("FP8 GEMMs need compute capability 8.9+", allow_module_level=True)
+
+BLOCK_SIZE = 16
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("num_tokens, d", [(1, 64), (7, 4096), (300, 14336), (5, 100)])
+def test_per_token_kernel_is_the_torch_code_bit_for_bit(dtype, num_tokens, d):
+    gen = torch.Generator(device="cuda").manual_seed(d + num_tokens)
+    spread = torch.logspace(-3, 2, num_tokens, device="cuda")[:, None]
+    # rows strided (a slice of a wider tensor); d = 100 takes the scalar path
+    x = (torch.randn(num_tokens, d + 8, device="cuda", generator=gen) * spread)[:, :d]
+    x = x.to(dtype)
+    if num_tokens > 1:
+        x[1] = 0.0
+    xq, scale = ops.per_token_fp8_quant(x)
+    ref_q, ref_scale = quantize_per_token_native(x)
+    assert xq.dtype == torch.float8_e4m3fn and scale.shape == (num_tokens, 1)
+    assert torch.equal(xq.view(torch.uint8), ref_q.view(torch.uint8))
+    nonzero = x.float().abs().amax(dim=1) > 0
+    assert torch.equal(scale[nonzero], ref_scale[nonzero])
+    assert bool((scale[~nonzero] < 1e-11).all()) and not bool(xq.float()[~nonzero].any())
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 300, 2048])
+@pytest.mark.parametrize("n, k", [(128, 64), (6144, 4096), (4096, 14336), (28672, 4096)])
+def test_scaled_mm_matches_emulation(num_tokens, n, k):
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens * 7 + n)
+    x = torch.randn(num_tokens, k, device="cuda", generator=gen).to(torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", generator=gen) * 0.02
+    xq, x_scale = quantize_per_token(x)
+    wq, w_scale = quantize_per_channel(w)
+    got = scaled_mm(xq, x_scale, wq, w_scale)  # [T, N] bf16
+    assert got.dtype == torch.bfloat16 and got.shape == (num_tokens, n)
+    ref = emulated_scaled_mm(xq, x_scale, wq, w_scale)  # float32: exact products
+    # bf16 output rounding (2^-9 relative) plus the tensor cores' accumulation (its error
+    # scales with sum |products|, so it shows on the outputs that cancel to near zero)
+    err = (got.float() - ref).abs()
+    typical = ref.abs().mean()
+    bound = ref.abs() * 2**-8 + typical * 2e-2
+    worst = (err / typical).max().item()
+    assert bool((err <= bound).all()), f"max error {worst:.3e} of the mean |output|"
+
+
+def test_fp8_linear_method_real_against_emulated():
+    layer = torch.nn.Module()
+    method, emulated = Fp8LinearMethod(emulate=False), Fp8LinearMethod(emulate=True)
+    w = torch.randn(512, 256, device="cuda") * 0.05
+    wq, scale = quantize_per_channel(w)
+    layer.weight, layer.weight_scale = (
+        torch.nn.Parameter(wq, False),
+        torch.nn.Parameter(scale, False),
+    )
+    bias = torch.randn(512, device="cuda", dtype=torch.bfloat16)
+    for dtype in (torch.bfloat16, torch.float16):
+        # a non-contiguous input, as attention outputs and qkv slices can be
+        x = torch.randn(33, 512, device="cuda", dtype=dtype)[:, ::2]
+        got, ref = method.apply(layer, x, bias.to(dtype)), emulated.apply(layer, x, bias.to(dtype))
+        assert got.dtype == dtype and got.shape == (33, 512)
+        torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+
+
+@torch.inference_mode()
+def _all_logits(model, tokens: list[int]) -> torch.Tensor:
+    num_blocks = len(tokens) // BLOCK_SIZE + 1
+    seq = Seq(list(tokens))
+    SimpleAllocator(num_blocks).ensure(seq, len(tokens), BLOCK_SIZE)
+    ids, pos, md = build_step([seq], [len(tokens)], 1, BLOCK_SIZE, device="cuda")
+    hidden = model(ids, pos, make_kv_cache(model, num_blocks, BLOCK_SIZE), md)
+    return model.compute_logits(hidden)
+
+
+def _compare(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float, float]:
+    ref_lp, got_lp = ref.double().log_softmax(-1), got.double().log_softmax(-1)
+    kl = (ref_lp.exp() * (ref_lp - got_lp)).sum(-1)
+    agree = (ref.argmax(-1) == got.argmax(-1)).double().mean()
+    return kl.mean().item(), kl.max().item(), agree.item()
+
+
+def _default_model() -> Path:
+    from pydaemon.default_model import default_model_path
+
+    try:
+        return default_model_path()
+    except ValueError as e:
+        pytest.skip(str(e))
+
+
+def test_smollm2_fp8_logits_against_bf16(record_property):
+    path = _default_model()
+    from pydaemon.tokenizer import load_tokenizer
+
+    tokens = load_tokenizer(path).encode(PASSAGE)
+    bf16, _ = load_model(path, dtype="bfloat16", device="cuda")
+    fp8, _ = load_model(path, dtype="bfloat16", device="cuda", quantization="fp8")
+    emulated, _ = load_model(path, dtype="bfloat16", device="cuda", quantization="fp8_emulated")
+    qkv = fp8.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.float8_e4m3fn and not qkv.quant_method.emulate
+    ref = _all_logits(bf16, tokens)
+    figures = _compare(ref, _all_logits(fp8, tokens))
+    same = _compare(_all_logits(emulated, tokens), _all_logits(fp8, tokens))
+    print(
+        f"\nSmolLM2-135M on CUDA, {len(tokens)} positions: FP8 (_scaled_mm) vs bf16: mean KL "
+        f"{figures[0]:.2e}, max KL {figures[1]:.2e}, argmax agreement {figures[2]:.3f}; "
+        f"_scaled_mm vs emulated FP8: mean KL {same[0]:.2e}, agreement {same[2]:.3f}"
+    )
+    record_property("fp8_vs_bf16", figures)
+    record_property("scaled_mm_vs_emulated", same)
+    assert figures[0] < 0.05 and figures[1] < 0.4 and figures[2] >= 0.88
+    assert same[0] < 2e-3 and same[2] >= 0.97
+
+
+def test_llm_generate_fp8_follows_bf16(record_property):
+    """FP8 greedy through the engine (kernels, paged KV): each FP8 token, teacher-forced,
+    is bf16's argmax after the same prefix at most positions."""
+    path = _default_model()
+    questions = [
+        "Explain how a refrigerator works, step by step.",
+        "Describe the water cycle to a ten-year-old.",
+        "What are the main differences between Python and C++?",
+    ]
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", quantization="fp8", num_kv_blocks=256)
+    tok = llm.tokenizer
+    prompts = [
+        tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_bos=False)
+        for q in questions
+    ]
+    greedy = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=greedy, use_tqdm=False)
+    llm.engine.shutdown()
+    bf16, _ = load_model(path, dtype="bfloat16", device="cuda")
+    agree = total = 0
+    for prompt, out in zip(prompts, outs, strict=True):
+        tokens = out.outputs[0].token_ids
+        logits = _all_logits(bf16, prompt + tokens)[len(prompt) - 1 : -1]
+        agree += int((logits.argmax(-1).cpu() == torch.tensor(tokens)).sum())
+        total += len(tokens)
+    print(f"\nLLM.generate FP8: {agree}/{total} greedy tokens are bf16's argmax (teacher-forced)")
+    record_property("fp8_tokens_bf16_argmax", agree / total)
+    assert agree >= 0.85 * total
+
+
+@pytest.mark.parametrize("fmt", ["hf-block", "ct-tensor", "ct-channel"])
+def test_prequantized_checkpoint_loads_on_cuda(tmp_path, fmt):
+    make_hf_model(tmp_path / "float", num_heads=4, num_kv_heads=2)
+    written = write_fp8_checkpoint(tmp_path / "float", tmp_path / "fp8", fmt)
+    # FP8 because config.json says so (no quantization asked for): the _scaled_mm path
+    gpu, _ = load_model(tmp_path / "fp8", device="cuda")
+    cpu, _ = load_model(tmp_path / "fp8", quantization="fp8_emulated")
+    assert not gpu.model.layers[0].mlp.gate_up_proj.quant_method.emulate
+    for name in written:  # the same conversion on both devices
+        assert torch.equal(fp8_weight(gpu, name).cpu(), fp8_weight(cpu, name)), name
+    llm = LLM(str(tmp_path / "fp8"), device="cuda", num_kv_blocks=64)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    (out,) = llm.generate(prompt_token_ids=[[5, 6, 7, 8]], sampling_params=greedy, use_tqdm=False)
+    llm.engine.shutdown()
+    assert len(out.outputs[0].token_ids) == 8
