@@ -16,7 +16,7 @@ the host: before any read of token history, and at the next update at the latest
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -57,9 +57,9 @@ class StepInput:
     query_start_loc: np.ndarray  # [num_seqs + 1] int32
     is_sampled: np.ndarray  # [num_seqs] bool: the step reaches the sequence's last token
     sample_index: np.ndarray  # [num_sampled] int64, token rows whose logits are sampled
-    # Tokens that are placeholders (async scheduling), and their sequences.
-    placeholder_index: np.ndarray  # [num_placeholders] int64, into input_ids
-    placeholder_seq_ids: np.ndarray  # [num_placeholders] int64
+    # Tokens that are placeholders (async scheduling), and their sequences; none by default.
+    placeholder_index: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    placeholder_seq_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
 
 class InputBatch:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -129,11 +130,23 @@ def test_launching_a_step_never_waits_for_the_gpu(model):
     torch.cuda.synchronize()
     torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU time on the compute stream
     start = time.perf_counter()
-    llm.engine.step()  # launches the next step behind the sleep, then reads the last one's
+    # torch reports its own synchronizing operations (.item(), copies to pageable memory...)
+    # as warnings: on a failure they say where the launch path waited.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            llm.engine.step()  # launches the next step behind the sleep, reads the last one's
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     elapsed = time.perf_counter() - start
     still_busy = not torch.cuda.current_stream().query()
+    syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught]
     assert stepper.num_overlapped_steps == overlapped + 1, "the step was not overlapped"
-    assert still_busy, f"the step waited for the GPU ({elapsed * 1e3:.1f} ms on the host)"
+    assert still_busy, (
+        f"the step waited for the GPU ({elapsed * 1e3:.1f} ms on the host); torch's "
+        f"synchronizing calls: {syncs or 'none (a pinned allocation or an event wait?)'}"
+    )
     torch.cuda.synchronize()
     while llm.engine.has_unfinished_requests():
         llm.engine.step()

@@ -17,7 +17,10 @@ from pydaemon.layers.rotary_embedding import (
 from pydaemon.model_config import RopeScaling
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
-TOL = {torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 3e-2), torch.float32: (1e-5, 1e-5)}
+# Inputs reach |x| ~ 15, where one fp16 ulp is 2^-7 and one bf16 ulp 2^-4: cos/sin rounded to
+# the dtype, two rounded products and a rounded sum (a difference, near zero) give up to about
+# two ulps of absolute error there. Bit equality with the torch path is the strict check.
+TOL = {torch.float16: (4e-3, 1.6e-2), torch.bfloat16: (3e-2, 1.3e-1), torch.float32: (1e-5, 1e-5)}
 LLAMA3 = RopeScaling(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                      original_max_position_embeddings=8192)  # fmt: skip
 
