@@ -61,6 +61,10 @@ def apply_presence_frequency_penalties(
 def apply_min_tokens_mask(
     logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor
 ) -> torch.Tensor:
-    """Set logits[rows[i], token_ids[i]] = -inf in place (rows / token_ids: [num_masked] int64)."""
-    logits[rows, token_ids] = float("-inf")
-    return logits
+    """Set logits[rows[i], token_ids[i]] = -inf in place (rows / token_ids: [num_masked] int64).
+
+    The -inf is made on the logits' device: ``logits[rows, ids] = float("-inf")`` would copy a
+    scalar from pageable host memory, which waits for the stream (a stall under async
+    scheduling, caught by tests/gpu/test_async_scheduling_gpu.py)."""
+    neg_inf = torch.full((), float("-inf"), dtype=logits.dtype, device=logits.device)
+    return logits.index_put_((rows, token_ids), neg_inf)
