@@ -15,8 +15,9 @@ namespace pagedd::cuda {
 namespace {
 
 constexpr float kFp8Max = 448.0f;
-// The smallest amax used: an all-zero row gets a finite scale (torch path: FP8_MAX * 1e-12).
-constexpr float kMinAmax = 448.0f * 1e-12f;
+// The smallest amax used: an all-zero row gets a finite scale (torch path: FP8_MAX * 1e-12,
+// a Python float rounded once to float32).
+constexpr float kMinAmax = 4.48e-10f;
 
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
@@ -75,8 +76,11 @@ __global__ void per_token_fp8_quant_kernel(uint8_t* out, float* scale, const T* 
     for (int j = 0; j < VEC; ++j) amax = fmaxf(amax, fabsf(to_float(x.v[j])));
   }
   amax = block_max(amax);
-  const float inverse = inverse_as<T>(kFp8Max / fmaxf(amax, kMinAmax));
-  if (threadIdx.x == 0) scale[row] = 1.0f / inverse;
+  // torch evaluates ``448 / amax`` as ``amax.reciprocal() * 448`` (Tensor.__rtruediv__): two
+  // roundings, reproduced here; a plain division would differ in the last bit now and then,
+  // and with it the scale and the codes of values next to a rounding midpoint.
+  const float inverse = inverse_as<T>(__fmul_rn(__frcp_rn(fmaxf(amax, kMinAmax)), kFp8Max));
+  if (threadIdx.x == 0) scale[row] = __frcp_rn(inverse);  // 1.0 / inverse: a reciprocal too
   O* o = reinterpret_cast<O*>(out + row * out_stride);
   for (int i = threadIdx.x; i < d / VEC; i += blockDim.x) {
     const V x = in[i];

@@ -48,16 +48,9 @@ def test_per_token_kernel_is_the_torch_code_bit_for_bit(dtype, num_tokens, d):
     xq, scale = ops.per_token_fp8_quant(x)
     ref_q, ref_scale = quantize_per_token_native(x)
     assert xq.dtype == torch.float8_e4m3fn and scale.shape == (num_tokens, 1)
-    # Bit for bit for bfloat16. For float16/float32 rows the H200's float32 -> e4m3 conversion
-    # and torch's cast disagree on rare values next to a rounding midpoint (293 of 4.3M values
-    # at 300 x 14336 in float16, 1 in float32): there, and only there, the two codes must be
-    # neighbours (one e4m3 step apart, the same sign).
-    codes, ref_codes = xq.view(torch.uint8).int(), ref_q.view(torch.uint8).int()
-    differs = codes != ref_codes
-    if dtype == torch.bfloat16:
-        assert not differs.any()
-    assert int(differs.sum()) <= 1e-3 * differs.numel(), int(differs.sum())
-    assert bool(((codes - ref_codes).abs()[differs] == 1).all()), "codes more than a step apart"
+    # (torch computes 448 / amax as amax.reciprocal() * 448: the kernel must round the same
+    # way, or the scale and the codes next to a rounding midpoint differ now and then.)
+    assert torch.equal(xq.view(torch.uint8), ref_q.view(torch.uint8))
     nonzero = x.float().abs().amax(dim=1) > 0
     assert torch.equal(scale[nonzero], ref_scale[nonzero])
     assert bool((scale[~nonzero] < 1e-11).all()) and not bool(xq.float()[~nonzero].any())
