@@ -63,13 +63,17 @@ def run_once(llm, prompt_ids: list[int], output_len: int, device: str) -> dict:
     start = time.perf_counter()
     engine.add_request("tpot", list(prompt_ids), params)
     step_ends: list[float] = []
+    token_times: list[float] = []  # when each delivered token reached the caller
     tokens: list[int] = []
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                tokens = list(out.outputs[0].token_ids)
-        step_ends.append(time.perf_counter())
-    ttft, latency = step_ends[0] - start, step_ends[-1] - start
+        outputs = engine.step()  # deltas: the tokens new since the last step
+        now = time.perf_counter()
+        step_ends.append(now)
+        for out in outputs:
+            new = list(out.outputs[0].token_ids) if out.outputs else []
+            tokens.extend(new)
+            token_times.extend([now] * len(new))
+    ttft, latency = token_times[0] - start, token_times[-1] - start
     steps = [b - a for a, b in zip(step_ends[:-1], step_ends[1:], strict=True)]
     return {
         "ttft_ms": ttft * 1e3,
