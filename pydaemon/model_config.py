@@ -14,12 +14,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from pydaemon.quantization.checkpoint_format import CheckpointQuantization
-from pydaemon.quantization.config import parse_quantization_config
+from pydaemon.quantization.checkpoint_format import (
+    CheckpointQuantization,
+    parse_quantization_config,
+)
 from pydaemon.tokenizer_files import normalize_token_ids
 
 SUPPORTED_ARCHITECTURES = (
@@ -36,12 +39,14 @@ _MODEL_TYPE_TO_ARCH = {
 }
 _QWEN_ARCHS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+# config.json's torch_dtype names -> torch dtype names (torch is imported only to resolve them:
+# the daemon's front end reads configs without loading torch).
 _DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
+    "float32": "float32",
+    "float": "float32",
+    "float16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
 }
 
 
@@ -167,6 +172,8 @@ class ModelConfig:
 
 def resolve_dtype(config: ModelConfig, dtype: str | torch.dtype = "auto") -> torch.dtype:
     """``"auto"`` takes the checkpoint's dtype (float32 when the config names none)."""
+    import torch
+
     if isinstance(dtype, torch.dtype):
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"unsupported dtype {dtype}")
@@ -175,12 +182,12 @@ def resolve_dtype(config: ModelConfig, dtype: str | torch.dtype = "auto") -> tor
         name = config.torch_dtype or "float32"
         if name not in _DTYPES:
             raise ValueError(f"unsupported torch_dtype {name!r} in config.json")
-        return _DTYPES[name]
+        return getattr(torch, _DTYPES[name])
     if dtype not in _DTYPES:
         raise ValueError(
             f"unsupported dtype {dtype!r}: expected 'auto', 'float32', 'float16' or 'bfloat16'"
         )
-    return _DTYPES[dtype]
+    return getattr(torch, _DTYPES[dtype])
 
 
 def _architecture(cfg: dict[str, Any]) -> str:

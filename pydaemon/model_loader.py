@@ -32,7 +32,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from pydaemon.gguf import GGUFFile, is_gguf_file, iter_gguf_weights, load_gguf_config
+from pydaemon.gguf import GGUFFile, is_gguf_file, load_gguf_config
+from pydaemon.gguf.weights import iter_gguf_weights
 from pydaemon.layers.parallel_linear import LinearBase
 from pydaemon.layers.rotary_embedding import RotaryEmbedding
 from pydaemon.model_config import ModelConfig, resolve_dtype

@@ -103,3 +103,25 @@ def test_the_server_reaches_the_engine_only_through_engine_client():
         outside = {m for m in graph[name] if not m.startswith("pydaemon.server")}
         assert outside, name
         assert outside <= allowed_outside, f"{name} imports {sorted(outside - allowed_outside)}"
+
+
+def test_the_front_end_does_not_load_torch():
+    """The daemon's front-end process (gRPC and HTTP servers, the engine client, the CLI) reads
+    model configs, GGUF metadata and tokenizers but never tensors: importing it must not load
+    torch (about a second and a few hundred MB at every start; the engine core loads it)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import pydaemon.cli, pydaemon.mp_engine_client, pydaemon.server.app\n"
+        "import pydaemon.server.http.app, pydaemon.tokenizer, pydaemon.model_config\n"
+        "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
+        "print(len(loaded))\n"
+    )
+    env_root = str(PACKAGE_DIR.parent)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=env_root, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "0", "torch was imported by the front end"

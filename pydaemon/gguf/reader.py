@@ -10,12 +10,14 @@ an error naming it and the tensor.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
+
+if TYPE_CHECKING:
+    import torch
 
 GGUF_SUFFIX = ".gguf"
 SUPPORTED_TENSOR_TYPES = tuple(
@@ -81,8 +83,12 @@ class GGUFFile:
                 f"(in {shown}{', ...' if len(bad) > 3 else ''}); supported: {supported}"
             )
 
-    def load(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """-> the tensor dequantized to ``dtype``, shape ``self.shape(name)``, on the CPU."""
+    def load(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """-> the tensor dequantized to ``dtype`` (float32 by default), shape
+        ``self.shape(name)``, on the CPU. (torch is imported here, not with the module: the
+        daemon's front end reads GGUF metadata and tokenizers without loading torch.)"""
+        import torch
+
         tensor = self.tensors[name]
         kind = tensor.tensor_type
         if kind not in SUPPORTED_TENSOR_TYPES:
@@ -91,5 +97,5 @@ class GGUFFile:
             )
         values = dequantize(np.asarray(tensor.data), kind)  # float32
         # np.array copies out of the read-only memory map (float32 was a view of it).
-        out = torch.from_numpy(np.array(values, dtype=np.float32)).to(dtype)
+        out = torch.from_numpy(np.array(values, dtype=np.float32)).to(dtype or torch.float32)
         return out.reshape(self.shape(name))
