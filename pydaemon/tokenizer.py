@@ -4,11 +4,17 @@ BOS comes from ``generation_config.json``, then ``config.json``, then the Senten
 EOS: every id of ``generation_config.json`` and ``config.json`` (``eos_token_id`` may be a list),
 else the SentencePiece model's; ``eos_token_ids`` holds all of them. The chat template and the
 named special tokens come from ``tokenizer_config.json`` when there is one.
+
+Special tokens written in the text (``<s>``, ``</s>``: chat templates write them) encode to
+their ids, as transformers does: the text is split around them, and a part after a special
+token gets no SentencePiece dummy prefix (with ``legacy: true`` in ``tokenizer_config.json``
+it gets one unless it starts with a space).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +68,24 @@ class Tokenizer:
             **self._own_special_tokens(),
             **named_special_tokens(tokenizer_config),
         }
+        self.legacy = bool(tokenizer_config.get("legacy", False)) if tokenizer_config else False
+        # Special-token strings that are one piece of the model, longest first for the split.
+        self._special_text_ids: dict[str, int] = {}
+        for piece in self.special_tokens_map.values():
+            token_id = self.sp.piece_to_id(piece) if isinstance(piece, str) and piece else -1
+            if 0 <= token_id < self.vocab_size and self.sp.id_to_piece(token_id) == piece:
+                self._special_text_ids[piece] = token_id
+        self._special_split = (
+            re.compile(
+                "("
+                + "|".join(map(re.escape, sorted(self._special_text_ids, key=len, reverse=True)))
+                + ")"
+            )
+            if self._special_text_ids
+            else None
+        )
+        unk = self.sp.unk_id()
+        self._unk_piece = self.sp.id_to_piece(unk) if unk >= 0 else None
 
     def _own_special_tokens(self) -> dict[str, str]:
         out = {}
@@ -74,10 +98,29 @@ class Tokenizer:
         return out
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        ids = self.sp.encode(text)
+        parts = self._special_split.split(text) if self._special_split is not None else [text]
+        if len(parts) == 1:
+            ids = self.sp.encode(text)
+        else:  # [text, special, text, special, ..., text]
+            ids = []
+            for k, part in enumerate(parts):
+                if k % 2:
+                    ids.append(self._special_text_ids[part])
+                elif part:
+                    # legacy: a dummy prefix unless the part starts with a space already
+                    prefix = k == 0 or (self.legacy and not part.startswith(" "))
+                    ids.extend(self.sp.encode(part) if prefix else self._encode_no_prefix(part))
         if add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
+
+    def _encode_no_prefix(self, text: str) -> list[int]:
+        """``text`` without SentencePiece's dummy prefix (the way transformers does it: encode
+        after an ``<unk>`` and drop the ids of the ``<unk>`` text)."""
+        if self._unk_piece is None:
+            return self.sp.encode(text)
+        skip = len(self.sp.encode(self._unk_piece))
+        return self.sp.encode(self._unk_piece + text)[skip:]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         for i in ids:

@@ -164,3 +164,25 @@ def test_sentencepiece_equals_transformers(demo_dir, tmp_path):
         assert ours.encode(text) == ref.encode(text), text
         ids = ours.encode(text) + [ours.eos_token_id]
         assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("legacy", [None, True, False])
+def test_special_token_text_encodes_like_transformers(demo_dir, tmp_path, legacy):
+    """``<s>`` / ``</s>`` written in the text (as chat templates write them) become their ids,
+    and the text around them is split as transformers' LlamaTokenizer splits it, with and
+    without ``legacy``."""
+    transformers = pytest.importorskip("transformers")
+    shutil.copy(demo_dir / "tokenizer.model", tmp_path / "tokenizer.model")
+    config = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>"}
+    if legacy is not None:
+        config["legacy"] = legacy
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    ours = load_tokenizer(tmp_path)
+    texts = ["<s>[INST] Hello there [/INST]", "Hi</s><s>next", "a <s> b", "<s>x", "x</s>",
+             "<s> leading space", "a<unk>b", "<s>  two spaces</s>", "x <s>  y"]  # fmt: skip
+    for text in texts:
+        assert ours.encode(text, add_bos=False) == ref.encode(text, add_special_tokens=False), text
+    bos, eos = ours.bos_token_id, ours.eos_token_id
+    assert ours.encode("Hi</s><s>next", add_bos=False).count(eos) == 1
+    assert ours.encode("<s>x", add_bos=False)[0] == bos
