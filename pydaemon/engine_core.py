@@ -66,9 +66,9 @@ class EngineCore:
             enable_prefix_caching=config.enable_prefix_caching,
         )
         use_async = config.async_scheduling
-        if use_async is None:  # auto: where there is a GPU to overlap with
+        if use_async is None:  # auto: with one GPU to overlap with (TP: not measured on NCCL yet)
             use_async = runner.device.type == "cuda" and config.tensor_parallel_size == 1
-        self.async_stepper = AsyncStepper(self.scheduler, runner) if use_async else None
+        self.async_stepper = AsyncStepper(self.scheduler, self.executor) if use_async else None
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, r: EngineCoreRequest) -> None:
