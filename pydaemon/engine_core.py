@@ -160,9 +160,16 @@ class EngineCore:
             self.executor.check_health()
 
     def shutdown(self) -> None:
-        """Stops the tensor-parallel workers, if any (idempotent; also run at exit)."""
+        """Stops the tensor-parallel workers, if any (idempotent; also run at exit): after the
+        step in flight (async scheduling), so that no rank frees graphs or its communicator
+        under it. That step's outputs are dropped."""
         if self.executor is not self.runner:
-            self.executor.shutdown()
+            stepper = self.async_stepper
+            try:
+                if stepper is not None and self.executor.failure is None:
+                    stepper.finish_in_flight()
+            finally:
+                self.executor.shutdown()
 
     def model_info(self, eos_token_ids: list[int]) -> ModelInfo:
         return ModelInfo(

@@ -179,3 +179,18 @@ def test_abort_mid_run_frees_blocks_and_the_others_match(engines):
     # The engine goes on after the abort: the same outputs again.
     again = llm.generate(prompt_token_ids=ABORT_PROMPTS, sampling_params=ABORT_PARAMS)
     assert [o.outputs[0].token_ids for o in again] == ref["abort"]
+
+
+def test_shutdown_with_a_step_in_flight_finishes_it_first(engines):
+    """Runs last (it stops the shared engine): the workers are stopped after the step in
+    flight, never under it."""
+    _, _, _, llm = engines
+    core = llm.engine.core
+    core.add_request(EngineCoreRequest("s", PROMPTS[0], ABORT_PARAMS, [], arrival_time=0.0))
+    for _ in range(3):
+        core.step()
+    assert core.async_stepper.in_flight is not None
+    pids = [p.pid for p in core.executor.workers]
+    llm.engine.shutdown()
+    assert core.async_stepper.in_flight is None
+    assert all(not Path(f"/proc/{pid}").exists() for pid in pids), "a worker outlived shutdown"
