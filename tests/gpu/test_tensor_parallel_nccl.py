@@ -138,8 +138,8 @@ def test_nccl_tp2_async_mixed_lengths_n2_float32_equals_tp1(async_model):
         SamplingParams(temperature=0.0, max_tokens=8 + 3 * i, stop_token_ids=[stop_id])
         for i in range(9)
     ] + [SamplingParams(n=2, temperature=0.8, seed=5, max_tokens=12, ignore_eos=True)]
-    ref, _ = _generate(async_model, prompts[:9], params[:9], **common)
-    ref_fork, _ = _generate(async_model, prompts[9:], params[9:], **common)
+    ref, _ = _generate(async_model, prompts[:9], params[:9], async_scheduling=False, **common)
+    ref_fork, _ = _generate(async_model, prompts[9:], params[9:], async_scheduling=False, **common)
     got, info = _generate(
         async_model, prompts[:9], params[:9], tensor_parallel_size=2, async_scheduling=True,
         **common,
