@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in result["top_kernels_ms_per_step"].items():
         print(f"    {v:8.3f} ms  {k[:90]}")
     if args.async_scheduling == "both":
-        result["async"] = _time_async(core, AsyncStepper(core.scheduler, core.runner), args.steps)
+        result["async"] = _time_async(core, AsyncStepper(core.scheduler, core.executor), args.steps)
         sync_ms, async_ms = _time_sync_again(step_parts, args.steps), result["async"]["wall_ms"]
         result["async"]["sync_wall_ms_same_run"] = sync_ms
         print(f"  async scheduling: {async_ms:8.2f} ms per step (sync, same run: {sync_ms:.2f} ms)")

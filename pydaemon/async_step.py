@@ -19,16 +19,17 @@ order). Penalties and min_tokens read the token history, which then waits for N'
 
 The next step waits for the results of the one in flight (no overlap) when it might preempt
 or swap, or when a beam-search or n > 1 request is unfinished: those steps run synchronously
-(schedule, execute, update). Tensor parallelism (size > 1) always runs synchronous steps
-(``EngineConfig.async_scheduling``).
+(schedule, execute, update). Every tensor-parallel rank follows the same SchedulerOutputs:
+placeholders, and which steps have them, are the same on every rank; each fills them from rank
+0's sampled ids, broadcast on the device (pydaemon.distributed.executor).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from pydaemon.engine_core_types import EngineCoreOutputs
-from pydaemon.model_runner import ModelRunner
 from pydaemon.runner_output import AsyncModelRunnerOutput
 from pydaemon.scheduler import Scheduler
 from pydaemon.scheduler_output import SchedulerOutput
@@ -40,13 +41,19 @@ class InFlightStep:
     runner_output: AsyncModelRunnerOutput
 
 
+class StepExecutor(Protocol):
+    """ModelRunner (one device) or TensorParallelExecutor (rank 0 of a group)."""
+
+    def execute_model_async(self, out: SchedulerOutput) -> AsyncModelRunnerOutput: ...
+
+
 class AsyncStepper:
     """Runs engine steps with one step in flight. ``step()`` returns the outputs of the step
     before the one it launches (nothing, the first time)."""
 
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner) -> None:
+    def __init__(self, scheduler: Scheduler, executor: StepExecutor) -> None:
         self.scheduler = scheduler
-        self.runner = runner
+        self.executor = executor
         self.in_flight: InFlightStep | None = None
         self.num_overlapped_steps = 0  # steps scheduled while the previous one ran
         self.num_sync_steps = 0  # steps scheduled after the previous one's results
@@ -83,7 +90,7 @@ class AsyncStepper:
         return EngineCoreOutputs() if last is None else self._finish(last)
 
     def _launch(self, scheduler_output: SchedulerOutput) -> InFlightStep:
-        runner_output = self.runner.execute_model_async(scheduler_output)
+        runner_output = self.executor.execute_model_async(scheduler_output)
         return InFlightStep(scheduler_output, runner_output)
 
     def _keep(self, launched: InFlightStep) -> EngineCoreOutputs:

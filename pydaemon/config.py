@@ -31,8 +31,10 @@ class EngineConfig:
     twice the blocks for the same memory; "auto" stores it in the model's dtype.
     ``async_scheduling`` schedules and launches each step while the previous one runs on the
     GPU (pydaemon.async_step); ``None`` turns it on for CUDA with one GPU and off otherwise (on
-    a CPU there is nothing to overlap, but ``True`` runs the same path, for tests); tensor
-    parallelism does not support it.
+    a CPU there is nothing to overlap, but ``True`` runs the same path, for tests). With
+    tensor parallelism ``True`` turns it on (every rank fills placeholders from rank 0's
+    sampled ids, broadcast on the device); ``None`` leaves it off there until it has been
+    measured over NCCL.
     ``quantization``: None (as the checkpoint is), "fp8" (FP8 weights, CUDA sm_89+) or
     "fp8_emulated" (the same, emulated: any device).
     """
@@ -109,8 +111,6 @@ class EngineConfig:
             raise bad("max_seq_len_to_capture", "must be a positive integer")
         if self.async_scheduling not in (None, True, False):
             raise bad("async_scheduling", "must be true, false or None (auto)")
-        if self.async_scheduling and self.tensor_parallel_size > 1:
-            raise bad("async_scheduling", "is not supported with tensor_parallel_size > 1")
         if not self.model:
             raise bad(
                 "model", f"must name {DEFAULT_MODEL!r}, 'demo', a model directory or a .gguf file"

@@ -66,9 +66,9 @@ class EngineCore:
             enable_prefix_caching=config.enable_prefix_caching,
         )
         use_async = config.async_scheduling
-        if use_async is None:  # auto: where there is a GPU to overlap with
+        if use_async is None:  # auto: with one GPU to overlap with (TP: not measured on NCCL yet)
             use_async = runner.device.type == "cuda" and config.tensor_parallel_size == 1
-        self.async_stepper = AsyncStepper(self.scheduler, runner) if use_async else None
+        self.async_stepper = AsyncStepper(self.scheduler, self.executor) if use_async else None
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, r: EngineCoreRequest) -> None:
@@ -160,9 +160,16 @@ class EngineCore:
             self.executor.check_health()
 
     def shutdown(self) -> None:
-        """Stops the tensor-parallel workers, if any (idempotent; also run at exit)."""
+        """Stops the tensor-parallel workers, if any (idempotent; also run at exit): after the
+        step in flight (async scheduling), so that no rank frees graphs or its communicator
+        under it. That step's outputs are dropped."""
         if self.executor is not self.runner:
-            self.executor.shutdown()
+            stepper = self.async_stepper
+            try:
+                if stepper is not None and self.executor.failure is None:
+                    stepper.finish_in_flight()
+            finally:
+                self.executor.shutdown()
 
     def model_info(self, eos_token_ids: list[int]) -> ModelInfo:
         return ModelInfo(

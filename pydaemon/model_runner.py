@@ -211,12 +211,27 @@ class ModelRunner:
             result = AsyncModelRunnerOutput(ModelRunnerOutput())
         else:
             step = self.input_batch.prepare(out)
+            if len(step.placeholder_index) and ps.is_tensor_parallel():
+                self._share_sampled_ids(last)
             logits = self._forward(step)
-            if not is_driver:
-                return None
-            result = self.step_sampler.sample(logits, step, out.num_samples)
+            if is_driver:
+                result = self.step_sampler.sample(logits, step, out.num_samples)
+            else:  # rank 0 samples; this rank receives its ids if the next step needs them
+                result = self.step_sampler.expect(step, out.num_samples)
         self._last_output = result
         return result if is_driver else None
+
+    def _share_sampled_ids(self, last: AsyncModelRunnerOutput | None) -> None:
+        """Tensor parallelism: every rank fills placeholders with rank 0's samples. Rank 0
+        broadcasts the last step's sampled ids, device to device, in stream order after its
+        sampling (no host sync); the other ranks receive them into that step's output."""
+        if last is None or last.num_samples == 0:
+            raise RuntimeError("placeholder tokens but the previous step sampled nothing")
+        if ps.get_tp_rank() == 0:
+            ps.broadcast_from_rank0(last.sampled_token_ids.contiguous())
+            return
+        ids = torch.empty(last.num_samples, dtype=torch.int64, device=self.device)
+        last.receive_sampled_token_ids(ps.broadcast_from_rank0(ids))
 
     def _forward(self, step: StepInput) -> torch.Tensor | None:
         """-> logits [len(step.sample_index), vocab] float32 (None on TP ranks > 0)."""

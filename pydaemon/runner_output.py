@@ -56,11 +56,48 @@ class AsyncModelRunnerOutput:
         sample_rows: seq_id -> its (first) row in both."""
         self._output = output
         self.sampled_token_ids = sampled_token_ids
+        self.num_samples = 0 if sampled_token_ids is None else int(sampled_token_ids.shape[0])
         self._sample_rows = sample_rows or {}
         self._fill = fill
         self._event = None
+        self._host: torch.Tensor | None = None
+        if packed is not None:
+            self._copy_to_host(packed)
+
+    @classmethod
+    def awaiting_samples(
+        cls, seq_ids: list[int], counts: list[int], sample_rows: dict[int, int]
+    ) -> AsyncModelRunnerOutput:
+        """On a tensor-parallel rank > 0, which does not sample: the step's output as rank 0
+        samples it (token ids only), the same rows (``StepSampler.plan``); its ids arrive by
+        ``receive_sampled_token_ids`` when the next step's placeholders need them."""
+        out = ModelRunnerOutput(seq_ids=list(seq_ids))
+
+        def fill(host_rows: list[list[int]]) -> None:  # one [token_id] row per sample
+            start = 0
+            for count in counts:
+                out.sampled_token_ids.append([row[0] for row in host_rows[start : start + count]])
+                start += count
+
+        result = cls(out, fill=fill, sample_rows=sample_rows)
+        result.num_samples = sum(counts)
+        return result
+
+    def receive_sampled_token_ids(self, sampled_token_ids: torch.Tensor) -> None:
+        """sampled_token_ids: [num_samples] int64 on the device, rank 0's, just broadcast to
+        this rank (``awaiting_samples``). The host copy starts now; ``get_output`` waits."""
+        if tuple(sampled_token_ids.shape) != (self.num_samples,):
+            raise RuntimeError(
+                f"received {tuple(sampled_token_ids.shape)} sampled ids for a step that "
+                f"sampled {self.num_samples}"
+            )
+        self.sampled_token_ids = sampled_token_ids
+        self._copy_to_host(sampled_token_ids[:, None])
+
+    def _copy_to_host(self, packed: torch.Tensor) -> None:
+        """Starts copying packed ([num_samples, cols], the device) to the host, not waited for."""
         self._host = packed
-        if packed is not None and packed.is_cuda:
+        if packed.is_cuda:
             self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
             self._host.copy_(packed, non_blocking=True)
             self._event = torch.cuda.Event()

@@ -57,8 +57,10 @@ def test_flag_defaults_and_validation(model):
     path, _ = model
     assert _stepper(LLM(str(path), device="cpu", num_kv_blocks=16)) is None  # auto: off on CPU
     assert _stepper(_llm(path, True)) is not None
-    with pytest.raises(ValueError, match="async_scheduling.*tensor_parallel_size"):
-        EngineConfig(model="demo", async_scheduling=True, tensor_parallel_size=2)
+    # Allowed with tensor parallelism (tests/test_tensor_parallel_async.py), auto off there.
+    assert EngineConfig(
+        model="demo", async_scheduling=True, tensor_parallel_size=2
+    ).async_scheduling
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig(model="demo", async_scheduling="yes")
     from pydaemon.cli import build_parser

@@ -6,7 +6,9 @@ KV cache, with the same number of blocks on every rank) and, for every step, sen
 step's plain SchedulerOutput to each worker before running it itself. Every rank builds its
 inputs from it in its own runner (no rank is special until sampling); the collectives
 inside the model keep the ranks in lockstep, and the logits are gathered on rank 0, which
-samples.
+samples. Under async scheduling a step's placeholder tokens (the last step's samples, not yet
+on the host) are filled on every rank from rank 0's sampled ids, broadcast device to device
+(``ModelRunner._share_sampled_ids``).
 
 Why a pipe per worker and not a broadcast collective for the metadata: a worker waits for
 the next step for as long as the daemon is idle, which a collective with a timeout cannot
@@ -35,7 +37,7 @@ from pydaemon.distributed.worker import WorkerArgs, worker_main
 from pydaemon.model_loader import load_model_config
 from pydaemon.model_runner import ModelRunner, resolve_device
 from pydaemon.models import get_model_class
-from pydaemon.runner_output import ModelRunnerOutput
+from pydaemon.runner_output import AsyncModelRunnerOutput, ModelRunnerOutput
 from pydaemon.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -116,11 +118,17 @@ class TensorParallelExecutor:
     # ---- the step ---------------------------------------------------------------------------
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """ModelRunner.execute_model over every rank; rank 0's output."""
+        return self.execute_model_async(out).get_output()
+
+    def execute_model_async(self, out: SchedulerOutput) -> AsyncModelRunnerOutput:
+        """ModelRunner.execute_model_async over every rank: returns once rank 0 launched the
+        step (async scheduling). A worker never waits for its GPU either: it launches its part
+        and reads the next step from its pipe while this one runs."""
         if self.failure is not None:  # set by the monitor thread; no probing on the hot path
             raise TensorParallelError(self.failure)
         try:
             self._broadcast(out)
-            return self.runner.execute_model(out)
+            return self.runner.execute_model_async(out)
         except Exception as e:
             failure = self._wait_failure()
             raise TensorParallelError(failure or f"tensor-parallel step failed: {e!r}") from e

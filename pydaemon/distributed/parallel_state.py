@@ -104,6 +104,15 @@ def gather_last_dim(x: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
+def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:
+    """x: rank 0's tensor, or a buffer of its shape and dtype elsewhere; every rank ends with
+    rank 0's values (in place). In stream order on NCCL: no host sync."""
+    if _TP is None or _TP.world_size == 1:
+        return x
+    dist.broadcast(x, src=0, group=_TP.device_group)
+    return x
+
+
 def min_across_ranks(value: int) -> int:
     """The smallest ``value`` of all ranks (e.g. KV blocks: every rank must hold as many)."""
     if _TP is None or _TP.world_size == 1:

@@ -11,6 +11,7 @@ hands beam-search rows back as log-probabilities. Seeded random streams live her
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +19,20 @@ from pydaemon.input_batch import CachedSeqState, InputBatch, StepInput
 from pydaemon.runner_output import AsyncModelRunnerOutput, ModelRunnerOutput
 from pydaemon.sampling.sampler import Sampler
 from pydaemon.sampling.sampling_metadata import SamplingMetadata, make_generator
+
+
+@dataclass
+class SamplePlan:
+    """A step's samples: row i of the sampled ids is ``states[i]``'s sequence's."""
+
+    seq_ids: list[int] = field(default_factory=list)  # sequences that sample, in order
+    counts: list[int] = field(default_factory=list)  # samples of each: n at a fork, else 1
+    sample_rows: dict[int, int] = field(default_factory=dict)  # seq_id -> its first sample
+    rows: list[int] = field(default_factory=list)  # logits row of each sample
+    states: list[CachedSeqState] = field(default_factory=list)  # of each sample
+    indices: list[int] = field(default_factory=list)  # output index (random stream) of each
+    beam_seq_ids: list[int] = field(default_factory=list)  # beam search: not sampled
+    beam_rows: list[int] = field(default_factory=list)  # their logits rows
 
 
 class StepSampler:
@@ -33,6 +48,36 @@ class StepSampler:
             for index in self._generator_indices.pop(request_id, ()):
                 self._generators.pop((request_id, index), None)
 
+    def plan(self, step: StepInput, num_samples: dict[int, int]) -> SamplePlan:
+        """Which sequence each sample (and each beam row) belongs to. It reads only the step's
+        inputs, the SchedulerOutput's ``num_samples`` and parameters sent with the sequences:
+        every tensor-parallel rank derives the same rows."""
+        batch = self.input_batch
+        sampled_ids = [
+            s for s, keep in zip(step.seq_ids, step.is_sampled.tolist(), strict=True) if keep
+        ]
+        plan = SamplePlan()
+        for logits_row, seq_id in enumerate(sampled_ids):
+            state = batch.seqs[seq_id]
+            if state.params.is_beam_search:
+                plan.beam_seq_ids.append(seq_id)
+                plan.beam_rows.append(logits_row)
+                continue
+            count = num_samples.get(seq_id, 1)
+            plan.sample_rows[seq_id] = len(plan.rows)
+            plan.seq_ids.append(seq_id)
+            plan.counts.append(count)
+            for k in range(count):
+                plan.rows.append(logits_row)
+                plan.states.append(state)
+                plan.indices.append(state.index if count == 1 else k)
+        return plan
+
+    def expect(self, step: StepInput, num_samples: dict[int, int]) -> AsyncModelRunnerOutput:
+        """Tensor-parallel ranks > 0: the step's output, to be filled with rank 0's samples."""
+        plan = self.plan(step, num_samples)
+        return AsyncModelRunnerOutput.awaiting_samples(plan.seq_ids, plan.counts, plan.sample_rows)
+
     def sample(
         self, logits: torch.Tensor, step: StepInput, num_samples: dict[int, int]
     ) -> AsyncModelRunnerOutput:
@@ -40,30 +85,13 @@ class StepSampler:
         Nothing here waits for the device, unless a row reads token history (penalties,
         min_tokens) that holds the previous step's not-yet-copied sample."""
         batch = self.input_batch
-        sampled_ids = [
-            s for s, keep in zip(step.seq_ids, step.is_sampled.tolist(), strict=True) if keep
-        ]
-        out = ModelRunnerOutput()
-        beam_rows: list[int] = []
-        rows: list[int] = []  # logits row of each sample (repeated for a fork)
-        states: list[CachedSeqState] = []
-        indices: list[int] = []
-        for logits_row, seq_id in enumerate(sampled_ids):
-            state = batch.seqs[seq_id]
-            if state.params.is_beam_search:
-                out.beam_seq_ids.append(seq_id)
-                beam_rows.append(logits_row)
-                continue
-            out.seq_ids.append(seq_id)
-            count = num_samples.get(seq_id, 1)
-            for k in range(count):
-                rows.append(logits_row)
-                states.append(state)
-                indices.append(state.index if count == 1 else k)
-        if beam_rows:
+        plan = self.plan(step, num_samples)
+        out = ModelRunnerOutput(seq_ids=plan.seq_ids, beam_seq_ids=plan.beam_seq_ids)
+        if plan.beam_rows:
             # Beam search reads whole rows: a second, rare device-to-host copy.
-            chosen = logits[torch.tensor(beam_rows, device=logits.device)]
+            chosen = logits[torch.tensor(plan.beam_rows, device=logits.device)]
             out.beam_logprobs = torch.log_softmax(chosen, dim=-1).cpu()
+        rows, states = plan.rows, plan.states
         if not rows:
             return AsyncModelRunnerOutput(out)
         if rows != list(range(logits.shape[0])):
@@ -73,17 +101,12 @@ class StepSampler:
             params=[s.params for s in states],
             prompt_token_ids=_LazyTokens(batch.prompt_token_ids, ids),
             output_token_ids=_LazyTokens(batch.output_token_ids, ids),
-            generators=[self._generator(s, i) for s, i in zip(states, indices, strict=True)],
+            generators=[self._generator(s, i) for s, i in zip(states, plan.indices, strict=True)],
             device=logits.device,
             stop_ids_for_min_tokens=[s.min_tokens_stop_ids for s in states],
         )
         sampled, packed = self.sampler.sample_packed(logits, metadata)
-        counts = [num_samples.get(seq_id, 1) for seq_id in out.seq_ids]
-        sample_rows: dict[int, int] = {}
-        cursor = 0
-        for seq_id, count in zip(out.seq_ids, counts, strict=True):
-            sample_rows[seq_id] = cursor
-            cursor += count
+        counts = plan.counts
 
         def fill(host_rows: list[list[float]]) -> None:
             result = self.sampler.unpack(host_rows, metadata)
@@ -96,7 +119,7 @@ class StepSampler:
                 start = end
 
         # The step's one device-to-host copy, started here and waited for by get_output().
-        return AsyncModelRunnerOutput(out, sampled, packed, fill, sample_rows)
+        return AsyncModelRunnerOutput(out, sampled, packed, fill, plan.sample_rows)
 
     def _generator(self, state: CachedSeqState, index: int) -> torch.Generator | None:
         """The seeded random stream of (request, output index), kept until the request ends."""

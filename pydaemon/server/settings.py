@@ -55,7 +55,7 @@ ENGINE_BOOL_FLAGS = (
     (
         "--async-scheduling",
         "schedule each step while the previous one runs on the GPU (default: on with one CUDA "
-        "GPU, off on CPU and with tensor parallelism; --async-scheduling forces it on)",
+        "GPU, off on CPU and with tensor parallelism; --async-scheduling turns it on for both)",
     ),
 )
 SERVER_BOOL_FLAGS = (("--metrics-auth", True, "with an API key, /metrics requires it too"),)
