@@ -86,6 +86,8 @@ class Tokenizer:
         )
         unk = self.sp.unk_id()
         self._unk_piece = self.sp.id_to_piece(unk) if unk >= 0 else None
+        # ids the text of ``<unk>`` encodes to: dropped after encoding "<unk>" + a part
+        self._unk_text_len = len(self.sp.encode(self._unk_piece)) if self._unk_piece else 0
 
     def _own_special_tokens(self) -> dict[str, str]:
         out = {}
@@ -119,8 +121,7 @@ class Tokenizer:
         after an ``<unk>`` and drop the ids of the ``<unk>`` text)."""
         if self._unk_piece is None:
             return self.sp.encode(text)
-        skip = len(self.sp.encode(self._unk_piece))
-        return self.sp.encode(self._unk_piece + text)[skip:]
+        return self.sp.encode(self._unk_piece + text)[self._unk_text_len :]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         for i in ids:

@@ -1,5 +1,5 @@
 // Building blocks of the per-token layer kernels: float32 <-> storage type, 16-byte vectors,
-// a block-wide sum, and the choice between the vector path and the scalar path.
+// block-wide sum and max, and the choice between the vector path and the scalar path.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -41,29 +41,45 @@ struct alignas(sizeof(T) * N) Vec {
   T v[N];
 };
 
-__device__ __forceinline__ float warp_sum(float v) {
+struct SumOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
+};
+struct MaxOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+template <typename Op>
+__device__ __forceinline__ float warp_reduce(float v, Op op) {
 #pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  for (int offset = 16; offset > 0; offset >>= 1)
+    v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
   return v;
 }
 
-// Sum of v over the block; every thread gets it. blockDim.x must be a multiple of 32 (at most
-// 1024) and every thread of the block must call it, once per kernel.
-__device__ __forceinline__ float block_sum(float v) {
-  __shared__ float warp_sums[32];
+// op-reduction of v over the block; every thread gets it. ``identity`` fills the lanes of
+// warps that do not exist. blockDim.x must be a multiple of 32 (at most 1024) and every
+// thread of the block must call it, once per kernel.
+template <typename Op>
+__device__ __forceinline__ float block_reduce(float v, Op op, float identity) {
+  __shared__ float warp_results[32];
   __shared__ float total;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  v = warp_sum(v);
-  if (lane == 0) warp_sums[warp] = v;
+  v = warp_reduce(v, op);
+  if (lane == 0) warp_results[warp] = v;
   __syncthreads();
   if (warp == 0) {
-    float s = lane < (int)(blockDim.x / 32) ? warp_sums[lane] : 0.0f;
-    s = warp_sum(s);
-    if (lane == 0) total = s;
+    float r = lane < (int)(blockDim.x / 32) ? warp_results[lane] : identity;
+    r = warp_reduce(r, op);
+    if (lane == 0) total = r;
   }
   __syncthreads();
   return total;
 }
+
+__device__ __forceinline__ float warp_sum(float v) { return warp_reduce(v, SumOp{}); }
+__device__ __forceinline__ float block_sum(float v) { return block_reduce(v, SumOp{}, 0.0f); }
+// For values >= 0 (absolute values): absent lanes count as 0.
+__device__ __forceinline__ float block_max(float v) { return block_reduce(v, MaxOp{}, 0.0f); }
 
 inline bool is_aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 

@@ -19,30 +19,6 @@ constexpr float kFp8Max = 448.0f;
 // a Python float rounded once to float32).
 constexpr float kMinAmax = 4.48e-10f;
 
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1)
-    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  return v;
-}
-
-// Max of v over the block; every thread gets it. Same contract as block_sum.
-__device__ __forceinline__ float block_max(float v) {
-  __shared__ float warp_maxes[32];
-  __shared__ float total;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  v = warp_max(v);
-  if (lane == 0) warp_maxes[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    float m = lane < (int)(blockDim.x / 32) ? warp_maxes[lane] : 0.0f;
-    m = warp_max(m);
-    if (lane == 0) total = m;
-  }
-  __syncthreads();
-  return total;
-}
-
 // x * inverse as the torch path rounds it: bf16 rows multiply in bf16 (the inverse rounded
 // to bf16, the product rounded to bf16); fp16 and fp32 rows in float32.
 template <typename T>

@@ -22,8 +22,10 @@ __device__ __forceinline__ void rotate_pair(T* x, int i, int half, float cos_lo,
   const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
   // __fmul_rn / __fadd_rn: no contraction into an FMA, which would skip torch's rounding of
   // the products (it matters in float32, where round_to is the identity).
-  const float lo = __fadd_rn(round_to<T>(__fmul_rn(x1, cos_lo)), round_to<T>(__fmul_rn(-x2, sin_lo)));
-  const float hi = __fadd_rn(round_to<T>(__fmul_rn(x2, cos_hi)), round_to<T>(__fmul_rn(x1, sin_hi)));
+  const float lo =
+      __fadd_rn(round_to<T>(__fmul_rn(x1, cos_lo)), round_to<T>(__fmul_rn(-x2, sin_lo)));
+  const float hi =
+      __fadd_rn(round_to<T>(__fmul_rn(x2, cos_hi)), round_to<T>(__fmul_rn(x1, sin_hi)));
   x[i] = from_float<T>(lo);
   x[i + half] = from_float<T>(hi);
 }

@@ -127,9 +127,12 @@ class PagedAttention(nn.Module):
             return self._attend_torch(query, key_cache, value_cache, md)
         num_kv_heads = key_cache.shape[1]  # this rank's, under tensor parallelism
         group = query.shape[1] // num_kv_heads
-        if md.num_prefills == 0 and decode_on_tensor_cores(
+        tc_decode = md.num_prefills == 0 and decode_on_tensor_cores(
             md.num_seqs, num_kv_heads, group, md.max_seq_len
-        ):
+        )
+        if md.num_prefills > 0 or tc_decode:
+            # A decode-only step on tensor cores: one query row per sequence, 64-row tiles.
+            tiles = {"block_m": 64, "block_n": 64} if tc_decode else {}
             return ops.paged_attention_prefill(
                 query,
                 key_cache,
@@ -137,25 +140,11 @@ class PagedAttention(nn.Module):
                 md.block_tables,
                 md.seq_lens,
                 md.query_start_loc,
-                1,
-                scale=self.scale,
-                block_m=64,
-                block_n=64,
-                k_scale=k_scale,
-                v_scale=v_scale,
-            )
-        if md.num_prefills > 0:
-            return ops.paged_attention_prefill(
-                query,
-                key_cache,
-                value_cache,
-                md.block_tables,
-                md.seq_lens,
-                md.query_start_loc,
-                md.max_query_len,  # host int: no device read-back
+                1 if tc_decode else md.max_query_len,  # host int: no device read-back
                 scale=self.scale,
                 k_scale=k_scale,
                 v_scale=v_scale,
+                **tiles,
             )
         return ops.paged_attention_decode(
             query,
