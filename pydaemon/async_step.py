@@ -71,7 +71,11 @@ class AsyncStepper:
             if scheduler_output is None:
                 return self._finish(last)  # the next call schedules after these results
             self.num_overlapped_steps += 1
-            launched = self._launch(scheduler_output)
+            try:
+                launched = self._launch(scheduler_output)
+            except BaseException:
+                self.in_flight = last  # still to be finished, by the next call
+                raise
             outputs = self._finish(last)  # waits for the last step only now
             _extend(outputs, self._keep(launched))
             return outputs
@@ -90,7 +94,11 @@ class AsyncStepper:
         return EngineCoreOutputs() if last is None else self._finish(last)
 
     def _launch(self, scheduler_output: SchedulerOutput) -> InFlightStep:
-        runner_output = self.executor.execute_model_async(scheduler_output)
+        try:
+            runner_output = self.executor.execute_model_async(scheduler_output)
+        except BaseException:
+            self.scheduler.discard(scheduler_output)  # else every later step fails on it
+            raise
         return InFlightStep(scheduler_output, runner_output)
 
     def _keep(self, launched: InFlightStep) -> EngineCoreOutputs:

@@ -150,7 +150,11 @@ class EngineCore:
         if self.async_stepper is not None:
             return self.async_stepper.step()
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.executor.execute_model(scheduler_output)
+        try:
+            runner_output = self.executor.execute_model(scheduler_output)
+        except BaseException:
+            self.scheduler.discard(scheduler_output)  # else every later step fails on it
+            raise
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     # ---- life cycle and introspection -------------------------------------------------------

@@ -203,6 +203,12 @@ class Scheduler:
                 return
         raise RuntimeError("advance: not the output of a pending schedule()")
 
+    def discard(self, scheduler_output: SchedulerOutput) -> None:
+        """The step of ``scheduler_output`` never ran (the runner failed): it is no longer
+        pending, so that the steps after it can be updated. Its requests stay where schedule()
+        put them; a caller that keeps the engine aborts them."""
+        self._plans = deque((out, plan) for out, plan in self._plans if out is not scheduler_output)
+
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> EngineCoreOutputs:

@@ -108,3 +108,32 @@ def test_request_outgrowing_the_cache_ends_with_the_reason_and_no_resend(model_d
     assert len(streamed) == num_blocks * block_size + 1 - prompt_len
     assert [(c.token_ids, c.text, c.finish_reason) for c in final.outputs] == [([], "", "abort")]
     assert _all_free(llm)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_failed_forward_leaves_no_step_pending(model_dir, monkeypatch, async_scheduling):
+    """A runner failure ends the step with the error; once its requests are aborted, the
+    engine keeps serving (the failed step is not left pending in the scheduler)."""
+    prompts = random_prompts(2, 256, 9, 17, seed=3)
+    llm = LLM(model_dir, device="cpu", dtype="float32", block_size=8, num_kv_blocks=64,
+              async_scheduling=async_scheduling)  # fmt: skip
+    alone = llm.generate(prompt_token_ids=prompts[1:], sampling_params=GREEDY)[0]
+    engine = llm.engine
+    runner = engine.core.executor
+    name = "execute_model_async" if async_scheduling else "execute_model"
+    execute = getattr(runner, name)
+
+    def fail_once(out):
+        monkeypatch.setattr(runner, name, execute)
+        raise RuntimeError("boom in the forward")
+
+    monkeypatch.setattr(runner, name, fail_once)
+    engine.add_request("lost", prompts[0], GREEDY)
+    with pytest.raises(RuntimeError, match="boom in the forward"):
+        engine.step()
+    engine.abort_request("lost")
+    assert _all_free(llm)
+    engine.add_request("after", prompts[1], GREEDY)
+    seen = _run(engine)
+    assert _tokens(seen["after"]) == alone.outputs[0].token_ids
+    assert _all_free(llm)

@@ -76,6 +76,11 @@ class ServerThread:
                 self.drain()
             except Exception:  # noqa: BLE001 - best effort at teardown
                 pass
+        engine = self.server.async_engine
+        if engine is not None and engine.is_alive:
+            # A drain that failed must not leave the engine thread stepping the shared demo
+            # engine under the next test's server.
+            self.call(engine.shutdown(), 60)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
         # grpc keeps the servicer alive past the loop: drop the engine ourselves
