@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--top", type=int, default=12, help="kernels listed by name")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
+    parser.add_argument("--quantization", default=None, help="e.g. fp8 (weights)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8")
     parser.add_argument(
         "--async-scheduling",
         choices=("off", "both"),
@@ -79,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         device="cuda",
         max_num_seqs=args.num_seqs,
         enforce_eager=args.enforce_eager,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         async_scheduling=False,  # core.step() is synchronous; the stepper below is not
     )
     core = EngineCore(config)
