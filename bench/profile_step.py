@@ -59,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quantization", default=None, help="e.g. fp8 (weights)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8")
     parser.add_argument(
+        "--prefill-steps", type=int, default=4, help="prefill steps profiled too (0: none)"
+    )
+    parser.add_argument(
         "--async-scheduling",
         choices=("off", "both"),
         default="off",
@@ -103,7 +106,13 @@ def main(argv: list[str] | None = None) -> int:
         return t1 - t0, t2 - t1, t3 - t2, out.num_prefills, out.num_seqs
 
     num_prefill_steps = 0
+    prefill_profile: dict | None = None
     while True:  # prefill every prompt (and warm up)
+        if num_prefill_steps == 2 and args.prefill_steps > 0:
+            # Full prefill steps (chunks of --max-num-batched-tokens), after two warm-up steps.
+            prefill_profile = _profile_steps(step_parts, args.prefill_steps, args.top)
+            num_prefill_steps += args.prefill_steps
+            continue
         *_, num_prefills, _ = step_parts()
         if num_prefills == 0 and not core.scheduler.waiting:
             break
@@ -175,6 +184,15 @@ def main(argv: list[str] | None = None) -> int:
     print("  top kernels:")
     for k, v in result["top_kernels_ms_per_step"].items():
         print(f"    {v:8.3f} ms  {k[:90]}")
+    if prefill_profile is not None:
+        result["prefill"] = prefill_profile
+        print(f"prefill step (token budget), mean of {args.prefill_steps} steps")
+        print(f"  wall per step            {prefill_profile['step_wall_ms']:8.2f} ms")
+        print(f"  GPU kernels per step     {prefill_profile['gpu_kernel_ms_per_step']:8.2f} ms")
+        for k, v in prefill_profile["gpu_ms_per_step_by_kind"].items():
+            print(f"    {k:22s} {v:8.3f} ms")
+        for k, v in prefill_profile["top_kernels_ms_per_step"].items():
+            print(f"    {v:8.3f} ms  {k[:90]}")
     if args.async_scheduling == "both":
         result["async"] = _time_async(core, AsyncStepper(core.scheduler, core.executor), args.steps)
         sync_ms, async_ms = _time_sync_again(step_parts, args.steps), result["async"]["wall_ms"]
@@ -187,6 +205,40 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(result, f, indent=2)
     core.shutdown()
     return 0
+
+
+def _profile_steps(step_parts, num_steps: int, top: int) -> dict:
+    """GPU kernel time per step by kind over ``num_steps`` steps run under the profiler."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(num_steps):
+            step_parts()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    per_kind: dict[str, float] = {}
+    per_name: dict[str, float] = {}
+    for event in prof.key_averages():
+        device_us = getattr(event, "device_time_total", 0.0) or 0.0
+        if event.device_type.name != "CUDA" or device_us <= 0:
+            continue
+        per_kind[kind_of(event.key)] = per_kind.get(kind_of(event.key), 0.0) + device_us
+        per_name[event.key] = per_name.get(event.key, 0.0) + device_us
+    return {
+        "steps": num_steps,
+        "step_wall_ms": wall * 1e3 / num_steps,
+        "gpu_kernel_ms_per_step": sum(per_kind.values()) / 1e3 / num_steps,
+        "gpu_ms_per_step_by_kind": {
+            k: v / 1e3 / num_steps for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1])
+        },
+        "top_kernels_ms_per_step": {
+            k[:120]: v / 1e3 / num_steps
+            for k, v in sorted(per_name.items(), key=lambda kv: -kv[1])[:top]
+        },
+    }
 
 
 def _time_async(core, stepper, num_steps: int) -> dict:
