@@ -53,17 +53,34 @@ void check_sizes(int64_t num_tokens, int64_t row_length, const char* what) {
   if (num_tokens > kMaxInt) throw nb::value_error("at most 2^31 - 1 tokens per call");
 }
 
-void run_rms_norm(Array& out, const Array& input, Array* residual, const Array& weight,
-                  double eps, uintptr_t stream) {
+// FP8 outputs of a kernel that quantizes its rows per token: out [num_tokens, d] uint8 (a
+// float8_e4m3fn tensor's bytes), scale [num_tokens] float32.
+void check_fp8_out(const Array& out, const Array& scale, int64_t num_tokens, int64_t d, int dev) {
+  check_dtype(out, "out", nb::dlpack::dtype_code::UInt, 8,
+              "uint8 (a float8_e4m3fn tensor's bytes)");
+  check_dtype(scale, "scale", kFloat, 32, "float32");
+  check_rows(out, "out", num_tokens, d, dev, true);
+  check_cuda(scale, "scale", dev);
+  check_ndim(scale, "scale", 1);
+  check_dim(scale, "scale", 0, num_tokens, "num_tokens");
+  if (num_tokens > 1 && scale.stride(0) != 1) throw nb::value_error("scale must be contiguous");
+}
+
+// scale == nullptr: out has input's dtype; otherwise out holds e4m3 codes, scale the rows' scales.
+void run_rms_norm(Array& out, Array* scale, const Array& input, Array* residual,
+                  const Array& weight, double eps, uintptr_t stream) {
   const int dev = current_device();
   const DType dtype = layer_dtype(input, "input");
-  check_same_dtype(out, "out", input, "input");
+  if (scale == nullptr) check_same_dtype(out, "out", input, "input");
   check_same_dtype(weight, "weight", input, "input");
   check_ndim(input, "input", 2);
   const int64_t num_tokens = input.shape(0), hidden_size = input.shape(1);
   check_sizes(num_tokens, hidden_size, "hidden_size (input.shape[1])");
   check_rows(input, "input", num_tokens, hidden_size, dev, false);
-  check_rows(out, "out", num_tokens, hidden_size, dev, true);
+  if (scale == nullptr)
+    check_rows(out, "out", num_tokens, hidden_size, dev, true);
+  else
+    check_fp8_out(out, *scale, num_tokens, hidden_size, dev);
   check_cuda(weight, "weight", dev);
   check_ndim(weight, "weight", 1);
   check_dim(weight, "weight", 0, hidden_size, "hidden_size");
@@ -81,7 +98,12 @@ void run_rms_norm(Array& out, const Array& input, Array* residual, const Array& 
     p.residual = residual->data();
     p.residual_stride = residual->stride(0);
   }
-  p.out = out.data();
+  if (scale != nullptr) {
+    p.out_fp8 = out.data();
+    p.out_scale = static_cast<float*>(scale->data());
+  } else {
+    p.out = out.data();
+  }
   p.input = input.data();
   p.weight = weight.data();
   p.out_stride = out.stride(0);
@@ -95,22 +117,34 @@ void run_rms_norm(Array& out, const Array& input, Array* residual, const Array& 
     nb::gil_scoped_release release;
     err = pagedd::cuda::rms_norm(p, as_stream(stream));
   }
-  check_cuda_error(err, residual != nullptr ? "fused_add_rms_norm" : "rms_norm");
+  const char* what[2][2] = {{"rms_norm", "fused_add_rms_norm"},
+                            {"rms_norm_fp8", "fused_add_rms_norm_fp8"}};
+  check_cuda_error(err, what[scale != nullptr][residual != nullptr]);
 }
 
 void rms_norm(Array out, Array input, Array weight, double eps, uintptr_t stream) {
-  run_rms_norm(out, input, nullptr, weight, eps, stream);
+  run_rms_norm(out, nullptr, input, nullptr, weight, eps, stream);
 }
 
 void fused_add_rms_norm(Array out, Array input, Array residual, Array weight, double eps,
                         uintptr_t stream) {
-  run_rms_norm(out, input, &residual, weight, eps, stream);
+  run_rms_norm(out, nullptr, input, &residual, weight, eps, stream);
 }
 
-void silu_and_mul(Array out, Array input, uintptr_t stream) {
+void rms_norm_fp8(Array out, Array scale, Array input, Array weight, double eps,
+                  uintptr_t stream) {
+  run_rms_norm(out, &scale, input, nullptr, weight, eps, stream);
+}
+
+void fused_add_rms_norm_fp8(Array out, Array scale, Array input, Array residual, Array weight,
+                            double eps, uintptr_t stream) {
+  run_rms_norm(out, &scale, input, &residual, weight, eps, stream);
+}
+
+void run_silu_and_mul(Array& out, Array* scale, const Array& input, uintptr_t stream) {
   const int dev = current_device();
   const DType dtype = layer_dtype(input, "input");
-  check_same_dtype(out, "out", input, "input");
+  if (scale == nullptr) check_same_dtype(out, "out", input, "input");
   check_ndim(input, "input", 2);
   const int64_t num_tokens = input.shape(0), width = input.shape(1);
   if (width % 2 != 0)
@@ -120,12 +154,20 @@ void silu_and_mul(Array out, Array input, uintptr_t stream) {
   const int64_t d = width / 2;
   check_sizes(num_tokens, d, "d (input.shape[1] / 2)");
   check_rows(input, "input", num_tokens, width, dev, false);
-  check_rows(out, "out", num_tokens, d, dev, true);
+  if (scale == nullptr)
+    check_rows(out, "out", num_tokens, d, dev, true);
+  else
+    check_fp8_out(out, *scale, num_tokens, d, dev);
   if (out.data() == input.data())
     throw nb::value_error("out must not be input (the kernel reads input while writing out)");
 
   pagedd::cuda::SiluAndMulParams p{};
-  p.out = out.data();
+  if (scale != nullptr) {
+    p.out_fp8 = out.data();
+    p.out_scale = static_cast<float*>(scale->data());
+  } else {
+    p.out = out.data();
+  }
   p.input = input.data();
   p.out_stride = out.stride(0);
   p.input_stride = input.stride(0);
@@ -137,7 +179,15 @@ void silu_and_mul(Array out, Array input, uintptr_t stream) {
     nb::gil_scoped_release release;
     err = pagedd::cuda::silu_and_mul(p, as_stream(stream));
   }
-  check_cuda_error(err, "silu_and_mul");
+  check_cuda_error(err, scale != nullptr ? "silu_and_mul_fp8" : "silu_and_mul");
+}
+
+void silu_and_mul(Array out, Array input, uintptr_t stream) {
+  run_silu_and_mul(out, nullptr, input, stream);
+}
+
+void silu_and_mul_fp8(Array out, Array scale, Array input, uintptr_t stream) {
+  run_silu_and_mul(out, &scale, input, stream);
 }
 
 // a: [num_tokens, heads, head_dim] on the device, last dim contiguous, heads not overlapping.
@@ -248,6 +298,20 @@ void bind_layer_ops(nb::module_& m) {
         nb::arg("stream"),
         "out = silu(input[:, :d]) * input[:, d:]. input: [num_tokens, 2 * d]; out:\n"
         "[num_tokens, d]; float16, bfloat16 or float32.");
+  m.def("rms_norm_fp8", &rms_norm_fp8, nb::arg("out").noconvert(), nb::arg("scale").noconvert(),
+        nb::arg("input"), nb::arg("weight"), nb::arg("eps"), nb::arg("stream"),
+        "rms_norm with its rows quantized per token to FP8 e4m3 in the same kernel (bit for\n"
+        "bit per_token_fp8_quant of rms_norm's out). out: [num_tokens, hidden_size] uint8 (a\n"
+        "float8_e4m3fn tensor's bytes); scale: [num_tokens] float32.");
+  m.def("fused_add_rms_norm_fp8", &fused_add_rms_norm_fp8, nb::arg("out").noconvert(),
+        nb::arg("scale").noconvert(), nb::arg("input"), nb::arg("residual").noconvert(),
+        nb::arg("weight"), nb::arg("eps"), nb::arg("stream"),
+        "fused_add_rms_norm with its output rows quantized per token to FP8 e4m3 in the same\n"
+        "kernel. out: [num_tokens, hidden_size] uint8; scale: [num_tokens] float32.");
+  m.def("silu_and_mul_fp8", &silu_and_mul_fp8, nb::arg("out").noconvert(),
+        nb::arg("scale").noconvert(), nb::arg("input"), nb::arg("stream"),
+        "silu_and_mul with its rows quantized per token to FP8 e4m3 in the same kernel. input:\n"
+        "[num_tokens, 2 * d]; out: [num_tokens, d] uint8; scale: [num_tokens] float32.");
   m.def("rotary_embedding", &rotary_embedding, nb::arg("query").noconvert(),
         nb::arg("key").noconvert(), nb::arg("cos"), nb::arg("sin"), nb::arg("stream"),
         "Rotates query [num_tokens, num_heads, head_dim] and key [num_tokens, num_kv_heads,\n"

@@ -8,35 +8,12 @@
 #include <cstdint>
 
 #include "elementwise.cuh"
+#include "fp8_quant.cuh"
 #include "layer_kernels.h"
 
 namespace pagedd::cuda {
 
 namespace {
-
-constexpr float kFp8Max = 448.0f;
-// The smallest amax used: an all-zero row gets a finite scale (torch path: FP8_MAX * 1e-12,
-// a Python float rounded once to float32).
-constexpr float kMinAmax = 4.48e-10f;
-
-// x * inverse as the torch path rounds it: bf16 rows multiply in bf16 (the inverse rounded
-// to bf16, the product rounded to bf16); fp16 and fp32 rows in float32.
-template <typename T>
-__device__ __forceinline__ float inverse_as(float inverse) {
-  return inverse;
-}
-template <>
-__device__ __forceinline__ float inverse_as<__nv_bfloat16>(float inverse) {
-  return round_to<__nv_bfloat16>(inverse);
-}
-template <typename T>
-__device__ __forceinline__ float scaled(float x, float inverse) {
-  return x * inverse;
-}
-template <>
-__device__ __forceinline__ float scaled<__nv_bfloat16>(float x, float inverse) {
-  return round_to<__nv_bfloat16>(x * inverse);
-}
 
 template <typename T, int VEC>
 __global__ void per_token_fp8_quant_kernel(uint8_t* out, float* scale, const T* input,
@@ -52,20 +29,14 @@ __global__ void per_token_fp8_quant_kernel(uint8_t* out, float* scale, const T* 
     for (int j = 0; j < VEC; ++j) amax = fmaxf(amax, fabsf(to_float(x.v[j])));
   }
   amax = block_max(amax);
-  // torch evaluates ``448 / amax`` as ``amax.reciprocal() * 448`` (Tensor.__rtruediv__): two
-  // roundings, reproduced here; a plain division would differ in the last bit now and then,
-  // and with it the scale and the codes of values next to a rounding midpoint.
-  const float inverse = inverse_as<T>(__fmul_rn(__frcp_rn(fmaxf(amax, kMinAmax)), kFp8Max));
+  const float inverse = fp8_row_inverse<T>(amax);
   if (threadIdx.x == 0) scale[row] = __frcp_rn(inverse);  // 1.0 / inverse: a reciprocal too
   O* o = reinterpret_cast<O*>(out + row * out_stride);
   for (int i = threadIdx.x; i < d / VEC; i += blockDim.x) {
     const V x = in[i];
     O y;
 #pragma unroll
-    for (int j = 0; j < VEC; ++j)
-      // |value| <= 448 up to one rounding: saturation never changes a finite result
-      y.v[j] = __nv_cvt_float_to_fp8(scaled<T>(to_float(x.v[j]), inverse), __NV_SATFINITE,
-                                     __NV_E4M3);
+    for (int j = 0; j < VEC; ++j) y.v[j] = fp8_code<T>(to_float(x.v[j]), inverse);
     o[i] = y;
   }
 }

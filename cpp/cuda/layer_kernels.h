@@ -29,6 +29,11 @@ struct RMSNormParams {
   int hidden_size;
   float eps;
   DType dtype;              // of all four tensors: kFloat16, kBFloat16 or kFloat32
+  // Optional FP8 output in place of out: the normalised rows quantized per token, bit for bit
+  // per_token_fp8_quant of what out would hold. out_fp8: [num_tokens, hidden_size] e4m3 bytes
+  // (out_stride then counts its bytes; out is unused); out_scale: [num_tokens] float32.
+  void* out_fp8 = nullptr;
+  float* out_scale = nullptr;
 };
 
 // Without residual:  out = weight * rmsnorm(input).
@@ -46,6 +51,9 @@ struct SiluAndMulParams {
   int num_tokens;
   int d;
   DType dtype;           // of both tensors: kFloat16, kBFloat16 or kFloat32
+  // Optional FP8 output in place of out, as RMSNormParams::out_fp8 / out_scale.
+  void* out_fp8 = nullptr;
+  float* out_scale = nullptr;
 };
 
 // out = round(silu(gate)) * up, silu(x) = x / (1 + exp(-x)) in float32. One block per row.

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "elementwise.cuh"
+#include "fp8_quant.cuh"
 #include "layer_kernels.h"
 
 namespace pagedd::cuda {
@@ -15,10 +16,15 @@ namespace {
 // Pass 1 reads the row (adding and storing the residual), pass 2 normalises it. Each thread
 // touches the same vectors in both passes, so out may alias input: a row is fully read before
 // the block_sum barrier, and each element is written only by the thread that read it.
-template <typename T, int VEC, bool HAS_RESIDUAL>
-__global__ void rms_norm_kernel(T* out, const T* input, T* residual, const T* weight,
-                                int64_t out_stride, int64_t input_stride,
-                                int64_t residual_stride, int hidden_size, float eps) {
+// QUANT: the normalised row (rounded to T as above) is not stored but quantized per token to
+// e4m3 (out_fp8, out_scale) exactly as per_token_fp8_quant would quantize it: a third pass
+// finds its largest |value|, the second recomputes it from the row (L2-resident) and stores the
+// codes. out_stride then counts bytes of out_fp8.
+template <typename T, int VEC, bool HAS_RESIDUAL, bool QUANT>
+__global__ void rms_norm_kernel(T* out, uint8_t* out_fp8, float* out_scale, const T* input,
+                                T* residual, const T* weight, int64_t out_stride,
+                                int64_t input_stride, int64_t residual_stride, int hidden_size,
+                                float eps) {
   using V = Vec<T, VEC>;
   const int64_t row = blockIdx.x;
   const int num_vecs = hidden_size / VEC;
@@ -44,40 +50,73 @@ __global__ void rms_norm_kernel(T* out, const T* input, T* residual, const T* we
 
   const V* src = HAS_RESIDUAL ? res : in;
   const V* w = reinterpret_cast<const V*>(weight);
-  V* o = reinterpret_cast<V*>(out + row * out_stride);
-  for (int i = threadIdx.x; i < num_vecs; i += blockDim.x) {
+  auto normalised = [&](int i) {  // vector i of the output row, as T
     const V x = src[i], wv = w[i];
     V y;
 #pragma unroll
     for (int j = 0; j < VEC; ++j)
       y.v[j] = from_float<T>(to_float(wv.v[j]) * round_to<T>(to_float(x.v[j]) * inv_rms));
-    o[i] = y;
+    return y;
+  };
+  if constexpr (!QUANT) {
+    V* o = reinterpret_cast<V*>(out + row * out_stride);
+    for (int i = threadIdx.x; i < num_vecs; i += blockDim.x) o[i] = normalised(i);
+  } else {
+    float amax = 0.0f;
+    for (int i = threadIdx.x; i < num_vecs; i += blockDim.x) {
+      const V y = normalised(i);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) amax = fmaxf(amax, fabsf(to_float(y.v[j])));
+    }
+    const float inverse = fp8_row_inverse<T>(block_max(amax));
+    if (threadIdx.x == 0) out_scale[row] = __frcp_rn(inverse);
+    using O = Vec<uint8_t, VEC>;
+    O* o = reinterpret_cast<O*>(out_fp8 + row * out_stride);
+    for (int i = threadIdx.x; i < num_vecs; i += blockDim.x) {
+      const V y = normalised(i);
+      O q;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) q.v[j] = fp8_code<T>(to_float(y.v[j]), inverse);
+      o[i] = q;
+    }
   }
 }
 
-template <typename T, int VEC>
+template <typename T, int VEC, bool QUANT>
 void launch(const RMSNormParams& p, cudaStream_t stream) {
   const int threads = threads_for(p.hidden_size / VEC);
   T* out = static_cast<T*>(p.out);
+  uint8_t* out_fp8 = static_cast<uint8_t*>(p.out_fp8);
   const T* input = static_cast<const T*>(p.input);
   T* residual = static_cast<T*>(p.residual);
   const T* weight = static_cast<const T*>(p.weight);
   if (residual != nullptr)
-    rms_norm_kernel<T, VEC, true><<<p.num_tokens, threads, 0, stream>>>(
-        out, input, residual, weight, p.out_stride, p.input_stride, p.residual_stride,
-        p.hidden_size, p.eps);
+    rms_norm_kernel<T, VEC, true, QUANT><<<p.num_tokens, threads, 0, stream>>>(
+        out, out_fp8, p.out_scale, input, residual, weight, p.out_stride, p.input_stride,
+        p.residual_stride, p.hidden_size, p.eps);
   else
-    rms_norm_kernel<T, VEC, false><<<p.num_tokens, threads, 0, stream>>>(
-        out, input, nullptr, weight, p.out_stride, p.input_stride, 0, p.hidden_size, p.eps);
+    rms_norm_kernel<T, VEC, false, QUANT><<<p.num_tokens, threads, 0, stream>>>(
+        out, out_fp8, p.out_scale, input, nullptr, weight, p.out_stride, p.input_stride, 0,
+        p.hidden_size, p.eps);
+}
+
+template <typename T, int VEC>
+void launch(const RMSNormParams& p, cudaStream_t stream) {
+  if (p.out_fp8 != nullptr)
+    launch<T, VEC, true>(p, stream);
+  else
+    launch<T, VEC, false>(p, stream);
 }
 
 template <typename T>
 cudaError_t launch_typed(const RMSNormParams& p, cudaStream_t stream) {
   constexpr int VEC = 16 / sizeof(T);
   const bool has_residual = p.residual != nullptr;
+  const bool quant = p.out_fp8 != nullptr;
   const bool can_vec =
       p.hidden_size % VEC == 0 && p.out_stride % VEC == 0 && p.input_stride % VEC == 0 &&
-      (!has_residual || p.residual_stride % VEC == 0) && is_aligned16(p.out) &&
+      (!has_residual || p.residual_stride % VEC == 0) &&
+      (quant ? reinterpret_cast<uintptr_t>(p.out_fp8) % VEC == 0 : is_aligned16(p.out)) &&
       is_aligned16(p.input) && (!has_residual || is_aligned16(p.residual)) &&
       is_aligned16(p.weight);
   if (can_vec)
@@ -92,6 +131,7 @@ cudaError_t launch_typed(const RMSNormParams& p, cudaStream_t stream) {
 cudaError_t rms_norm(const RMSNormParams& p, cudaStream_t stream) {
   if (p.num_tokens < 0 || p.hidden_size <= 0 || !(p.eps >= 0.0f)) return cudaErrorInvalidValue;
   if (p.residual != nullptr && p.residual == p.out) return cudaErrorInvalidValue;
+  if ((p.out_fp8 == nullptr) != (p.out_scale == nullptr)) return cudaErrorInvalidValue;
   if (p.num_tokens == 0) return cudaSuccess;
   switch (p.dtype) {
     case DType::kFloat16: return launch_typed<__half>(p, stream);

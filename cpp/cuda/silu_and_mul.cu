@@ -6,21 +6,25 @@
 #include <cstdint>
 
 #include "elementwise.cuh"
+#include "fp8_quant.cuh"
 #include "layer_kernels.h"
 
 namespace pagedd::cuda {
 
 namespace {
 
-template <typename T, int VEC>
-__global__ void silu_and_mul_kernel(T* out, const T* input, int64_t out_stride,
-                                    int64_t input_stride, int d) {
+// QUANT: the product (rounded to T) is not stored but quantized per token to e4m3 (out_fp8,
+// out_scale) exactly as per_token_fp8_quant would quantize it: a first pass finds its largest
+// |value|, a second recomputes it from the (L2-resident) row and stores the codes; out_stride
+// then counts bytes of out_fp8.
+template <typename T, int VEC, bool QUANT>
+__global__ void silu_and_mul_kernel(T* out, uint8_t* out_fp8, float* out_scale, const T* input,
+                                    int64_t out_stride, int64_t input_stride, int d) {
   using V = Vec<T, VEC>;
   const int64_t row = blockIdx.x;
   const V* gate = reinterpret_cast<const V*>(input + row * input_stride);
   const V* up = reinterpret_cast<const V*>(input + row * input_stride + d);
-  V* o = reinterpret_cast<V*>(out + row * out_stride);
-  for (int i = threadIdx.x; i < d / VEC; i += blockDim.x) {
+  auto product = [&](int i) {  // vector i of the output row, as T
     const V g = gate[i], u = up[i];
     V y;
 #pragma unroll
@@ -30,7 +34,29 @@ __global__ void silu_and_mul_kernel(T* out, const T* input, int64_t out_stride,
       const float silu = round_to<T>(x / (1.0f + expf(-x)));
       y.v[j] = from_float<T>(silu * to_float(u.v[j]));
     }
-    o[i] = y;
+    return y;
+  };
+  if constexpr (!QUANT) {
+    V* o = reinterpret_cast<V*>(out + row * out_stride);
+    for (int i = threadIdx.x; i < d / VEC; i += blockDim.x) o[i] = product(i);
+  } else {
+    float amax = 0.0f;
+    for (int i = threadIdx.x; i < d / VEC; i += blockDim.x) {
+      const V y = product(i);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) amax = fmaxf(amax, fabsf(to_float(y.v[j])));
+    }
+    const float inverse = fp8_row_inverse<T>(block_max(amax));
+    if (threadIdx.x == 0) out_scale[row] = __frcp_rn(inverse);
+    using O = Vec<uint8_t, VEC>;
+    O* o = reinterpret_cast<O*>(out_fp8 + row * out_stride);
+    for (int i = threadIdx.x; i < d / VEC; i += blockDim.x) {
+      const V y = product(i);
+      O q;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) q.v[j] = fp8_code<T>(to_float(y.v[j]), inverse);
+      o[i] = q;
+    }
   }
 }
 
@@ -38,16 +64,27 @@ template <typename T>
 cudaError_t launch_typed(const SiluAndMulParams& p, cudaStream_t stream) {
   constexpr int VEC = 16 / sizeof(T);
   T* out = static_cast<T*>(p.out);
+  uint8_t* out_fp8 = static_cast<uint8_t*>(p.out_fp8);
   const T* input = static_cast<const T*>(p.input);
+  const bool quant = out_fp8 != nullptr;
   // The up half starts d elements into the row: d % VEC keeps it aligned too.
   const bool can_vec = p.d % VEC == 0 && p.out_stride % VEC == 0 && p.input_stride % VEC == 0 &&
-                       is_aligned16(p.out) && is_aligned16(p.input);
-  if (can_vec)
-    silu_and_mul_kernel<T, VEC><<<p.num_tokens, threads_for(p.d / VEC), 0, stream>>>(
-        out, input, p.out_stride, p.input_stride, p.d);
+                       (quant ? reinterpret_cast<uintptr_t>(out_fp8) % VEC == 0
+                              : is_aligned16(p.out)) &&
+                       is_aligned16(p.input);
+  const int threads = threads_for(can_vec ? p.d / VEC : p.d);
+  if (can_vec && quant)
+    silu_and_mul_kernel<T, VEC, true><<<p.num_tokens, threads, 0, stream>>>(
+        out, out_fp8, p.out_scale, input, p.out_stride, p.input_stride, p.d);
+  else if (can_vec)
+    silu_and_mul_kernel<T, VEC, false><<<p.num_tokens, threads, 0, stream>>>(
+        out, out_fp8, p.out_scale, input, p.out_stride, p.input_stride, p.d);
+  else if (quant)
+    silu_and_mul_kernel<T, 1, true><<<p.num_tokens, threads, 0, stream>>>(
+        out, out_fp8, p.out_scale, input, p.out_stride, p.input_stride, p.d);
   else
-    silu_and_mul_kernel<T, 1><<<p.num_tokens, threads_for(p.d), 0, stream>>>(
-        out, input, p.out_stride, p.input_stride, p.d);
+    silu_and_mul_kernel<T, 1, false><<<p.num_tokens, threads, 0, stream>>>(
+        out, out_fp8, p.out_scale, input, p.out_stride, p.input_stride, p.d);
   return cudaGetLastError();
 }
 
@@ -55,6 +92,7 @@ cudaError_t launch_typed(const SiluAndMulParams& p, cudaStream_t stream) {
 
 cudaError_t silu_and_mul(const SiluAndMulParams& p, cudaStream_t stream) {
   if (p.num_tokens < 0 || p.d <= 0) return cudaErrorInvalidValue;
+  if ((p.out_fp8 == nullptr) != (p.out_scale == nullptr)) return cudaErrorInvalidValue;
   if (p.num_tokens == 0) return cudaSuccess;
   switch (p.dtype) {
     case DType::kFloat16: return launch_typed<__half>(p, stream);

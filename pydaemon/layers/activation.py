@@ -12,13 +12,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from pydaemon import ops
+from pydaemon.quantization.fp8 import Fp8Activation, quantize_per_token
 
 
 class SiluAndMul(nn.Module):
-    """``silu(gate) * up`` for ``x = cat([gate, up], -1)``: [..., 2*d] -> [..., d]."""
+    """``silu(gate) * up`` for ``x = cat([gate, up], -1)``: [..., 2*d] -> [..., d].
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.dtype in ops.LAYER_KERNEL_DTYPES and ops.is_available():
+    ``fp8_out=True`` (x: [T, 2*d]) returns the product quantized per token for an FP8 linear
+    layer (``Fp8Activation``), in the same kernel on CUDA."""
+
+    def forward(self, x: torch.Tensor, fp8_out: bool = False) -> torch.Tensor | Fp8Activation:
+        kernel = x.is_cuda and x.dtype in ops.LAYER_KERNEL_DTYPES and ops.is_available()
+        if fp8_out:
+            if kernel and x.stride(-1) == 1:
+                return Fp8Activation(*ops.silu_and_mul_fp8_quant(x), x.dtype)
+            return Fp8Activation(*quantize_per_token(self.forward(x)), x.dtype)
+        if kernel:
             rows = x.reshape(-1, x.shape[-1])  # [rows, 2*d]
             return ops.silu_and_mul(rows).view(*x.shape[:-1], x.shape[-1] // 2)
         return self.forward_native(x)

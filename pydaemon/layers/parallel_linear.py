@@ -69,6 +69,12 @@ class LinearBase(nn.Module):
         return self.quant_method.apply(self, x, bias)
 
 
+def takes_fp8_input(layer: nn.Module) -> bool:
+    """Whether ``layer``'s forward accepts an ``Fp8Activation`` (the op before it quantizes
+    its output in its own kernel) as well as a tensor: an FP8-quantized linear layer."""
+    return isinstance(layer, LinearBase) and layer.quant_method is not None
+
+
 class ColumnParallelLinear(LinearBase):
     def __init__(
         self,

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from pydaemon import ops
+from pydaemon.quantization.fp8 import Fp8Activation, quantize_per_token
 
 
 class RMSNorm(nn.Module):
@@ -21,14 +22,19 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, fp8_out: bool = False
+    ) -> torch.Tensor | Fp8Activation | tuple[torch.Tensor | Fp8Activation, torch.Tensor]:
         """Without residual: x [..., hidden_size] -> rmsnorm(x) * weight, same shape.
 
         With residual (x, residual: [T, hidden_size]): -> (rmsnorm(x + residual) * weight,
         x + residual). The kernel writes the sum into ``residual`` in place and returns it;
         the torch path returns a new tensor: use the returned one.
+
+        ``fp8_out=True`` (x: [T, hidden_size]): the normalised output comes quantized per
+        token for an FP8 linear layer (``Fp8Activation``), in the same kernel on CUDA.
         """
+        if fp8_out:
+            return self._forward_fp8(x, residual)
         if residual is None:
             if self._uses_kernel(x):
                 return self._forward_kernel(x)
@@ -38,6 +44,18 @@ class RMSNorm(nn.Module):
             return out, residual
         hidden_states = x + residual
         return self.forward_native(hidden_states), hidden_states
+
+    def _forward_fp8(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> Fp8Activation | tuple[Fp8Activation, torch.Tensor]:
+        if self._uses_kernel(x) and x.stride(-1) == 1:
+            xq, scale = ops.rms_norm_fp8_quant(x, self.weight, self.variance_epsilon, residual)
+            out = Fp8Activation(xq, scale, x.dtype)
+            return out if residual is None else (out, residual)
+        if residual is None:
+            return Fp8Activation(*quantize_per_token(self.forward(x)), x.dtype)
+        hidden_states, residual = self.forward(x, residual)
+        return Fp8Activation(*quantize_per_token(hidden_states), x.dtype), residual
 
     def forward_native(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # hidden_states: [..., hidden_size]; normalise in float32, cast back, then scale (as HF).

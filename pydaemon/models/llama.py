@@ -33,6 +33,7 @@ from pydaemon.layers.parallel_linear import (
     lm_head,
     parallel_logits,
     row_linear,
+    takes_fp8_input,
     vocab_embedding,
 )
 from pydaemon.layers.rms_norm import RMSNorm
@@ -41,6 +42,7 @@ from pydaemon.model_config import ModelConfig
 
 if TYPE_CHECKING:
     from pydaemon.quantization.config import Fp8Config
+    from pydaemon.quantization.fp8 import Fp8Activation
 
 
 class LlamaAttention(nn.Module):
@@ -69,15 +71,15 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self,
-        hidden_states: torch.Tensor,  # [T, hidden_size]
+        hidden_states: torch.Tensor | Fp8Activation,  # [T, hidden_size]
         cos: torch.Tensor,  # [T, head_dim] float32
         sin: torch.Tensor,  # [T, head_dim] float32
         key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
         value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden_size]
-        t = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)  # [T, q_size + 2 * kv_size]
+        t = qkv.shape[0]
         # Views of qkv (row stride q_size + 2 * kv_size), no copies.
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -102,9 +104,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = row_linear(i, h, bias, "intermediate_size", quant_config)
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden_size]
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:  # x: [T, hidden_size]
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate_size / tp]
-        return self.down_proj(self.act_fn(gate_up))
+        return self.down_proj(self.act_fn(gate_up, fp8_out=takes_fp8_input(self.down_proj)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -129,15 +131,19 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (MLP output, residual): this layer's output is their sum, which the next
         layer's input_layernorm (or the final norm) adds while it normalises."""
+        # FP8 linear layers take their input quantized by the norm's own kernel.
+        qkv_fp8 = takes_fp8_input(self.self_attn.qkv_proj)
         if residual is None:
             residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
+            hidden_states = self.input_layernorm(hidden_states, fp8_out=qkv_fp8)
         else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+            hidden_states, residual = self.input_layernorm(hidden_states, residual, fp8_out=qkv_fp8)
         hidden_states = self.self_attn(
             hidden_states, cos, sin, key_cache, value_cache, attn_metadata
         )
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        hidden_states, residual = self.post_attention_layernorm(
+            hidden_states, residual, fp8_out=takes_fp8_input(self.mlp.gate_up_proj)
+        )
         return self.mlp(hidden_states), residual
 
 

@@ -10,6 +10,7 @@
         out = ops.silu_and_mul(gate_up)
         ops.rotary_embedding(q, k, cos, sin)  # in place
         xq, x_scale = ops.per_token_fp8_quant(x)  # FP8 e4m3, one scale per token
+        xq, x_scale = ops.silu_and_mul_fp8_quant(gate_up)  # the two above in one kernel
 
 ``is_available()`` is False (and ``unavailable_reason()`` says why) when ``_core`` was built
 without CUDA kernels or no CUDA device is visible; every wrapper then raises RuntimeError.
@@ -18,7 +19,11 @@ without CUDA kernels or no CUDA device is visible; every wrapper then raises Run
 from pydaemon.ops._core_ext import LAYER_KERNEL_DTYPES, core, is_available, unavailable_reason
 from pydaemon.ops.activation import silu_and_mul
 from pydaemon.ops.cache_ops import SwapStream, copy_blocks, reshape_and_cache, swap_blocks
-from pydaemon.ops.fp8_quant import per_token_fp8_quant
+from pydaemon.ops.fp8_quant import (
+    per_token_fp8_quant,
+    rms_norm_fp8_quant,
+    silu_and_mul_fp8_quant,
+)
 from pydaemon.ops.layernorm import fused_add_rms_norm, rms_norm
 from pydaemon.ops.paged_attention import (
     PARTITION_SIZE,
@@ -42,8 +47,10 @@ __all__ = [
     "per_token_fp8_quant",
     "reshape_and_cache",
     "rms_norm",
+    "rms_norm_fp8_quant",
     "rotary_embedding",
     "silu_and_mul",
+    "silu_and_mul_fp8_quant",
     "swap_blocks",
     "unavailable_reason",
 ]

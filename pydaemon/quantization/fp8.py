@@ -17,7 +17,7 @@ call (dynamic), and wq = fp8(w[n, :] / weight_scale[n]) stored at load. Two ways
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
@@ -44,6 +44,16 @@ def quantize_per_channel(
         amax = weight.abs().amax(dim=1)
     scale = (amax.float() / FP8_MAX).clamp(min=MIN_SCALE)
     return to_fp8(weight.float() / scale[:, None]), scale
+
+
+class Fp8Activation(NamedTuple):
+    """An activation already quantized per token by the op that produced it (RMSNorm,
+    SiLU-and-multiply: one kernel instead of two), handed to an FP8 linear layer instead of
+    the tensor: exactly ``quantize_per_token`` of what that op would have returned."""
+
+    xq: torch.Tensor  # [T, K] float8_e4m3fn
+    scale: torch.Tensor  # [T, 1] float32
+    dtype: torch.dtype  # of the activation it stands for: the layer's output dtype
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,13 +131,16 @@ class Fp8LinearMethod:
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
 
     def apply(
-        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+        self, layer: nn.Module, x: torch.Tensor | Fp8Activation, bias: torch.Tensor | None
     ) -> torch.Tensor:  # x: [..., in] -> [..., out], x's dtype
+        mm = emulated_scaled_mm if self.emulate else scaled_mm
+        if isinstance(x, Fp8Activation):  # [T, in], quantized by the op before
+            out = mm(x.xq, x.scale, layer.weight, layer.weight_scale).to(x.dtype)
+            return out if bias is None else out + bias
         x2d = x.reshape(-1, x.shape[-1])
         if x2d.stride(-1) != 1:  # rows may be strided (a slice of qkv), elements not
             x2d = x2d.contiguous()
         xq, x_scale = quantize_per_token(x2d)
-        mm = emulated_scaled_mm if self.emulate else scaled_mm
         out = mm(xq, x_scale, layer.weight, layer.weight_scale).to(x.dtype)
         if bias is not None:
             out = out + bias

@@ -56,6 +56,59 @@ def test_per_token_kernel_is_the_torch_code_bit_for_bit(dtype, num_tokens, d):
     assert bool((scale[~nonzero] < 1e-11).all()) and not bool(xq.float()[~nonzero].any())
 
 
+def _same_fp8(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]):
+    assert got[0].dtype == torch.float8_e4m3fn and got[1].shape == want[1].shape
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+    assert torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("num_tokens, hidden", [(1, 64), (7, 4096), (300, 4096), (5, 100)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_fp8_is_rms_norm_then_per_token_quant_bit_for_bit(
+    dtype, num_tokens, hidden, with_residual
+):
+    gen = torch.Generator(device="cuda").manual_seed(hidden + num_tokens)
+    spread = torch.logspace(-2, 2, num_tokens, device="cuda")[:, None]
+    x = (torch.randn(num_tokens, hidden, device="cuda", generator=gen) * spread).to(dtype)
+    residual = torch.randn(num_tokens, hidden, device="cuda", generator=gen).to(dtype)
+    weight = (torch.rand(hidden, device="cuda", generator=gen) + 0.5).to(dtype)
+    if with_residual:
+        res_ref, res_fused = residual.clone(), residual.clone()
+        want = ops.per_token_fp8_quant(ops.fused_add_rms_norm(x, res_ref, weight, 1e-5))
+        got = ops.rms_norm_fp8_quant(x, weight, 1e-5, res_fused)
+        assert torch.equal(res_fused, res_ref)  # the residual sum is stored as before
+    else:
+        want = ops.per_token_fp8_quant(ops.rms_norm(x, weight, 1e-5))
+        got = ops.rms_norm_fp8_quant(x, weight, 1e-5)
+    _same_fp8(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("num_tokens, d", [(1, 64), (7, 14336), (300, 1792), (5, 100)])
+def test_silu_and_mul_fp8_is_silu_and_mul_then_per_token_quant_bit_for_bit(dtype, num_tokens, d):
+    gen = torch.Generator(device="cuda").manual_seed(d + num_tokens)
+    spread = torch.logspace(-2, 1, num_tokens, device="cuda")[:, None]
+    # rows strided (a slice of a wider tensor); d = 100 takes the scalar path
+    x = (torch.randn(num_tokens, 2 * d + 16, device="cuda", generator=gen) * spread)[:, : 2 * d]
+    x = x.to(dtype)
+    _same_fp8(ops.silu_and_mul_fp8_quant(x), ops.per_token_fp8_quant(ops.silu_and_mul(x)))
+
+
+def test_fused_fp8_ops_reject_bad_arguments():
+    x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(64, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(4, 64, device="cuda", dtype=torch.uint8)
+    scale = torch.empty(4, device="cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+    with pytest.raises(TypeError, match="out"):
+        ops.core().rms_norm_fp8(out.view(torch.int8), scale, x, w, 1e-5, stream)
+    with pytest.raises(ValueError, match="scale"):
+        ops.core().rms_norm_fp8(out, scale[:3], x, w, 1e-5, stream)
+    with pytest.raises(TypeError, match="scale"):
+        ops.core().silu_and_mul_fp8(out[:, :32], scale.double(), x, stream)
+
+
 @pytest.mark.parametrize("num_tokens", [1, 7, 64, 300, 2048])
 @pytest.mark.parametrize("n, k", [(128, 64), (6144, 4096), (4096, 14336), (28672, 4096)])
 def test_scaled_mm_matches_emulation(num_tokens, n, k):
@@ -189,3 +242,16 @@ def test_prequantized_checkpoint_loads_on_cuda(tmp_path, fmt):
     (out,) = llm.generate(prompt_token_ids=[[5, 6, 7, 8]], sampling_params=greedy, use_tqdm=False)
     llm.engine.shutdown()
     assert len(out.outputs[0].token_ids) == 8
+
+
+def test_fused_norm_and_activation_quantization_give_the_unfused_logits(tmp_path, monkeypatch):
+    """The model on CUDA: RMSNorm and SiLU-and-multiply quantize their outputs in their own
+    kernels for the FP8 layers after them; the logits are those of the separate kernels."""
+    from pydaemon.models import llama
+
+    make_hf_model(tmp_path, num_heads=4, num_kv_heads=2)
+    model, _ = load_model(tmp_path, dtype="bfloat16", device="cuda", quantization="fp8")
+    tokens = list(range(3, 80))
+    fused = _all_logits(model, tokens)
+    monkeypatch.setattr(llama, "takes_fp8_input", lambda layer: False)
+    assert torch.equal(fused, _all_logits(model, tokens))
