@@ -8,8 +8,9 @@
 Kernels (``--kernel``): ``decode`` = the CUDA-core split-KV kernel (ops.paged_attention_decode),
 ``tc`` = the tensor-core GQA decode kernel (ops.paged_attention_decode_tc, default partition
 rule), ``prefill`` = the prefill kernel with 64-row tiles (the former GQA decode route),
-``all`` = the three. The first one listed is "ours" in the JSON; every kernel's time, GB/s and
-share of the copy bandwidth are recorded.
+``all`` = the three; ``--tc-partition-sizes 256 1024`` adds ``tc@256``, ``tc@1024`` (forced
+partition sizes, to tune ops.decode_tc_partition_size). The first kernel listed is "ours" in
+the JSON; every kernel's time, GB/s and share of the copy bandwidth are recorded.
 
 Bytes counted per call: every K and V element of every sequence read once, plus the queries
 and the outputs. The SDPA peer reads the same K/V stored contiguously ([batch, kv_heads,
@@ -71,6 +72,12 @@ def bench_shape(
             *args, starts, 1, out=out, block_m=64, block_n=64
         ),
     }
+    for name in kernels:  # "tc@P": the tensor-core kernel with P keys per partition
+        if name.startswith("tc@"):
+            size = int(name[3:])
+            calls[name] = lambda size=size: ops.paged_attention_decode_tc(
+                *args, ctx, out=out, partition_size=size
+            )
 
     # The same K/V, contiguous: [batch, num_kv_heads, ctx, head_dim].
     def contiguous(cache):
@@ -132,6 +139,9 @@ def main() -> None:
     ap.add_argument("--kernel", nargs="+", default=["decode"], choices=(*KERNELS, "all"),
                     help="decode kernels to time (the first is 'ours'); all = "
                     + " ".join(KERNELS))  # fmt: skip
+    ap.add_argument("--tc-partition-sizes", type=int, nargs="*", default=[],
+                    help="also time the tensor-core kernel with these partition sizes "
+                    "(multiples of 64), to tune decode_tc_partition_size")  # fmt: skip
     ap.add_argument("--quick", action="store_true",
                     help="contexts 1024 and 16384 only, batches 1 8 64 256")  # fmt: skip
     ap.add_argument("--max-gb", type=float, default=90.0, help="skip shapes whose two K/V "
@@ -140,6 +150,7 @@ def main() -> None:
     if not ops.is_available():
         sys.exit(f"GPU kernels unavailable: {ops.unavailable_reason()}")
     kernels = list(KERNELS) if "all" in args.kernel else list(dict.fromkeys(args.kernel))
+    kernels += [f"tc@{p}" for p in args.tc_partition_sizes]
     if args.quick:
         args.contexts, args.batches = [1024, 16384], [1, 8, 64, 256]
 

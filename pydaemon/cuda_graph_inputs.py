@@ -82,8 +82,8 @@ class GraphKey:
 class GraphPlan:
     """The graphs to capture and the one that serves a given decode step.
 
-    ``tiered``: the batch buckets that get one graph per seq-len tier (the split-KV decode
-    kernel may run); every other bucket gets one graph at the last tier.
+    ``tiered``: the batch buckets that get one graph per seq-len tier (their decode kernel's
+    partition count follows the context); every other bucket gets one graph at the last tier.
     """
 
     batch_sizes: tuple[int, ...]
