@@ -187,14 +187,17 @@ __global__ void __launch_bounds__(32 * WARPS, 2)
     }
   };
 
-  // Prologue: sub-tiles 0 .. STAGES-2 in flight (Q joins the first group), and the block
-  // entries of sub-tile STAGES-1 fetched.
+  // Prologue: the block entries of sub-tiles 0 .. STAGES-1 fetched together (one round
+  // trip), sub-tiles 0 .. STAGES-2 in flight (Q joins the first group).
+  Blocks first[STAGES];
+#pragma unroll
+  for (int s = 0; s < STAGES; ++s) first[s] = fetch_blocks(s);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    load_sub(s, fetch_blocks(s), s);
+    load_sub(s, first[s], s);
     cp_async_commit_group();
   }
-  Blocks next = fetch_blocks(STAGES - 1);
+  Blocks next = first[STAGES - 1];
   cp_async_wait_group<STAGES - 2>();  // this thread's Q chunks landed ...
   __syncthreads();                     // ... and every thread's
 
