@@ -25,8 +25,9 @@ TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 HEADS = [(8, 4), (16, 4), (16, 2), (32, 2)]
 # Around the 16-key sub-tile, the 64-key multiple, block and partition boundaries.
 LENS = [1, 15, 16, 17, 63, 64, 65, 255, 1000, 4097]
-# partition_size: None = the default rule; 64 = many partitions; 256 = the CUDA-core size.
-PARTITIONS = [None, 64, 256]
+# partition_size: None = the default rule (one partition for these few sequences up to 256
+# keys, else partitions of 256+); 64 = many partitions, several sub-tiles per warp only at 4k.
+PARTITIONS = [None, 64]
 
 
 def run_tc(batch, num_q_heads, head_dim, dtype, max_seq_len=None, **kw):
@@ -151,8 +152,11 @@ def fp8_batch(lens, num_kv_heads, head_dim, block_size, k_scale, v_scale, spread
     return dataclasses.replace(full, kv_cache=fp8), dataclasses.replace(full, kv_cache=deq)
 
 
-@pytest.mark.parametrize("partition_size", [None, 64], ids=lambda p: f"part{p}")
-@pytest.mark.parametrize("k_scale, v_scale", [(1.0, 1.0), (0.05, 0.3)])
+@pytest.mark.parametrize(
+    "k_scale, v_scale, partition_size",
+    [(1.0, 1.0, None), (0.05, 0.3, 64), (0.05, 0.3, 1024)],
+    ids=["scale1-partNone", "scales-part64", "scales-part1024"],
+)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
