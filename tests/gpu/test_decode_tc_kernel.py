@@ -332,9 +332,10 @@ def test_engine_gqa_decode_on_tc_kernel_follows_fp32_and_torch_path(
     monkeypatch.setattr(
         ops, "paged_attention_decode_tc", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
+    # Graphs: buckets 1..8 at tiers 512 and 1024 (every step of these 6 sequences fits).
     llm = LLM(
         str(path), device="cuda", dtype="float16", block_size=16, num_kv_blocks=512,
-        enforce_eager=enforce_eager,
+        enforce_eager=enforce_eager, max_num_seqs=8, max_seq_len_to_capture=1024,
     )  # fmt: skip
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=greedy)
     assert calls, "no decode step reached paged_attention_decode_tc"
