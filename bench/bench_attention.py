@@ -1,6 +1,16 @@
 """Paged decode attention vs the device copy bandwidth and torch SDPA (shapes: shared BENCH.md).
 
     PYTHONPATH=. python bench/bench_attention.py --out bench/results/attention.json
+    # the decode kernels side by side (GQA 32/8 and 32/4, bf16 and fp8 caches):
+    PYTHONPATH=. python bench/bench_attention.py --kernel all --heads gqa32/8 gqa32/4 \
+        --kv-cache-dtype auto fp8 --batches 1 8 32 64 256 [--quick]
+
+Kernels (``--kernel``): ``decode`` = the CUDA-core split-KV kernel (ops.paged_attention_decode),
+``tc`` = the tensor-core GQA decode kernel (ops.paged_attention_decode_tc, default partition
+rule), ``prefill`` = the prefill kernel with 64-row tiles (the former GQA decode route),
+``all`` = the three; ``--tc-partition-sizes 256 1024`` adds ``tc@256``, ``tc@1024`` (forced
+partition sizes, to tune ops.decode_tc_partition_size). The first kernel listed is "ours" in
+the JSON; every kernel's time, GB/s and share of the copy bandwidth are recorded.
 
 Bytes counted per call: every K and V element of every sequence read once, plus the queries
 and the outputs. The SDPA peer reads the same K/V stored contiguously ([batch, kv_heads,
@@ -26,7 +36,8 @@ from pydaemon import ops  # noqa: E402
 from pydaemon.kv_cache_fp8 import quantize_fp8  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-HEADS = {"gqa32/8": (32, 8), "mha32/32": (32, 32)}
+HEADS = {"gqa32/8": (32, 8), "gqa32/4": (32, 4), "mha32/32": (32, 32)}
+KERNELS = ("decode", "tc", "prefill")
 
 
 def git_commit() -> str:
@@ -36,7 +47,9 @@ def git_commit() -> str:
         return "unknown"
 
 
-def bench_shape(dtype, num_q_heads, num_kv_heads, batch, ctx, head_dim, block_size, kv_fp8=False):
+def bench_shape(
+    dtype, num_q_heads, num_kv_heads, batch, ctx, head_dim, block_size, kv_fp8, kernels, copy_gbs
+):
     blocks_per_seq = ctx // block_size
     num_blocks = batch * blocks_per_seq
     kv_cache = torch.randn(
@@ -44,17 +57,27 @@ def bench_shape(dtype, num_q_heads, num_kv_heads, batch, ctx, head_dim, block_si
     )
     block_tables = torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_seq).int()
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    starts = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
     query = torch.randn(batch, num_q_heads, head_dim, device="cuda", dtype=dtype)
     out = torch.empty_like(query)
     if kv_fp8:
         kv_cache = quantize_fp8(kv_cache, 1.0)
     kv_bytes = kv_cache.element_size()
     key_cache, value_cache = kv_cache[:, 0, 0], kv_cache[:, 0, 1]
-
-    def paged():
-        ops.paged_attention_decode(
-            query, key_cache, value_cache, block_tables, seq_lens, ctx, out=out
-        )
+    args = (query, key_cache, value_cache, block_tables, seq_lens)
+    calls = {
+        "decode": lambda: ops.paged_attention_decode(*args, ctx, out=out),
+        "tc": lambda: ops.paged_attention_decode_tc(*args, ctx, out=out),
+        "prefill": lambda: ops.paged_attention_prefill(
+            *args, starts, 1, out=out, block_m=64, block_n=64
+        ),
+    }
+    for name in kernels:  # "tc@P": the tensor-core kernel with P keys per partition
+        if name.startswith("tc@"):
+            size = int(name[3:])
+            calls[name] = lambda size=size: ops.paged_attention_decode_tc(
+                *args, ctx, out=out, partition_size=size
+            )
 
     # The same K/V, contiguous: [batch, num_kv_heads, ctx, head_dim].
     def contiguous(cache):
@@ -68,22 +91,37 @@ def bench_shape(dtype, num_q_heads, num_kv_heads, batch, ctx, head_dim, block_si
     def sdpa():
         return F.scaled_dot_product_attention(q4, k, v, enable_gqa=gqa)
 
-    paged()
-    ref = sdpa().squeeze(2)
-    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-    t_ours = bench_ms(paged)
+    ref = sdpa().squeeze(2).float()
     t_sdpa = bench_ms(sdpa)
     num_bytes = 2 * batch * ctx * num_kv_heads * head_dim * kv_bytes + 2 * query.numel() * 2
-    return {
+    row = {
         "bytes": num_bytes,
-        "ours_ms": t_ours["median_ms"],
-        "ours_min_ms": t_ours["min_ms"],
-        "ours_gbs": num_bytes / (t_ours["median_ms"] * 1e6),
         "sdpa_ms": t_sdpa["median_ms"],
         "sdpa_gbs": num_bytes / (t_sdpa["median_ms"] * 1e6),
-        "speedup_vs_sdpa": t_sdpa["median_ms"] / t_ours["median_ms"],
-        "rel_err_vs_sdpa": err,
     }
+    if "tc" in kernels:
+        row["tc_partition_size"] = ops.decode_tc_partition_size(batch, num_kv_heads, ctx)
+    for name in kernels:
+        out.fill_(float("nan"))
+        calls[name]()
+        t = bench_ms(calls[name])
+        gbs = num_bytes / (t["median_ms"] * 1e6)
+        row.update({
+            f"{name}_ms": t["median_ms"], f"{name}_min_ms": t["min_ms"], f"{name}_gbs": gbs,
+            f"{name}_fraction_of_copy_bw": gbs / copy_gbs,
+            f"{name}_rel_err_vs_sdpa": ((out.float() - ref).norm() / ref.norm()).item(),
+        })  # fmt: skip
+    ours = kernels[0]
+    row.update(
+        ours_kernel=ours,
+        ours_ms=row[f"{ours}_ms"],
+        ours_min_ms=row[f"{ours}_min_ms"],
+        ours_gbs=row[f"{ours}_gbs"],
+        speedup_vs_sdpa=t_sdpa["median_ms"] / row[f"{ours}_ms"],
+        rel_err_vs_sdpa=row[f"{ours}_rel_err_vs_sdpa"],
+        fraction_of_copy_bw=row[f"{ours}_fraction_of_copy_bw"],
+    )
+    return row
 
 
 def main() -> None:
@@ -96,42 +134,58 @@ def main() -> None:
     ap.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS))
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
-                    help="fp8: the paged cache in e4m3 (scale 1)")  # fmt: skip
+    ap.add_argument("--kv-cache-dtype", nargs="+", choices=("auto", "fp8"), default=["auto"],
+                    help="fp8: the paged cache in e4m3 (scale 1); several: each in turn")  # fmt: skip
+    ap.add_argument("--kernel", nargs="+", default=["decode"], choices=(*KERNELS, "all"),
+                    help="decode kernels to time (the first is 'ours'); all = "
+                    + " ".join(KERNELS))  # fmt: skip
+    ap.add_argument("--tc-partition-sizes", type=int, nargs="*", default=[],
+                    help="also time the tensor-core kernel with these partition sizes "
+                    "(multiples of 64), to tune decode_tc_partition_size")  # fmt: skip
+    ap.add_argument("--quick", action="store_true",
+                    help="contexts 1024 and 16384 only, batches 1 8 64 256")  # fmt: skip
     ap.add_argument("--max-gb", type=float, default=90.0, help="skip shapes whose two K/V "
                     "copies (paged + contiguous) exceed this many GB")  # fmt: skip
     args = ap.parse_args()
     if not ops.is_available():
         sys.exit(f"GPU kernels unavailable: {ops.unavailable_reason()}")
+    kernels = list(KERNELS) if "all" in args.kernel else list(dict.fromkeys(args.kernel))
+    kernels += [f"tc@{p}" for p in args.tc_partition_sizes]
+    if args.quick:
+        args.contexts, args.batches = [1024, 16384], [1, 8, 64, 256]
 
     copy = copy_bandwidth_gbs()
     print(f"device copy bandwidth: {copy['gbs']:.0f} GB/s (read + write)", flush=True)
     rows = []
-    hdr = (f"{'dtype':5} {'heads':9} {'batch':>5} {'ctx':>6} {'ours us':>9} {'GB/s':>6} "
-           f"{'%copy':>6} {'sdpa us':>9} {'x sdpa':>7} {'err':>8}")  # fmt: skip
-    print(hdr, flush=True)
-    for dname in args.dtypes:
-        for hname in args.heads:
-            hq, hkv = HEADS[hname]
-            for batch in args.batches:
-                for ctx in args.contexts:
-                    kv_gb = 2 * batch * ctx * hkv * args.head_dim * 2 * 2 / 1e9
-                    if kv_gb > args.max_gb:
-                        print(f"{dname:5} {hname:9} {batch:5} {ctx:6}   skipped "
-                              f"({kv_gb:.0f} GB of K/V copies)", flush=True)  # fmt: skip
-                        continue
-                    torch.cuda.empty_cache()  # the previous shape's tensors are gone
-                    r = bench_shape(DTYPES[dname], hq, hkv, batch, ctx, args.head_dim,
-                                    args.block_size, args.kv_cache_dtype == "fp8")  # fmt: skip
-                    r.update(dtype=dname, heads=hname, num_q_heads=hq, num_kv_heads=hkv,
-                             batch=batch, context=ctx, head_dim=args.head_dim,
-                             block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
-                             fraction_of_copy_bw=r["ours_gbs"] / copy["gbs"])  # fmt: skip
-                    rows.append(r)
-                    print(f"{dname:5} {hname:9} {batch:5} {ctx:6} {r['ours_ms'] * 1e3:9.1f} "
-                          f"{r['ours_gbs']:6.0f} {100 * r['fraction_of_copy_bw']:5.1f}% "
-                          f"{r['sdpa_ms'] * 1e3:9.1f} {r['speedup_vs_sdpa']:7.2f} "
-                          f"{r['rel_err_vs_sdpa']:8.1e}", flush=True)  # fmt: skip
+    cols = " ".join(f"{k + ' us':>10} {'%copy':>6}" for k in kernels)
+    print(f"{'dtype':5} {'kv':4} {'heads':9} {'batch':>5} {'ctx':>6} {cols} {'sdpa us':>9} "
+          f"{'part':>5} {'err':>8}", flush=True)  # fmt: skip
+    for kv_dtype in args.kv_cache_dtype:
+        for dname in args.dtypes:
+            for hname in args.heads:
+                hq, hkv = HEADS[hname]
+                for batch in args.batches:
+                    for ctx in args.contexts:
+                        kv_gb = 2 * batch * ctx * hkv * args.head_dim * 2 * 2 / 1e9
+                        if kv_gb > args.max_gb:
+                            print(f"{dname:5} {hname:9} {batch:5} {ctx:6}   skipped "
+                                  f"({kv_gb:.0f} GB of K/V copies)", flush=True)  # fmt: skip
+                            continue
+                        torch.cuda.empty_cache()  # the previous shape's tensors are gone
+                        r = bench_shape(DTYPES[dname], hq, hkv, batch, ctx, args.head_dim,
+                                        args.block_size, kv_dtype == "fp8", kernels,
+                                        copy["gbs"])  # fmt: skip
+                        r.update(dtype=dname, heads=hname, num_q_heads=hq, num_kv_heads=hkv,
+                                 batch=batch, context=ctx, head_dim=args.head_dim,
+                                 block_size=args.block_size, kv_cache_dtype=kv_dtype)  # fmt: skip
+                        rows.append(r)
+                        times = " ".join(
+                            f"{r[k + '_ms'] * 1e3:10.1f} {100 * r[k + '_fraction_of_copy_bw']:5.1f}%"
+                            for k in kernels
+                        )
+                        print(f"{dname:5} {kv_dtype:4} {hname:9} {batch:5} {ctx:6} {times} "
+                              f"{r['sdpa_ms'] * 1e3:9.1f} {r.get('tc_partition_size', 0):5} "
+                              f"{r['rel_err_vs_sdpa']:8.1e}", flush=True)  # fmt: skip
     result = {
         "benchmark": "paged decode attention",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -140,6 +194,7 @@ def main() -> None:
         "command": " ".join(sys.argv),
         "torch": torch.__version__,
         "partition_size": ops.PARTITION_SIZE,
+        "kernels": kernels,
         "copy_bandwidth": copy,
         "rows": rows,
     }

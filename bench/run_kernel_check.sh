@@ -22,8 +22,8 @@ if [[ $STAGES == *build* ]]; then
   else
     summary "BUILD FAILED"; tail -30 "$OUT/build.log"; exit 1
   fi
-  grep -A2 "paged_prefill_kernel" "$OUT/build.log" | grep -E "registers|spill" | sort | uniq -c \
-    | tee -a "$OUT/summary.txt"
+  grep -A2 "paged_prefill_kernel\|paged_decode_tc_kernel" "$OUT/build.log" \
+    | grep -E "registers|spill" | sort | uniq -c | tee -a "$OUT/summary.txt"
 fi
 
 if [[ $STAGES == *test* ]]; then
@@ -42,6 +42,13 @@ if [[ $STAGES == *memcheck* ]]; then
     or single_partition or decode_step" >"$OUT/memcheck.log" 2>&1
   summary "memcheck rc=$? ($((SECONDS - start)) s): $(grep -E "ERROR SUMMARY" "$OUT/memcheck.log" \
     | tail -1) / $(grep -E "passed|failed" "$OUT/memcheck.log" | tail -1)"
+  start=$SECONDS  # the tensor-core decode kernel: bf16 and fp8, one and several partitions
+  timeout 180 compute-sanitizer --tool memcheck --error-exitcode 9 \
+    python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_tc_kernel.py \
+    -k "(reference and q16kv4 and 8-128 and dtype1) or empty_sequence or generous" \
+    >"$OUT/memcheck_tc.log" 2>&1
+  summary "memcheck decode_tc rc=$? ($((SECONDS - start)) s): $(grep -E "ERROR SUMMARY" \
+    "$OUT/memcheck_tc.log" | tail -1) / $(grep -E "passed|failed" "$OUT/memcheck_tc.log" | tail -1)"
 fi
 
 if [[ $STAGES == *bench* ]]; then

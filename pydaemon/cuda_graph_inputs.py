@@ -11,14 +11,13 @@ free there; above, the padded share stays under a quarter while the number of gr
 costs capture time) grows only logarithmically: 23 buckets up to 512.
 
 Seq-len tiers: 512, 2048, 8192, ... (x4) up to ``max_seq_len_to_capture``, which is the last.
-Only the split-KV decode kernel's grid depends on the context (``max_seq_len`` sizes its
-partitions and workspaces): a graph captured at tier ``t`` serves every batch whose longest
-context is at most ``t`` (partitions past a sequence's end exit at once). The tiers keep the
-number of idle partitions within 4x of the eager launch, and the first tier is 512, the
-context up to which ``decode_on_tensor_cores`` picks the tensor-core kernel for grouped
-heads, so a graph runs the kernel the eager step would. Batch buckets whose capture takes
-the tensor-core path even at the longest tier get one graph only (that launch does not
-depend on ``max_seq_len``). Longer contexts run eagerly, as in vLLM.
+The split-KV decode kernels' grids depend on the context (``max_seq_len`` sizes their
+partitions and workspaces, and only those host ints): a graph captured at tier ``t`` serves
+every batch whose longest context is at most ``t`` (partitions past a sequence's end exit at
+once). The tiers keep the number of idle partitions within 4x of the eager launch. Batch
+buckets whose tensor-core decode (grouped heads, ``decode_kernel``) runs ONE partition even
+at the longest tier get one graph only: that launch's blocks each read just their
+sequence's keys whatever the tier. Longer contexts run eagerly, as in vLLM.
 
 Padding rows are no-ops for everything the step keeps: token 0 at position 0, slot -1 (the
 cache-write kernel and the torch path skip negative slots), context length 1 over block 0
@@ -41,11 +40,12 @@ import numpy as np
 import torch
 
 from pydaemon.config import EngineConfig
-from pydaemon.layers.attention import decode_on_tensor_cores, uses_kernels
+from pydaemon.layers.attention import decode_kernel, uses_kernels
 from pydaemon.model_config import ModelConfig
+from pydaemon.ops.paged_decode_tc import decode_tc_partition_size
 
 PAD_SLOT_ID = -1
-FIRST_SEQ_LEN_TIER = 512  # decode_on_tensor_cores' short-context bound (layers/attention.py)
+FIRST_SEQ_LEN_TIER = 512
 SEQ_LEN_TIER_FACTOR = 4
 
 
@@ -82,8 +82,8 @@ class GraphKey:
 class GraphPlan:
     """The graphs to capture and the one that serves a given decode step.
 
-    ``tiered``: the batch buckets that get one graph per seq-len tier (the split-KV decode
-    kernel may run); every other bucket gets one graph at the last tier.
+    ``tiered``: the batch buckets that get one graph per seq-len tier (their decode kernel's
+    partition count follows the context); every other bucket gets one graph at the last tier.
     """
 
     batch_sizes: tuple[int, ...]
@@ -133,6 +133,7 @@ def cuda_graph_plan(
         config.block_size,
         model_config.num_key_value_heads // tp,
         model_config.num_attention_heads // tp,
+        model_config.head_dim,
     )
 
 
@@ -142,17 +143,21 @@ def make_graph_plan(
     block_size: int,
     num_kv_heads: int,  # this rank's
     num_q_heads: int,  # this rank's
+    head_dim: int = 128,
 ) -> GraphPlan:
-    """The buckets and tiers (cuda_graph_inputs.py); a bucket needs one graph per tier when its
-    capture at the longest tier runs the split-KV decode kernel. ``decode_on_tensor_cores``
-    can only turn from True to False as the context grows, so True at the longest tier means
-    the tensor-core path (whose launch ignores max_seq_len) at every tier."""
+    """The buckets and tiers (cuda_graph_inputs.py); a bucket needs one graph per tier unless
+    its decode runs on tensor cores with one partition at the longest tier
+    (``decode_tc_partition_size`` only shrinks the partition count as the context shrinks)."""
     batch_sizes = capture_batch_sizes(max_num_seqs)
     tiers = capture_seq_len_tiers(max_seq_len_to_capture)
-    group = num_q_heads // num_kv_heads
-    tiered = frozenset(
-        b for b in batch_sizes if not decode_on_tensor_cores(b, num_kv_heads, group, tiers[-1])
-    )
+    longest = tiers[-1]
+
+    def one_graph(b: int) -> bool:
+        if decode_kernel(num_q_heads // num_kv_heads, head_dim) != "tensor_cores":
+            return False
+        return decode_tc_partition_size(b, num_kv_heads, longest) >= longest
+
+    tiered = frozenset(b for b in batch_sizes if not one_graph(b))
     return GraphPlan(tuple(batch_sizes), tuple(tiers), block_size, tiered)
 
 

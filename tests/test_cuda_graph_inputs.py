@@ -48,26 +48,29 @@ def test_seq_len_tiers():
 
 
 def test_plan_llama3_8b_shape():
-    # 8 kv heads, 32 query heads: from 32 sequences the decode step runs on tensor cores at
-    # every context, so only the smaller buckets need a graph per tier.
-    plan = make_graph_plan(512, 8192, 16, num_kv_heads=8, num_q_heads=32)
-    assert sorted(plan.tiered) == [1, 2, 4, 8, 16, 24]
+    # 8 kv heads, 32 query heads: decode runs on the tensor-core kernel, with one partition
+    # at every context from 66 sequences (528 blocks), so only the smaller buckets need a
+    # graph per tier (their partition count follows the context).
+    plan = make_graph_plan(512, 8192, 16, num_kv_heads=8, num_q_heads=32, head_dim=128)
+    assert sorted(plan.tiered) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     keys = plan.keys()
-    assert len(keys) == 6 * 3 + 17
+    assert len(keys) == 11 * 3 + 12
     assert keys[0] == GraphKey(512, 8192, 512)  # largest first
     assert keys[-1] == GraphKey(1, 512, 32)
     assert plan.key_for(1, 1024) == GraphKey(1, 2048, 128)
     assert plan.key_for(5, 300) == GraphKey(8, 512, 32)
     assert plan.key_for(5, 513) == GraphKey(8, 2048, 128)
-    assert plan.key_for(40, 100) == GraphKey(40, 8192, 512)
+    assert plan.key_for(40, 100) == GraphKey(40, 512, 32)
+    assert plan.key_for(70, 100) == GraphKey(80, 8192, 512)
     assert plan.key_for(512, 8192) == GraphKey(512, 8192, 512)
     assert plan.key_for(513, 10) is None  # more sequences than the largest bucket
     assert plan.key_for(1, 8193) is None  # longer than max_seq_len_to_capture
-    # MHA (and TP=4 of the same model: 2 kv heads, group 4, tensor cores from 128 sequences).
+    # MHA (the CUDA-core kernel at every batch) and TP=4 of the same model: 2 kv heads,
+    # group 4, one partition from 264 sequences.
     mha = make_graph_plan(64, 4096, 16, num_kv_heads=32, num_q_heads=32)
     assert mha.tiered == frozenset(mha.batch_sizes)
-    tp4 = make_graph_plan(256, 8192, 16, num_kv_heads=2, num_q_heads=8)
-    assert max(tp4.tiered) == 112
+    tp4 = make_graph_plan(512, 8192, 16, num_kv_heads=2, num_q_heads=8)
+    assert max(tp4.tiered) == 256
 
 
 def _decode_batch():

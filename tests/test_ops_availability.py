@@ -21,4 +21,6 @@ def test_wrappers_raise_runtime_error_with_the_reason():
     with pytest.raises(RuntimeError, match="without CUDA kernels|no CUDA device|not built"):
         ops.paged_attention_decode(x, x, x, x, x, 1)
     with pytest.raises(RuntimeError, match="without CUDA kernels|no CUDA device|not built"):
+        ops.paged_attention_decode_tc(x, x, x, x, x, 1)
+    with pytest.raises(RuntimeError, match="without CUDA kernels|no CUDA device|not built"):
         ops.reshape_and_cache(x, x, x, x, x)

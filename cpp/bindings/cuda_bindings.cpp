@@ -184,6 +184,117 @@ void paged_attention_decode(Array out, Array query, Array key_cache, Array value
   check_cuda_error(err, "paged_attention_decode");
 }
 
+// The split-KV workspaces of a decode with num_partitions > 1 (checked; null otherwise).
+void decode_workspaces(float* (&ws)[3], nb::object tmp_out_obj, nb::object exp_sums_obj,
+                       nb::object max_logits_obj, int64_t num_seqs, int64_t num_q_heads,
+                       int64_t head_dim, int num_partitions, const std::string& why, int dev) {
+  ws[0] = ws[1] = ws[2] = nullptr;
+  if (num_partitions <= 1) return;
+  const char* names[3] = {"tmp_out", "exp_sums", "max_logits"};
+  nb::object objs[3] = {tmp_out_obj, exp_sums_obj, max_logits_obj};
+  for (int i = 0; i < 3; ++i) {
+    if (objs[i].is_none())
+      throw nb::value_error((std::string(names[i]) + " is required when " + why).c_str());
+    Array a = nb::cast<Array>(objs[i]);
+    check_dtype(a, names[i], kFloat, 32, "float32");
+    check_cuda(a, names[i], dev);
+    check_ndim(a, names[i], i == 0 ? 4 : 3);
+    check_dim(a, names[i], 0, num_seqs, "num_seqs");
+    check_dim(a, names[i], 1, num_q_heads, "num_q_heads");
+    check_dim(a, names[i], 2, num_partitions, "num_partitions");
+    if (i == 0) check_dim(a, names[i], 3, head_dim, "head_dim");
+    check_contiguous_from(a, names[i], 0);
+    ws[i] = static_cast<float*>(a.data());
+  }
+}
+
+void paged_attention_decode_tc(Array out, Array query, Array key_cache, Array value_cache,
+                               Array block_tables, Array seq_lens, double scale, int max_seq_len,
+                               int partition_size, nb::object tmp_out_obj,
+                               nb::object exp_sums_obj, nb::object max_logits_obj,
+                               double k_scale, double v_scale, uintptr_t stream) {
+  const int dev = current_device();
+  const int64_t head_dim =
+      check_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, dev);
+  check_kv_scales(k_scale, v_scale);
+  const int64_t num_seqs = query.shape(0), num_q_heads = query.shape(1);
+  const int64_t num_kv_heads = key_cache.shape(1), block_size = key_cache.shape(2);
+  if (!pagedd::cuda::decode_tc_is_built((int)head_dim))
+    throw nb::value_error(("paged_attention_decode_tc is not built for head_dim " +
+                           std::to_string(head_dim))
+                              .c_str());
+  const int64_t group = num_q_heads / num_kv_heads;
+  if (group > pagedd::cuda::kDecodeTcMaxGroup)
+    throw nb::value_error(("paged_attention_decode_tc takes at most " +
+                           std::to_string(pagedd::cuda::kDecodeTcMaxGroup) +
+                           " query heads per kv head, got " + std::to_string(num_q_heads) +
+                           " / " + std::to_string(num_kv_heads))
+                              .c_str());
+  check_dim(block_tables, "block_tables", 0, num_seqs, "num_seqs");
+  check_dim(seq_lens, "seq_lens", 0, num_seqs, "num_seqs");
+  if (partition_size <= 0 || partition_size % 64 != 0)
+    throw nb::value_error(("partition_size must be a positive multiple of 64, got " +
+                           std::to_string(partition_size))
+                              .c_str());
+  if (max_seq_len < 0)
+    throw nb::value_error(("max_seq_len must be >= 0, got " + std::to_string(max_seq_len)).c_str());
+  if (max_seq_len > block_tables.shape(1) * block_size)
+    throw nb::value_error(("max_seq_len (" + std::to_string(max_seq_len) +
+                           ") exceeds block_tables.shape[1] * block_size (" +
+                           std::to_string(block_tables.shape(1) * block_size) + ")")
+                              .c_str());
+  if (num_seqs == 0) return;
+  if (num_seqs > 65535) throw nb::value_error("at most 65535 sequences per call");
+  const int64_t parts64 =
+      max_seq_len <= 0 ? 1 : ((int64_t)max_seq_len + partition_size - 1) / partition_size;
+  if (parts64 > 65535)
+    throw nb::value_error(("max_seq_len / partition_size gives " + std::to_string(parts64) +
+                           " partitions, at most 65535")
+                              .c_str());
+  const int num_partitions = (int)parts64;
+  float* ws[3];
+  decode_workspaces(ws, tmp_out_obj, exp_sums_obj, max_logits_obj, num_seqs, num_q_heads,
+                    head_dim, num_partitions,
+                    "max_seq_len > partition_size (num_partitions = ceil(max_seq_len / "
+                    "partition_size))",
+                    dev);
+
+  pagedd::cuda::PagedDecodeTcParams p{};
+  p.out = out.data();
+  p.query = query.data();
+  p.q_seq_stride = query.stride(0);
+  p.q_head_stride = query.stride(1);
+  p.key_cache = key_cache.data();
+  p.value_cache = value_cache.data();
+  p.kv_block_stride = key_cache.stride(0);
+  p.kv_head_stride = key_cache.stride(1);
+  p.block_tables = static_cast<const int32_t*>(block_tables.data());
+  p.block_table_stride = block_tables.stride(0);
+  p.seq_lens = static_cast<const int32_t*>(seq_lens.data());
+  p.tmp_out = ws[0];
+  p.exp_sums = ws[1];
+  p.max_logits = ws[2];
+  p.num_partitions = num_partitions;
+  p.num_seqs = (int)num_seqs;
+  p.num_q_heads = (int)num_q_heads;
+  p.num_kv_heads = (int)num_kv_heads;
+  p.head_dim = (int)head_dim;
+  p.block_size = (int)block_size;
+  p.scale = (float)scale;
+  p.dtype = attention_dtype(query, "query");
+  p.cache_dtype = kv_cache_dtype(key_cache, "key_cache", query, "query");
+  p.k_scale = (float)k_scale;
+  p.v_scale = (float)v_scale;
+  p.partition_size = partition_size;
+  p.max_seq_len = max_seq_len;
+  cudaError_t err;
+  {
+    nb::gil_scoped_release release;
+    err = pagedd::cuda::paged_attention_decode_tc(p, as_stream(stream));
+  }
+  check_cuda_error(err, "paged_attention_decode_tc");
+}
+
 void paged_attention_prefill(Array out, Array query, Array key_cache, Array value_cache,
                              Array block_tables, Array seq_lens, Array query_start_loc,
                              double scale, int max_query_len, int block_m, int block_n,
@@ -412,6 +523,15 @@ void bind_cuda_ops(nb::module_& m) {
         "num_partitions, head_dim] f32, exp_sums / max_logits: [num_seqs, num_q_heads,\n"
         "num_partitions] f32 (None when max_seq_len <= partition_size). An fp8 e4m3 cache\n"
         "is passed as uint8 storage and read as e4m3 * k_scale / v_scale.");
+  m.def("paged_attention_decode_tc", &paged_attention_decode_tc, nb::arg("out").noconvert(),
+        nb::arg("query"), nb::arg("key_cache"), nb::arg("value_cache"), nb::arg("block_tables"),
+        nb::arg("seq_lens"), nb::arg("scale"), nb::arg("max_seq_len"), nb::arg("partition_size"),
+        nb::arg("tmp_out").none(), nb::arg("exp_sums").none(), nb::arg("max_logits").none(),
+        nb::arg("k_scale"), nb::arg("v_scale"), nb::arg("stream"),
+        "Paged decode attention on tensor cores for grouped query heads (<= 16 per kv head),\n"
+        "split-KV with partition_size keys (a multiple of 64) per partition. Arguments as\n"
+        "paged_attention_decode; num_partitions = ceil(max_seq_len / partition_size), and the\n"
+        "workspaces are needed when it is > 1. head_dim 64, 80, 96, 128 or 256.");
   m.def("paged_attention_prefill", &paged_attention_prefill, nb::arg("out").noconvert(),
         nb::arg("query"), nb::arg("key_cache"), nb::arg("value_cache"), nb::arg("block_tables"),
         nb::arg("seq_lens"), nb::arg("query_start_loc"), nb::arg("scale"),

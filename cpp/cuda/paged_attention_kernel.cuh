@@ -315,21 +315,25 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, decode_min_blocks<HEADS>())
 }
 
 // Merge the partitions of one (sequence, query head): grid (num_q_heads, num_seqs).
+// Partitions hold partition_size keys each; a sequence longer than max_len (at most
+// num_partitions * partition_size) gets NaN. The tensor-core decode kernel
+// (paged_decode_tc_kernel.cuh) writes the same workspace with its own partition size.
 template <typename scalar_t, int HEAD_DIM>
-__global__ void __launch_bounds__(128) paged_decode_reduce_kernel(const PagedDecodeParams p) {
+__global__ void __launch_bounds__(128)
+    paged_decode_reduce_kernel(const PagedDecodeParams p, int partition_size, int max_len) {
   extern __shared__ float s_weights[];  // [num_partitions]
   __shared__ float s_red[32];
   const int qh = blockIdx.x, seq = blockIdx.y, tid = threadIdx.x;
   const int seq_len = p.seq_lens[seq];
   const int64_t row_idx = (int64_t)seq * p.num_q_heads + qh;
   scalar_t* out = static_cast<scalar_t*>(p.out) + row_idx * HEAD_DIM;
-  if (seq_len <= 0 || seq_len > p.num_partitions * kPartitionSize) {
+  if (seq_len <= 0 || seq_len > max_len) {
     // Length 0: zeros. Too long for the workspace: NaN, loudly, rather than a truncated answer.
     const float fill = seq_len <= 0 ? 0.f : __int_as_float(0x7fc00000);
     for (int d = tid; d < HEAD_DIM; d += blockDim.x) out[d] = Convert<scalar_t>::from_float(fill);
     return;
   }
-  const int num_parts = (seq_len + kPartitionSize - 1) / kPartitionSize;
+  const int num_parts = (seq_len + partition_size - 1) / partition_size;
   const float* max_logits = p.max_logits + row_idx * p.num_partitions;
   const float* exp_sums = p.exp_sums + row_idx * p.num_partitions;
 
@@ -400,6 +404,24 @@ __global__ void __launch_bounds__(128) paged_decode_reduce_kernel(const PagedDec
     __VA_ARGS__;                                 \
   }
 
+// The reduce launch of a split-KV decode (num_partitions > 1).
+template <typename scalar_t, int HEAD_DIM>
+cudaError_t launch_paged_decode_reduce(const PagedDecodeParams& p, int partition_size,
+                                       int max_len, cudaStream_t stream) {
+  // Padded by 4 floats: ptxas merges the guarded tail reads of s_weights into one wider
+  // load (compute-sanitizer memcheck flagged a 12-byte read past the end).
+  const size_t smem = sizeof(float) * (p.num_partitions + 4);
+  if (smem > 48 * 1024) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(paged_decode_reduce_kernel<scalar_t, HEAD_DIM>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (err != cudaSuccess) return err;
+  }
+  paged_decode_reduce_kernel<scalar_t, HEAD_DIM>
+      <<<dim3(p.num_q_heads, p.num_seqs), 128, smem, stream>>>(p, partition_size, max_len);
+  return cudaGetLastError();
+}
+
 template <typename scalar_t, typename cache_t, int HEAD_DIM>
 cudaError_t launch_paged_decode_typed(const PagedDecodeParams& p, cudaStream_t stream) {
   const int group = p.num_q_heads / p.num_kv_heads;
@@ -410,17 +432,8 @@ cudaError_t launch_paged_decode_typed(const PagedDecodeParams& p, cudaStream_t s
   }));
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || p.num_partitions == 1) return err;
-  // Padded by 4 floats: ptxas merges the guarded tail reads of s_weights into one wider
-  // load (compute-sanitizer memcheck flagged a 12-byte read past the end).
-  const size_t smem = sizeof(float) * (p.num_partitions + 4);
-  if (smem > 48 * 1024) {
-    err = cudaFuncSetAttribute(paged_decode_reduce_kernel<scalar_t, HEAD_DIM>,
-                               cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    if (err != cudaSuccess) return err;
-  }
-  paged_decode_reduce_kernel<scalar_t, HEAD_DIM>
-      <<<dim3(p.num_q_heads, p.num_seqs), 128, smem, stream>>>(p);
-  return cudaGetLastError();
+  return launch_paged_decode_reduce<scalar_t, HEAD_DIM>(p, kPartitionSize,
+                                                        p.num_partitions * kPartitionSize, stream);
 }
 
 template <int HEAD_DIM>

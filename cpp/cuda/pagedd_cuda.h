@@ -64,6 +64,27 @@ struct PagedDecodeParams {
 // longer than num_partitions * kPartitionSize gets NaN (the caller's max_seq_len was wrong).
 cudaError_t paged_attention_decode(const PagedDecodeParams& p, cudaStream_t stream);
 
+// The tensor-core decode kernel's parameters: the CUDA-core kernel's, with a runtime
+// partition size (a multiple of 64) and the caller's max_seq_len. The split-KV workspaces
+// have the same layout and meaning; num_partitions = ceil(max_seq_len / partition_size).
+struct PagedDecodeTcParams : PagedDecodeParams {
+  int partition_size;  // keys per partition, a positive multiple of 64
+  int max_seq_len;     // >= every seq_lens entry; a longer sequence gets NaN
+};
+
+// Head sizes paged_attention_decode_tc is built for, and the largest GQA group (query heads
+// per kv head) it takes: the group is one mma atom of 16 rows.
+inline bool decode_tc_is_built(int head_dim) {
+  return head_dim == 64 || head_dim == 80 || head_dim == 96 || head_dim == 128 || head_dim == 256;
+}
+constexpr int kDecodeTcMaxGroup = 16;
+
+// Decode attention on tensor cores for grouped query heads: the same result and conventions
+// as paged_attention_decode (zeros for length 0, NaN past max_seq_len), split-KV with
+// partition_size keys per partition; the query heads of a kv head (group <= 16) are the rows
+// of one mma atom, so K/V are read once per kv head. fp16 / bf16 or fp8 e4m3 cache.
+cudaError_t paged_attention_decode_tc(const PagedDecodeTcParams& p, cudaStream_t stream);
+
 struct PagedPrefillParams {
   void* out;                     // [num_tokens, num_q_heads, head_dim], contiguous
   const void* query;             // [num_tokens, num_q_heads, head_dim], last dim contiguous

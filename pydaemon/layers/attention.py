@@ -4,9 +4,9 @@ the block table. Backend selection lives here and only here:
 - CUDA with the pagedd kernels (fp16/bf16): ``reshape_and_cache`` kernel for the cache
   writes, then ONE attention launch per layer: the tensor-core paged prefill kernel when the
   step has prefill work (its decode rows ride along in the same launch); for decode-only
-  steps, the same kernel with 64-row tiles where it wins (grouped heads, enough blocks, see
-  ``decode_on_tensor_cores``), else the split-KV paged decode kernel. No Python loop over
-  sequences, no host-device sync.
+  steps, the split-KV tensor-core decode kernel for grouped heads (GQA), else the split-KV
+  CUDA-core decode kernel (``decode_kernel``). No Python loop over sequences, no host-device
+  sync.
 - otherwise (CPU, float32, or a build without kernels): the plain torch path.
 
 A layer with a sliding window (Mistral, Qwen2/3) keeps the kernel cache writes but attends on
@@ -29,6 +29,7 @@ from torch import nn
 from pydaemon.attention_metadata import AttentionMetadata
 from pydaemon.kv_cache_fp8 import FP8_DTYPE
 from pydaemon.layers.paged_attention_torch import paged_attention_torch, write_kv_cache_torch
+from pydaemon.ops.paged_decode_tc import DECODE_TC_HEAD_DIMS, DECODE_TC_MAX_GROUP
 
 # "auto": the CUDA kernels where they apply; "torch": always the torch path (debugging, A/B).
 BACKEND = os.environ.get("PAGEDD_ATTENTION_BACKEND", "auto")
@@ -56,16 +57,21 @@ def uses_kernels(cache: torch.Tensor) -> bool:
     )
 
 
-def decode_on_tensor_cores(num_seqs: int, num_kv_heads: int, group: int, max_seq_len: int) -> bool:
-    """Decode-only step: the tensor-core prefill kernel (query heads of a group as rows, one
-    block per sequence and kv head, no split-KV) or the split-KV CUDA-core decode kernel.
+def decode_kernel(group: int, head_dim: int) -> str:
+    """The kernel of a decode-only step: "tensor_cores" (ops.paged_attention_decode_tc, the
+    query heads of a kv head as the rows of one mma atom, split-KV) for grouped heads (GQA,
+    2 to DECODE_TC_MAX_GROUP query heads per kv head) at a head size it is built for, else
+    "cuda_cores" (ops.paged_attention_decode, the split-KV CUDA-core kernel; MHA stays there:
+    with one query row an mma atom would be 1/16 used).
 
-    Measured on the H200 (bench/results/prefill_h200.md, head 128, GQA 32/8): from 32
-    sequences the tensor-core path is 1.26-1.5x the decode kernel (3.6-4.0 TB/s at contexts
-    >= 4k), and it wins at 8 sequences of 512 tokens; with few blocks and long contexts the
-    decode kernel's partitions win (8 x 4k: 75 vs 125 us). MHA stays on the decode kernel.
+    Replaces the decode route through the prefill kernel with 64-row tiles (no split-KV, one
+    warp of four computing). The H200 numbers in bench/results (attention_h200.md,
+    prefill_h200.md part B) predate this kernel and are to be re-measured with
+    ``bench/bench_attention.py --kernel all``.
     """
-    return group >= 4 and (num_seqs * num_kv_heads >= 256 or max_seq_len <= 512)
+    if 2 <= group <= DECODE_TC_MAX_GROUP and head_dim in DECODE_TC_HEAD_DIMS:
+        return "tensor_cores"
+    return "cuda_cores"
 
 
 class PagedAttention(nn.Module):
@@ -125,14 +131,8 @@ class PagedAttention(nn.Module):
         if self.sliding_window is not None:
             # The CUDA attention kernels have no window: windowed layers attend on the torch path.
             return self._attend_torch(query, key_cache, value_cache, md)
-        num_kv_heads = key_cache.shape[1]  # this rank's, under tensor parallelism
-        group = query.shape[1] // num_kv_heads
-        tc_decode = md.num_prefills == 0 and decode_on_tensor_cores(
-            md.num_seqs, num_kv_heads, group, md.max_seq_len
-        )
-        if md.num_prefills > 0 or tc_decode:
-            # A decode-only step on tensor cores: one query row per sequence, 64-row tiles.
-            tiles = {"block_m": 64, "block_n": 64} if tc_decode else {}
+        if md.num_prefills > 0:
+            # Prefill chunks (and the decode rows riding along): one tensor-core launch.
             return ops.paged_attention_prefill(
                 query,
                 key_cache,
@@ -140,13 +140,18 @@ class PagedAttention(nn.Module):
                 md.block_tables,
                 md.seq_lens,
                 md.query_start_loc,
-                1 if tc_decode else md.max_query_len,  # host int: no device read-back
+                md.max_query_len,  # host int: no device read-back
                 scale=self.scale,
                 k_scale=k_scale,
                 v_scale=v_scale,
-                **tiles,
             )
-        return ops.paged_attention_decode(
+        group = query.shape[1] // key_cache.shape[1]  # this rank's heads, under TP
+        decode = (
+            ops.paged_attention_decode_tc
+            if decode_kernel(group, self.head_dim) == "tensor_cores"
+            else ops.paged_attention_decode
+        )
+        return decode(
             query,
             key_cache,
             value_cache,

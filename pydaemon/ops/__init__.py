@@ -4,6 +4,8 @@
     if ops.is_available():
         out = ops.paged_attention_decode(query, key_cache, value_cache, block_tables,
                                          seq_lens, max_seq_len)
+        out = ops.paged_attention_decode_tc(query, key_cache, value_cache, block_tables,
+                                            seq_lens, max_seq_len)  # GQA, tensor cores
         out = ops.paged_attention_prefill(query, key_cache, value_cache, block_tables,
                                           seq_lens, query_start_loc, max_query_len)
         out = ops.fused_add_rms_norm(x, residual, weight, eps)  # residual updated in place
@@ -30,19 +32,29 @@ from pydaemon.ops.paged_attention import (
     num_partitions,
     paged_attention_decode,
 )
+from pydaemon.ops.paged_decode_tc import (
+    DECODE_TC_HEAD_DIMS,
+    DECODE_TC_MAX_GROUP,
+    decode_tc_partition_size,
+    paged_attention_decode_tc,
+)
 from pydaemon.ops.paged_prefill import paged_attention_prefill
 from pydaemon.ops.rotary import rotary_embedding
 
 __all__ = [
+    "DECODE_TC_HEAD_DIMS",
+    "DECODE_TC_MAX_GROUP",
     "LAYER_KERNEL_DTYPES",
     "PARTITION_SIZE",
     "SwapStream",
     "copy_blocks",
     "core",
+    "decode_tc_partition_size",
     "fused_add_rms_norm",
     "is_available",
     "num_partitions",
     "paged_attention_decode",
+    "paged_attention_decode_tc",
     "paged_attention_prefill",
     "per_token_fp8_quant",
     "reshape_and_cache",

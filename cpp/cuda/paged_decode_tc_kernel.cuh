@@ -1,0 +1,388 @@
+// Paged decode attention on tensor cores, split-KV, for grouped query heads (GQA).
+//
+// Grid (num_kv_heads, num_partitions, num_seqs); one thread block of WARPS warps handles one
+// (sequence, kv head, partition of partition_size keys). Its rows are the `group` query heads
+// of the kv head, padded with zeros to one mma atom of 16 rows (padding rows are computed and
+// never stored), so each K/V element is read from HBM once for the whole group.
+//
+// The warps work independently: warp w takes the 16-key sub-tiles w, w + WARPS, ... of the
+// partition and streams them through its OWN cp.async ring of STAGES sub-tiles (block-table
+// entries fetched one sub-tile ahead), so the main loop has no block-wide barrier and
+// STAGES - 1 sub-tiles per warp are in flight while it computes. Per sub-tile, exactly the
+// prefill kernel's math (paged_prefill_kernel.cuh) on one atom:
+//   S = Q K^T      Q fragments in registers (loaded once), K through ldmatrix, mma.m16n8k16
+//   mask           keys past the partition / sequence end -> -inf
+//   online softmax per row in the log2 domain, exp2 with the scale folded in
+//   O += P V       the 16 x 16 P is exactly one A fragment; V through ldmatrix.trans
+// At the end the warps' (max, sum, O) are merged through shared memory (reusing the ring).
+// With one partition the block normalises and writes `out`; otherwise it writes the split-KV
+// workspace of the CUDA-core decode kernel (natural-log max, exp sum, O unnormalised) and
+// paged_decode_reduce_kernel (paged_attention_kernel.cuh) merges the partitions.
+//
+// An fp8 (e4m3) cache streams its raw bytes through the ring (half the bytes of bf16); each
+// warp converts its own sub-tile into a small per-warp 16-bit K/V buffer (exact: e4m3 fits
+// fp16 and bf16), __syncwarp only, then the same ldmatrix / mma path. k_scale is folded into
+// the softmax scale, v_scale into the final normalisation.
+#pragma once
+
+#include <cmath>
+
+#include "dtype_utils.cuh"
+#include "mma_utils.cuh"
+#include "paged_attention_kernel.cuh"  // paged_decode_reduce_kernel, launch_paged_decode_reduce
+#include "pagedd_cuda.h"
+
+namespace pagedd::cuda {
+
+template <int HEAD_DIM, int WARPS, int STAGES, bool FP8>
+struct DecodeTcTile {
+  static constexpr int SUB = 16;                 // keys per warp step (one A fragment of P)
+  static constexpr int THREADS = 32 * WARPS;
+  // Rows padded by 16 bytes: the 8 row addresses of an ldmatrix fall in distinct bank groups.
+  static constexpr int ROW = HEAD_DIM + 8;
+  static constexpr int CHUNKS = HEAD_DIM / 8;      // 16-byte chunks of a 16-bit row
+  static constexpr int RAW_CHUNKS = HEAD_DIM / 16;  // 16-byte chunks of an fp8 row
+  static constexpr int K_STEPS = HEAD_DIM / 16;    // k steps of S = Q K^T
+  static constexpr int D_TILES = HEAD_DIM / 8;     // n tiles of O
+  // Q fragments stay in registers up to head 128 (K_STEPS * 4 registers); head 256 re-reads
+  // them from shared memory to leave room for its 128 accumulators.
+  static constexpr bool Q_IN_REGS = HEAD_DIM <= 128;
+  static constexpr size_t Q_BYTES = sizeof(uint16_t) * 16 * ROW;
+  // One 16-bit K + V sub-tile ([SUB][ROW] each).
+  static constexpr size_t TILE_BYTES = sizeof(uint16_t) * 2 * SUB * ROW;
+  // One raw fp8 K + V sub-tile ([SUB][HEAD_DIM] bytes each).
+  static constexpr size_t RAW_BYTES = 2 * SUB * HEAD_DIM;
+  // Per warp: STAGES 16-bit sub-tiles, or STAGES raw sub-tiles + one converted sub-tile.
+  static constexpr size_t WARP_BYTES = FP8 ? STAGES * RAW_BYTES + TILE_BYTES : STAGES * TILE_BYTES;
+  // The merge of the warps' results: O [WARPS][16][HEAD_DIM] fp32, then max and sum [WARPS][16].
+  static constexpr size_t MERGE_BYTES = sizeof(float) * WARPS * 16 * (HEAD_DIM + 2);
+  static constexpr size_t RING_BYTES = WARPS * WARP_BYTES;
+  static constexpr size_t SMEM_BYTES = Q_BYTES + (RING_BYTES > MERGE_BYTES ? RING_BYTES : MERGE_BYTES);
+  static_assert(HEAD_DIM % 16 == 0, "head_dim must be a multiple of 16");
+  static_assert(RAW_BYTES % 16 == 0 && TILE_BYTES % 16 == 0 && Q_BYTES % 16 == 0, "alignment");
+};
+
+template <typename scalar_t, typename cache_t, int HEAD_DIM, int WARPS, int STAGES>
+__global__ void __launch_bounds__(32 * WARPS, 2)
+    paged_decode_tc_kernel(const PagedDecodeTcParams p, int block_shift) {
+  constexpr bool FP8 = is_fp8_v<cache_t>;
+  using T = DecodeTcTile<HEAD_DIM, WARPS, STAGES, FP8>;
+  using MMA = Mma<scalar_t>;
+  constexpr int ROW = T::ROW, SUB = T::SUB, CHUNKS = T::CHUNKS;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  scalar_t* s_q = reinterpret_cast<scalar_t*>(smem_raw);  // [16][ROW]
+  unsigned char* s_ring = smem_raw + T::Q_BYTES;           // [WARPS][WARP_BYTES]
+
+  const int kv_head = blockIdx.x, part = blockIdx.y, seq = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int seq_len = p.seq_lens[seq];
+  const int start = part * p.partition_size;
+  const bool single = p.num_partitions == 1;
+  scalar_t* out = static_cast<scalar_t*>(p.out);
+
+  if (start >= seq_len || seq_len > p.max_seq_len) {
+    // Nothing to attend to. Only the single-partition path owns `out` here (zeros for length
+    // 0, NaN for a sequence longer than max_seq_len); with partitions, the reduce kernel
+    // writes those rows and ignores partitions past the sequence end.
+    if (single) {
+      for (int i = tid; i < group * HEAD_DIM; i += blockDim.x) {
+        const int qh = kv_head * group + i / HEAD_DIM;
+        out[((int64_t)seq * p.num_q_heads + qh) * HEAD_DIM + i % HEAD_DIM] =
+            Convert<scalar_t>::from_float(seq_len == 0 ? 0.f : __int_as_float(0x7fc00000));
+      }
+    }
+    return;
+  }
+  const int end = min(seq_len, start + p.partition_size);  // keys [start, end)
+  const int num_sub = (end - start + SUB - 1) / SUB;
+  const int my_subs = num_sub > warp ? (num_sub - warp + WARPS - 1) / WARPS : 0;
+
+  // Q -> shared memory, rows >= group zero-filled (they join the first cp.async group).
+  const scalar_t* query = static_cast<const scalar_t*>(p.query);
+  for (int x = tid; x < 16 * CHUNKS; x += T::THREADS) {
+    const int r = x / CHUNKS, ch = x % CHUNKS;
+    const bool valid = r < group;
+    const scalar_t* src = query;
+    if (valid)
+      src += (int64_t)seq * p.q_seq_stride + (int64_t)(kv_head * group + r) * p.q_head_stride +
+             ch * 8;
+    cp_async16_zfill(s_q + r * ROW + ch * 8, src, valid);
+  }
+
+  const int32_t* block_table = p.block_tables + (int64_t)seq * p.block_table_stride;
+  const cache_t* k_base =
+      static_cast<const cache_t*>(p.key_cache) + (int64_t)kv_head * p.kv_head_stride;
+  const cache_t* v_base =
+      static_cast<const cache_t*>(p.value_cache) + (int64_t)kv_head * p.kv_head_stride;
+  const int offset_mask = (1 << block_shift) - 1;
+  unsigned char* warp_ring = s_ring + warp * T::WARP_BYTES;
+  // The sub-tile's 16-bit K and V: ring stage `stage` (16-bit cache) or the converted buffer.
+  auto tile_k = [&](int stage) -> scalar_t* {
+    return reinterpret_cast<scalar_t*>(warp_ring + (FP8 ? STAGES * T::RAW_BYTES
+                                                        : stage * T::TILE_BYTES));
+  };
+  auto raw_k = [&](int stage) { return warp_ring + stage * T::RAW_BYTES; };  // fp8 only
+
+  // First key of this warp's i-th sub-tile. A sub-tile starts at a multiple of 16 and block
+  // sizes are powers of two >= 8, so its keys lie in the blocks of keys 0 and 8 of it.
+  auto sub_start = [&](int i) { return start + (warp + i * WARPS) * SUB; };
+  struct Blocks {
+    int b0, b1;
+  };
+  auto fetch_blocks = [&](int i) -> Blocks {
+    Blocks b{0, 0};
+    if (i < my_subs) {
+      const int k0 = sub_start(i);
+      b.b0 = block_table[k0 >> block_shift];
+      if (k0 + 8 < end) b.b1 = block_table[(k0 + 8) >> block_shift];
+    }
+    return b;
+  };
+  // Copies this lane's chunks of sub-tile i into ring stage `stage` (keys past `end`
+  // zero-filled: 0 * garbage is never NaN). Sub-tiles past this warp's last copy nothing.
+  auto load_sub = [&](int i, Blocks b, int stage) {
+    if (i >= my_subs) return;
+    const int k0 = sub_start(i);
+    constexpr int CH = FP8 ? T::RAW_CHUNKS : CHUNKS;  // 16-byte chunks per key row
+    constexpr int ELEMS = FP8 ? 16 : 8;              // cache elements per chunk
+    constexpr int PER_LANE = (SUB * CH + 31) / 32;
+#pragma unroll
+    for (int it = 0; it < PER_LANE; ++it) {
+      const int x = lane + it * 32;
+      if ((SUB * CH) % 32 != 0 && x >= SUB * CH) break;
+      const int r = x / CH, ch = x % CH, key = k0 + r;
+      const bool valid = key < end;
+      int64_t off = 0;
+      if (valid)
+        off = (int64_t)(r < 8 ? b.b0 : b.b1) * p.kv_block_stride + (key & offset_mask) * HEAD_DIM +
+              ch * ELEMS;
+      if constexpr (FP8) {
+        unsigned char* dst = raw_k(stage) + r * HEAD_DIM + ch * 16;
+        cp_async16_zfill(dst, k_base + off, valid);
+        cp_async16_zfill(dst + SUB * HEAD_DIM, v_base + off, valid);
+      } else {
+        scalar_t* dst = tile_k(stage) + r * ROW + ch * 8;
+        cp_async16_zfill(dst, k_base + off, valid);
+        cp_async16_zfill(dst + SUB * ROW, v_base + off, valid);
+      }
+    }
+  };
+  // fp8: this lane's chunks of raw stage -> the converted 16-bit sub-tile (the same chunks
+  // it copied, so its own cp.async wait suffices; a __syncwarp publishes them).
+  auto convert_sub = [&](int stage) {
+    constexpr int PER_LANE = (SUB * T::RAW_CHUNKS + 31) / 32;
+    scalar_t* dk = tile_k(0);
+#pragma unroll
+    for (int it = 0; it < PER_LANE; ++it) {
+      const int x = lane + it * 32;
+      if ((SUB * T::RAW_CHUNKS) % 32 != 0 && x >= SUB * T::RAW_CHUNKS) break;
+      const int r = x / T::RAW_CHUNKS, ch = x % T::RAW_CHUNKS;
+      const unsigned char* src = raw_k(stage) + r * HEAD_DIM + ch * 16;
+      uint4* k16 = reinterpret_cast<uint4*>(dk + r * ROW + ch * 16);
+      uint4* v16 = reinterpret_cast<uint4*>(dk + SUB * ROW + r * ROW + ch * 16);
+      fp8x16_to_vec<scalar_t>(*reinterpret_cast<const uint4*>(src), k16[0], k16[1]);
+      fp8x16_to_vec<scalar_t>(*reinterpret_cast<const uint4*>(src + SUB * HEAD_DIM), v16[0],
+                              v16[1]);
+    }
+  };
+
+  // Prologue: the block entries of sub-tiles 0 .. STAGES-1 fetched together (one round
+  // trip), sub-tiles 0 .. STAGES-2 in flight (Q joins the first group).
+  Blocks first[STAGES];
+#pragma unroll
+  for (int s = 0; s < STAGES; ++s) first[s] = fetch_blocks(s);
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    load_sub(s, first[s], s);
+    cp_async_commit_group();
+  }
+  Blocks next = first[STAGES - 1];
+  cp_async_wait_group<STAGES - 2>();  // this thread's Q chunks landed ...
+  __syncthreads();                     // ... and every thread's
+
+  const float scale_log2 = p.scale * (FP8 ? p.k_scale : 1.f) * 1.4426950408889634f;
+  const int quad_row = lane / 4, quad_col = 2 * (lane % 4);
+  const scalar_t* q_lane = s_q + (lane % 16) * ROW + (lane / 16) * 8;
+  uint32_t q_frag[T::Q_IN_REGS ? T::K_STEPS : 1][4];
+  if constexpr (T::Q_IN_REGS) {
+#pragma unroll
+    for (int ks = 0; ks < T::K_STEPS; ++ks) ldmatrix_x4(q_frag[ks], q_lane + ks * 16);
+  }
+  float o[T::D_TILES][4];
+#pragma unroll
+  for (int d = 0; d < T::D_TILES; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+
+  for (int i = 0; i < my_subs; ++i) {
+    // Refill the stage sub-tile i-1 used (every lane finished it: __syncwarp below).
+    load_sub(i + STAGES - 1, next, (i + STAGES - 1) % STAGES);
+    cp_async_commit_group();
+    next = fetch_blocks(i + STAGES);  // used next iteration: its latency hides behind this one
+    cp_async_wait_group<STAGES - 1>();  // this lane's copies of sub-tile i landed
+    const int stage = i % STAGES;
+    if constexpr (FP8) convert_sub(stage);
+    __syncwarp();  // ... and every lane's (converted) chunks are visible to the warp
+    const scalar_t* sk = tile_k(FP8 ? 0 : stage);
+    const scalar_t* sv = sk + SUB * ROW;
+    const int k0 = sub_start(i);
+
+    // S = Q K^T: 16 rows x 16 keys (two n tiles of 8 keys).
+    float s[2][4];
+#pragma unroll
+    for (int t = 0; t < 2; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.f;
+    const scalar_t* k_lane = sk + (lane % 8 + (lane / 16) * 8) * ROW + ((lane / 8) % 2) * 8;
+#pragma unroll
+    for (int ks = 0; ks < T::K_STEPS; ++ks) {
+      uint32_t qa[4];
+      if constexpr (T::Q_IN_REGS) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) qa[j] = q_frag[ks][j];
+      } else {
+        ldmatrix_x4(qa, q_lane + ks * 16);
+      }
+      uint32_t b[4];
+      ldmatrix_x4(b, k_lane + ks * 16);
+      MMA::m16n8k16(s[0], qa, b[0], b[1]);
+      MMA::m16n8k16(s[1], qa, b[2], b[3]);
+    }
+    // Keys past the end of the partition (or sequence).
+    if (k0 + SUB > end) {
+#pragma unroll
+      for (int t = 0; t < 2; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (k0 + t * 8 + quad_col + (e & 1) >= end) s[t][e] = -INFINITY;
+    }
+    // Online softmax (log2 domain, scale folded in); the 4 lanes of a quad share a row.
+    float alpha[2];
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      float mx = fmaxf(fmaxf(s[0][2 * rr], s[0][2 * rr + 1]), fmaxf(s[1][2 * rr], s[1][2 * rr + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(row_max[rr], mx * scale_log2);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with no key yet
+      alpha[rr] = fast_exp2(row_max[rr] - m_use);
+      row_max[rr] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        s[t][2 * rr] = fast_exp2(fmaf(s[t][2 * rr], scale_log2, -m_use));
+        s[t][2 * rr + 1] = fast_exp2(fmaf(s[t][2 * rr + 1], scale_log2, -m_use));
+        sum += s[t][2 * rr] + s[t][2 * rr + 1];
+      }
+      row_sum[rr] = row_sum[rr] * alpha[rr] + sum;
+    }
+    if (!__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) {
+#pragma unroll
+      for (int d = 0; d < T::D_TILES; ++d) {
+        o[d][0] *= alpha[0], o[d][1] *= alpha[0];
+        o[d][2] *= alpha[1], o[d][3] *= alpha[1];
+      }
+    }
+    // O += P V: the two S tiles of 8 keys are one A fragment of 16 keys.
+    uint32_t pa[4];
+    pa[0] = MMA::pack(s[0][0], s[0][1]);
+    pa[1] = MMA::pack(s[0][2], s[0][3]);
+    pa[2] = MMA::pack(s[1][0], s[1][1]);
+    pa[3] = MMA::pack(s[1][2], s[1][3]);
+    const scalar_t* v_lane = sv + (lane % 8 + ((lane / 8) % 2) * 8) * ROW + (lane / 16) * 8;
+#pragma unroll
+    for (int dp = 0; dp < T::D_TILES / 2; ++dp) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, v_lane + dp * 16);
+      MMA::m16n8k16(o[2 * dp], pa, b[0], b[1]);
+      MMA::m16n8k16(o[2 * dp + 1], pa, b[2], b[3]);
+    }
+    __syncwarp();  // every lane is done with this stage before it is refilled
+  }
+
+  // Merge the warps: (max, sum, O) of each through shared memory, reusing the ring.
+  cp_async_wait_group<0>();  // no copy (not even a zero-fill) may land after this point
+  __syncthreads();
+  float* m_o = reinterpret_cast<float*>(s_ring);      // [WARPS][16][HEAD_DIM]
+  float* m_max = m_o + WARPS * 16 * HEAD_DIM;          // [WARPS][16]
+  float* m_sum = m_max + WARPS * 16;                   // [WARPS][16]
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    float l = row_sum[rr];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int r = quad_row + 8 * rr;
+    if (lane % 4 == 0) m_max[warp * 16 + r] = row_max[rr], m_sum[warp * 16 + r] = l;
+    float* dst = m_o + (warp * 16 + r) * HEAD_DIM + quad_col;
+#pragma unroll
+    for (int d = 0; d < T::D_TILES; ++d)
+      *reinterpret_cast<float2*>(dst + d * 8) = make_float2(o[d][2 * rr], o[d][2 * rr + 1]);
+  }
+  __syncthreads();
+
+  const float out_scale = FP8 ? p.v_scale : 1.f;
+  for (int x = tid; x < group * HEAD_DIM; x += T::THREADS) {
+    const int r = x / HEAD_DIM, d = x % HEAD_DIM;
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) m = fmaxf(m, m_max[w * 16 + r]);
+    // m is finite: the partition has a key, so some warp saw one.
+    float l = 0.f, acc = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      const float wt = exp2f(m_max[w * 16 + r] - m);  // 0 for a warp without keys
+      l = fmaf(wt, m_sum[w * 16 + r], l);
+      acc = fmaf(wt, m_o[(w * 16 + r) * HEAD_DIM + d], acc);
+    }
+    const int64_t row_idx = (int64_t)seq * p.num_q_heads + kv_head * group + r;
+    if (single) {
+      out[row_idx * HEAD_DIM + d] = Convert<scalar_t>::from_float(acc * out_scale / l);
+    } else {
+      p.tmp_out[(row_idx * p.num_partitions + part) * HEAD_DIM + d] = acc * out_scale;
+      if (d == 0) {
+        p.exp_sums[row_idx * p.num_partitions + part] = l;
+        p.max_logits[row_idx * p.num_partitions + part] = m * 0.6931471805599453f;  // natural log
+      }
+    }
+  }
+}
+
+// Ring stages per warp: 3 x 16-bit (2 in flight while one is used) or 4 x fp8 (half the
+// bytes each) keep ~2 blocks per SM within shared memory up to head 128; head 256 runs one
+// block per SM.
+template <int HEAD_DIM, bool FP8>
+constexpr int decode_tc_stages() {
+  return HEAD_DIM <= 128 ? (FP8 ? 4 : 3) : (FP8 ? 3 : 2);
+}
+
+template <typename scalar_t, typename cache_t, int HEAD_DIM>
+cudaError_t launch_paged_decode_tc_typed(const PagedDecodeTcParams& p, cudaStream_t stream) {
+  constexpr int WARPS = 4;
+  constexpr bool FP8 = is_fp8_v<cache_t>;
+  constexpr int STAGES = decode_tc_stages<HEAD_DIM, FP8>();
+  using T = DecodeTcTile<HEAD_DIM, WARPS, STAGES, FP8>;
+  auto kernel = paged_decode_tc_kernel<scalar_t, cache_t, HEAD_DIM, WARPS, STAGES>;
+  constexpr size_t smem = T::SMEM_BYTES;
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  if (err != cudaSuccess) return err;
+  int block_shift = 0;
+  while ((1 << block_shift) < p.block_size) ++block_shift;
+  const dim3 grid(p.num_kv_heads, p.num_partitions, p.num_seqs);
+  kernel<<<grid, T::THREADS, smem, stream>>>(p, block_shift);
+  err = cudaGetLastError();
+  if (err != cudaSuccess || p.num_partitions == 1) return err;
+  return launch_paged_decode_reduce<scalar_t, HEAD_DIM>(p, p.partition_size, p.max_seq_len,
+                                                        stream);
+}
+
+template <int HEAD_DIM>
+cudaError_t launch_paged_decode_tc(const PagedDecodeTcParams& p, cudaStream_t stream) {
+  if (p.cache_dtype == DType::kFp8E4M3)
+    return p.dtype == DType::kFloat16
+               ? launch_paged_decode_tc_typed<__half, fp8_e4m3, HEAD_DIM>(p, stream)
+               : launch_paged_decode_tc_typed<__nv_bfloat16, fp8_e4m3, HEAD_DIM>(p, stream);
+  return p.dtype == DType::kFloat16
+             ? launch_paged_decode_tc_typed<__half, __half, HEAD_DIM>(p, stream)
+             : launch_paged_decode_tc_typed<__nv_bfloat16, __nv_bfloat16, HEAD_DIM>(p, stream);
+}
+
+}  // namespace pagedd::cuda

@@ -1,0 +1,109 @@
+"""Paged decode attention on tensor cores for grouped query heads (GQA), split-KV."""
+
+from __future__ import annotations
+
+import torch
+
+from pydaemon.ops._core_ext import core, kv_cache_arg, stream_handle
+
+# Head sizes the kernel is built for (pagedd::cuda::decode_tc_is_built) and the largest
+# group of query heads per kv head it takes (one mma atom of 16 rows).
+DECODE_TC_HEAD_DIMS = (64, 80, 96, 128, 256)
+DECODE_TC_MAX_GROUP = 16
+# Thread blocks that fill the GPU: 2 per SM on the H200's 132 SMs (the kernel's shared memory
+# allows 2 per SM up to head 128), twice over so that uneven partitions even out.
+TARGET_BLOCKS = 2 * 132 * 2
+MIN_PARTITION = 256  # keys: below this a partition's fixed costs (Q load, merge) dominate
+
+
+def decode_tc_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int:
+    """Keys per split-KV partition for a decode step (a multiple of 64), from host ints only.
+
+    One partition (the whole context, rounded up to 64) when the step already has
+    TARGET_BLOCKS (sequence, kv head) blocks or a context of at most MIN_PARTITION keys; else
+    the context is split into about TARGET_BLOCKS / (num_seqs * num_kv_heads) partitions of
+    a multiple of 256 keys (at least MIN_PARTITION). Depends only on its arguments, so a CUDA
+    graph captured at a (batch, max_seq_len) shape launches the same grid at replay.
+    Tuning default, to be re-measured on the H200 (bench/bench_attention.py --kernel).
+    """
+    whole = max(64, -(-max_seq_len // 64) * 64)
+    blocks = num_seqs * num_kv_heads
+    if blocks >= TARGET_BLOCKS or max_seq_len <= MIN_PARTITION:
+        return whole
+    parts = -(-TARGET_BLOCKS // max(blocks, 1))
+    size = -(-max_seq_len // parts)
+    size = max(MIN_PARTITION, -(-size // 256) * 256)
+    return min(size, whole)
+
+
+def decode_tc_num_partitions(max_seq_len: int, partition_size: int) -> int:
+    return max(1, -(-max_seq_len // partition_size))
+
+
+def paged_attention_decode_tc(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    partition_size: int | None = None,
+) -> torch.Tensor:
+    """Attention of one new token per sequence over its paged KV cache, on tensor cores.
+
+    The arguments and result are those of ``paged_attention_decode`` (ops/paged_attention.py):
+    query [num_seqs, num_q_heads, head_dim] fp16/bf16; key_cache / value_cache [num_blocks,
+    num_kv_heads, block_size, head_dim] of query's dtype or float8_e4m3fn (read as e4m3 *
+    k_scale / v_scale); block_tables [num_seqs, max_blocks] int32; seq_lens [num_seqs] int32,
+    each <= max_seq_len (host int: no device read; a longer sequence gets NaN, length 0 gets
+    zeros); returns out [num_seqs, num_q_heads, head_dim].
+
+    partition_size: keys per split-KV partition, a multiple of 64; None picks
+                    ``decode_tc_partition_size(num_seqs, num_kv_heads, max_seq_len)``.
+
+    head_dim in DECODE_TC_HEAD_DIMS, at most DECODE_TC_MAX_GROUP query heads per kv head,
+    block_size in {8, 16, 32}. Runs on the current stream of query's device; the workspaces
+    (when there are several partitions) come from torch's caching allocator: graph-capturable.
+    """
+    _core = core()  # RuntimeError first when the kernels are unavailable
+    num_seqs, num_q_heads, head_dim = query.shape
+    if scale is None:
+        scale = head_dim**-0.5
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if partition_size is None:
+        partition_size = decode_tc_partition_size(num_seqs, key_cache.shape[1], max_seq_len)
+    if partition_size <= 0 or partition_size % 64 != 0:
+        raise ValueError(f"partition_size must be a positive multiple of 64, got {partition_size}")
+    parts = decode_tc_num_partitions(max_seq_len, partition_size)
+    tmp_out = exp_sums = max_logits = None
+    if parts > 1:
+        tmp_out = torch.empty(
+            num_seqs, num_q_heads, parts, head_dim, dtype=torch.float32, device=query.device
+        )
+        exp_sums = torch.empty(
+            num_seqs, num_q_heads, parts, dtype=torch.float32, device=query.device
+        )
+        max_logits = torch.empty_like(exp_sums)
+    _core.paged_attention_decode_tc(
+        out,
+        query,
+        kv_cache_arg(key_cache),
+        kv_cache_arg(value_cache),
+        block_tables,
+        seq_lens,
+        float(scale),
+        int(max_seq_len),
+        int(partition_size),
+        tmp_out,
+        exp_sums,
+        max_logits,
+        float(k_scale),
+        float(v_scale),
+        stream_handle(query.device),
+    )
+    return out
