@@ -313,6 +313,7 @@ def gqa_model(tmp_path_factory):
         num_kv_heads=2,
         num_layers=2,
         vocab_size=512,
+        max_position_embeddings=2048,  # prompts up to 600 tokens + 32 new ones
         seed=2,
     )
 
