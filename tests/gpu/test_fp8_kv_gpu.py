@@ -130,6 +130,41 @@ def test_decode_fp8_cache_matches_reference(dtype, head_dim, block_size, heads, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kernel", ["decode", "decode_tc", "prefill"])
+def test_every_e4m3_code_is_read_exactly(dtype, kernel):
+    """The kernels turn e4m3 into fp16 / bf16 / fp32 with bit moves and a power-of-two
+    multiply (dtype_utils.cuh), not with cvt: every code, subnormals and negatives included,
+    must come out exactly. One key per sequence: softmax weight 1, so out = V exactly."""
+    head_dim, block_size, num_q_heads = 128, 16, 4
+    codes = torch.arange(256, dtype=torch.int32)
+    codes[codes == 0x7F], codes[codes == 0xFF] = 0x7E, 0xFE  # no NaN codes in a cache
+    cache = torch.zeros(2, 2, 2, block_size, head_dim, dtype=torch.uint8)  # [blocks, k/v, ...]
+    cache[:, 0] = 0x38  # every K element 1.0
+    cache[0, 1, :, 0] = codes[:128].to(torch.uint8)  # sequence 0's one V row: codes 0..127
+    cache[1, 1, :, 0] = codes[128:].to(torch.uint8)  # sequence 1's: 128..255
+    cache = cache.view(FP8_DTYPE).cuda()
+    key_cache, value_cache = cache[:, 0], cache[:, 1]
+    block_tables = torch.tensor([[0], [1]], dtype=torch.int32, device="cuda")
+    seq_lens = torch.ones(2, dtype=torch.int32, device="cuda")
+    query = torch.randn(2, num_q_heads, head_dim, device="cuda", dtype=dtype)
+    args = (query, key_cache, value_cache, block_tables, seq_lens)
+    if kernel == "decode":
+        out = ops.paged_attention_decode(*args, 1)
+    elif kernel == "decode_tc":
+        out = ops.paged_attention_decode_tc(*args, 1)
+    else:
+        start = torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda")
+        out = ops.paged_attention_prefill(*args, start, 1)
+    want = torch.stack([cache[0, 1, 0, 0], cache[1, 1, 0, 0]]).float().to(dtype)  # [2, 128]
+    for h in range(num_q_heads):
+        bad = (out[:, h] != want).nonzero()
+        if len(bad):
+            seq, dim = bad[0].tolist()
+            code = int(codes.view(2, 128)[seq, dim])
+            raise AssertionError(f"{kernel}: head {h}: code {code:#04x} read as {out[seq, h, dim]}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads", [(32, 8), (32, 32)], ids=lambda h: f"q{h[0]}kv{h[1]}")
 def test_decode_fp8_cache_long_context_16k(dtype, heads):
     lens = [16384, 9000, 16001]
