@@ -9,6 +9,7 @@
         out = ops.fused_add_rms_norm(x, residual, weight, eps)  # residual updated in place
         out = ops.silu_and_mul(gate_up)
         ops.rotary_embedding(q, k, cos, sin)  # in place
+        ops.rotary_embedding_and_cache(q, k, v, key_cache, value_cache, slot_mapping, cos, sin)
         xq, x_scale = ops.per_token_fp8_quant(x)  # FP8 e4m3, one scale per token
 
 ``is_available()`` is False (and ``unavailable_reason()`` says why) when ``_core`` was built
@@ -26,7 +27,7 @@ from pydaemon.ops.paged_attention import (
     paged_attention_decode,
 )
 from pydaemon.ops.paged_prefill import paged_attention_prefill
-from pydaemon.ops.rotary import rotary_embedding
+from pydaemon.ops.rotary import rotary_embedding, rotary_embedding_and_cache
 
 __all__ = [
     "LAYER_KERNEL_DTYPES",
@@ -43,6 +44,7 @@ __all__ = [
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",
+    "rotary_embedding_and_cache",
     "silu_and_mul",
     "swap_blocks",
     "unavailable_reason",
