@@ -218,6 +218,11 @@ void rotary_embedding_and_cache(Array query, Array key, const Array& value, Arra
   const int64_t num_tokens = query.shape(0), num_kv_heads = key.shape(1);
   const int64_t head_dim = query.shape(2);
   if (num_kv_heads == 0) throw nb::value_error("key must have at least one head");
+  if (head_dim > pagedd::cuda::kMaxRotaryCacheHeadDim)
+    throw nb::value_error(("head_dim must be at most " +
+                           std::to_string(pagedd::cuda::kMaxRotaryCacheHeadDim) + ", got " +
+                           std::to_string(head_dim))
+                              .c_str());
   check_same_dtype(value, "value", key, "key");
   check_heads(value, "value", num_tokens, head_dim, dev);
   check_dim(value, "value", 1, num_kv_heads, "num_kv_heads");

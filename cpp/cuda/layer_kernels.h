@@ -92,6 +92,9 @@ struct RotaryCacheParams {
   float k_scale = 1.f, v_scale = 1.f;
 };
 
+// The fused kernel stages a token's cos and sin in shared memory (2 * head_dim floats).
+constexpr int kMaxRotaryCacheHeadDim = 4096;
+
 // rotary_embedding, then reshape_and_cache of the rotated key and the value, in one launch:
 // bit for bit the two kernels run one after the other. A token with slot < 0 (padding) is
 // rotated but not stored. One block per token; k is read once and written twice (in place

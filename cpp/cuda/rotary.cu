@@ -89,18 +89,25 @@ __device__ __forceinline__ void store_cache(void* cache, int64_t offset, const V
   }
 }
 
-// One block per token. A thread rotates N consecutive pairs (x[i..i+N), x[half+i..half+i+N))
-// of one query or key head in place, loading and storing each side as one vector, and stores
-// a key's rotated values straight into the cache; then the block copies the token's value
-// heads. k never goes back to memory between rotation and cache write.
+// One block per token. The token's cos and sin, rounded to T, are staged in shared memory
+// once (every head uses them). A thread rotates N consecutive pairs (x[i..i+N),
+// x[half+i..half+i+N)) of one query or key head in place, loading and storing each side as
+// one vector, and stores a key's rotated values straight into the cache; then the block
+// copies the token's value heads. k never goes back to memory between rotation and cache write.
 template <typename T, bool FP8, int N>
 __global__ void rotary_cache_kernel(const RotaryCacheParams p) {
+  extern __shared__ float cos_sin_smem[];  // [2 * head_dim]: cos, then sin, rounded to T
   const RotaryParams& r = p.rotary;
   const int64_t token = blockIdx.x;
   const int64_t slot = p.slot_mapping[token];
   const int half = r.head_dim / 2, vecs_per_half = half / N;
-  const float* cos = r.cos + token * r.cos_sin_stride;
-  const float* sin = r.sin + token * r.cos_sin_stride;
+  float* cos = cos_sin_smem;
+  float* sin = cos_sin_smem + r.head_dim;
+  for (int j = threadIdx.x; j < r.head_dim; j += blockDim.x) {
+    cos[j] = round_to<T>(r.cos[token * r.cos_sin_stride + j]);
+    sin[j] = round_to<T>(r.sin[token * r.cos_sin_stride + j]);
+  }
+  __syncthreads();
   T* query = static_cast<T*>(r.query) + token * r.query_token_stride;
   T* key = static_cast<T*>(r.key) + token * r.key_token_stride;
   // This token's row in the cache (elements; bytes for fp8); unused when slot < 0 (padding).
@@ -118,12 +125,9 @@ __global__ void rotary_cache_kernel(const RotaryCacheParams p) {
     Vec<T, N> lo = *reinterpret_cast<const Vec<T, N>*>(x + i);
     Vec<T, N> hi = *reinterpret_cast<const Vec<T, N>*>(x + i + half);
 #pragma unroll
-    for (int e = 0; e < N; ++e) {
-      const float cos_lo = round_to<T>(cos[i + e]), cos_hi = round_to<T>(cos[i + half + e]);
-      const float sin_lo = round_to<T>(sin[i + e]), sin_hi = round_to<T>(sin[i + half + e]);
-      rotate(to_float(lo.v[e]), to_float(hi.v[e]), cos_lo, sin_lo, cos_hi, sin_hi, lo.v[e],
-             hi.v[e]);
-    }
+    for (int e = 0; e < N; ++e)
+      rotate(to_float(lo.v[e]), to_float(hi.v[e]), cos[i + e], sin[i + e], cos[i + half + e],
+             sin[i + half + e], lo.v[e], hi.v[e]);
     *reinterpret_cast<Vec<T, N>*>(x + i) = lo;
     *reinterpret_cast<Vec<T, N>*>(x + i + half) = hi;
     if (is_key && slot >= 0) {
@@ -164,10 +168,11 @@ cudaError_t launch_rotary_cache(const RotaryCacheParams& p, cudaStream_t stream)
   const int num_copies = r.num_kv_heads * (r.head_dim / n);
   const int units = num_rotations > num_copies ? num_rotations : num_copies;
   const int threads = threads_for(units < 256 ? units : 256);
+  const size_t smem = 2 * r.head_dim * sizeof(float);
   if (vec)
-    rotary_cache_kernel<T, FP8, kVec><<<r.num_tokens, threads, 0, stream>>>(p);
+    rotary_cache_kernel<T, FP8, kVec><<<r.num_tokens, threads, smem, stream>>>(p);
   else
-    rotary_cache_kernel<T, FP8, 1><<<r.num_tokens, threads, 0, stream>>>(p);
+    rotary_cache_kernel<T, FP8, 1><<<r.num_tokens, threads, smem, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -189,7 +194,7 @@ cudaError_t rotary_embedding(const RotaryParams& p, cudaStream_t stream) {
 cudaError_t rotary_embedding_and_cache(const RotaryCacheParams& p, cudaStream_t stream) {
   const RotaryParams& r = p.rotary;
   if (r.num_tokens < 0 || r.num_heads <= 0 || r.num_kv_heads <= 0 || r.head_dim <= 0 ||
-      r.head_dim % 2 != 0 || p.block_size <= 0)
+      r.head_dim % 2 != 0 || r.head_dim > kMaxRotaryCacheHeadDim || p.block_size <= 0)
     return cudaErrorInvalidValue;
   if (p.cache_fp8 && (r.dtype == DType::kFloat32 || !(p.k_scale > 0.f) || !(p.v_scale > 0.f)))
     return cudaErrorInvalidValue;
