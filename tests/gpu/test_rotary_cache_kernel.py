@@ -44,12 +44,13 @@ def _qkv(num_tokens, heads, kv_heads, head_dim, dtype, pad=0):
 def _inputs(num_tokens, heads, kv_heads, head_dim, block_size, dtype, cache_dtype, pad=0):
     """(qkv, q, k, v, kv_cache, slot_mapping, cos, sin): a random cache of NUM_LAYERS layers
     (layer 1's key/value caches are strided views, as the model passes them), distinct
-    random slots with every fifth one -1 (padding), Llama-3 cos/sin at random positions."""
+    random slots, every fifth from the fourth on -1 (padding), Llama-3 cos/sin at random
+    positions."""
     qkv, q, k, v = _qkv(num_tokens, heads, kv_heads, head_dim, dtype, pad)
     shape = (NUM_BLOCKS, NUM_LAYERS, 2, kv_heads, block_size, head_dim)
     kv_cache = torch.randn(shape, device="cuda").to(cache_dtype)
     slots = torch.randperm(NUM_BLOCKS * block_size)[:num_tokens]
-    slots[::5] = -1
+    slots[3::5] = -1
     rope = RotaryEmbedding(head_dim, 500000.0, LLAMA3, device="cuda")
     cos, sin = rope(torch.randint(0, 8192, (num_tokens,), device="cuda"))
     return qkv, q, k, v, kv_cache, slots.cuda(), cos, sin
@@ -233,8 +234,9 @@ def test_attention_layer_with_rotary_equals_rotating_first(cache_dtype, sliding_
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    # head_dim 64, GQA 8 query heads over 2 KV heads, contexts <= 512: every decode step runs
-    # on the tensor-core kernel (no atomics), so two engines give the same bits.
+    # tests/gpu/test_engine_gpu.py's model: head_dim 64, GQA 8 query heads over 2 KV heads;
+    # contexts <= 512, so every decode step runs on the tensor-core kernel (no atomics) and
+    # two engines give the same bits.
     return make_hf_model(
         tmp_path_factory.mktemp("rotary_cache"),
         hidden_size=512,
@@ -243,7 +245,7 @@ def model(tmp_path_factory):
         num_layers=2,
         vocab_size=512,
         max_position_embeddings=512,
-        seed=7,
+        seed=1,
     )
 
 
@@ -264,7 +266,7 @@ def test_engine_with_fused_kernel_equals_separate_kernels(
     equal an engine whose fused op is replaced by the two kernels, token for token, and
     follow float32 transformers (fp16 cache: tests/gpu/test_engine_gpu.py's criterion)."""
     path, hf = model
-    prompts = random_prompts(6, 512, 5, 300, seed=11)
+    prompts = random_prompts(6, 512, 5, 300, seed=16)
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     calls: Counter[str] = Counter()
     fused, rotary, write = (
