@@ -18,7 +18,7 @@ import torch
 
 from pydaemon import LLM, SamplingParams, ops
 from pydaemon.kv_cache_fp8 import FP8_DTYPE
-from pydaemon.layers.rotary_embedding import RotaryEmbedding, apply_rotary_qk
+from pydaemon.layers.rotary_embedding import RotaryEmbedding
 from pydaemon.model_config import RopeScaling
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -185,7 +185,7 @@ def test_zero_tokens_and_bad_arguments():
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE], ids=str)
 def test_attention_layer_with_rotary_equals_rotating_first(cache_dtype, sliding_window):
     """PagedAttention(..., rotary=(cos, sin)) on CUDA (fused kernel, then attention; windowed
-    layers attend on the torch path) against apply_rotary_qk then the layer without rotary:
+    layers attend on the torch path) against the rotary kernel, then the layer without rotary:
     the same output, query and cache bits, prefill chunks and decode rows in one step."""
     from pydaemon.attention_metadata import AttentionMetadata
     from pydaemon.layers.attention import PagedAttention, uses_kernels
@@ -222,7 +222,7 @@ def test_attention_layer_with_rotary_equals_rotating_first(cache_dtype, sliding_
     qkv2, kv_cache2 = qkv.clone(), kv_cache.clone()
     q2, k2, v2 = (qkv2.as_strided(t.shape, t.stride(), t.storage_offset()) for t in (q, k, v))
     got = layer(q, k, v, kv_cache[:, 1, 0], kv_cache[:, 1, 1], md, rotary=(cos, sin))
-    q2, k2 = apply_rotary_qk(q2, k2, cos, sin)
+    ops.rotary_embedding(q2, k2, cos, sin)  # what the model did before: rotate in place first
     want = layer(q2, k2, v2, kv_cache2[:, 1, 0], kv_cache2[:, 1, 1], md)
     assert _same_bits(qkv, qkv2), "q/k/v: " + _first_diff(qkv, qkv2)
     assert _same_bits(kv_cache, kv_cache2), "cache: " + _first_diff(kv_cache, kv_cache2)
