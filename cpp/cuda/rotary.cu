@@ -89,6 +89,22 @@ __device__ __forceinline__ void store_cache(void* cache, int64_t offset, const V
   }
 }
 
+// N floats from shared memory, by 16-byte loads where N allows (src is then 16-byte aligned:
+// a multiple of N floats from the 16-byte aligned start); fewer bank conflicts than N loads.
+template <int N>
+__device__ __forceinline__ void load_shared(const float* src, float (&dst)[N]) {
+  if constexpr (N % 4 == 0) {
+#pragma unroll
+    for (int w = 0; w < N / 4; ++w) {
+      const float4 f = reinterpret_cast<const float4*>(src)[w];
+      dst[4 * w] = f.x, dst[4 * w + 1] = f.y, dst[4 * w + 2] = f.z, dst[4 * w + 3] = f.w;
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) dst[e] = src[e];
+  }
+}
+
 // One block per token. The token's cos and sin, rounded to T, are staged in shared memory
 // once (every head uses them). A thread rotates N consecutive pairs (x[i..i+N),
 // x[half+i..half+i+N)) of one query or key head in place, loading and storing each side as
@@ -96,13 +112,13 @@ __device__ __forceinline__ void store_cache(void* cache, int64_t offset, const V
 // copies the token's value heads. k never goes back to memory between rotation and cache write.
 template <typename T, bool FP8, int N>
 __global__ void rotary_cache_kernel(const RotaryCacheParams p) {
-  extern __shared__ float cos_sin_smem[];  // [2 * head_dim]: cos, then sin, rounded to T
+  extern __shared__ float4 cos_sin_smem[];  // [2 * head_dim] floats: cos, then sin, rounded to T
   const RotaryParams& r = p.rotary;
   const int64_t token = blockIdx.x;
   const int64_t slot = p.slot_mapping[token];
   const int half = r.head_dim / 2, vecs_per_half = half / N;
-  float* cos = cos_sin_smem;
-  float* sin = cos_sin_smem + r.head_dim;
+  float* cos = reinterpret_cast<float*>(cos_sin_smem);
+  float* sin = cos + r.head_dim;
   for (int j = threadIdx.x; j < r.head_dim; j += blockDim.x) {
     cos[j] = round_to<T>(r.cos[token * r.cos_sin_stride + j]);
     sin[j] = round_to<T>(r.sin[token * r.cos_sin_stride + j]);
@@ -124,10 +140,15 @@ __global__ void rotary_cache_kernel(const RotaryCacheParams p) {
     T* x = is_key ? key + kv_head * r.key_head_stride : query + head * r.query_head_stride;
     Vec<T, N> lo = *reinterpret_cast<const Vec<T, N>*>(x + i);
     Vec<T, N> hi = *reinterpret_cast<const Vec<T, N>*>(x + i + half);
+    float cos_lo[N], cos_hi[N], sin_lo[N], sin_hi[N];
+    load_shared<N>(cos + i, cos_lo);
+    load_shared<N>(cos + i + half, cos_hi);
+    load_shared<N>(sin + i, sin_lo);
+    load_shared<N>(sin + i + half, sin_hi);
 #pragma unroll
     for (int e = 0; e < N; ++e)
-      rotate(to_float(lo.v[e]), to_float(hi.v[e]), cos[i + e], sin[i + e], cos[i + half + e],
-             sin[i + half + e], lo.v[e], hi.v[e]);
+      rotate(to_float(lo.v[e]), to_float(hi.v[e]), cos_lo[e], sin_lo[e], cos_hi[e], sin_hi[e],
+             lo.v[e], hi.v[e]);
     *reinterpret_cast<Vec<T, N>*>(x + i) = lo;
     *reinterpret_cast<Vec<T, N>*>(x + i + half) = hi;
     if (is_key && slot >= 0) {
