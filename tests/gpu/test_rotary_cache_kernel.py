@@ -234,9 +234,9 @@ def test_attention_layer_with_rotary_equals_rotating_first(cache_dtype, sliding_
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    # tests/gpu/test_engine_gpu.py's model: head_dim 64, GQA 8 query heads over 2 KV heads;
-    # contexts <= 512, so every decode step runs on the tensor-core kernel (no atomics) and
-    # two engines give the same bits.
+    # tests/gpu/test_engine_gpu.py's model: head_dim 64, GQA 8 query heads over 2 KV heads,
+    # contexts <= 512: decode steps run on a tensor-core kernel, whose sums have a fixed order
+    # (the MHA split-KV kernel adds warps by atomics), so two engines give the same bits.
     return make_hf_model(
         tmp_path_factory.mktemp("rotary_cache"),
         hidden_size=512,
