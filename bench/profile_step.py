@@ -6,8 +6,8 @@ prompts, steps until every prompt is prefilled, then times ``--steps`` decode st
 - host phases with ``time.perf_counter``: ``schedule()``, ``execute_model()`` (input building,
   launches, sampling and its one device-to-host copy) and ``update_from_output()``;
 - device work with ``torch.profiler``: CUDA kernel time per step grouped by kind (GEMM,
-  attention, norm, rotary, activation, sampling, copies, other), and the share of the step's
-  wall time the GPU was busy.
+  attention, norm, rotary (or rotary+cache, the fused kernel), activation, sampling, copies,
+  other), and the share of the step's wall time the GPU was busy.
 
 ``--async-scheduling both`` then times the same engine, in the same batch state, with async
 scheduling (pydaemon.async_step: step N+1 scheduled and launched while step N runs), one
@@ -32,6 +32,7 @@ KINDS = (  # first match wins: the specific kinds before the broad ones
     ("gemm", re.compile(r"gemm|cutlass|sm90_xmma|nvjet|cublas|matmul", re.I)),
     ("norm", re.compile(r"rms_norm|layer_norm", re.I)),
     ("activation", re.compile(r"silu|act_and_mul|gelu", re.I)),
+    ("rotary+cache", re.compile(r"rotary_cache", re.I)),  # rotary fused with the cache write
     ("rotary", re.compile(r"rotary|rope", re.I)),
     ("cache write", re.compile(r"reshape_and_cache", re.I)),
     ("attention", re.compile(r"paged_prefill|paged_attention|flash|fmha|attention", re.I)),

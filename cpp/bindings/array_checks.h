@@ -9,6 +9,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 
+#include <cmath>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -119,6 +120,14 @@ inline void check_contiguous_from(const Array& a, const char* name, size_t from)
                                 .c_str());
     expected *= (int64_t)a.shape(i);
   }
+}
+
+// Per-layer fp8 KV-cache scales (cuda_bindings.cpp, layer_bindings.cpp).
+inline void check_kv_scales(double k_scale, double v_scale) {
+  if (!(k_scale > 0.0) || !(v_scale > 0.0) || !std::isfinite(k_scale) || !std::isfinite(v_scale))
+    throw nb::value_error(("k_scale and v_scale must be positive and finite, got " +
+                           std::to_string(k_scale) + " and " + std::to_string(v_scale))
+                              .c_str());
 }
 
 inline void check_cuda_error(cudaError_t err, const char* what) {

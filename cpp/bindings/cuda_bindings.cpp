@@ -37,13 +37,6 @@ DType kv_cache_dtype(const Array& cache, const char* name, const Array& ref, con
   return attention_dtype(ref, ref_name);
 }
 
-void check_kv_scales(double k_scale, double v_scale) {
-  if (!(k_scale > 0.0) || !(v_scale > 0.0) || !std::isfinite(k_scale) || !std::isfinite(v_scale))
-    throw nb::value_error(("k_scale and v_scale must be positive and finite, got " +
-                           std::to_string(k_scale) + " and " + std::to_string(v_scale))
-                              .c_str());
-}
-
 // Shared checks of the attention kernels' query / cache arguments; returns head_dim.
 int64_t check_attention_args(const Array& out, const Array& query, const Array& key_cache,
                              const Array& value_cache, const Array& block_tables,

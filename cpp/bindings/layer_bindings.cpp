@@ -1,5 +1,6 @@
 // Validating binding of the per-token layer kernels in cpp/cuda/layer_kernels.h: RMSNorm,
-// residual-add + RMSNorm, SiLU-and-multiply, rotary embedding, per-token FP8 quantization.
+// residual-add + RMSNorm, SiLU-and-multiply, rotary embedding (alone or fused with the KV-cache
+// write), per-token FP8 quantization.
 // Same conventions as cuda_bindings.cpp: every tensor is checked (a bad one raises TypeError /
 // ValueError naming it), written tensors are .noconvert(), the stream is passed in, the GIL is
 // released around the launch.
@@ -203,9 +204,10 @@ void check_heads(const Array& a, const char* name, int64_t num_tokens, int64_t h
     throw nb::value_error((std::string(name) + "'s heads overlap").c_str());
 }
 
-void rotary_embedding(Array query, Array key, const Array& cos, const Array& sin,
-                      uintptr_t stream) {
-  const int dev = current_device();
+// The rotary arguments checked: query [num_tokens, num_heads, head_dim] and key
+// [num_tokens, num_kv_heads, head_dim] of one dtype, cos / sin [num_tokens, head_dim] float32.
+pagedd::cuda::RotaryParams rotary_params(const Array& query, const Array& key, const Array& cos,
+                                         const Array& sin, int dev) {
   const DType dtype = layer_dtype(query, "query");
   check_same_dtype(key, "key", query, "query");
   check_ndim(query, "query", 3);
@@ -241,12 +243,93 @@ void rotary_embedding(Array query, Array key, const Array& cos, const Array& sin
   p.num_kv_heads = (int)key.shape(1);
   p.head_dim = (int)head_dim;
   p.dtype = dtype;
+  return p;
+}
+
+void rotary_embedding(Array query, Array key, const Array& cos, const Array& sin,
+                      uintptr_t stream) {
+  const pagedd::cuda::RotaryParams p = rotary_params(query, key, cos, sin, current_device());
   cudaError_t err;
   {
     nb::gil_scoped_release release;
     err = pagedd::cuda::rotary_embedding(p, as_stream(stream));
   }
   check_cuda_error(err, "rotary_embedding");
+}
+
+// The checks of rotary_embedding and of reshape_and_cache (cuda_bindings.cpp) together.
+void rotary_embedding_and_cache(Array query, Array key, const Array& value, Array key_cache,
+                                Array value_cache, Array slot_mapping, const Array& cos,
+                                const Array& sin, double k_scale, double v_scale,
+                                uintptr_t stream) {
+  const int dev = current_device();
+  pagedd::cuda::RotaryCacheParams p{};
+  p.rotary = rotary_params(query, key, cos, sin, dev);
+  const int64_t num_tokens = query.shape(0), num_kv_heads = key.shape(1);
+  const int64_t head_dim = query.shape(2);
+  if (num_kv_heads == 0) throw nb::value_error("key must have at least one head");
+  if (head_dim > pagedd::cuda::kMaxRotaryCacheHeadDim)
+    throw nb::value_error(("head_dim must be at most " +
+                           std::to_string(pagedd::cuda::kMaxRotaryCacheHeadDim) + ", got " +
+                           std::to_string(head_dim))
+                              .c_str());
+  check_same_dtype(value, "value", key, "key");
+  check_heads(value, "value", num_tokens, head_dim, dev);
+  check_dim(value, "value", 1, num_kv_heads, "num_kv_heads");
+  p.cache_fp8 = is_dtype(key_cache, kUInt, 8);
+  if (p.cache_fp8) {
+    if (p.rotary.dtype == DType::kFloat32)
+      throw nb::type_error("an fp8 (uint8 storage) key_cache needs float16 or bfloat16 query / "
+                           "key / value, got float32");
+    check_kv_scales(k_scale, v_scale);
+  } else {
+    check_same_dtype(key_cache, "key_cache", key, "key");
+  }
+  check_same_dtype(value_cache, "value_cache", key_cache, "key_cache");
+  check_dtype(slot_mapping, "slot_mapping", kInt, 64, "int64");
+  for (auto [a, n] : {std::pair{&key_cache, "key_cache"}, {&value_cache, "value_cache"},
+                      {&slot_mapping, "slot_mapping"}})
+    check_cuda(*a, n, dev);
+  check_ndim(key_cache, "key_cache", 4);
+  check_ndim(value_cache, "value_cache", 4);
+  check_ndim(slot_mapping, "slot_mapping", 1);
+  check_dim(slot_mapping, "slot_mapping", 0, num_tokens, "num_tokens");
+  check_dim(key_cache, "key_cache", 1, num_kv_heads, "num_kv_heads");
+  check_dim(key_cache, "key_cache", 3, head_dim, "head_dim");
+  for (size_t i = 0; i < 4; ++i) {
+    check_dim(value_cache, "value_cache", i, key_cache.shape(i), "key_cache's shape");
+    if (value_cache.stride(i) != key_cache.stride(i))
+      throw nb::value_error("value_cache must have the same strides as key_cache");
+  }
+  check_contiguous_from(key_cache, "key_cache", 2);
+  if (slot_mapping.stride(0) != 1 && num_tokens > 1)
+    throw nb::value_error("slot_mapping must be contiguous");
+  if (key_cache.shape(2) <= 0 || key_cache.shape(2) > kMaxInt)
+    throw nb::value_error("key_cache.shape[2] (block_size) must be in [1, 2^31)");
+  p.value = value.data();
+  p.value_token_stride = value.stride(0);
+  p.value_head_stride = value.stride(1);
+  p.key_cache = key_cache.data();
+  p.value_cache = value_cache.data();
+  p.cache_block_stride = key_cache.stride(0);
+  p.cache_head_stride = key_cache.stride(1);
+  p.slot_mapping = static_cast<const int64_t*>(slot_mapping.data());
+  p.block_size = (int)key_cache.shape(2);
+  if (p.cache_fp8) {
+    if (head_dim % 8 != 0 || p.cache_block_stride % 8 != 0 || p.cache_head_stride % 8 != 0 ||
+        reinterpret_cast<uintptr_t>(p.key_cache) % 8 != 0 ||
+        reinterpret_cast<uintptr_t>(p.value_cache) % 8 != 0)
+      throw nb::value_error("an fp8 key_cache / value_cache needs head_dim and strides that are "
+                            "multiples of 8 and 8-byte aligned data");
+    p.k_scale = (float)k_scale;
+    p.v_scale = (float)v_scale;
+  }
+  cudaError_t err;
+  {
+    nb::gil_scoped_release release;
+    err = pagedd::cuda::rotary_embedding_and_cache(p, as_stream(stream));
+  }
+  check_cuda_error(err, "rotary_embedding_and_cache");
 }
 
 void per_token_fp8_quant(Array out, Array scale, Array input, uintptr_t stream) {
@@ -317,6 +400,15 @@ void bind_layer_ops(nb::module_& m) {
         "Rotates query [num_tokens, num_heads, head_dim] and key [num_tokens, num_kv_heads,\n"
         "head_dim] in place (rotate_half convention, rounded as transformers does); cos, sin:\n"
         "[num_tokens, head_dim] float32. query and key: float16, bfloat16 or float32.");
+  m.def("rotary_embedding_and_cache", &rotary_embedding_and_cache, nb::arg("query").noconvert(),
+        nb::arg("key").noconvert(), nb::arg("value"), nb::arg("key_cache").noconvert(),
+        nb::arg("value_cache").noconvert(), nb::arg("slot_mapping"), nb::arg("cos"),
+        nb::arg("sin"), nb::arg("k_scale"), nb::arg("v_scale"), nb::arg("stream"),
+        "rotary_embedding, then reshape_and_cache of the rotated key and the value, in one\n"
+        "launch (the same bits). query [num_tokens, num_heads, head_dim], key / value\n"
+        "[num_tokens, num_kv_heads, head_dim]; key_cache, value_cache [num_blocks,\n"
+        "num_kv_heads, block_size, head_dim] of key's dtype, or uint8 (fp8 e4m3 storage,\n"
+        "saturate(x / scale)); slot_mapping [num_tokens] int64 (negative: rotate, don't store).");
   m.def("per_token_fp8_quant", &per_token_fp8_quant, nb::arg("out").noconvert(),
         nb::arg("scale").noconvert(), nb::arg("input"), nb::arg("stream"),
         "Dynamic per-token FP8 e4m3: scale[t] = max |input[t]| / 448 (as an exact inverse),\n"

@@ -1,7 +1,7 @@
 // Entry points of pagedd's per-token layer kernels: RMSNorm (optionally fused with the residual
-// add), SiLU-and-multiply and the rotary embedding. Framework-free like pagedd_cuda.h: raw device pointers, element
-// strides, a cudaStream_t; cudaErrorInvalidValue for a bad size. The validating binding is
-// cpp/bindings/layer_bindings.cpp.
+// add), SiLU-and-multiply, the rotary embedding (alone or fused with the KV-cache write).
+// Framework-free like pagedd_cuda.h: raw device pointers, element strides, a cudaStream_t;
+// cudaErrorInvalidValue for a bad size. The validating binding is cpp/bindings/layer_bindings.cpp.
 //
 // Rounding follows the torch code these kernels replace (pydaemon/layers/rms_norm.py,
 // activation.py), so that a half-precision model gives the same numbers either way up to the
@@ -82,6 +82,32 @@ struct RotaryParams {
 // with cos and sin rounded to dtype first and every product and the sum rounded to dtype, as
 // transformers' apply_rotary_pos_emb computes it. One block per token.
 cudaError_t rotary_embedding(const RotaryParams& p, cudaStream_t stream);
+
+struct RotaryCacheParams {
+  RotaryParams rotary;           // query and key (rotated in place), cos, sin, sizes, dtype
+  const void* value;             // [num_tokens, num_kv_heads, head_dim], last dim contiguous
+  int64_t value_token_stride;    // elements
+  int64_t value_head_stride;
+  void* key_cache;               // [num_blocks, num_kv_heads, block_size, head_dim]
+  void* value_cache;             // same shape and strides
+  int64_t cache_block_stride;    // elements (bytes for fp8)
+  int64_t cache_head_stride;     // elements (bytes for fp8)
+  const int64_t* slot_mapping;   // [num_tokens]; slot = block_id * block_size + offset
+  int block_size;
+  // fp8 cache (query / key / value fp16 or bf16): stores saturate(x / k_scale) (resp.
+  // v_scale) as e4m3, as reshape_and_cache does. Otherwise the cache has the query's dtype.
+  bool cache_fp8 = false;
+  float k_scale = 1.f, v_scale = 1.f;
+};
+
+// The fused kernel stages a token's cos and sin in shared memory (2 * head_dim floats).
+constexpr int kMaxRotaryCacheHeadDim = 4096;
+
+// rotary_embedding, then reshape_and_cache of the rotated key and the value, in one launch:
+// bit for bit the two kernels run one after the other. A token with slot < 0 (padding) is
+// rotated but not stored. One block per token; k is read once and written twice (in place
+// and into the cache).
+cudaError_t rotary_embedding_and_cache(const RotaryCacheParams& p, cudaStream_t stream);
 
 struct PerTokenFp8QuantParams {
   void* out;             // [num_tokens, d] float8_e4m3fn (as bytes), last dim contiguous

@@ -1,13 +1,15 @@
-"""The paged attention layer: writes new K/V through the slot mapping, then attends through
-the block table. Backend selection lives here and only here:
+"""The paged attention layer: rotates q/k (when given the step's cos/sin), writes new K/V
+through the slot mapping, then attends through the block table. Backend selection lives here
+and only here:
 
-- CUDA with the pagedd kernels (fp16/bf16): ``reshape_and_cache`` kernel for the cache
-  writes, then ONE attention launch per layer: the tensor-core paged prefill kernel when the
-  step has prefill work (its decode rows ride along in the same launch); for decode-only
-  steps, the split-KV tensor-core decode kernel for grouped heads (GQA), else the split-KV
-  CUDA-core decode kernel (``decode_kernel``). No Python loop over sequences, no host-device
-  sync.
-- otherwise (CPU, float32, or a build without kernels): the plain torch path.
+- CUDA with the pagedd kernels (fp16/bf16): ``rotary_embedding_and_cache`` (rotary and cache
+  write in one launch; ``reshape_and_cache`` when the caller rotated already), then ONE
+  attention launch per layer: the tensor-core paged prefill kernel when the step has
+  prefill work (its decode rows ride along in the same launch); for decode-only steps, the
+  split-KV tensor-core decode kernel for grouped heads (GQA), else the split-KV CUDA-core
+  decode kernel (``decode_kernel``). No Python loop over sequences, no host-device sync.
+- otherwise (CPU, float32, or a build without kernels): the plain torch path
+  (``apply_rotary_qk``, then ``write_kv_cache_torch``).
 
 A layer with a sliding window (Mistral, Qwen2/3) keeps the kernel cache writes but attends on
 the torch path, which applies the window (the CUDA decode kernel has none).
@@ -29,6 +31,7 @@ from torch import nn
 from pydaemon.attention_metadata import AttentionMetadata
 from pydaemon.kv_cache_fp8 import FP8_DTYPE
 from pydaemon.layers.paged_attention_torch import paged_attention_torch, write_kv_cache_torch
+from pydaemon.layers.rotary_embedding import apply_rotary_qk
 from pydaemon.ops.paged_decode_tc import DECODE_TC_HEAD_DIMS, DECODE_TC_MAX_GROUP
 
 # "auto": the CUDA kernels where they apply; "torch": always the torch path (debugging, A/B).
@@ -105,10 +108,17 @@ class PagedAttention(nn.Module):
         key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
         value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
         attn_metadata: AttentionMetadata,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin: [T, head_dim] f32
     ) -> torch.Tensor:  # [T, num_heads * head_dim]
+        """``rotary``: rotate query and key (rotate_half convention) before the cache write;
+        None when the caller has rotated them already (or the model has no rotary)."""
         if uses_kernels(key_cache) and query.dtype in KERNEL_DTYPES:
-            out = self._forward_cuda(query, key, value, key_cache, value_cache, attn_metadata)
+            out = self._forward_cuda(
+                query, key, value, key_cache, value_cache, attn_metadata, rotary
+            )
         else:
+            if rotary is not None:
+                query, key = apply_rotary_qk(query, key, *rotary)
             write_kv_cache_torch(
                 key, value, key_cache, value_cache, attn_metadata.slot_mapping, *self._scales()
             )
@@ -123,11 +133,31 @@ class PagedAttention(nn.Module):
             query, key_cache, value_cache, md, self.scale, self.sliding_window, *self._scales()
         )
 
-    def _forward_cuda(self, query, key, value, key_cache, value_cache, md: AttentionMetadata):
+    def _forward_cuda(
+        self, query, key, value, key_cache, value_cache, md: AttentionMetadata, rotary
+    ):
         from pydaemon import ops
 
         k_scale, v_scale = self._scales()
-        ops.reshape_and_cache(key, value, key_cache, value_cache, md.slot_mapping, k_scale, v_scale)
+        if rotary is not None:
+            # One launch: q/k rotated in place, the rotated k and v stored in the cache.
+            cos, sin = rotary
+            ops.rotary_embedding_and_cache(
+                query,
+                key,
+                value,
+                key_cache,
+                value_cache,
+                md.slot_mapping,
+                cos,
+                sin,
+                k_scale,
+                v_scale,
+            )
+        else:
+            ops.reshape_and_cache(
+                key, value, key_cache, value_cache, md.slot_mapping, k_scale, v_scale
+            )
         if self.sliding_window is not None:
             # The CUDA attention kernels have no window: windowed layers attend on the torch path.
             return self._attend_torch(query, key_cache, value_cache, md)

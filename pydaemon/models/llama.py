@@ -37,7 +37,7 @@ from pydaemon.layers.parallel_linear import (
     vocab_embedding,
 )
 from pydaemon.layers.rms_norm import RMSNorm
-from pydaemon.layers.rotary_embedding import RotaryEmbedding, apply_rotary_qk
+from pydaemon.layers.rotary_embedding import RotaryEmbedding
 from pydaemon.model_config import ModelConfig
 
 if TYPE_CHECKING:
@@ -88,8 +88,8 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:  # Qwen3: per head, after the split
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = apply_rotary_qk(q, k, cos, sin)
-        out = self.attn(q, k, v, key_cache, value_cache, attn_metadata)
+        # The attention layer rotates q/k: on CUDA fused with its cache write (one launch).
+        out = self.attn(q, k, v, key_cache, value_cache, attn_metadata, rotary=(cos, sin))
         return self.o_proj(out)
 
 

@@ -11,6 +11,7 @@
         out = ops.fused_add_rms_norm(x, residual, weight, eps)  # residual updated in place
         out = ops.silu_and_mul(gate_up)
         ops.rotary_embedding(q, k, cos, sin)  # in place
+        ops.rotary_embedding_and_cache(q, k, v, key_cache, value_cache, slot_mapping, cos, sin)
         xq, x_scale = ops.per_token_fp8_quant(x)  # FP8 e4m3, one scale per token
         xq, x_scale = ops.silu_and_mul_fp8_quant(gate_up)  # the two above in one kernel
 
@@ -39,7 +40,7 @@ from pydaemon.ops.paged_decode_tc import (
     paged_attention_decode_tc,
 )
 from pydaemon.ops.paged_prefill import paged_attention_prefill
-from pydaemon.ops.rotary import rotary_embedding
+from pydaemon.ops.rotary import rotary_embedding, rotary_embedding_and_cache
 
 __all__ = [
     "DECODE_TC_HEAD_DIMS",
@@ -61,6 +62,7 @@ __all__ = [
     "rms_norm",
     "rms_norm_fp8_quant",
     "rotary_embedding",
+    "rotary_embedding_and_cache",
     "silu_and_mul",
     "silu_and_mul_fp8_quant",
     "swap_blocks",
