@@ -2,9 +2,9 @@
 reads them), 1.0 where it has none, or, with ``calculate_kv_scales``
 (``--calculate-kv-scales``, vLLM's name), measured on the first step the engine runs:
 
-- When: the first step with sequences, always a prefill (the cache is empty at start). The
-  profiling forward and the CUDA-graph warm-ups run on dummy inputs before the layers are
-  armed. Each armed layer measures its K and V over the tokens that step writes, before its
+- When: the first step that prefills a request other than the engine's warm-up request (a few
+  copies of one token: no sample of real K/V), so in practice the first request served; the
+  profiling forward and the CUDA-graph warm-ups never measure. Each armed layer measures its K and V over the tokens that step writes, before its
   cache write, so no token is ever stored with a placeholder scale; the scales stay fixed
   afterwards (vLLM does the same). A long prompt split by chunked prefill is measured on its
   first chunk.
@@ -31,12 +31,14 @@ from torch import nn
 
 from pydaemon.kv_cache_fp8 import kv_scales_from_checkpoint
 from pydaemon.layers.attention import PagedAttention
+from pydaemon.scheduler_output import WARMUP_REQUEST_ID, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 
 class KVScales:
-    """Sets the layers' scales at start-up; ``arm`` / ``finish`` around the first step."""
+    """Sets the layers' scales at start-up; ``arm_for`` / ``finish`` around the step that
+    measures the missing ones."""
 
     def __init__(self, model: nn.Module, model_dir: str | None, calculate: bool) -> None:
         """``model_dir``: the checkpoint to read scales from (None: dummy weights, none)."""
@@ -58,10 +60,16 @@ class KVScales:
             "the others measured on the first step" if self.is_pending else "the others 1.0",
         )
 
-    def arm(self) -> None:
-        """The layers measure their missing scales on their next forward."""
+    def arm_for(self, out: SchedulerOutput) -> bool:
+        """-> True when ``out`` is the step that measures: the layers are armed for its
+        forward. Every tensor-parallel rank decides alike from the same SchedulerOutput."""
+        if not self.is_pending or all(
+            seq.request_id == WARMUP_REQUEST_ID for seq in out.scheduled_new_seqs
+        ):
+            return False
         for layer, flags in zip(self.layers, self.to_calculate, strict=True):
             layer.kv_scales_to_calculate = flags
+        return True
 
     def finish(self) -> None:
         """After the armed step: every layer has measured; logs the scales."""

@@ -113,8 +113,6 @@ class ModelRunner:
                 self._graphs_to_capture = graphs  # graphs bake the KV scales in: not yet
             else:
                 self.cuda_graphs = capture_all(graphs)
-        if self.kv_scales is not None and self.kv_scales.is_pending:
-            self.kv_scales.arm()  # for the first real step: not the profiling forward above
         logger.info(
             "KV cache: %d blocks of %d tokens on %s (%s, %.2f GiB), %d swap blocks on the CPU",
             self.num_gpu_blocks,
@@ -207,8 +205,9 @@ class ModelRunner:
             step = self.input_batch.prepare(out)
             if len(step.placeholder_index) and ps.is_tensor_parallel():
                 self._share_sampled_ids(last)
+            measures_kv_scales = self.kv_scales is not None and self.kv_scales.arm_for(out)
             logits = self._forward(step)
-            if self.kv_scales is not None and self.kv_scales.is_pending:
+            if measures_kv_scales:
                 self._finish_kv_scales()
             if is_driver:
                 result = self.step_sampler.sample(logits, step, out.num_samples)
@@ -218,8 +217,8 @@ class ModelRunner:
         return result if is_driver else None
 
     def _finish_kv_scales(self) -> None:
-        """After the first step, whose forward measured the KV scales: the decode graphs,
-        which bake them in, are captured now."""
+        """After the step whose forward measured the KV scales: the decode graphs, which
+        bake them in, are captured now."""
         self.kv_scales.finish()
         if self._graphs_to_capture is not None:
             self.cuda_graphs = capture_all(self._graphs_to_capture)

@@ -92,11 +92,13 @@ def test_measured_scales_fix_a_saturating_fp8_cache(model_dir):
     assert kl.mean() < 5e-4 and kl.max() < 2e-3 and int(disagree.sum()) <= 6
 
 
-def test_engine_measures_once_on_the_first_prefill(model_dir):
+def test_engine_measures_once_on_the_first_request(model_dir):
     common = dict(device="cpu", dtype="float32", num_kv_blocks=128)
     ref = LLM(model_dir, **common).generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
     llm = LLM(model_dir, kv_cache_dtype="fp8", calculate_kv_scales=True, **common)
-    assert _scales(llm) == [(1.0, 1.0)] * 2  # nothing measured at start-up
+    assert _scales(llm) == [(1.0, 1.0)] * 2  # nothing measured at start-up ...
+    llm.engine.warmup()
+    assert _scales(llm) == [(1.0, 1.0)] * 2  # ... nor on the daemon's warm-up request
     outputs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
     first = _scales(llm)
     assert all(k > 1.0 and v > 1.0 for k, v in first), first
