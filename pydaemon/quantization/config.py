@@ -36,8 +36,9 @@ SCALE_NAMES = ("weight_scale", "weight_scale_inv")
 
 @dataclass(frozen=True)
 class Fp8Config:
-    """The model runs FP8 linear layers (all but the LM head); ``checkpoint`` says how the
-    checkpoint stores them (None: unquantized weights, quantized at load)."""
+    """The model runs FP8 linear layers (all but the LM head and those the checkpoint's list
+    leaves unquantized); ``checkpoint`` says how the checkpoint stores them (None:
+    unquantized weights, quantized at load)."""
 
     checkpoint: CheckpointQuantization | None
     emulate: bool
