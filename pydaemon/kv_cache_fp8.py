@@ -94,7 +94,7 @@ def kv_scales_from_checkpoint(
     has none.
 
     Reads only the scale tensors (a checkpoint without them costs one listing of names). A
-    GGUF file, a directory without safetensors, or ``"demo"`` gives all ones.
+    GGUF file, a directory without safetensors, or ``"demo"`` gives ``default`` everywhere.
     """
     scales = [[default, default] for _ in range(num_layers)]
     for path, names in _scale_tensors(Path(model_dir)).items():

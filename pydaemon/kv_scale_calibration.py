@@ -1,13 +1,13 @@
 """The FP8 KV-cache scales of a model's attention layers: the checkpoint's (kv_cache_fp8.py
 reads them), 1.0 where it has none, or, with ``calculate_kv_scales``
-(``--calculate-kv-scales``, vLLM's name), measured on the first step the engine runs:
+(``--calculate-kv-scales``, vLLM's name), measured on the first request's first step:
 
-- When: the first step that prefills a request other than the engine's warm-up request (a few
-  copies of one token: no sample of real K/V), so in practice the first request served; the
-  profiling forward and the CUDA-graph warm-ups never measure. Each armed layer measures its K and V over the tokens that step writes, before its
-  cache write, so no token is ever stored with a placeholder scale; the scales stay fixed
-  afterwards (vLLM does the same). A long prompt split by chunked prefill is measured on its
-  first chunk.
+- When: the first step that prefills a request other than the engine's warm-up request (a
+  few copies of one token: no sample of real K/V); the profiling forward and the CUDA-graph
+  warm-ups never measure. Each armed layer measures its K and V over the tokens that step
+  writes, before its cache write, so no token is ever stored with a placeholder scale; the
+  scales stay fixed afterwards (vLLM does the same). A long prompt split by chunked prefill
+  is measured on its first chunk; requests batched into that step all count.
 - The scale: ``amax|k| / 200`` and ``amax|v| / 100`` (vLLM's K/V_SCALE_CONSTANT): the measured
   values land at 200 and 100, inside e4m3's 448, which leaves 2.2x / 4.5x headroom for later
   requests whose K/V are larger (above that they saturate). It costs nothing in precision:
