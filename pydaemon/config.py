@@ -29,6 +29,8 @@ class EngineConfig:
     exceeds ``max_seq_len_to_capture`` runs eagerly. ``kv_cache_dtype`` "fp8" (= "fp8_e4m3")
     stores the KV cache as e4m3 with per-layer scales (from the checkpoint, else 1.0): about
     twice the blocks for the same memory; "auto" stores it in the model's dtype.
+    ``calculate_kv_scales`` (fp8 cache only) measures the scales the checkpoint lacks on the
+    first step, then keeps them (pydaemon/kv_scale_calibration.py).
     ``async_scheduling`` schedules and launches each step while the previous one runs on the
     GPU (pydaemon.async_step); ``None`` turns it on for CUDA with one GPU and off otherwise (on
     a CPU there is nothing to overlap, but ``True`` runs the same path, for tests). With
@@ -61,6 +63,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     async_scheduling: bool | None = None
     quantization: str | None = None
+    calculate_kv_scales: bool = False
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -109,6 +112,14 @@ class EngineConfig:
             or self.max_seq_len_to_capture < 1
         ):
             raise bad("max_seq_len_to_capture", "must be a positive integer")
+        if not isinstance(self.calculate_kv_scales, bool):
+            raise bad("calculate_kv_scales", "must be true or false")
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise bad(
+                "calculate_kv_scales",
+                "measures the scales of an FP8 KV cache: it needs kv_cache_dtype 'fp8', and "
+                "kv_cache_dtype is 'auto'",
+            )
         if self.async_scheduling not in (None, True, False):
             raise bad("async_scheduling", "must be true, false or None (auto)")
         if not self.model:

@@ -180,19 +180,18 @@ class CUDAGraphRunner:
         self.graphs.clear()
 
 
-def capture_all(
-    model: nn.Module, kv_cache: torch.Tensor, plan: GraphPlan
-) -> CUDAGraphRunner | None:
-    """A runner with every graph of the plan captured; logs the time and memory they took.
+def capture_all(runner: CUDAGraphRunner) -> CUDAGraphRunner | None:
+    """``runner`` with every graph of its plan captured; logs the time and memory they took.
+    A runner may be made at start-up (it zeroes block 0 then) and captured later (after
+    calculate_kv_scales' first step: graphs bake the KV scales in).
 
     A capture that fails (an operation CUDA cannot capture) is logged as an error with its
     traceback and the engine runs every step eagerly rather than not at all.
     """
-    device = kv_cache.device
+    device, plan = runner.device, runner.plan
     torch.cuda.synchronize(device)
     free_before = torch.cuda.mem_get_info(device)[0]
     start = time.perf_counter()
-    runner = CUDAGraphRunner(model, kv_cache, plan)
     try:
         runner.capture()
     except RuntimeError:

@@ -20,6 +20,7 @@ from pydaemon.output_processor import OutputProcessor
 from pydaemon.outputs import RequestMetrics, RequestOutput
 from pydaemon.prompt_input import eos_token_ids, tokenize_prompt
 from pydaemon.sampling_params import SamplingParams
+from pydaemon.scheduler_output import WARMUP_REQUEST_ID
 from pydaemon.tokenizer import load_tokenizer
 
 
@@ -137,7 +138,7 @@ class LLMEngine:
 
     def warmup(self) -> None:
         """One tiny request end to end, so the first real request pays no start-up costs."""
-        request_id = "__warmup__"
+        request_id = WARMUP_REQUEST_ID
         self.add_request(
             request_id,
             [min(1, self.vocab_size - 1)] * 4,

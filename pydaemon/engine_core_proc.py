@@ -41,6 +41,7 @@ from pydaemon.engine_core_types import (
     EngineCoreRequest,
 )
 from pydaemon.sampling_params import SamplingParams
+from pydaemon.scheduler_output import WARMUP_REQUEST_ID
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ def _warmup(core, eos_token_ids: list[int]) -> None:
     """One tiny request end to end, so the first real request pays no start-up costs."""
     core.add_request(
         EngineCoreRequest(
-            request_id="__warmup__",
+            request_id=WARMUP_REQUEST_ID,
             prompt_token_ids=[min(1, core.vocab_size - 1)] * 4,
             params=SamplingParams(temperature=0.0, max_tokens=2),
             eos_token_ids=eos_token_ids,

@@ -11,21 +11,30 @@ numbers, not a speed-up). Block moves (swap, copy-on-write) copy bytes and are u
 Scales are 1.0 unless the checkpoint has per-layer tensors named as vLLM and
 compressed-tensors / llm-compressor / AutoFP8 checkpoints name them (``...self_attn.k_scale``,
 ``...self_attn.v_scale``, ``...self_attn.kv_scale``, ``...self_attn.attn.k_scale``,
-``...self_attn.k_proj.output_scale``, ``...self_attn.v_proj.output_scale``).
+``...self_attn.k_proj.output_scale``, ``...self_attn.v_proj.output_scale``); with
+``calculate_kv_scales`` the missing ones are measured on the first step
+(``measure_kv_scales``; see kv_scale_calibration.py).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
 import torch
 
 from pydaemon.config import KV_CACHE_DTYPES
+from pydaemon.distributed import parallel_state as ps
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+# calculate_kv_scales: the measured amax|k| is stored as 200, amax|v| as 100 (vLLM's
+# K_SCALE_CONSTANT / V_SCALE_CONSTANT), leaving headroom below 448 for later tokens.
+K_SCALE_RANGE = 200.0
+V_SCALE_RANGE = 100.0
+MIN_KV_SCALE = 1e-12  # a layer whose measured K or V is all zeros
 
 _SCALE_NAME = re.compile(
     r"(?:^|\.)layers\.(\d+)\.self_attn\."
@@ -59,13 +68,35 @@ def dequantize_fp8(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.T
     return out if scale == 1.0 else out.mul_(scale)
 
 
-def kv_scales_from_checkpoint(model_dir: str | Path, num_layers: int) -> list[tuple[float, float]]:
-    """-> (k_scale, v_scale) per layer from a safetensors checkpoint; 1.0 where it has none.
+def measure_kv_scales(
+    key: torch.Tensor,  # [T, num_kv_heads, head_dim]: the step's K, before its cache write
+    value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [T]; negative: a padding row, not written
+) -> tuple[float, float]:
+    """-> (k_scale, v_scale) = (amax|k| / K_SCALE_RANGE, amax|v| / V_SCALE_RANGE) over the
+    rows written, the amax taken over every tensor-parallel rank (each holds its own heads),
+    so that all ranks get TP=1's scales. One host-device sync (the floats)."""
+    written = (slot_mapping >= 0)[:, None, None]
+    amax = torch.stack([key.abs().where(written, 0).amax(), value.abs().where(written, 0).amax()])
+    k_amax, v_amax = ps.all_reduce_max(amax.float()).tolist()
+    if not (math.isfinite(k_amax) and math.isfinite(v_amax)):
+        raise ValueError(
+            f"calculate_kv_scales: this step's largest |k|, |v| are {k_amax}, {v_amax}: "
+            "the model's K/V overflow the model dtype"
+        )
+    return max(k_amax / K_SCALE_RANGE, MIN_KV_SCALE), max(v_amax / V_SCALE_RANGE, MIN_KV_SCALE)
+
+
+def kv_scales_from_checkpoint(
+    model_dir: str | Path, num_layers: int, default: float | None = 1.0
+) -> list[tuple[float | None, float | None]]:
+    """-> (k_scale, v_scale) per layer from a safetensors checkpoint; ``default`` where it
+    has none.
 
     Reads only the scale tensors (a checkpoint without them costs one listing of names). A
-    GGUF file, a directory without safetensors, or ``"demo"`` gives all ones.
+    GGUF file, a directory without safetensors, or ``"demo"`` gives ``default`` everywhere.
     """
-    scales = [[1.0, 1.0] for _ in range(num_layers)]
+    scales = [[default, default] for _ in range(num_layers)]
     for path, names in _scale_tensors(Path(model_dir)).items():
         from safetensors import safe_open
 

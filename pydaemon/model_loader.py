@@ -20,12 +20,15 @@ TP size (nor on the packing).
 Quantization (``quantization="fp8"``, or a checkpoint whose config.json says it is FP8; see
 pydaemon/quantization/): the linear layers hold FP8 weights with per-channel scales, filled
 from the checkpoint's FP8 tensors or quantized from unquantized ones as they are copied
-(dummy weights too: the same draws as the unquantized model, then quantized).
+(dummy weights too: the same draws as the unquantized model, then quantized). The layers a
+quantized checkpoint lists as left unquantized (pydaemon/quantization/ignored_layers.py)
+stay in the model's dtype and load their checkpoint weights as they are.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -40,10 +43,13 @@ from pydaemon.model_config import ModelConfig, resolve_dtype
 from pydaemon.models import get_model_class
 from pydaemon.quantization.config import resolve_quantization
 from pydaemon.quantization.fp8_loading import Fp8Target
+from pydaemon.quantization.ignored_layers import skip_ignored_layers
 from pydaemon.weight_targets import WeightLoader, weight_targets
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+
+logger = logging.getLogger(__name__)
 
 
 def load_model(
@@ -71,6 +77,14 @@ def load_model(
     quant_config = resolve_quantization(quantization, config.quantization, device)
     with torch.device("meta"):
         model = get_model_class(config.architecture)(config, quant_config)
+    if quant_config is not None:
+        skipped = skip_ignored_layers(model, quant_config.checkpoint)
+        if skipped:
+            logger.info(
+                "%d linear layers left unquantized, as the checkpoint lists them: %s",
+                len(skipped),
+                ", ".join(skipped),
+            )
     _materialize(model, torch_dtype, device)
     if load_format == "dummy":
         _fill_dummy(model, seed, torch_dtype)

@@ -19,8 +19,9 @@ from pydaemon.cuda_graphs import CUDAGraphRunner, capture_all, measure_graph_mem
 from pydaemon.distributed import parallel_state as ps
 from pydaemon.input_batch import InputBatch, StepInput
 from pydaemon.kv_cache import GiB, KVCacheSpec
-from pydaemon.kv_cache_fp8 import is_fp8, kv_scales_from_checkpoint, resolve_kv_cache_dtype
-from pydaemon.layers.attention import PagedAttention, uses_kernels
+from pydaemon.kv_cache_fp8 import is_fp8, resolve_kv_cache_dtype
+from pydaemon.kv_scale_calibration import KVScales
+from pydaemon.layers.attention import uses_kernels
 from pydaemon.model_loader import load_model
 from pydaemon.runner_output import AsyncModelRunnerOutput, ModelRunnerOutput
 from pydaemon.sampling.step_sampler import StepSampler
@@ -77,8 +78,10 @@ class ModelRunner:
             head_dim=mc.head_dim,
             dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype),
         )
+        self.kv_scales: KVScales | None = None
         if is_fp8(self.spec.dtype):
-            self._set_kv_scales()
+            model_dir = None if config.load_format == "dummy" else config.model
+            self.kv_scales = KVScales(self.model, model_dir, config.calculate_kv_scales)
         self.num_gpu_blocks = config.num_kv_blocks or self._profile_num_blocks()
         # Tensor parallel: one block manager drives every rank, so all hold as many blocks.
         self.num_gpu_blocks = ps.min_across_ranks(self.num_gpu_blocks)
@@ -102,9 +105,14 @@ class ModelRunner:
         # Decode graphs hold the real cache's pointers: captured after it exists (their memory
         # was kept out of the cache's budget by _profile_num_blocks).
         self.cuda_graphs: CUDAGraphRunner | None = None
+        self._graphs_to_capture: CUDAGraphRunner | None = None  # after the KV scales' step
         plan = cuda_graph_plan(config, self.model_config, self.kv_cache, self.max_model_len)
         if plan is not None:
-            self.cuda_graphs = capture_all(self.model, self.kv_cache, plan)
+            graphs = CUDAGraphRunner(self.model, self.kv_cache, plan)
+            if self.kv_scales is not None and self.kv_scales.is_pending:
+                self._graphs_to_capture = graphs  # graphs bake the KV scales in: not yet
+            else:
+                self.cuda_graphs = capture_all(graphs)
         logger.info(
             "KV cache: %d blocks of %d tokens on %s (%s, %.2f GiB), %d swap blocks on the CPU",
             self.num_gpu_blocks,
@@ -113,22 +121,6 @@ class ModelRunner:
             self.spec.dtype,
             self.num_gpu_blocks * self.spec.block_bytes / GiB,
             self.num_cpu_blocks,
-        )
-
-    def _set_kv_scales(self) -> None:
-        """Per-layer FP8 scales from the checkpoint (1.0 where it has none)."""
-        layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
-        scales = [(1.0, 1.0)] * len(layers)
-        if self.config.load_format != "dummy":
-            scales = kv_scales_from_checkpoint(self.config.model, len(layers))
-        for layer, (k_scale, v_scale) in zip(layers, scales, strict=True):
-            layer.k_scale, layer.v_scale = k_scale, v_scale
-        num_scaled = sum(s != (1.0, 1.0) for s in scales)
-        logger.info(
-            "KV cache in fp8 (e4m3)%s; %d of %d layers have checkpoint scales (others 1.0)",
-            "" if self.device.type == "cuda" else ", emulated on the torch path",
-            num_scaled,
-            len(layers),
         )
 
     # ---- sizing -----------------------------------------------------------------------------
@@ -213,13 +205,24 @@ class ModelRunner:
             step = self.input_batch.prepare(out)
             if len(step.placeholder_index) and ps.is_tensor_parallel():
                 self._share_sampled_ids(last)
+            measures_kv_scales = self.kv_scales is not None and self.kv_scales.arm_for(out)
             logits = self._forward(step)
+            if measures_kv_scales:
+                self._finish_kv_scales()
             if is_driver:
                 result = self.step_sampler.sample(logits, step, out.num_samples)
             else:  # rank 0 samples; this rank receives its ids if the next step needs them
                 result = self.step_sampler.expect(step, out.num_samples)
         self._last_output = result
         return result if is_driver else None
+
+    def _finish_kv_scales(self) -> None:
+        """After the step whose forward measured the KV scales: the decode graphs, which
+        bake them in, are captured now."""
+        self.kv_scales.finish()
+        if self._graphs_to_capture is not None:
+            self.cuda_graphs = capture_all(self._graphs_to_capture)
+            self._graphs_to_capture = None
 
     def _share_sampled_ids(self, last: AsyncModelRunnerOutput | None) -> None:
         """Tensor parallelism: every rank fills placeholders with rank 0's samples. Rank 0

@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 
 from pydaemon.sampling_params import SamplingParams
 
+# The request the engine runs once before serving (engine.py, engine_core_proc.py): a few
+# copies of one token, not a sample of real K/V (kv_scale_calibration.py skips it).
+WARMUP_REQUEST_ID = "__warmup__"
+
 
 @dataclass
 class NewSeqData:

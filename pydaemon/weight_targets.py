@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from pydaemon.layers.parallel_linear import LinearBase, MergedColumnParallelLinear, shard_range
-from pydaemon.quantization.fp8_loading import Fp8Target, fp8_targets
+from pydaemon.quantization.fp8_loading import FP8_DTYPES, Fp8Target, fp8_targets
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,14 @@ class WeightTarget:
             raise ValueError(
                 f"tensor {name!r} in {where} has shape {list(shape)}, expected {expected}"
             )
-        self.copy_(tensor[self.read_index()])
+        part = tensor[self.read_index()]
+        if part.dtype in FP8_DTYPES:  # a plain copy would drop its scale
+            raise ValueError(
+                f"tensor {name!r} in {where} is {part.dtype}, but the model holds it unquantized "
+                "(the LM head, the embedding, or a layer config.json's quantization_config "
+                "lists as not quantized)"
+            )
+        self.copy_(part)
 
     def finish(self, where: str) -> None:
         """Nothing to do once every tensor is loaded (quantized targets convert here)."""

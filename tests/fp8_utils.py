@@ -86,15 +86,24 @@ def write_bf16_checkpoint(src: Path, dst: Path) -> None:
     save_file({n: t.to(torch.bfloat16) for n, t in tensors.items()}, str(dst / "model.safetensors"))
 
 
-def write_fp8_checkpoint(src: Path, dst: Path, fmt: str, block=(32, 48)) -> dict[str, tuple]:
+def write_fp8_checkpoint(
+    src: Path,
+    dst: Path,
+    fmt: str,
+    block=(32, 48),
+    unquantized: tuple[str, ...] = (),
+    ignore: list[str] | None = None,
+) -> dict[str, tuple]:
     """Rewrites the float checkpoint ``src`` as an FP8 one in ``dst``: fmt "hf-block",
     "ct-tensor" or "ct-channel". Weights go to one shard, scales (and a per-tensor
     input_scale, which loaders read past) to another, so a weight and its scale are never in
-    the same file. -> linear weight name -> (wq, scales) as written."""
+    the same file. The linear modules named in ``unquantized`` are written in bf16 without
+    scales; ``ignore``: the list config.json names them with (``modules_to_not_convert`` /
+    ``ignore``, replacing the default). -> linear weight name -> (wq, scales) as written."""
     tensors = load_file(str(src / "model.safetensors"))
     weights, scales, written = {}, {}, {}
     for name, t in tensors.items():
-        if not is_linear_weight(name):
+        if not is_linear_weight(name) or name.removesuffix(".weight") in unquantized:
             weights[name] = t.to(torch.bfloat16)
             continue
         prefix = name.removesuffix(".weight")
@@ -115,6 +124,9 @@ def write_fp8_checkpoint(src: Path, dst: Path, fmt: str, block=(32, 48)) -> dict
     config["torch_dtype"] = "bfloat16"
     config.pop("dtype", None)
     config["quantization_config"] = quantization_config(fmt, block)
+    if ignore is not None:
+        key = "modules_to_not_convert" if fmt == "hf-block" else "ignore"
+        config["quantization_config"][key] = ignore
     (dst / "config.json").write_text(json.dumps(config))
     save_file(weights, str(dst / "model-00001-of-00002.safetensors"))
     save_file(scales, str(dst / "model-00002-of-00002.safetensors"))

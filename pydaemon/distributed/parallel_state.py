@@ -91,6 +91,14 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    """Elementwise max over ranks, in place; the identity at TP=1."""
+    if _TP is None or _TP.world_size == 1:
+        return x
+    dist.all_reduce(x, op=dist.ReduceOp.MAX, group=_TP.device_group)
+    return x
+
+
 def gather_last_dim(x: torch.Tensor) -> torch.Tensor | None:
     """x: [N, D] on every rank -> [N, world_size * D] on rank 0 (rank order), None elsewhere."""
     if _TP is None or _TP.world_size == 1:

@@ -17,7 +17,8 @@ the torch path, which applies the window (the CUDA decode kernel has none).
 An FP8 cache (``--kv-cache-dtype fp8``, see kv_cache_fp8.py) takes the same routes: the kernels
 quantize on write and dequantize in registers; the torch path quantizes and dequantizes around
 its gathers. ``k_scale`` / ``v_scale`` are this layer's scales (1.0 unless the checkpoint has
-them); a cache in the model's dtype ignores them.
+them, or measured by ``--calculate-kv-scales``: pydaemon/kv_scale_calibration.py); a cache in
+the model's dtype ignores them.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 from torch import nn
 
 from pydaemon.attention_metadata import AttentionMetadata
-from pydaemon.kv_cache_fp8 import FP8_DTYPE
+from pydaemon.kv_cache_fp8 import FP8_DTYPE, measure_kv_scales
 from pydaemon.layers.paged_attention_torch import paged_attention_torch, write_kv_cache_torch
 from pydaemon.layers.rotary_embedding import apply_rotary_qk
 from pydaemon.ops.paged_decode_tc import DECODE_TC_HEAD_DIMS, DECODE_TC_MAX_GROUP
@@ -99,6 +100,9 @@ class PagedAttention(nn.Module):
         # FP8 cache scales: K is stored as k / k_scale and read as e4m3 * k_scale (V alike).
         self.k_scale = 1.0
         self.v_scale = 1.0
+        # calculate_kv_scales: (K, V) scales to measure on the next forward, before its cache
+        # write; the model runner arms them for its first step only.
+        self.kv_scales_to_calculate = (False, False)
 
     def forward(
         self,
@@ -112,6 +116,11 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:  # [T, num_heads * head_dim]
         """``rotary``: rotate query and key (rotate_half convention) before the cache write;
         None when the caller has rotated them already (or the model has no rotary)."""
+        if self.kv_scales_to_calculate != (False, False):
+            if rotary is not None:  # measure K as it is stored: rotated (first step only)
+                query, key = apply_rotary_qk(query, key, *rotary)
+                rotary = None
+            self._calculate_kv_scales(key, value, attn_metadata.slot_mapping)
         if uses_kernels(key_cache) and query.dtype in KERNEL_DTYPES:
             out = self._forward_cuda(
                 query, key, value, key_cache, value_cache, attn_metadata, rotary
@@ -124,6 +133,15 @@ class PagedAttention(nn.Module):
             )
             out = self._attend_torch(query, key_cache, value_cache, attn_metadata)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
+
+    def _calculate_kv_scales(self, key, value, slot_mapping) -> None:
+        k_scale, v_scale = measure_kv_scales(key, value, slot_mapping)  # syncs: this step only
+        calculate_k, calculate_v = self.kv_scales_to_calculate
+        if calculate_k:
+            self.k_scale = k_scale
+        if calculate_v:
+            self.v_scale = v_scale
+        self.kv_scales_to_calculate = (False, False)
 
     def _scales(self) -> tuple[float, float]:
         return self.k_scale, self.v_scale

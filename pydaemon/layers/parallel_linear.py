@@ -20,7 +20,9 @@ Quantization (vLLM's scheme): a linear layer built with a ``quant_config`` gets 
 from ``quant_config.linear_method()`` (``create_weights``: e.g. an FP8 ``weight`` and its
 ``weight_scale``) and computes through it (``apply``); without one it is a plain
 ``F.linear``. The factories then return the parallel class even at TP=1 (there it is the
-unsharded layer). The embedding and the LM head are never quantized.
+unsharded layer). The embedding and the LM head are never quantized; a layer the
+checkpoint's ignore list names is made unquantized again (``skip_quantization``, see
+pydaemon/quantization/ignored_layers.py).
 """
 
 from __future__ import annotations
@@ -62,6 +64,19 @@ class LinearBase(nn.Module):
         else:
             self.quant_method.create_weights(self, out_features, in_features)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def skip_quantization(self) -> None:
+        """Makes this quantized layer an unquantized one of the same shape (a layer the
+        checkpoint leaves unquantized), on the device its parameters are on (meta, before
+        the loader materialises them)."""
+        assert self.quant_method is not None
+        out_features, in_features = self.weight.shape
+        device = self.weight.device
+        for name in self.quant_method.own_dtype_params:
+            delattr(self, name)
+        self.quant_method = None
+        weight = torch.empty(out_features, in_features, device=device)
+        self.weight = nn.Parameter(weight, requires_grad=False)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant_method is None:

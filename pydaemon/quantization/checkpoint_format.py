@@ -1,8 +1,24 @@
 """How a checkpoint stores its quantized linear weights, parsed from config.json's
-``quantization_config`` (no torch here: the daemon's front end reads model configs too)."""
+``quantization_config`` (no torch here: the daemon's front end reads model configs too).
+
+Layers a checkpoint leaves unquantized (``ignored_layers``, matched by ``is_layer_skipped``):
+
+- HF ``quant_method: "fp8"``: ``modules_to_not_convert``, module names. An entry matches a
+  module when it is a run of whole dotted components of the module's name: the name itself
+  (``model.layers.0.mlp.down_proj``), a prefix (``model.layers.0``: every linear of layer 0)
+  or a suffix (``lm_head``, ``down_proj``: in every layer). transformers matches substrings;
+  whole components keep ``model.layers.1`` from also naming layer 10.
+- compressed-tensors: ``ignore``, exact module names or ``re:<regex>`` patterns matched from
+  the start of the name (``re.match``, as compressed-tensors and vLLM do): ``re:.*mlp.gate$``.
+
+A fused layer of this engine (``qkv_proj``: q/k/v_proj, ``gate_up_proj``: gate/up_proj) is
+skipped when all its checkpoint parts are; some but not all is an error, as in vLLM.
+"""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +33,40 @@ class CheckpointQuantization:
     quant_method: str  # "fp8" | "compressed-tensors"
     strategy: str  # "tensor" | "channel" | "block": the granularity of the weight scales
     block_size: tuple[int, int] | None  # (rows, columns) of a scale block, for "block"
+    # The checkpoint's list of modules left unquantized, as written (see the module docstring).
+    ignored_layers: tuple[str, ...] = ()
+
+    @property
+    def ignore_key(self) -> str:
+        """The quantization_config key that lists the ignored layers."""
+        return "modules_to_not_convert" if self.quant_method == "fp8" else "ignore"
+
+    def is_ignored(self, module_name: str) -> bool:
+        """True when the checkpoint's list names module ``module_name`` (a checkpoint name,
+        e.g. ``model.layers.0.self_attn.q_proj``)."""
+        if self.quant_method == "fp8":
+            padded = f".{module_name}."
+            return any(f".{entry}." in padded for entry in self.ignored_layers)
+        return any(
+            re.match(entry[3:], module_name) if entry.startswith("re:") else entry == module_name
+            for entry in self.ignored_layers
+        )
+
+    def is_layer_skipped(self, layer_name: str, parts: Sequence[str] | None = None) -> bool:
+        """True when the model's layer ``layer_name`` stays unquantized. ``parts``: the
+        checkpoint modules fused into it (e.g. ``...q_proj``, ``...k_proj``, ``...v_proj``),
+        None when it is one checkpoint module. ValueError when only some parts are ignored."""
+        names = list(parts) if parts else [layer_name]
+        ignored = [name for name in names if self.is_ignored(name)]
+        if ignored and len(ignored) != len(names):
+            kept = [name for name in names if name not in ignored]
+            raise ValueError(
+                f"config.json quantization_config.{self.ignore_key} leaves "
+                f"{', '.join(ignored)} unquantized but not {', '.join(kept)}: this engine fuses "
+                f"them into one layer ({layer_name}), whose parts must all be quantized or all "
+                "be left unquantized"
+            )
+        return bool(ignored)
 
 
 def parse_quantization_config(raw: Any) -> CheckpointQuantization | None:
@@ -57,10 +107,31 @@ def _parse_hf_fp8(raw: dict[str, Any]) -> CheckpointQuantization:
             f"unsupported activation_scheme {scheme!r} in quantization_config "
             "(expected 'dynamic' or 'static')"
         )
+    ignored = _ignored_layers(raw, "modules_to_not_convert", allow_regex=False)
     block = raw.get("weight_block_size")
     if block is None:
-        return CheckpointQuantization("fp8", "tensor", None)
-    return CheckpointQuantization("fp8", "block", _block_size(block, "weight_block_size"))
+        return CheckpointQuantization("fp8", "tensor", None, ignored)
+    return CheckpointQuantization("fp8", "block", _block_size(block, "weight_block_size"), ignored)
+
+
+def _ignored_layers(raw: dict[str, Any], key: str, allow_regex: bool) -> tuple[str, ...]:
+    value = raw.get(key)
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ValueError(
+            f"config.json quantization_config.{key} must be a list of module names, got {value!r}"
+        )
+    for entry in value:
+        if allow_regex and entry.startswith("re:"):
+            try:
+                re.compile(entry[3:])
+            except re.error as e:
+                raise ValueError(
+                    f"config.json quantization_config.{key} entry {entry!r} is not a valid "
+                    f"regular expression: {e}"
+                ) from None
+    return tuple(value)
 
 
 def _parse_compressed_tensors(raw: dict[str, Any]) -> CheckpointQuantization:
@@ -100,4 +171,5 @@ def _parse_compressed_tensors(raw: dict[str, Any]) -> CheckpointQuantization:
             "only one per checkpoint is supported"
         )
     strategy, block = layouts.pop()
-    return CheckpointQuantization("compressed-tensors", strategy, block)
+    ignored = _ignored_layers(raw, "ignore", allow_regex=True)
+    return CheckpointQuantization("compressed-tensors", strategy, block, ignored)

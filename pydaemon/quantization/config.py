@@ -13,9 +13,9 @@ Checkpoint formats read (FP8 e4m3 weights only):
   (``block_structure`` [bn, bk], ``weight_scale`` as the block scales above).
 
 Whatever the checkpoint's activation scheme, activations are quantized dynamically per
-token; a static ``input_scale`` is read past and unused. Layers a checkpoint leaves in
-bf16 (its ``ignore`` / ``modules_to_not_convert`` list) are quantized at load like a bf16
-checkpoint; the LM head and the embeddings always stay in the activation dtype.
+token; a static ``input_scale`` is read past and unused. Layers a checkpoint leaves
+unquantized (its ``ignore`` / ``modules_to_not_convert`` list) stay in the activation dtype
+(ignored_layers.py); so do the LM head and the embeddings, always.
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ SCALE_NAMES = ("weight_scale", "weight_scale_inv")
 
 @dataclass(frozen=True)
 class Fp8Config:
-    """The model runs FP8 linear layers (all but the LM head); ``checkpoint`` says how the
-    checkpoint stores them (None: unquantized weights, quantized at load)."""
+    """The model runs FP8 linear layers (all but the LM head and those the checkpoint's list
+    leaves unquantized); ``checkpoint`` says how the checkpoint stores them (None:
+    unquantized weights, quantized at load)."""
 
     checkpoint: CheckpointQuantization | None
     emulate: bool

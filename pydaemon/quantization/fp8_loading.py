@@ -33,7 +33,7 @@ from pydaemon.quantization.checkpoint_format import CheckpointQuantization
 from pydaemon.quantization.config import SCALE_NAMES
 from pydaemon.quantization.fp8 import FP8_DTYPE, quantize_per_channel, to_fp8
 
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 _REQUANT_ROWS = 1024  # rows re-quantized at a time (bounds the float32 temporaries)
 
 
@@ -87,7 +87,7 @@ class Fp8WeightPart:
             self.weight.copy_(part)
             self.weight_format = "fp8"
             return
-        if part.dtype in _FP8_DTYPES or not part.dtype.is_floating_point:
+        if part.dtype in FP8_DTYPES or not part.dtype.is_floating_point:
             raise ValueError(
                 f"tensor {name!r} in {where} has dtype {part.dtype}: FP8 layers load "
                 "float8_e4m3fn weights (with scales) or bf16 / fp16 / fp32 ones"

@@ -53,6 +53,11 @@ ENGINE_BOOL_FLAGS = (
     ("--enable-prefix-caching", "automatic prefix caching"),
     ("--enforce-eager", "run every step eagerly: no CUDA graphs for decode steps"),
     (
+        "--calculate-kv-scales",
+        "with --kv-cache-dtype fp8: measure the per-layer K/V scales the checkpoint lacks on "
+        "the first prefill (amax / 200 for K, / 100 for V), then keep them",
+    ),
+    (
         "--async-scheduling",
         "schedule each step while the previous one runs on the GPU (default: on with one CUDA "
         "GPU, off on CPU and with tensor parallelism; --async-scheduling turns it on for both)",
