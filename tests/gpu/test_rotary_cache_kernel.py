@@ -37,8 +37,12 @@ def _qkv(num_tokens, heads, kv_heads, head_dim, dtype, pad=0):
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     qkv = (3 * torch.randn(num_tokens, pad + q_size + 2 * kv_size, device="cuda")).to(dtype)
     q, k, v = qkv[:, pad:].split([q_size, kv_size, kv_size], dim=-1)
-    shape = (num_tokens, -1, head_dim)
-    return qkv, q.view(*shape), k.view(*shape), v.view(*shape)
+    return (
+        qkv,
+        q.view(num_tokens, heads, head_dim),
+        k.view(num_tokens, kv_heads, head_dim),
+        v.view(num_tokens, kv_heads, head_dim),
+    )
 
 
 def _inputs(num_tokens, heads, kv_heads, head_dim, block_size, dtype, cache_dtype, pad=0):
