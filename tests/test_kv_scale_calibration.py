@@ -18,6 +18,7 @@ from pydaemon import LLM, SamplingParams
 from pydaemon.config import EngineConfig
 from pydaemon.kv_cache_fp8 import FP8_DTYPE, K_SCALE_RANGE, V_SCALE_RANGE
 from pydaemon.layers.attention import PagedAttention
+from pydaemon.layers.rotary_embedding import apply_rotary_qk
 from pydaemon.model_loader import load_model
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -66,11 +67,15 @@ def test_measured_scales_fix_a_saturating_fp8_cache(model_dir):
     ref_tokens, ref_logp = next_token_logprobs(model, torch.float32, PROMPTS, 16)
     _, saturated = next_token_logprobs(model, FP8_DTYPE, PROMPTS, 16, forced=ref_tokens)
     layers = _attention_layers(model)
-    amax = []  # each layer's largest |k|, |v| over its first forward (the prefill)
-    hooks = [
-        m.register_forward_pre_hook(lambda m, a: amax.append((a[1].abs().max(), a[2].abs().max())))
-        for m in layers
-    ]
+    amax = []  # each layer's largest |k| (rotated, as stored), |v| over its first forward
+
+    def record(module, args, kwargs):
+        query, key, value = args[:3]
+        if kwargs.get("rotary") is not None:
+            _, key = apply_rotary_qk(query.clone(), key.clone(), *kwargs["rotary"])
+        amax.append((key.abs().max(), value.abs().max()))
+
+    hooks = [m.register_forward_pre_hook(record, with_kwargs=True) for m in layers]
     for m in layers:
         m.kv_scales_to_calculate = (True, True)  # what the model runner arms
     _, measured = next_token_logprobs(model, FP8_DTYPE, PROMPTS, 16, forced=ref_tokens)
