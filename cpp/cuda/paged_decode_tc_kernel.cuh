@@ -7,9 +7,9 @@
 //
 // The warps work independently: warp w takes the 16-key sub-tiles w, w + WARPS, ... of the
 // partition and streams them through its OWN cp.async ring of STAGES sub-tiles (block-table
-// entries fetched one sub-tile ahead), so the main loop has no block-wide barrier and
-// STAGES - 1 sub-tiles per warp are in flight while it computes. Per sub-tile, exactly the
-// prefill kernel's math (paged_prefill_kernel.cuh) on one atom:
+// entries fetched 32 sub-tiles at a time, a batch ahead), so the main loop has no block-wide
+// barrier and STAGES - 1 sub-tiles per warp are in flight while it computes. Per sub-tile,
+// exactly the prefill kernel's math (paged_prefill_kernel.cuh) on one atom:
 //   S = Q K^T      Q fragments in registers (loaded once), K through ldmatrix, mma.m16n8k16
 //   mask           keys past the partition / sequence end -> -inf
 //   online softmax per row in the log2 domain, exp2 with the scale folded in
@@ -187,17 +187,27 @@ __global__ void __launch_bounds__(32 * WARPS, 2)
     }
   };
 
-  // Prologue: the block entries of sub-tiles 0 .. STAGES-1 fetched together (one round
-  // trip), sub-tiles 0 .. STAGES-2 in flight (Q joins the first group).
-  Blocks first[STAGES];
-#pragma unroll
-  for (int s = 0; s < STAGES; ++s) first[s] = fetch_blocks(s);
+  // Block-table entries, 32 sub-tiles at a time: lane j of `cur` holds those of this warp's
+  // sub-tile 32 * c + j (c = the batch of the sub-tile being loaded), `nxt` those of batch
+  // c + 1, fetched a whole batch ahead. A block-table read per sub-tile, even one sub-tile
+  // ahead, put a dependent global load (~1-2 us under load) into every iteration and bounded
+  // the loop at one sub-tile per load latency, whatever the dtype.
+  Blocks cur = fetch_blocks(lane), nxt = fetch_blocks(32 + lane);
+  auto blocks_of = [&](int j) -> Blocks {  // j: a sub-tile of batch c; warp-uniform
+    if (j > 0 && j % 32 == 0) {  // entering batch c + 1
+      cur = nxt;
+      nxt = fetch_blocks(j + 32 + lane);
+    }
+    return Blocks{__shfl_sync(0xffffffffu, cur.b0, j % 32),
+                  __shfl_sync(0xffffffffu, cur.b1, j % 32)};
+  };
+
+  // Prologue: sub-tiles 0 .. STAGES-2 in flight (Q joins the first group).
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    load_sub(s, first[s], s);
+    load_sub(s, blocks_of(s), s);
     cp_async_commit_group();
   }
-  Blocks next = first[STAGES - 1];
   cp_async_wait_group<STAGES - 2>();  // this thread's Q chunks landed ...
   __syncthreads();                     // ... and every thread's
 
@@ -216,9 +226,8 @@ __global__ void __launch_bounds__(32 * WARPS, 2)
 
   for (int i = 0; i < my_subs; ++i) {
     // Refill the stage sub-tile i-1 used (every lane finished it: __syncwarp below).
-    load_sub(i + STAGES - 1, next, (i + STAGES - 1) % STAGES);
+    load_sub(i + STAGES - 1, blocks_of(i + STAGES - 1), (i + STAGES - 1) % STAGES);
     cp_async_commit_group();
-    next = fetch_blocks(i + STAGES);  // used next iteration: its latency hides behind this one
     cp_async_wait_group<STAGES - 1>();  // this lane's copies of sub-tile i landed
     const int stage = i % STAGES;
     if constexpr (FP8) convert_sub(stage);

@@ -120,30 +120,51 @@ __global__ void __launch_bounds__(32 * WARPS)
   const cache_t* v_base =
       static_cast<const cache_t*>(p.value_cache) + (int64_t)kv_head * p.kv_head_stride;
   const int offset_mask = (1 << block_shift) - 1;
-  // fp8: thread tid copies (and later converts) the 16-byte chunks tid, tid + THREADS, ...
-  constexpr int RAW_PER_THREAD = (BN * T::RAW_CHUNKS + T::THREADS - 1) / T::THREADS;
-  auto load_raw = [&](int n, int stage) {
+  // This thread's K/V chunks of a tile (the same for every tile): chunk x = tid + it * THREADS
+  // is key row x / CH and 16-byte column x % CH, CH chunks per row (8 elements of a 16-bit
+  // cache, 16 of an fp8 one).
+  constexpr int CH = FP8 ? T::RAW_CHUNKS : CHUNKS;
+  constexpr int PER_THREAD = (BN * CH + T::THREADS - 1) / T::THREADS;
+  // The block-table entries of those chunks' keys are read one tile ahead of the copies that
+  // use them: a table read at the copy would put a dependent global load at the top of every
+  // iteration, exposed before the thread's cp.async issue.
+  auto fetch_blocks = [&](int n, int (&blk)[PER_THREAD]) {
 #pragma unroll
-    for (int it = 0; it < RAW_PER_THREAD; ++it) {
-      const int x = tid + it * T::THREADS;
-      if ((BN * T::RAW_CHUNKS) % T::THREADS != 0 && x >= BN * T::RAW_CHUNKS) break;
-      const int r = x / T::RAW_CHUNKS, ch = x % T::RAW_CHUNKS, key = n * BN + r;
-      const bool valid = key < n_end;  // zero-filled past the end, as below
-      int64_t off = 0;
-      if (valid)
-        off = (int64_t)block_table[key >> block_shift] * p.kv_block_stride +
-              (key & offset_mask) * HEAD_DIM + ch * 16;
-      const int dst = (stage * BN + r) * HEAD_DIM + ch * 16;
-      cp_async16_zfill(r_k + dst, k_base + off, valid);
-      cp_async16_zfill(r_v + dst, v_base + off, valid);
+    for (int it = 0; it < PER_THREAD; ++it) {
+      const int x = tid + it * T::THREADS, key = n * BN + x / CH;
+      blk[it] = (x < BN * CH && key < n_end) ? block_table[key >> block_shift] : 0;
     }
   };
-  auto convert_raw = [&](int stage) {  // this thread's chunks of raw stage -> s_k / s_v
+  auto load_kv = [&](int n, int stage, const int (&blk)[PER_THREAD]) {
 #pragma unroll
-    for (int it = 0; it < RAW_PER_THREAD; ++it) {
+    for (int it = 0; it < PER_THREAD; ++it) {
       const int x = tid + it * T::THREADS;
-      if ((BN * T::RAW_CHUNKS) % T::THREADS != 0 && x >= BN * T::RAW_CHUNKS) break;
-      const int r = x / T::RAW_CHUNKS, ch = x % T::RAW_CHUNKS;
+      if ((BN * CH) % T::THREADS != 0 && x >= BN * CH) break;
+      const int r = x / CH, ch = x % CH, key = n * BN + r;
+      const bool valid = key < n_end;  // zero-filled past the end: 0 * garbage is never NaN
+      int64_t off = 0;
+      if (valid)
+        off = (int64_t)blk[it] * p.kv_block_stride + (key & offset_mask) * HEAD_DIM +
+              ch * (16 / (int)sizeof(cache_t));
+      if constexpr (FP8) {  // raw bytes, two-stage ring [2][BN][HEAD_DIM]
+        const int dst = (stage * BN + r) * HEAD_DIM + ch * 16;
+        cp_async16_zfill(r_k + dst, k_base + off, valid);
+        cp_async16_zfill(r_v + dst, v_base + off, valid);
+      } else {
+        scalar_t* dk = s_k + stage * BN * ROW;
+        scalar_t* dv = s_v + stage * BN * ROW;
+        cp_async16_zfill(dk + r * ROW + ch * 8, k_base + off, valid);
+        cp_async16_zfill(dv + r * ROW + ch * 8, v_base + off, valid);
+      }
+    }
+  };
+  // fp8: this thread's chunks of raw stage -> s_k / s_v (the chunks it copied itself).
+  auto convert_raw = [&](int stage) {
+#pragma unroll
+    for (int it = 0; it < PER_THREAD; ++it) {
+      const int x = tid + it * T::THREADS;
+      if ((BN * CH) % T::THREADS != 0 && x >= BN * CH) break;
+      const int r = x / CH, ch = x % CH;
       const int src = (stage * BN + r) * HEAD_DIM + ch * 16;
       uint4* dk = reinterpret_cast<uint4*>(s_k + r * ROW + ch * 16);
       uint4* dv = reinterpret_cast<uint4*>(s_v + r * ROW + ch * 16);
@@ -151,30 +172,11 @@ __global__ void __launch_bounds__(32 * WARPS)
       fp8x16_to_vec<scalar_t>(*reinterpret_cast<const uint4*>(r_v + src), dv[0], dv[1]);
     }
   };
-  auto load_kv = [&](int n, int stage) {
-    if constexpr (FP8) {
-      load_raw(n, stage);
-    } else {
-      scalar_t* dk = s_k + stage * BN * ROW;
-      scalar_t* dv = s_v + stage * BN * ROW;
-      constexpr int PER_THREAD = (BN * CHUNKS + T::THREADS - 1) / T::THREADS;
-#pragma unroll
-      for (int it = 0; it < PER_THREAD; ++it) {
-        const int x = tid + it * T::THREADS;
-        if ((BN * CHUNKS) % T::THREADS != 0 && x >= BN * CHUNKS) break;
-        const int r = x / CHUNKS, ch = x % CHUNKS, key = n * BN + r;
-        const bool valid = key < n_end;  // zero-filled past the end: 0 * garbage is never NaN
-        int64_t off = 0;
-        if (valid)
-          off = (int64_t)block_table[key >> block_shift] * p.kv_block_stride +
-                (key & offset_mask) * HEAD_DIM + ch * 8;
-        cp_async16_zfill(dk + r * ROW + ch * 8, k_base + off, valid);
-        cp_async16_zfill(dv + r * ROW + ch * 8, v_base + off, valid);
-      }
-    }
-  };
-  load_kv(0, 0);
+  int blk[PER_THREAD];
+  fetch_blocks(0, blk);
+  load_kv(0, 0, blk);
   cp_async_commit_group();  // group 0: Q and the first K/V tile
+  if (num_n_tiles > 1) fetch_blocks(1, blk);
 
   const float scale_log2 = p.scale * (FP8 ? p.k_scale : 1.f) * 1.4426950408889634f;
   const int quad_row = lane / 4, quad_col = 2 * (lane % 4);
@@ -202,7 +204,10 @@ __global__ void __launch_bounds__(32 * WARPS)
 
   for (int n = 0; n < num_n_tiles; ++n) {
     const int stage = n & 1;
-    if (n + 1 < num_n_tiles) load_kv(n + 1, stage ^ 1);
+    if (n + 1 < num_n_tiles) {
+      load_kv(n + 1, stage ^ 1, blk);
+      if (n + 2 < num_n_tiles) fetch_blocks(n + 2, blk);  // used next iteration
+    }
     cp_async_commit_group();
     cp_async_wait_group<1>();  // tile n (and Q) landed for this thread ...
     if constexpr (FP8) convert_raw(stage);  // (only this thread's own chunks: no barrier yet)
