@@ -4,20 +4,22 @@
 // grid (num_kv_heads, row tiles, num_seqs), the rows of a sequence are its query tokens times
 // the query heads of one kv head's group, packed token-major (row i = token i / group, head
 // i % group), so K/V are read once per kv head. A thread block is two warpgroups (256 threads)
-// of 64 rows each: BLOCK_M = 128 rows. Every thread also loads: per K/V tile of BLOCK_N keys,
-// cp.async through the block table into a STAGES-deep ring of 128-byte-swizzled shared memory
-// (the layout wgmma_utils.cuh describes), so the next tiles load while this one is used. Per
-// tile and warpgroup:
-//   S = Q K^T      wgmma m64 x BLOCK_N x 16, Q and K from shared memory (K-major), fp32 S in
-//                  registers (HEAD_DIM / 16 wgmma, one commit group)
-//   causal mask    only on tiles reaching past the warpgroup's first token
-//   online softmax row max / sum across the 4 lanes sharing a row, exp2 with folded scale;
-//                  O is rescaled only when some row's max moved (per warp)
-//   O += P V       P converted in registers to wgmma's A fragment (the accumulator layout lines
-//                  up, see wgmma_utils.cuh), V from shared memory N-major (trans-b), fp32 O in
-//                  registers (BLOCK_N / 16 wgmma, one commit group)
-// The two warpgroups overlap each other's softmax and MMA; there is no producer warp and no
-// intra-warpgroup pipelining (flash-attention 3 has both): the simpler scheme first.
+// of 64 rows each: BLOCK_M = 128 rows. Every thread also loads: K/V tiles of BLOCK_N keys go
+// by cp.async through the block table into a three-stage ring of 128-byte-swizzled shared
+// memory (the layout wgmma_utils.cuh describes). Iteration n, per warpgroup:
+//   S_n = Q K_n^T      wgmma m64 x BLOCK_N x 16, Q and K from shared memory (K-major), fp32 S
+//                      in registers (HEAD_DIM / 16 wgmma, one commit group)
+//   O += P_{n-1} V_{n-1}  issued right after (P of the previous tile in registers as wgmma's
+//                      A fragment: the accumulator layout lines up, see wgmma_utils.cuh; V
+//                      from shared memory N-major, trans-b), fp32 O in registers
+//   softmax of S_n     while that P V runs (flash-attention 3's intra-warpgroup overlap):
+//                      causal mask only on tiles reaching past the warpgroup's first token,
+//                      row max / sum across the 4 lanes sharing a row, exp2 with folded scale
+//   O *= alpha         after the P V completes, only when some row's max moved (per warp)
+//   P_n -> registers   as the next iteration's A fragments
+// Tile n - 1 (its V) and tile n (its K) are in use while tile n + 1 loads: three stages, one
+// __syncthreads per tile. No producer warp and no ping-pong between the warpgroups (both are
+// in flash-attention 3): they meet at that barrier once per tile.
 // A warpgroup whose rows are all padding, or whose keys end before this tile, skips the math
 // (the condition is warpgroup-uniform, as wgmma requires) but still loads.
 // fp16 and bf16 K/V only: an fp8 cache runs the mma.sync kernel.
@@ -141,12 +143,8 @@ __global__ void __launch_bounds__(256, 1)
       cp_async16_zfill(dv + dst, v_base + off, valid);
     }
   };
-  // Prologue: Q and tiles 0 .. STAGES - 2, one commit group per tile (Q rides with tile 0).
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < num_n_tiles) load_kv(s, s);
-    cp_async_commit_group();
-  }
+  load_kv(0, 0);
+  cp_async_commit_group();  // the only group in flight: Q and tile 0
 
   const float scale_log2 = p.scale * 1.4426950408889634f;
   const int wg = warp / 4;                 // warpgroup: rows 64 wg .. 64 wg + 63 of the tile
@@ -159,28 +157,39 @@ __global__ void __launch_bounds__(256, 1)
   const int wg_first_pos = prefix + wg_m0 / group;
   const int wg_n_end = prefix + (min(wg_m0 + 64, num_rows) - 1) / group + 1;
   const int wg_num_tiles = wg_active ? (wg_n_end + BN - 1) / BN : 0;
+  const uint32_t sq = q_addr + wg * 64 * 128;  // this warpgroup's 64 rows of every Q slab
 
   float o[HEAD_DIM / 2];  // O accumulator, wgmma D layout (m64 x HEAD_DIM)
 #pragma unroll
   for (int d = 0; d < HEAD_DIM / 2; ++d) o[d] = 0.f;
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+  float s[BN / 2];           // S of tile n, then its P in fp32; wgmma D layout (m64 x BN)
+  uint32_t pa[BN / 16][4];   // P of the previous tile as A fragments (k-step kk: keys 16 kk..)
 
-  for (int n = 0; n < num_n_tiles; ++n) {
-    const int stage = n % STAGES;
-    {  // keep STAGES - 1 tiles in flight: the one loaded here went into the stage freed last
-      const int ahead = n + STAGES - 1;
-      if (ahead < num_n_tiles) load_kv(ahead, ahead % STAGES);
-      cp_async_commit_group();
+  // Iteration n issues S_n = Q K_n^T and O += P_{n-1} V_{n-1} back to back, then runs the
+  // softmax of S_n while P_{n-1} V_{n-1} is still on the tensor cores (flash-attention 3's
+  // intra-warpgroup overlap). So tile n - 1 (its V) and tile n (its K) are both in use while
+  // tile n + 1 loads: three stages. One extra iteration drains the last P V.
+  static_assert(STAGES == 3, "stages n - 1, n in use, n + 1 loading");
+  for (int n = 0; n <= num_n_tiles; ++n) {
+    if (n < num_n_tiles) {
+      cp_async_wait_group<0>();   // tile n (and Q) landed for this thread ...
+      fence_proxy_async_shared(); // ... is visible to wgmma's async proxy ...
     }
-    cp_async_wait_group<STAGES - 1>();  // tile n (and Q) landed for this thread ...
-    fence_proxy_async_shared();         // ... is visible to wgmma's async proxy ...
-    __syncthreads();                    // ... and for every thread
-    if (n < wg_num_tiles) {
-      // S = Q K^T for the warpgroup's 64 rows x BN keys.
-      float s[BN / 2];
-      const uint32_t sq = q_addr + wg * 64 * 128, sk = k_addr + stage * T::KV_BYTES;
-      wgmma_fence_operands(s);
-      wgmma_fence();
+    // ... and for every thread; every thread is also past iteration n - 1, whose last wgmma
+    // (P_{n-2} V_{n-2}) it waited for, so stage (n + 1) % 3 = (n - 2) % 3 is free.
+    __syncthreads();
+    if (n + 1 < num_n_tiles) load_kv(n + 1, (n + 1) % STAGES);
+    cp_async_commit_group();
+    const bool do_s = n < wg_num_tiles;                  // warpgroup-uniform
+    const bool do_pv = n > 0 && n - 1 < wg_num_tiles;    // P_{n-1} exists
+    if (!do_s && !do_pv) continue;
+
+    wgmma_fence_operands(s);
+    wgmma_fence_operands(o);
+    wgmma_fence();  // orders the softmax / rescale / pack register writes before the wgmma
+    if (do_s) {
+      const uint32_t sk = k_addr + (n % STAGES) * T::KV_BYTES;
 #pragma unroll
       for (int ks = 0; ks < T::K_STEPS; ++ks) {
         // k-step ks: slab ks / 4 (64 dims), then 32 bytes (16 elements) per step inside it.
@@ -190,68 +199,75 @@ __global__ void __launch_bounds__(256, 1)
                                 wgmma_desc_sw128(k_ks, 16, 1024), ks > 0);
       }
       wgmma_commit_group();
-      wgmma_wait_group<0>();
-      wgmma_fence_operands(s);
-
-      // Causal mask, only on tiles reaching past the warpgroup's first token.
-      if ((n + 1) * BN - 1 > wg_first_pos) {
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (n * BN + 8 * j + quad_col + (e & 1) > pos[e / 2]) s[4 * j + e] = -INFINITY;
-      }
-      // Online softmax in the log2 domain; the 4 lanes of a quad share a row.
-      float alpha[2];
-#pragma unroll
-      for (int rr = 0; rr < 2; ++rr) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j)
-          mx = fmaxf(mx, fmaxf(s[4 * j + 2 * rr], s[4 * j + 2 * rr + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(row_max[rr], mx * scale_log2);
-        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with no key yet
-        alpha[rr] = fast_exp2(row_max[rr] - m_use);
-        row_max[rr] = m_new;
-        float sum = 0.f;
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-          s[4 * j + 2 * rr] = fast_exp2(fmaf(s[4 * j + 2 * rr], scale_log2, -m_use));
-          s[4 * j + 2 * rr + 1] = fast_exp2(fmaf(s[4 * j + 2 * rr + 1], scale_log2, -m_use));
-          sum += s[4 * j + 2 * rr] + s[4 * j + 2 * rr + 1];
-        }
-        row_sum[rr] = row_sum[rr] * alpha[rr] + sum;
-      }
-      // Rescale O only when some row's max moved (warp-uniform branch, no wgmma inside).
-      if (!__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) {
-#pragma unroll
-        for (int d = 0; d < HEAD_DIM / 8; ++d) {
-          o[4 * d] *= alpha[0], o[4 * d + 1] *= alpha[0];
-          o[4 * d + 2] *= alpha[1], o[4 * d + 3] *= alpha[1];
-        }
-      }
-      // P (the S accumulator columns 16 kk .. 16 kk + 15) as the A fragment of k-step kk.
-      uint32_t pa[BN / 16][4];
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) pa[kk][q] = MMA::pack(s[8 * kk + 2 * q], s[8 * kk + 2 * q + 1]);
-
+    }
+    if (do_pv) {
       // O += P V: V [key][dim] is the N-major B of this product; k-step kk = keys 16 kk ..
-      const uint32_t sv = v_addr + stage * T::KV_BYTES;
-      wgmma_fence_operands(o);
-      wgmma_fence();
+      const uint32_t sv = v_addr + ((n - 1) % STAGES) * T::KV_BYTES;
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk)
         Wgmma<scalar_t, HEAD_DIM>::rs_tb(o, pa[kk],
                                          wgmma_desc_sw128(sv + kk * 16 * 128, BN * 128, 1024));
       wgmma_commit_group();
+    }
+    if (!do_s) {  // drain: the last P V of this warpgroup
       wgmma_wait_group<0>();
       wgmma_fence_operands(o);
+      wgmma_fence_operands(pa);
+      continue;
     }
-    __syncthreads();  // every warpgroup is done with this stage before it is refilled
+    if (do_pv) wgmma_wait_group<1>();  // S_n done (groups complete in order); P V may run on
+    else wgmma_wait_group<0>();
+    wgmma_fence_operands(s);
+
+    // Causal mask, only on tiles reaching past the warpgroup's first token.
+    if ((n + 1) * BN - 1 > wg_first_pos) {
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (n * BN + 8 * j + quad_col + (e & 1) > pos[e / 2]) s[4 * j + e] = -INFINITY;
+    }
+    // Online softmax in the log2 domain; the 4 lanes of a quad share a row.
+    float alpha[2];
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j)
+        mx = fmaxf(mx, fmaxf(s[4 * j + 2 * rr], s[4 * j + 2 * rr + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(row_max[rr], mx * scale_log2);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with no key yet
+      alpha[rr] = fast_exp2(row_max[rr] - m_use);
+      row_max[rr] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        s[4 * j + 2 * rr] = fast_exp2(fmaf(s[4 * j + 2 * rr], scale_log2, -m_use));
+        s[4 * j + 2 * rr + 1] = fast_exp2(fmaf(s[4 * j + 2 * rr + 1], scale_log2, -m_use));
+        sum += s[4 * j + 2 * rr] + s[4 * j + 2 * rr + 1];
+      }
+      row_sum[rr] = row_sum[rr] * alpha[rr] + sum;
+    }
+    if (do_pv) {
+      wgmma_wait_group<0>();  // O = O_{n-1} complete; pa free
+      wgmma_fence_operands(o);
+      wgmma_fence_operands(pa);
+    }
+    // Rescale O to this tile's max only when some row's max moved (warp-uniform branch).
+    if (!__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) {
+#pragma unroll
+      for (int d = 0; d < HEAD_DIM / 8; ++d) {
+        o[4 * d] *= alpha[0], o[4 * d + 1] *= alpha[0];
+        o[4 * d + 2] *= alpha[1], o[4 * d + 3] *= alpha[1];
+      }
+    }
+    // P_n (the S accumulator columns 16 kk .. 16 kk + 15) as the A fragment of k-step kk.
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) pa[kk][q] = MMA::pack(s[8 * kk + 2 * q], s[8 * kk + 2 * q + 1]);
   }
 
   // Normalise and store this lane's rows (pairs of elements, 4-byte stores).
@@ -290,13 +306,13 @@ cudaError_t launch_paged_prefill_sm90_tiles(const PagedPrefillParams& p, cudaStr
   return cudaGetLastError();
 }
 
-// 128 rows x 128 keys, two stages (160 KiB of shared memory at head 128).
+// 128 rows x 128 keys, three stages (225 KiB of shared memory at head 128).
 template <int HEAD_DIM>
 cudaError_t launch_paged_prefill_sm90(const PagedPrefillParams& p, cudaStream_t stream) {
   if (p.cache_dtype == DType::kFp8E4M3) return cudaErrorInvalidValue;
   return p.dtype == DType::kFloat16
-             ? launch_paged_prefill_sm90_tiles<__half, HEAD_DIM, 128, 2>(p, stream)
-             : launch_paged_prefill_sm90_tiles<__nv_bfloat16, HEAD_DIM, 128, 2>(p, stream);
+             ? launch_paged_prefill_sm90_tiles<__half, HEAD_DIM, 128, 3>(p, stream)
+             : launch_paged_prefill_sm90_tiles<__nv_bfloat16, HEAD_DIM, 128, 3>(p, stream);
 }
 
 }  // namespace pagedd::cuda

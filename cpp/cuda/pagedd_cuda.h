@@ -64,6 +64,11 @@ struct PagedDecodeParams {
 // longer than num_partitions * kPartitionSize gets NaN (the caller's max_seq_len was wrong).
 cudaError_t paged_attention_decode(const PagedDecodeParams& p, cudaStream_t stream);
 
+// Which prefill kernel runs: kAuto picks (prefill_backend_for), kMma is the mma.sync kernel
+// (sm_80+, every head size and cache), kWgmma the Hopper warpgroup-MMA kernel (sm_90a builds,
+// compute capability 9.0 devices, head 64 / 128, fp16 / bf16 caches).
+enum class PrefillBackend : int { kAuto = 0, kMma = 1, kWgmma = 2 };
+
 struct PagedPrefillParams {
   void* out;                     // [num_tokens, num_q_heads, head_dim], contiguous
   const void* query;             // [num_tokens, num_q_heads, head_dim], last dim contiguous
@@ -92,14 +97,16 @@ struct PagedPrefillParams {
   // v_scale into the final normalisation.
   DType cache_dtype = DType::kFloat16;
   float k_scale = 1.f, v_scale = 1.f;
+  PrefillBackend backend = PrefillBackend::kAuto;
 };
 
 // Causal attention of a packed batch of new tokens over their paged K/V (the cached prefix and
 // the new tokens themselves, already written by reshape_and_cache). Sequence s owns query rows
 // [query_start_loc[s], query_start_loc[s+1]); its query token j sits at position
 // seq_lens[s] - query_len + j and attends to positions [0, that]. Decode rows (query_len 1)
-// may be mixed in. Tensor cores (mma.sync, sm_80+), online softmax, and the query heads of a
-// kv head's group packed into one tile, so K/V are read once per kv head, never copied.
+// may be mixed in. Tensor cores (mma.sync on sm_80+, or wgmma on sm_90a: p.backend), online
+// softmax, and the query heads of a kv head's group packed into one tile, so K/V are read once
+// per kv head, never copied.
 // A sequence with query_len > seq_lens, or longer than max_query_len, gets NaN rows.
 cudaError_t paged_attention_prefill(const PagedPrefillParams& p, cudaStream_t stream);
 
@@ -116,6 +123,18 @@ inline bool prefill_tile_is_built(int head_dim, int block_m, int block_n) {
   if (head_dim == 256) return block_m == 64 && block_n == 32;
   return (block_m == 128 && (block_n == 32 || block_n == 64)) || (block_m == 64 && block_n == 64);
 }
+
+// Why the wgmma prefill kernel cannot run a call of this head size and cache type on the
+// current device (this build lacks it, the device is not compute capability 9.0, the head size
+// or the cache type is not built), or nullptr when it can. The device query is cached.
+const char* prefill_wgmma_unavailable_reason(int head_dim, DType cache_dtype);
+
+// The backend a call runs. kAuto takes wgmma where it is available, at head 128 (the size
+// measured against mma.sync), with the default tile (block_m = block_n = 0: an explicit tile is
+// mma.sync tuning) and max_query_len >= kPrefillWgmmaMinQueryLen: decode steps and short
+// chunks keep mma.sync, whose 64-row tiles waste less on a few rows per sequence.
+constexpr int kPrefillWgmmaMinQueryLen = 64;
+PrefillBackend prefill_backend_for(const PagedPrefillParams& p);
 
 struct ReshapeAndCacheParams {
   const void* key;             // [num_tokens, num_kv_heads, head_dim], last dim contiguous

@@ -64,13 +64,21 @@ __device__ __forceinline__ void wgmma_wait_group() {
 __device__ __forceinline__ void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
-// Pins an accumulator array in registers across the asynchronous wgmma: the compiler may not
-// move reads or writes of it across this point (the accumulators are in flight until
+// Pins an accumulator (or A fragment) array across the asynchronous wgmma: the compiler may
+// not move reads or writes of it across this point (wgmma reads A and writes D until
 // wgmma.wait_group returns).
 template <int N>
 __device__ __forceinline__ void wgmma_fence_operands(float (&d)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+template <int M, int K>
+__device__ __forceinline__ void wgmma_fence_operands(uint32_t (&a)[M][K]) {
+#pragma unroll
+  for (int i = 0; i < M; ++i)
+#pragma unroll
+    for (int j = 0; j < K; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
 }
 
 // Wgmma<scalar_t, N>: m64nNk16, fp32 accumulators d[N / 2] (layout above).
