@@ -165,6 +165,13 @@ __global__ void __launch_bounds__(256, 1)
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
   float s[BN / 2];           // S of tile n, then its P in fp32; wgmma D layout (m64 x BN)
   uint32_t pa[BN / 16][4];   // P of the previous tile as A fragments (k-step kk: keys 16 kk..)
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
+  // Iteration 0 has no previous tile: it multiplies P = 0 by a zeroed V stage (the last one,
+  // which tile 2 fills only after that), so that every iteration issues the same wgmma
+  // sequence: wgmma under diverging branches makes ptxas serialize all of them.
+  for (int x = tid; x < T::KV_BYTES / 16; x += T::THREADS)
+    reinterpret_cast<uint4*>(s_v + (STAGES - 1) * T::KV_BYTES)[x] = make_uint4(0, 0, 0, 0);
 
   // Iteration n issues S_n = Q K_n^T and O += P_{n-1} V_{n-1} back to back, then runs the
   // softmax of S_n while P_{n-1} V_{n-1} is still on the tensor cores (flash-attention 3's
@@ -172,24 +179,20 @@ __global__ void __launch_bounds__(256, 1)
   // tile n + 1 loads: three stages. One extra iteration drains the last P V.
   static_assert(STAGES == 3, "stages n - 1, n in use, n + 1 loading");
   for (int n = 0; n <= num_n_tiles; ++n) {
-    if (n < num_n_tiles) {
-      cp_async_wait_group<0>();   // tile n (and Q) landed for this thread ...
-      fence_proxy_async_shared(); // ... is visible to wgmma's async proxy ...
-    }
+    if (n < num_n_tiles) cp_async_wait_group<0>();  // tile n (and Q) landed for this thread,
+    fence_proxy_async_shared();  // is visible to wgmma's async proxy (as the zeroed stage) ...
     // ... and for every thread; every thread is also past iteration n - 1, whose last wgmma
     // (P_{n-2} V_{n-2}) it waited for, so stage (n + 1) % 3 = (n - 2) % 3 is free.
     __syncthreads();
     if (n + 1 < num_n_tiles) load_kv(n + 1, (n + 1) % STAGES);
     cp_async_commit_group();
-    const bool do_s = n < wg_num_tiles;                  // warpgroup-uniform
-    const bool do_pv = n > 0 && n - 1 < wg_num_tiles;    // P_{n-1} exists
-    if (!do_s && !do_pv) continue;
-
-    wgmma_fence_operands(s);
-    wgmma_fence_operands(o);
-    wgmma_fence();  // orders the softmax / rescale / pack register writes before the wgmma
-    if (do_s) {
+    // V of tile n - 1 (for n = 0 the zeroed stage).
+    const uint32_t sv = v_addr + ((n + STAGES - 1) % STAGES) * T::KV_BYTES;
+    if (n < wg_num_tiles) {  // warpgroup-uniform
       const uint32_t sk = k_addr + (n % STAGES) * T::KV_BYTES;
+      wgmma_fence_operands(s);
+      wgmma_fence_operands(o);
+      wgmma_fence();  // orders the softmax / rescale / pack register writes before the wgmma
 #pragma unroll
       for (int ks = 0; ks < T::K_STEPS; ++ks) {
         // k-step ks: slab ks / 4 (64 dims), then 32 bytes (16 elements) per step inside it.
@@ -199,75 +202,75 @@ __global__ void __launch_bounds__(256, 1)
                                 wgmma_desc_sw128(k_ks, 16, 1024), ks > 0);
       }
       wgmma_commit_group();
-    }
-    if (do_pv) {
       // O += P V: V [key][dim] is the N-major B of this product; k-step kk = keys 16 kk ..
-      const uint32_t sv = v_addr + ((n - 1) % STAGES) * T::KV_BYTES;
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk)
         Wgmma<scalar_t, HEAD_DIM>::rs_tb(o, pa[kk],
                                          wgmma_desc_sw128(sv + kk * 16 * 128, BN * 128, 1024));
       wgmma_commit_group();
-    }
-    if (!do_s) {  // drain: the last P V of this warpgroup
-      wgmma_wait_group<0>();
-      wgmma_fence_operands(o);
-      wgmma_fence_operands(pa);
-      continue;
-    }
-    if (do_pv) wgmma_wait_group<1>();  // S_n done (groups complete in order); P V may run on
-    else wgmma_wait_group<0>();
-    wgmma_fence_operands(s);
+      wgmma_wait_group<1>();  // S_n done (groups complete in order); P V may still run
+      wgmma_fence_operands(s);
 
-    // Causal mask, only on tiles reaching past the warpgroup's first token.
-    if ((n + 1) * BN - 1 > wg_first_pos) {
+      // Causal mask, only on tiles reaching past the warpgroup's first token.
+      if ((n + 1) * BN - 1 > wg_first_pos) {
 #pragma unroll
-      for (int j = 0; j < BN / 8; ++j)
+        for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (n * BN + 8 * j + quad_col + (e & 1) > pos[e / 2]) s[4 * j + e] = -INFINITY;
-    }
-    // Online softmax in the log2 domain; the 4 lanes of a quad share a row.
-    float alpha[2];
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j)
-        mx = fmaxf(mx, fmaxf(s[4 * j + 2 * rr], s[4 * j + 2 * rr + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(row_max[rr], mx * scale_log2);
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with no key yet
-      alpha[rr] = fast_exp2(row_max[rr] - m_use);
-      row_max[rr] = m_new;
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        s[4 * j + 2 * rr] = fast_exp2(fmaf(s[4 * j + 2 * rr], scale_log2, -m_use));
-        s[4 * j + 2 * rr + 1] = fast_exp2(fmaf(s[4 * j + 2 * rr + 1], scale_log2, -m_use));
-        sum += s[4 * j + 2 * rr] + s[4 * j + 2 * rr + 1];
+          for (int e = 0; e < 4; ++e)
+            if (n * BN + 8 * j + quad_col + (e & 1) > pos[e / 2]) s[4 * j + e] = -INFINITY;
       }
-      row_sum[rr] = row_sum[rr] * alpha[rr] + sum;
-    }
-    if (do_pv) {
+      // Online softmax in the log2 domain; the 4 lanes of a quad share a row.
+      float alpha[2];
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+          mx = fmaxf(mx, fmaxf(s[4 * j + 2 * rr], s[4 * j + 2 * rr + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(row_max[rr], mx * scale_log2);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with no key yet
+        alpha[rr] = fast_exp2(row_max[rr] - m_use);
+        row_max[rr] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+          s[4 * j + 2 * rr] = fast_exp2(fmaf(s[4 * j + 2 * rr], scale_log2, -m_use));
+          s[4 * j + 2 * rr + 1] = fast_exp2(fmaf(s[4 * j + 2 * rr + 1], scale_log2, -m_use));
+          sum += s[4 * j + 2 * rr] + s[4 * j + 2 * rr + 1];
+        }
+        row_sum[rr] = row_sum[rr] * alpha[rr] + sum;
+      }
       wgmma_wait_group<0>();  // O = O_{n-1} complete; pa free
       wgmma_fence_operands(o);
       wgmma_fence_operands(pa);
-    }
-    // Rescale O to this tile's max only when some row's max moved (warp-uniform branch).
-    if (!__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) {
+      // Rescale O to this tile's max only when some row's max moved (warp-uniform branch).
+      if (!__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) {
 #pragma unroll
-      for (int d = 0; d < HEAD_DIM / 8; ++d) {
-        o[4 * d] *= alpha[0], o[4 * d + 1] *= alpha[0];
-        o[4 * d + 2] *= alpha[1], o[4 * d + 3] *= alpha[1];
+        for (int d = 0; d < HEAD_DIM / 8; ++d) {
+          o[4 * d] *= alpha[0], o[4 * d + 1] *= alpha[0];
+          o[4 * d + 2] *= alpha[1], o[4 * d + 3] *= alpha[1];
+        }
       }
+      // P_n (the S accumulator columns 16 kk .. 16 kk + 15) as the A fragment of k-step kk.
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+          pa[kk][q] = MMA::pack(s[8 * kk + 2 * q], s[8 * kk + 2 * q + 1]);
+    } else if (n == wg_num_tiles && n > 0) {  // drain: this warpgroup's last P V
+      wgmma_fence_operands(o);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk)
+        Wgmma<scalar_t, HEAD_DIM>::rs_tb(o, pa[kk],
+                                         wgmma_desc_sw128(sv + kk * 16 * 128, BN * 128, 1024));
+      wgmma_commit_group();
+      wgmma_wait_group<0>();
+      wgmma_fence_operands(o);
+      wgmma_fence_operands(pa);
     }
-    // P_n (the S accumulator columns 16 kk .. 16 kk + 15) as the A fragment of k-step kk.
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) pa[kk][q] = MMA::pack(s[8 * kk + 2 * q], s[8 * kk + 2 * q + 1]);
   }
 
   // Normalise and store this lane's rows (pairs of elements, 4-byte stores).
