@@ -184,8 +184,12 @@ __global__ void __launch_bounds__(256, 1)
     // ... and for every thread; every thread is also past iteration n - 1, whose last wgmma
     // (P_{n-2} V_{n-2}) it waited for, so stage (n + 1) % 3 = (n - 2) % 3 is free.
     __syncthreads();
-    if (n + 1 < num_n_tiles) load_kv(n + 1, (n + 1) % STAGES);
-    cp_async_commit_group();
+    // Tile n + 1 -> stage (n + 1) % 3: issued after this iteration's wgmma where there are
+    // some, so that the block-table reads and address math overlap the tensor cores.
+    auto load_next = [&] {
+      if (n + 1 < num_n_tiles) load_kv(n + 1, (n + 1) % STAGES);
+      cp_async_commit_group();
+    };
     // V of tile n - 1 (for n = 0 the zeroed stage).
     const uint32_t sv = v_addr + ((n + STAGES - 1) % STAGES) * T::KV_BYTES;
     if (n < wg_num_tiles) {  // warpgroup-uniform
@@ -208,6 +212,7 @@ __global__ void __launch_bounds__(256, 1)
         Wgmma<scalar_t, HEAD_DIM>::rs_tb(o, pa[kk],
                                          wgmma_desc_sw128(sv + kk * 16 * 128, BN * 128, 1024));
       wgmma_commit_group();
+      load_next();
       wgmma_wait_group<1>();  // S_n done (groups complete in order); P V may still run
       wgmma_fence_operands(s);
 
@@ -259,7 +264,10 @@ __global__ void __launch_bounds__(256, 1)
 #pragma unroll
         for (int q = 0; q < 4; ++q)
           pa[kk][q] = MMA::pack(s[8 * kk + 2 * q], s[8 * kk + 2 * q + 1]);
-    } else if (n == wg_num_tiles && n > 0) {  // drain: this warpgroup's last P V
+    } else {
+      load_next();
+    }
+    if (n == wg_num_tiles && n > 0) {  // drain: this warpgroup's last P V
       wgmma_fence_operands(o);
       wgmma_fence();
 #pragma unroll
