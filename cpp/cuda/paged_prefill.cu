@@ -12,6 +12,7 @@ template <int HEAD_DIM>
 cudaError_t launch_paged_prefill_sm90(const PagedPrefillParams& p, cudaStream_t stream);
 #endif
 
+#if defined(PAGEDD_HAVE_SM90_PREFILL)
 namespace {
 
 // Whether the current device is compute capability 9.0 (the sm_90a cubin runs there only).
@@ -39,6 +40,7 @@ bool current_device_is_sm90() {
 }
 
 }  // namespace
+#endif
 
 const char* prefill_wgmma_unavailable_reason(int head_dim, DType cache_dtype) {
 #if defined(PAGEDD_HAVE_SM90_PREFILL)
