@@ -11,7 +11,8 @@ A second table times decode steps (one query token per sequence) through the pre
 against the split-KV decode kernel, to pick per shape. ``--kv-cache-dtype fp8``: the paged
 cache is e4m3 (scale 1; decode bytes counted at 1 byte an element), the peer reads the
 dequantized K/V in the query dtype. ``--backend auto,mma,wgmma``: the prefill kernels to time
-(mma: each of --tiles; auto and wgmma: the default tile), each with its x flash.
+(mma: each of --tiles; auto: the default tile; wgmma: each of --wgmma-block-n), each with its
+x flash.
 """
 
 from __future__ import annotations
@@ -77,9 +78,10 @@ def flash_peer(q4, k, v, scale):
 
 
 def bench_prefill_shape(dtype, hq, hkv, head_dim, block_size, batch, prefix, q_len, tiles,
-                        kv_fp8=False, backends=("mma",)):  # fmt: skip
-    """Times the peer, the mma kernel at each tile (when "mma" is in backends) and the
-    default-tile call of "auto" / "wgmma"; row keys f"{tile}_..." and f"{backend}_..."."""
+                        kv_fp8=False, backends=("mma",), wgmma_block_n=(0,)):  # fmt: skip
+    """Times the peer, the mma kernel at each tile (when "mma" is in backends), "auto" with
+    the default tile and "wgmma" at each of wgmma_block_n; row keys f"{name}_..." with the
+    names of other_runs."""
     kv_cache, tables, seq_lens, starts, query = make_step(
         dtype, hq, hkv, head_dim, block_size, batch, prefix, q_len, kv_fp8
     )
@@ -98,7 +100,7 @@ def bench_prefill_shape(dtype, hq, hkv, head_dim, block_size, batch, prefix, q_l
     row.update(peer_ms=t_peer, peer_tflops=flops / (t_peer * 1e9))
     best = None
     runs = [(tile, "mma", tile) for tile in tiles] if "mma" in backends else []
-    runs += [(b, b, "0x0") for b in backends if b != "mma"]
+    runs += other_runs(backends, wgmma_block_n)
     for name, backend, tile in runs:
         bm, bn = (int(x) for x in tile.split("x"))
 
@@ -125,6 +127,17 @@ def bench_prefill_shape(dtype, hq, hkv, head_dim, block_size, batch, prefix, q_l
     row.update(ours=fastest, ours_ms=row[f"{fastest}_ms"])
     row.update(ours_tflops=flops / (row["ours_ms"] * 1e9), speedup_vs_peer=t_peer / row["ours_ms"])
     return row
+
+
+def other_runs(backends, wgmma_block_n):
+    """(name, backend, tile) of the runs besides the mma tiles: auto at the default tile,
+    wgmma at each block_n (0 = its default, named plain "wgmma")."""
+    runs = [("auto", "auto", "0x0")] if "auto" in backends else []
+    if "wgmma" in backends:
+        runs += [
+            ("wgmma" if bn == 0 else f"wgmma-k{bn}", "wgmma", f"0x{bn}") for bn in wgmma_block_n
+        ]
+    return runs
 
 
 def bench_decode_shape(dtype, hq, hkv, head_dim, block_size, batch, ctx, tile, kv_fp8=False):
@@ -170,6 +183,8 @@ def main() -> None:
     ap.add_argument("--backend", default="mma",
                     help="comma list of prefill backends to time: auto, mma (each of --tiles), "
                     "wgmma (Hopper, sm_90a build)")  # fmt: skip
+    ap.add_argument("--wgmma-block-n", type=int, nargs="+", default=[0],
+                    help="key tiles of the wgmma kernel to time (0 = its default; 64, 128)")  # fmt: skip
     ap.add_argument("--decode-heads", nargs="*", default=["32/8", "32/32"])
     ap.add_argument("--decode-batches", type=int, nargs="*", default=[8, 32, 64, 256])
     ap.add_argument("--decode-contexts", type=int, nargs="*", default=[512, 4096, 16384])
@@ -190,9 +205,11 @@ def main() -> None:
             sys.exit(f"--backend wgmma: {why}")
     rows, decode_rows = [], []
     # columns: one per mma tile, then one per other backend; x flash per backend
-    names = (list(args.tiles) if "mma" in backends else []) + [b for b in backends if b != "mma"]
+    others = [name for name, _, _ in other_runs(backends, args.wgmma_block_n)]
+    names = (list(args.tiles) if "mma" in backends else []) + others
+    x_names = (["mma"] if "mma" in backends else []) + others
     tile_hdr = " ".join(f"{n + ' TF':>10}" for n in names)
-    x_hdr = " ".join(f"{'x ' + b:>8}" for b in backends)
+    x_hdr = " ".join(f"{'x ' + n:>8}" for n in x_names)
     print(f"{'dtype':5} {'q_len':>5} {'prefix':>6} {'batch':>5} {tile_hdr} {'peer TF':>8} "
           f"{x_hdr} {'err':>8}", flush=True)  # fmt: skip
     for dname in args.dtypes:
@@ -201,14 +218,14 @@ def main() -> None:
                 batch = max(1, args.tokens // q_len)
                 r = bench_prefill_shape(DTYPES[dname], hq, hkv, args.head_dim, args.block_size,
                                         batch, prefix, q_len, args.tiles, kv_fp8,
-                                        backends)  # fmt: skip
+                                        backends, args.wgmma_block_n)  # fmt: skip
                 r.update(dtype=dname, q_len=q_len, prefix=prefix, batch=batch,
                          kv_cache_dtype=args.kv_cache_dtype,
                          num_q_heads=hq, num_kv_heads=hkv, head_dim=args.head_dim,
                          block_size=args.block_size)  # fmt: skip
                 rows.append(r)
                 tf = " ".join(f"{r[f'{n}_tflops']:10.1f}" for n in names)
-                xs = " ".join(f"{r[f'{b}_x_peer']:8.2f}" for b in backends)
+                xs = " ".join(f"{r[f'{n}_x_peer']:8.2f}" for n in x_names)
                 err = max(r[f"{n}_rel_err_vs_peer"] for n in names)
                 print(f"{dname:5} {q_len:5} {prefix:6} {batch:5} {tf} "
                       f"{r['peer_tflops']:8.1f} {xs} {err:8.1e}"

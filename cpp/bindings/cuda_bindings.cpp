@@ -211,21 +211,26 @@ void paged_attention_prefill(Array out, Array query, Array key_cache, Array valu
                            std::to_string(query.shape(0)) + "], got " +
                            std::to_string(max_query_len))
                               .c_str());
-  int bm = block_m, bn = block_n;
-  pagedd::cuda::prefill_tile_shape((int)head_dim, max_query_len, bm, bn);
-  if (!pagedd::cuda::prefill_tile_is_built((int)head_dim, bm, bn))
-    throw nb::value_error(("block_m x block_n = " + std::to_string(block_m) + " x " +
-                           std::to_string(block_n) + " is not built for head_dim " +
-                           std::to_string(head_dim) +
-                           " (0 = default; 128x64, 128x32, 64x64, or 64x32 for 256)")
-                              .c_str());
   const auto cache_dtype = kv_cache_dtype(key_cache, "key_cache", query, "query");
   if (backend == (int)pagedd::cuda::PrefillBackend::kWgmma) {
     const char* why = pagedd::cuda::prefill_wgmma_unavailable_reason((int)head_dim, cache_dtype);
     if (why != nullptr)
       throw nb::value_error((std::string("backend 'wgmma' is unavailable: ") + why).c_str());
-    if (block_m != 0 || block_n != 0)
-      throw nb::value_error("block_m / block_n tune the 'mma' backend; 'wgmma' has one tile");
+    if (!pagedd::cuda::prefill_wgmma_tile_is_built(block_m, block_n))
+      throw nb::value_error(("block_m x block_n = " + std::to_string(block_m) + " x " +
+                             std::to_string(block_n) +
+                             " is not built for backend 'wgmma' (block_m 0 or 128, block_n 0, "
+                             "64 or 128)")
+                                .c_str());
+  } else {  // auto with a tile given runs mma.sync (prefill_backend_for)
+    int bm = block_m, bn = block_n;
+    pagedd::cuda::prefill_tile_shape((int)head_dim, max_query_len, bm, bn);
+    if (!pagedd::cuda::prefill_tile_is_built((int)head_dim, bm, bn))
+      throw nb::value_error(("block_m x block_n = " + std::to_string(block_m) + " x " +
+                             std::to_string(block_n) + " is not built for head_dim " +
+                             std::to_string(head_dim) +
+                             " (0 = default; 128x64, 128x32, 64x64, or 64x32 for 256)")
+                                .c_str());
   }
   if (num_seqs == 0 || query.shape(0) == 0) return;
 

@@ -317,13 +317,22 @@ cudaError_t launch_paged_prefill_sm90_tiles(const PagedPrefillParams& p, cudaStr
   return cudaGetLastError();
 }
 
-// 128 rows x 128 keys, three stages (225 KiB of shared memory at head 128).
+// 128 rows x 64 or 128 keys (prefill_wgmma_block_n), three stages (225 KiB of shared memory
+// at head 128 with 128 keys).
+template <typename scalar_t, int HEAD_DIM>
+cudaError_t launch_paged_prefill_sm90_typed(const PagedPrefillParams& p, cudaStream_t stream) {
+  if (!prefill_wgmma_tile_is_built(p.block_m, p.block_n)) return cudaErrorInvalidValue;
+  if (prefill_wgmma_block_n(p.max_query_len, p.block_n) == 64)
+    return launch_paged_prefill_sm90_tiles<scalar_t, HEAD_DIM, 64, 3>(p, stream);
+  return launch_paged_prefill_sm90_tiles<scalar_t, HEAD_DIM, 128, 3>(p, stream);
+}
+
 template <int HEAD_DIM>
 cudaError_t launch_paged_prefill_sm90(const PagedPrefillParams& p, cudaStream_t stream) {
   if (p.cache_dtype == DType::kFp8E4M3) return cudaErrorInvalidValue;
   return p.dtype == DType::kFloat16
-             ? launch_paged_prefill_sm90_tiles<__half, HEAD_DIM, 128, 3>(p, stream)
-             : launch_paged_prefill_sm90_tiles<__nv_bfloat16, HEAD_DIM, 128, 3>(p, stream);
+             ? launch_paged_prefill_sm90_typed<__half, HEAD_DIM>(p, stream)
+             : launch_paged_prefill_sm90_typed<__nv_bfloat16, HEAD_DIM>(p, stream);
 }
 
 }  // namespace pagedd::cuda

@@ -136,6 +136,18 @@ const char* prefill_wgmma_unavailable_reason(int head_dim, DType cache_dtype);
 constexpr int kPrefillWgmmaMinQueryLen = 64;
 PrefillBackend prefill_backend_for(const PagedPrefillParams& p);
 
+// The wgmma kernel's tile: 128 rows (two warpgroups of 64) x block_n keys, block_n 64 or 128
+// (block_m 0 or 128). block_n 0 picks 64 below kPrefillWgmmaLongQueryLen new tokens, 128 from
+// there: a 128-row tile holds only 128 / group tokens, so on short chunks much of a 128-key
+// diagonal tile is masked away; on long ones the wider tile halves the per-tile overhead.
+constexpr int kPrefillWgmmaLongQueryLen = 1024;
+inline int prefill_wgmma_block_n(int max_query_len, int block_n) {
+  return block_n != 0 ? block_n : (max_query_len >= kPrefillWgmmaLongQueryLen ? 128 : 64);
+}
+inline bool prefill_wgmma_tile_is_built(int block_m, int block_n) {
+  return (block_m == 0 || block_m == 128) && (block_n == 0 || block_n == 64 || block_n == 128);
+}
+
 struct ReshapeAndCacheParams {
   const void* key;             // [num_tokens, num_kv_heads, head_dim], last dim contiguous
   const void* value;           // same shape

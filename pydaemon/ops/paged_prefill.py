@@ -51,13 +51,13 @@ def paged_attention_prefill(
                      (rows past it get NaN, as do sequences with query_len > seq_len)
     scale:           softmax scale, default head_dim ** -0.5
     out:             optional [num_tokens, num_q_heads, head_dim] contiguous output
-    block_m, block_n: tile rows x keys (tuning; 0 = the measured default, see
-                     prefill_tile_shape in cpp/cuda/pagedd_cuda.h)
+    block_m, block_n: tile rows x keys (tuning; 0 = the default, see prefill_tile_shape and
+                     prefill_wgmma_block_n in cpp/cuda/pagedd_cuda.h); wgmma: 128 x 64 or 128
     k_scale, v_scale: the fp8 cache's per-layer scales (ignored for other caches)
     backend:         "mma" (mma.sync, sm_80+, every case), "wgmma" (Hopper warpgroup MMA:
                      an sm_90a build on a compute capability 9.0 GPU, head_dim 64 / 128,
-                     fp16 / bf16 cache, default tile; ValueError elsewhere) or "auto" (wgmma
-                     at head 128 for max_query_len >= 64 where it can run, else mma)
+                     fp16 / bf16 cache; ValueError elsewhere) or "auto" (wgmma at head 128
+                     with the default tile for max_query_len >= 64 where it can run, else mma)
     returns          out: [num_tokens, num_q_heads, head_dim], dtype of query
 
     Query lengths of 1 (decode rows) may be mixed with prefill chunks. head_dim in

@@ -53,9 +53,10 @@ def describe_error(out, ref, query_lens, group) -> str:
     if bad.any():
         dims = bad.any(0).any(0).nonzero().flatten().tolist()
         heads = bad.any(0).any(1).nonzero().flatten().tolist()
-        # packed row of (token, head) in its kv head's tile: token * group + head % group
+        # packed row of (token, head) in its sequence: token * group + head % group
         tok, hd = bad.any(2).nonzero(as_tuple=True)
-        rows = tok * group + hd % group
+        local = torch.cat([torch.arange(q, device=tok.device) for q in query_lens])
+        rows = local[tok] * group + hd % group
         lines.append(
             f"  {bad.sum().item()} elements off by > 5% of max|ref|: dims {dims[:8]}.."
             f"{dims[-4:]} ({len(dims)} of {err.shape[2]}), heads {heads}, packed rows mod 16 "
@@ -84,13 +85,15 @@ def check(out, ref, query_lens, tol, case: str, group: int) -> None:
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"q{h[0]}kv{h[1]}")
-def test_wgmma_matches_reference_and_mma(dtype, head_dim, block_size, heads):
+@pytest.mark.parametrize("block_n", [64, 128], ids=lambda n: f"keys{n}")
+def test_wgmma_matches_reference_and_mma(dtype, head_dim, block_size, heads, block_n):
     """Cached prefixes of 0..many blocks, unaligned chunks, decode rows, GQA 1/4/8, shuffled
-    block tables; equal to float64 and, within the same tolerance, to the mma.sync kernel."""
-    case = f"{dtype} head {head_dim} block {block_size} heads {heads}"
+    block tables, both key tiles; equal to float64 and, within the same tolerance, to the
+    mma.sync kernel."""
+    case = f"{dtype} head {head_dim} block {block_size} heads {heads} block_n {block_n}"
     torch.manual_seed(0)
     out, query, batch, query_lens = run_prefill(CHUNKS, heads, head_dim, block_size, dtype,
-                                                backend="wgmma")  # fmt: skip
+                                                tile=(0, block_n), backend="wgmma")  # fmt: skip
     ref = reference_prefill(query, batch, query_lens, head_dim**-0.5)
     group = heads[0] // heads[1]
     check(out, ref, query_lens, TOL[dtype], f"wgmma vs float64, {case}", group)
@@ -105,6 +108,7 @@ def test_wgmma_matches_reference_and_mma(dtype, head_dim, block_size, heads):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_wgmma_16k_prompt_and_long_chunk_after_prefix(dtype):
+    """The default tile at this length is 128 keys (prefill_wgmma_block_n)."""
     chunks = [(0, 16384), (6000, 3001), (2, 1)]
     out, query, batch, query_lens = run_prefill(chunks, (16, 4), 128, 16, dtype, backend="wgmma")
     ref = reference_prefill(query, batch, query_lens, 128**-0.5)
@@ -176,8 +180,8 @@ def test_wgmma_rejects_what_it_cannot_run():
     batch = make_paged_batch([10, 20], 2, 128, 16, torch.float16)
     query = torch.randn(30, 4, 128, device="cuda", dtype=torch.float16)
     args = (batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens, starts, 20)
-    with pytest.raises(ValueError, match="block_m / block_n tune the 'mma' backend"):
-        ops.paged_attention_prefill(query, *args, block_m=128, block_n=64, backend="wgmma")
+    with pytest.raises(ValueError, match="128 x 32 is not built for backend 'wgmma'"):
+        ops.paged_attention_prefill(query, *args, block_m=128, block_n=32, backend="wgmma")
     with pytest.raises(ValueError, match="backend must be one of"):
         ops.paged_attention_prefill(query, *args, backend="fa3")
     fp8 = batch.key_cache.to(torch.float8_e4m3fn)
