@@ -10,7 +10,9 @@ tokens stored contiguously, [batch, heads, len, head_dim], causal aligned to the
 A second table times decode steps (one query token per sequence) through the prefill kernel
 against the split-KV decode kernel, to pick per shape. ``--kv-cache-dtype fp8``: the paged
 cache is e4m3 (scale 1; decode bytes counted at 1 byte an element), the peer reads the
-dequantized K/V in the query dtype.
+dequantized K/V in the query dtype. ``--backend auto,mma,wgmma``: the prefill kernels to time
+(mma: each of --tiles; auto: the default tile; wgmma: each of --wgmma-block-n), each with its
+x flash.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from bench.bench_attention import git_commit  # noqa: E402
 from bench.timing import bench_ms  # noqa: E402
 from pydaemon import ops  # noqa: E402
 from pydaemon.kv_cache_fp8 import quantize_fp8  # noqa: E402
+from pydaemon.ops.paged_prefill import wgmma_unavailable_reason  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -75,7 +78,10 @@ def flash_peer(q4, k, v, scale):
 
 
 def bench_prefill_shape(dtype, hq, hkv, head_dim, block_size, batch, prefix, q_len, tiles,
-                        kv_fp8=False):  # fmt: skip
+                        kv_fp8=False, backends=("mma",), wgmma_block_n=(0,)):  # fmt: skip
+    """Times the peer, the mma kernel at each tile (when "mma" is in backends), "auto" with
+    the default tile and "wgmma" at each of wgmma_block_n; row keys f"{name}_..." with the
+    names of other_runs."""
     kv_cache, tables, seq_lens, starts, query = make_step(
         dtype, hq, hkv, head_dim, block_size, batch, prefix, q_len, kv_fp8
     )
@@ -93,27 +99,45 @@ def bench_prefill_shape(dtype, hq, hkv, head_dim, block_size, batch, prefix, q_l
     t_peer = bench_ms(peer)["median_ms"]
     row.update(peer_ms=t_peer, peer_tflops=flops / (t_peer * 1e9))
     best = None
-    for tile in tiles:
+    runs = [(tile, "mma", tile) for tile in tiles] if "mma" in backends else []
+    runs += other_runs(backends, wgmma_block_n)
+    for name, backend, tile in runs:
         bm, bn = (int(x) for x in tile.split("x"))
 
-        def ours(bm=bm, bn=bn):
+        def ours(bm=bm, bn=bn, backend=backend):
             ops.paged_attention_prefill(
                 query, key_cache, value_cache, tables, seq_lens, starts, q_len,
-                scale=scale, out=out, block_m=bm, block_n=bn,
+                scale=scale, out=out, block_m=bm, block_n=bn, backend=backend,
             )  # fmt: skip
 
         out.fill_(float("nan"))
         ours()
         err = ((out.float() - ref).norm() / ref.norm()).item()
         t = bench_ms(ours)["median_ms"]
-        row[f"{tile}_ms"] = t
-        row[f"{tile}_tflops"] = flops / (t * 1e9)
-        row[f"{tile}_rel_err_vs_peer"] = err
-        if best is None or t < row[f"{best}_ms"]:
-            best = tile
-    row.update(best_tile=best, ours_ms=row[f"{best}_ms"])
+        row[f"{name}_ms"] = t
+        row[f"{name}_tflops"] = flops / (t * 1e9)
+        row[f"{name}_rel_err_vs_peer"] = err
+        row[f"{name}_x_peer"] = t_peer / t
+        if backend == "mma" and (best is None or t < row[f"{best}_ms"]):
+            best = name
+    if best is not None:
+        row.update(best_tile=best, mma_ms=row[f"{best}_ms"], mma_tflops=row[f"{best}_tflops"])
+        row["mma_x_peer"] = t_peer / row["mma_ms"]
+    fastest = min((n for n, _, _ in runs), key=lambda n: row[f"{n}_ms"])
+    row.update(ours=fastest, ours_ms=row[f"{fastest}_ms"])
     row.update(ours_tflops=flops / (row["ours_ms"] * 1e9), speedup_vs_peer=t_peer / row["ours_ms"])
     return row
+
+
+def other_runs(backends, wgmma_block_n):
+    """(name, backend, tile) of the runs besides the mma tiles: auto at the default tile,
+    wgmma at each block_n (0 = its default, named plain "wgmma")."""
+    runs = [("auto", "auto", "0x0")] if "auto" in backends else []
+    if "wgmma" in backends:
+        runs += [
+            ("wgmma" if bn == 0 else f"wgmma-k{bn}", "wgmma", f"0x{bn}") for bn in wgmma_block_n
+        ]
+    return runs
 
 
 def bench_decode_shape(dtype, hq, hkv, head_dim, block_size, batch, ctx, tile, kv_fp8=False):
@@ -156,6 +180,11 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--tiles", nargs="+", default=["128x64", "128x32", "64x64"],
                     help="block_m x block_n shapes of the prefill kernel to time")  # fmt: skip
+    ap.add_argument("--backend", default="mma",
+                    help="comma list of prefill backends to time: auto, mma (each of --tiles), "
+                    "wgmma (Hopper, sm_90a build)")  # fmt: skip
+    ap.add_argument("--wgmma-block-n", type=int, nargs="+", default=[0],
+                    help="key tiles of the wgmma kernel to time (0 = its default; 64, 128)")  # fmt: skip
     ap.add_argument("--decode-heads", nargs="*", default=["32/8", "32/32"])
     ap.add_argument("--decode-batches", type=int, nargs="*", default=[8, 32, 64, 256])
     ap.add_argument("--decode-contexts", type=int, nargs="*", default=[512, 4096, 16384])
@@ -167,25 +196,39 @@ def main() -> None:
         sys.exit(f"GPU kernels unavailable: {ops.unavailable_reason()}")
     hq, hkv = args.heads
     kv_fp8 = args.kv_cache_dtype == "fp8"
+    backends = [b.strip() for b in args.backend.split(",") if b.strip()]
+    if not backends or any(b not in ("auto", "mma", "wgmma") for b in backends):
+        sys.exit(f"--backend: a comma list of auto, mma, wgmma; got {args.backend!r}")
+    if "wgmma" in backends:
+        why = wgmma_unavailable_reason(args.head_dim, kv_fp8)
+        if why is not None:
+            sys.exit(f"--backend wgmma: {why}")
     rows, decode_rows = [], []
-    tile_hdr = " ".join(f"{t + ' TF':>10}" for t in args.tiles)
+    # columns: one per mma tile, then one per other backend; x flash per backend
+    others = [name for name, _, _ in other_runs(backends, args.wgmma_block_n)]
+    names = (list(args.tiles) if "mma" in backends else []) + others
+    x_names = (["mma"] if "mma" in backends else []) + others
+    tile_hdr = " ".join(f"{n + ' TF':>10}" for n in names)
+    x_hdr = " ".join(f"{'x ' + n:>8}" for n in x_names)
     print(f"{'dtype':5} {'q_len':>5} {'prefix':>6} {'batch':>5} {tile_hdr} {'peer TF':>8} "
-          f"{'x peer':>7} {'err':>8}", flush=True)  # fmt: skip
+          f"{x_hdr} {'err':>8}", flush=True)  # fmt: skip
     for dname in args.dtypes:
         for q_len in args.q_lens:
             for prefix in (0, q_len):
                 batch = max(1, args.tokens // q_len)
                 r = bench_prefill_shape(DTYPES[dname], hq, hkv, args.head_dim, args.block_size,
-                                        batch, prefix, q_len, args.tiles, kv_fp8)  # fmt: skip
+                                        batch, prefix, q_len, args.tiles, kv_fp8,
+                                        backends, args.wgmma_block_n)  # fmt: skip
                 r.update(dtype=dname, q_len=q_len, prefix=prefix, batch=batch,
                          kv_cache_dtype=args.kv_cache_dtype,
                          num_q_heads=hq, num_kv_heads=hkv, head_dim=args.head_dim,
                          block_size=args.block_size)  # fmt: skip
                 rows.append(r)
-                tf = " ".join(f"{r[f'{t}_tflops']:10.1f}" for t in args.tiles)
-                err = max(r[f"{t}_rel_err_vs_peer"] for t in args.tiles)
+                tf = " ".join(f"{r[f'{n}_tflops']:10.1f}" for n in names)
+                xs = " ".join(f"{r[f'{n}_x_peer']:8.2f}" for n in x_names)
+                err = max(r[f"{n}_rel_err_vs_peer"] for n in names)
                 print(f"{dname:5} {q_len:5} {prefix:6} {batch:5} {tf} "
-                      f"{r['peer_tflops']:8.1f} {r['speedup_vs_peer']:7.2f} {err:8.1e}"
+                      f"{r['peer_tflops']:8.1f} {xs} {err:8.1e}"
                       f"  [{r['peer']}]", flush=True)  # fmt: skip
     if args.decode_batches:
         print(

@@ -22,8 +22,10 @@ if [[ $STAGES == *build* ]]; then
   else
     summary "BUILD FAILED"; tail -30 "$OUT/build.log"; exit 1
   fi
-  grep -A2 "paged_prefill_kernel\|paged_decode_tc_kernel" "$OUT/build.log" \
+  grep -A2 -E "paged_prefill_(sm90_)?kernel|paged_decode_tc_kernel" "$OUT/build.log" \
     | grep -E "registers|spill" | sort | uniq -c | tee -a "$OUT/summary.txt"
+  grep -c "C7520" "$OUT/build.log" | sed 's/^/wgmma serialization warnings (C7520): /' \
+    | tee -a "$OUT/summary.txt"
 fi
 
 if [[ $STAGES == *test* ]]; then

@@ -10,6 +10,7 @@
 // per-layer k_scale / v_scale; a cache of the query's dtype ignores the scales.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
 
 #include <cmath>
 #include <cstdint>
@@ -291,11 +292,15 @@ void paged_attention_decode_tc(Array out, Array query, Array key_cache, Array va
 void paged_attention_prefill(Array out, Array query, Array key_cache, Array value_cache,
                              Array block_tables, Array seq_lens, Array query_start_loc,
                              double scale, int max_query_len, int block_m, int block_n,
-                             double k_scale, double v_scale, uintptr_t stream) {
+                             double k_scale, double v_scale, int backend, uintptr_t stream) {
   const int dev = current_device();
   const int64_t head_dim =
       check_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, dev);
   check_kv_scales(k_scale, v_scale);
+  if (backend < 0 || backend > 2)
+    throw nb::value_error(("backend must be 0 (auto), 1 (mma) or 2 (wgmma), got " +
+                           std::to_string(backend))
+                              .c_str());
   check_dtype(query_start_loc, "query_start_loc", kInt, 32, "int32");
   check_cuda(query_start_loc, "query_start_loc", dev);
   check_ndim(query_start_loc, "query_start_loc", 1);
@@ -310,14 +315,27 @@ void paged_attention_prefill(Array out, Array query, Array key_cache, Array valu
                            std::to_string(query.shape(0)) + "], got " +
                            std::to_string(max_query_len))
                               .c_str());
-  int bm = block_m, bn = block_n;
-  pagedd::cuda::prefill_tile_shape((int)head_dim, max_query_len, bm, bn);
-  if (!pagedd::cuda::prefill_tile_is_built((int)head_dim, bm, bn))
-    throw nb::value_error(("block_m x block_n = " + std::to_string(block_m) + " x " +
-                           std::to_string(block_n) + " is not built for head_dim " +
-                           std::to_string(head_dim) +
-                           " (0 = default; 128x64, 128x32, 64x64, or 64x32 for 256)")
-                              .c_str());
+  const auto cache_dtype = kv_cache_dtype(key_cache, "key_cache", query, "query");
+  if (backend == (int)pagedd::cuda::PrefillBackend::kWgmma) {
+    const char* why = pagedd::cuda::prefill_wgmma_unavailable_reason((int)head_dim, cache_dtype);
+    if (why != nullptr)
+      throw nb::value_error((std::string("backend 'wgmma' is unavailable: ") + why).c_str());
+    if (!pagedd::cuda::prefill_wgmma_tile_is_built(block_m, block_n))
+      throw nb::value_error(("block_m x block_n = " + std::to_string(block_m) + " x " +
+                             std::to_string(block_n) +
+                             " is not built for backend 'wgmma' (block_m 0 or 128, block_n 0, "
+                             "64 or 128)")
+                                .c_str());
+  } else {  // auto with a tile given runs mma.sync (prefill_backend_for)
+    int bm = block_m, bn = block_n;
+    pagedd::cuda::prefill_tile_shape((int)head_dim, max_query_len, bm, bn);
+    if (!pagedd::cuda::prefill_tile_is_built((int)head_dim, bm, bn))
+      throw nb::value_error(("block_m x block_n = " + std::to_string(block_m) + " x " +
+                             std::to_string(block_n) + " is not built for head_dim " +
+                             std::to_string(head_dim) +
+                             " (0 = default; 128x64, 128x32, 64x64, or 64x32 for 256)")
+                                .c_str());
+  }
   if (num_seqs == 0 || query.shape(0) == 0) return;
 
   pagedd::cuda::PagedPrefillParams p{};
@@ -343,15 +361,22 @@ void paged_attention_prefill(Array out, Array query, Array key_cache, Array valu
   p.block_n = block_n;
   p.scale = (float)scale;
   p.dtype = attention_dtype(query, "query");
-  p.cache_dtype = kv_cache_dtype(key_cache, "key_cache", query, "query");
+  p.cache_dtype = cache_dtype;
   p.k_scale = (float)k_scale;
   p.v_scale = (float)v_scale;
+  p.backend = static_cast<pagedd::cuda::PrefillBackend>(backend);
   cudaError_t err;
   {
     nb::gil_scoped_release release;
     err = pagedd::cuda::paged_attention_prefill(p, as_stream(stream));
   }
   check_cuda_error(err, "paged_attention_prefill");
+}
+
+std::string prefill_wgmma_unavailable_reason(int head_dim, bool fp8_cache) {
+  const char* why = pagedd::cuda::prefill_wgmma_unavailable_reason(
+      head_dim, fp8_cache ? DType::kFp8E4M3 : DType::kBFloat16);
+  return why ? why : "";
 }
 
 void reshape_and_cache(Array key, Array value, Array key_cache, Array value_cache,
@@ -529,14 +554,18 @@ void bind_cuda_ops(nb::module_& m) {
         nb::arg("query"), nb::arg("key_cache"), nb::arg("value_cache"), nb::arg("block_tables"),
         nb::arg("seq_lens"), nb::arg("query_start_loc"), nb::arg("scale"),
         nb::arg("max_query_len"), nb::arg("block_m"), nb::arg("block_n"), nb::arg("k_scale"),
-        nb::arg("v_scale"), nb::arg("stream"),
+        nb::arg("v_scale"), nb::arg("backend"), nb::arg("stream"),
         "Causal paged attention of a packed batch of new tokens (prefill chunks and decodes),\n"
         "tensor cores, GQA-packed. out, query: [num_tokens, num_q_heads, head_dim]; key_cache,\n"
         "value_cache: [num_blocks, num_kv_heads, block_size, head_dim]; block_tables:\n"
         "[num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32 (context after the step);\n"
         "query_start_loc: [num_seqs + 1] int32; max_query_len: host int >= every query length;\n"
         "block_m, block_n: tile shape (tuning), 0 = default. An fp8 e4m3 cache is passed as\n"
-        "uint8 storage and read as e4m3 * k_scale / v_scale.");
+        "uint8 storage and read as e4m3 * k_scale / v_scale. backend: 0 auto, 1 mma.sync,\n"
+        "2 wgmma (sm_90a build on a compute capability 9.0 GPU, head_dim 64 / 128).");
+  m.def("prefill_wgmma_unavailable_reason", &prefill_wgmma_unavailable_reason,
+        nb::arg("head_dim"), nb::arg("fp8_cache"),
+        "Why backend 'wgmma' cannot run this head size / cache on the current device, or ''.");
   m.def("reshape_and_cache", &reshape_and_cache, nb::arg("key"), nb::arg("value"),
         nb::arg("key_cache").noconvert(), nb::arg("value_cache").noconvert(),
         nb::arg("slot_mapping"), nb::arg("k_scale"), nb::arg("v_scale"), nb::arg("stream"),

@@ -85,6 +85,11 @@ constexpr int kDecodeTcMaxGroup = 16;
 // of one mma atom, so K/V are read once per kv head. fp16 / bf16 or fp8 e4m3 cache.
 cudaError_t paged_attention_decode_tc(const PagedDecodeTcParams& p, cudaStream_t stream);
 
+// Which prefill kernel runs: kAuto picks (prefill_backend_for), kMma is the mma.sync kernel
+// (sm_80+, every head size and cache), kWgmma the Hopper warpgroup-MMA kernel (sm_90a builds,
+// compute capability 9.0 devices, head 64 / 128, fp16 / bf16 caches).
+enum class PrefillBackend : int { kAuto = 0, kMma = 1, kWgmma = 2 };
+
 struct PagedPrefillParams {
   void* out;                     // [num_tokens, num_q_heads, head_dim], contiguous
   const void* query;             // [num_tokens, num_q_heads, head_dim], last dim contiguous
@@ -113,14 +118,16 @@ struct PagedPrefillParams {
   // v_scale into the final normalisation.
   DType cache_dtype = DType::kFloat16;
   float k_scale = 1.f, v_scale = 1.f;
+  PrefillBackend backend = PrefillBackend::kAuto;
 };
 
 // Causal attention of a packed batch of new tokens over their paged K/V (the cached prefix and
 // the new tokens themselves, already written by reshape_and_cache). Sequence s owns query rows
 // [query_start_loc[s], query_start_loc[s+1]); its query token j sits at position
 // seq_lens[s] - query_len + j and attends to positions [0, that]. Decode rows (query_len 1)
-// may be mixed in. Tensor cores (mma.sync, sm_80+), online softmax, and the query heads of a
-// kv head's group packed into one tile, so K/V are read once per kv head, never copied.
+// may be mixed in. Tensor cores (mma.sync on sm_80+, or wgmma on sm_90a: p.backend), online
+// softmax, and the query heads of a kv head's group packed into one tile, so K/V are read once
+// per kv head, never copied.
 // A sequence with query_len > seq_lens, or longer than max_query_len, gets NaN rows.
 cudaError_t paged_attention_prefill(const PagedPrefillParams& p, cudaStream_t stream);
 
@@ -136,6 +143,30 @@ inline void prefill_tile_shape(int head_dim, int max_query_len, int& block_m, in
 inline bool prefill_tile_is_built(int head_dim, int block_m, int block_n) {
   if (head_dim == 256) return block_m == 64 && block_n == 32;
   return (block_m == 128 && (block_n == 32 || block_n == 64)) || (block_m == 64 && block_n == 64);
+}
+
+// Why the wgmma prefill kernel cannot run a call of this head size and cache type on the
+// current device (this build lacks it, the device is not compute capability 9.0, the head size
+// or the cache type is not built), or nullptr when it can. The device query is cached.
+const char* prefill_wgmma_unavailable_reason(int head_dim, DType cache_dtype);
+
+// The backend a call runs. kAuto takes wgmma where it is available, at head 128 (the size
+// measured against mma.sync), with the default tile (block_m = block_n = 0: an explicit tile is
+// mma.sync tuning) and max_query_len >= kPrefillWgmmaMinQueryLen: decode steps and short
+// chunks keep mma.sync, whose 64-row tiles waste less on a few rows per sequence.
+constexpr int kPrefillWgmmaMinQueryLen = 64;
+PrefillBackend prefill_backend_for(const PagedPrefillParams& p);
+
+// The wgmma kernel's tile: 128 rows (two warpgroups of 64) x block_n keys, block_n 64 or 128
+// (block_m 0 or 128). block_n 0 picks 64 below kPrefillWgmmaLongQueryLen new tokens, 128 from
+// there: a 128-row tile holds only 128 / group tokens, so on short chunks much of a 128-key
+// diagonal tile is masked away; on long ones the wider tile halves the per-tile overhead.
+constexpr int kPrefillWgmmaLongQueryLen = 1024;
+inline int prefill_wgmma_block_n(int max_query_len, int block_n) {
+  return block_n != 0 ? block_n : (max_query_len >= kPrefillWgmmaLongQueryLen ? 128 : 64);
+}
+inline bool prefill_wgmma_tile_is_built(int block_m, int block_n) {
+  return (block_m == 0 || block_m == 128) && (block_n == 0 || block_n == 64 || block_n == 128);
 }
 
 struct ReshapeAndCacheParams {

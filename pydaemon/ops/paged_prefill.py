@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from pydaemon.ops._core_ext import core, kv_cache_arg, stream_handle
+
+PrefillBackend = Literal["auto", "mma", "wgmma"]
+# PrefillBackend in cpp/cuda/pagedd_cuda.h
+_BACKENDS: dict[str, int] = {"auto": 0, "mma": 1, "wgmma": 2}
+
+
+def wgmma_unavailable_reason(head_dim: int, fp8_cache: bool = False) -> str | None:
+    """Why backend="wgmma" cannot run this head size / cache on the current device (build
+    without sm_90a, a GPU other than compute capability 9.0, ...), or None when it can."""
+    return core().prefill_wgmma_unavailable_reason(int(head_dim), bool(fp8_cache)) or None
 
 
 def paged_attention_prefill(
@@ -21,6 +33,7 @@ def paged_attention_prefill(
     block_n: int = 0,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    backend: PrefillBackend = "auto",
 ) -> torch.Tensor:
     """Causal attention of a step's new tokens over their paged K/V, one launch for the batch.
 
@@ -38,14 +51,20 @@ def paged_attention_prefill(
                      (rows past it get NaN, as do sequences with query_len > seq_len)
     scale:           softmax scale, default head_dim ** -0.5
     out:             optional [num_tokens, num_q_heads, head_dim] contiguous output
-    block_m, block_n: tile rows x keys (tuning; 0 = the measured default, see
-                     prefill_tile_shape in cpp/cuda/pagedd_cuda.h)
+    block_m, block_n: tile rows x keys (tuning; 0 = the default, see prefill_tile_shape and
+                     prefill_wgmma_block_n in cpp/cuda/pagedd_cuda.h); wgmma: 128 x 64 or 128
     k_scale, v_scale: the fp8 cache's per-layer scales (ignored for other caches)
+    backend:         "mma" (mma.sync, sm_80+, every case), "wgmma" (Hopper warpgroup MMA:
+                     an sm_90a build on a compute capability 9.0 GPU, head_dim 64 / 128,
+                     fp16 / bf16 cache; ValueError elsewhere) or "auto" (wgmma at head 128
+                     with the default tile for max_query_len >= 64 where it can run, else mma)
     returns          out: [num_tokens, num_q_heads, head_dim], dtype of query
 
     Query lengths of 1 (decode rows) may be mixed with prefill chunks. head_dim in
     {64, 80, 96, 128, 256}, block_size in {8, 16, 32}. Runs on the current stream.
     """
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
     if scale is None:
         scale = query.shape[-1] ** -0.5
     if out is None:
@@ -64,6 +83,7 @@ def paged_attention_prefill(
         int(block_n),
         float(k_scale),
         float(v_scale),
+        _BACKENDS[backend],
         stream_handle(query.device),
     )
     return out

@@ -18,7 +18,10 @@ CHUNKS = [(0, 1), (0, 17), (5, 64), (16, 100), (37, 129), (0, 300), (250, 1), (1
           (64, 64), (3, 513)]  # fmt: skip
 
 
-def run_prefill(chunks, heads, head_dim, block_size, dtype, tile=(0, 0), max_query_len=None):
+def run_prefill(chunks, heads, head_dim, block_size, dtype, tile=(0, 0), max_query_len=None,
+                backend="mma"):  # fmt: skip
+    """The mma.sync kernel unless ``backend`` says otherwise (tests/gpu/test_prefill_sm90.py
+    runs these cases on the wgmma kernel)."""
     num_q_heads, num_kv_heads = heads
     query_lens = [q for _, q in chunks]
     batch = make_paged_batch([p + q for p, q in chunks], num_kv_heads, head_dim, block_size, dtype)
@@ -38,6 +41,7 @@ def run_prefill(chunks, heads, head_dim, block_size, dtype, tile=(0, 0), max_que
         out=out,
         block_m=tile[0],
         block_n=tile[1],
+        backend=backend,
     )
     return out, query, batch, query_lens
 
