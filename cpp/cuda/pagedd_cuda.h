@@ -152,18 +152,20 @@ const char* prefill_wgmma_unavailable_reason(int head_dim, DType cache_dtype);
 
 // The backend a call runs. kAuto takes wgmma where it is available, at head 128 (the size
 // measured against mma.sync), with the default tile (block_m = block_n = 0: an explicit tile is
-// mma.sync tuning) and max_query_len >= kPrefillWgmmaMinQueryLen: decode steps and short
-// chunks keep mma.sync, whose 64-row tiles waste less on a few rows per sequence.
-constexpr int kPrefillWgmmaMinQueryLen = 64;
+// mma.sync tuning) and max_query_len >= kPrefillWgmmaMinQueryLen. Measured on the H200
+// (bench/results/prefill_h200.md, GQA 32/8, bf16): wgmma with 128-key tiles is 1.05-1.24x
+// mma.sync from 1024 new tokens per sequence (1.00x at 1024 without a cached prefix); below
+// that mma.sync's 128x32 tile wins without a prefix (512: 196 vs 175 TFLOP/s). Decode steps
+// and short chunks keep mma.sync.
+constexpr int kPrefillWgmmaMinQueryLen = 1024;
 PrefillBackend prefill_backend_for(const PagedPrefillParams& p);
 
 // The wgmma kernel's tile: 128 rows (two warpgroups of 64) x block_n keys, block_n 64 or 128
-// (block_m 0 or 128). block_n 0 picks 64 below kPrefillWgmmaLongQueryLen new tokens, 128 from
-// there: a 128-row tile holds only 128 / group tokens, so on short chunks much of a 128-key
-// diagonal tile is masked away; on long ones the wider tile halves the per-tile overhead.
-constexpr int kPrefillWgmmaLongQueryLen = 1024;
+// (block_m 0 or 128). block_n 0 picks 128: measured on the H200 it is as fast as 64 at 512 new
+// tokens and 4-10 % faster from 1024 (the wider tile halves the per-tile overhead).
 inline int prefill_wgmma_block_n(int max_query_len, int block_n) {
-  return block_n != 0 ? block_n : (max_query_len >= kPrefillWgmmaLongQueryLen ? 128 : 64);
+  (void)max_query_len;
+  return block_n != 0 ? block_n : 128;
 }
 inline bool prefill_wgmma_tile_is_built(int block_m, int block_n) {
   return (block_m == 0 || block_m == 128) && (block_n == 0 || block_n == 64 || block_n == 128);

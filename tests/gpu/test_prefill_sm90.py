@@ -151,11 +151,11 @@ def test_wgmma_flags_bad_metadata_with_nan():
 
 @pytest.mark.parametrize(
     "chunks,expect",
-    [([(0, 300), (40, 64), (9, 1)], "wgmma"), ([(0, 63), (5, 1)], "mma")],
+    [([(0, 1100), (40, 64), (9, 1)], "wgmma"), ([(0, 1023), (5, 1)], "mma")],
     ids=["prefill-uses-wgmma", "short-uses-mma"],
 )
 def test_auto_backend_choice(chunks, expect):
-    """auto = wgmma at head 128 for max_query_len >= 64 (bit-identical to forcing it), else
+    """auto = wgmma at head 128 for max_query_len >= 1024 (bit-identical to forcing it), else
     mma; both kernels are deterministic, and they differ in rounding."""
     torch.manual_seed(1)
     query_lens = [q for _, q in chunks]
