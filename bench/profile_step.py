@@ -35,7 +35,10 @@ KINDS = (  # first match wins: the specific kinds before the broad ones
     ("rotary+cache", re.compile(r"rotary_cache", re.I)),  # rotary fused with the cache write
     ("rotary", re.compile(r"rotary|rope", re.I)),
     ("cache write", re.compile(r"reshape_and_cache", re.I)),
-    ("attention", re.compile(r"paged_prefill|paged_attention|flash|fmha|attention", re.I)),
+    (
+        "attention",
+        re.compile(r"paged_prefill|paged_decode|paged_attention|flash|fmha|attention", re.I),
+    ),
     ("sampling", re.compile(r"argmax|softmax|topk|sort|multinomial|exponential|max_kernel", re.I)),
     ("copies", re.compile(r"copy|memcpy|memset|cat|index|gather|scatter", re.I)),
 )
