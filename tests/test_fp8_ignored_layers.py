@@ -6,6 +6,7 @@ layer stored in FP8, malformed lists). CPU, ``quantization="fp8_emulated"``."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -273,3 +274,50 @@ def test_tp2_ignored_layers_are_the_tp1_ones_sliced(float_model, tmp_path):
     # the first token (a prefill): the same; later ones may part at a near-tie (FP8 row-
     # parallel layers quantize each rank's half of the activations with its own scale)
     assert [o.outputs[0].token_ids[0] for o in got] == [o.outputs[0].token_ids[0] for o in ref]
+
+
+@pytest.mark.parametrize(
+    "targets, name, ignored",
+    [
+        (["Linear"], "model.layers.0.self_attn.o_proj", False),
+        ([r"re:.*mlp\..*"], "model.layers.0.mlp.down_proj", False),
+        ([r"re:.*mlp\..*"], "model.layers.0.self_attn.o_proj", True),  # not targeted
+        (["model.layers.1.mlp.down_proj"], "model.layers.1.mlp.down_proj", False),
+        (["model.layers.1.mlp.down_proj"], "model.layers.0.mlp.down_proj", True),
+    ],
+)
+def test_compressed_tensors_layers_not_targeted_stay_unquantized(targets, name, ignored):
+    raw = {
+        "quant_method": "compressed-tensors",
+        "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float"}, "targets": targets}},
+    }
+    assert parse_quantization_config(raw).is_ignored(name) is ignored
+
+
+def test_compressed_tensors_targets_only_the_mlp(float_model, tmp_path):
+    """config_groups target the MLP linears only: attention's q/k/v/o are stored in bf16 and
+    load unquantized, computing exactly in bf16; the MLP loads FP8."""
+    attention = tuple(
+        f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in LINEARS if p not in MLP_LINEARS
+    )
+    ckpt = tmp_path / "ct"
+    write_fp8_checkpoint(float_model, ckpt, "ct-channel", unquantized=attention)
+    config_path = ckpt / "config.json"
+    config = json.loads(config_path.read_text())
+    for group in config["quantization_config"]["config_groups"].values():
+        group["targets"] = [r"re:.*mlp\.(gate|up|down)_proj$"]
+    config_path.write_text(json.dumps(config))
+    model, _ = load_model(ckpt, quantization="fp8_emulated")
+    expected = set(_modules("0.self_attn.qkv_proj", "0.self_attn.o_proj"))
+    expected |= set(_modules("1.self_attn.qkv_proj", "1.self_attn.o_proj"))
+    assert _unquantized_layers(model) == expected
+    _check_ignored_layers_compute_in_bf16(model, ckpt, expected)
+
+
+def test_malformed_targets():
+    raw = {
+        "quant_method": "compressed-tensors",
+        "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float"}, "targets": "Linear"}},
+    }
+    with pytest.raises(ValueError, match=r"config_groups.g.targets must be a list"):
+        parse_quantization_config(raw)

@@ -9,7 +9,10 @@ Layers a checkpoint leaves unquantized (``ignored_layers``, matched by ``is_laye
   or a suffix (``lm_head``, ``down_proj``: in every layer). transformers matches substrings;
   whole components keep ``model.layers.1`` from also naming layer 10.
 - compressed-tensors: ``ignore``, exact module names or ``re:<regex>`` patterns matched from
-  the start of the name (``re.match``, as compressed-tensors and vLLM do): ``re:.*mlp.gate$``.
+  the start of the name (``re.match``, as compressed-tensors and vLLM do): ``re:.*mlp.gate$``;
+  and every linear layer its config groups do not target. A group's ``targets`` name layers
+  by class (``Linear``: every linear layer, the usual case), exact module name or ``re:``
+  pattern; a group without ``targets`` targets every linear layer.
 
 A fused layer of this engine (``qkv_proj``: q/k/v_proj, ``gate_up_proj``: gate/up_proj) is
 skipped when all its checkpoint parts are; some but not all is an error, as in vLLM.
@@ -35,11 +38,31 @@ class CheckpointQuantization:
     block_size: tuple[int, int] | None  # (rows, columns) of a scale block, for "block"
     # The checkpoint's list of modules left unquantized, as written (see the module docstring).
     ignored_layers: tuple[str, ...] = ()
+    # compressed-tensors: the config groups' targets, as written ("Linear": every linear layer).
+    targets: tuple[str, ...] = ("Linear",)
+
+    @property
+    def targets_all_linear(self) -> bool:
+        return "Linear" in self.targets
 
     @property
     def ignore_key(self) -> str:
         """The quantization_config key that lists the ignored layers."""
         return "modules_to_not_convert" if self.quant_method == "fp8" else "ignore"
+
+    @property
+    def skip_source(self) -> str:
+        """Where the checkpoint says which layers stay unquantized, for error messages."""
+        if self.quant_method == "fp8" or self.targets_all_linear:
+            return self.ignore_key
+        return "ignore (and config_groups targets)"
+
+    @property
+    def skips_layers(self) -> bool:
+        """Whether some linear layer may stay unquantized."""
+        return bool(self.ignored_layers) or not (
+            self.quant_method == "fp8" or self.targets_all_linear
+        )
 
     def is_ignored(self, module_name: str) -> bool:
         """True when the checkpoint's list names module ``module_name`` (a checkpoint name,
@@ -47,10 +70,10 @@ class CheckpointQuantization:
         if self.quant_method == "fp8":
             padded = f".{module_name}."
             return any(f".{entry}." in padded for entry in self.ignored_layers)
-        return any(
-            re.match(entry[3:], module_name) if entry.startswith("re:") else entry == module_name
-            for entry in self.ignored_layers
+        targeted = self.targets_all_linear or any(
+            _ct_matches(entry, module_name) for entry in self.targets
         )
+        return not targeted or any(_ct_matches(entry, module_name) for entry in self.ignored_layers)
 
     def is_layer_skipped(self, layer_name: str, parts: Sequence[str] | None = None) -> bool:
         """True when the model's layer ``layer_name`` stays unquantized. ``parts``: the
@@ -61,7 +84,7 @@ class CheckpointQuantization:
         if ignored and len(ignored) != len(names):
             kept = [name for name in names if name not in ignored]
             raise ValueError(
-                f"config.json quantization_config.{self.ignore_key} leaves "
+                f"config.json quantization_config.{self.skip_source} leaves "
                 f"{', '.join(ignored)} unquantized but not {', '.join(kept)}: this engine fuses "
                 f"them into one layer ({layer_name}), whose parts must all be quantized or all "
                 "be left unquantized"
@@ -114,8 +137,18 @@ def _parse_hf_fp8(raw: dict[str, Any]) -> CheckpointQuantization:
     return CheckpointQuantization("fp8", "block", _block_size(block, "weight_block_size"), ignored)
 
 
+def _ct_matches(entry: str, module_name: str) -> bool:
+    """A compressed-tensors ``ignore`` / ``targets`` entry against a module name."""
+    if entry.startswith("re:"):
+        return re.match(entry[3:], module_name) is not None
+    return entry == module_name
+
+
 def _ignored_layers(raw: dict[str, Any], key: str, allow_regex: bool) -> tuple[str, ...]:
-    value = raw.get(key)
+    return _module_list(raw.get(key), key, allow_regex)
+
+
+def _module_list(value: Any, key: str, allow_regex: bool) -> tuple[str, ...]:
     if value is None:
         return ()
     if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
@@ -144,6 +177,7 @@ def _parse_compressed_tensors(raw: dict[str, Any]) -> CheckpointQuantization:
     if not isinstance(groups, dict) or not groups:
         raise ValueError("compressed-tensors quantization_config has no config_groups")
     layouts = set()
+    targets: list[str] = []
     for group_name, group in groups.items():
         weights = group.get("weights") if isinstance(group, dict) else None
         if not isinstance(weights, dict):
@@ -165,6 +199,10 @@ def _parse_compressed_tensors(raw: dict[str, Any]) -> CheckpointQuantization:
         if strategy == "block":
             block = _block_size(weights.get("block_structure"), f"{group_name}.block_structure")
         layouts.add((strategy, block))
+        group_targets = group.get("targets", ["Linear"])
+        targets.extend(
+            _module_list(group_targets, f"config_groups.{group_name}.targets", allow_regex=True)
+        )
     if len(layouts) != 1:
         raise ValueError(
             f"compressed-tensors config groups use different weight layouts {sorted(layouts)}: "
@@ -172,4 +210,4 @@ def _parse_compressed_tensors(raw: dict[str, Any]) -> CheckpointQuantization:
         )
     strategy, block = layouts.pop()
     ignored = _ignored_layers(raw, "ignore", allow_regex=True)
-    return CheckpointQuantization("compressed-tensors", strategy, block, ignored)
+    return CheckpointQuantization("compressed-tensors", strategy, block, ignored, tuple(targets))

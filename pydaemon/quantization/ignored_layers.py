@@ -1,5 +1,6 @@
 """Layers a quantized checkpoint leaves unquantized (its ``modules_to_not_convert`` /
-``ignore`` list, parsed in checkpoint_format.py) stay in the model's dtype: their checkpoint
+``ignore`` list, or compressed-tensors config groups that do not target them, parsed in
+checkpoint_format.py) stay in the model's dtype: their checkpoint
 weights load as they are, with no FP8 conversion. A bf16 checkpoint quantized at load
 (``quantization="fp8"``) has no list: every linear layer but the LM head is quantized."""
 
@@ -16,7 +17,7 @@ def skip_ignored_layers(model: nn.Module, checkpoint: CheckpointQuantization | N
     not materialised yet (meta parameters). -> the names of those layers (this model's
     names: a fused ``qkv_proj`` is skipped when all of q/k/v_proj are ignored; ValueError
     when only some are)."""
-    if checkpoint is None or not checkpoint.ignored_layers:
+    if checkpoint is None or not checkpoint.skips_layers:
         return []
     skipped = []
     for name, module in model.named_modules():
