@@ -5,9 +5,11 @@ and only here:
 - CUDA with the pagedd kernels (fp16/bf16): ``rotary_embedding_and_cache`` (rotary and cache
   write in one launch; ``reshape_and_cache`` when the caller rotated already), then ONE
   attention launch per layer: the tensor-core paged prefill kernel when the step has
-  prefill work (its decode rows ride along in the same launch); for decode-only steps, the
-  split-KV tensor-core decode kernel for grouped heads (GQA), else the split-KV CUDA-core
-  decode kernel (``decode_kernel``). No Python loop over sequences, no host-device sync.
+  prefill work; for decode-only steps, the split-KV tensor-core decode kernel for grouped
+  heads (GQA), else the split-KV CUDA-core decode kernel (``decode_kernel``). A mixed step
+  of a GQA model takes two launches: prefill chunks and decode rows each to its kernel (MHA
+  decode rows ride along in the prefill launch). No Python loop over sequences, no
+  host-device sync.
 - otherwise (CPU, float32, or a build without kernels): the plain torch path
   (``apply_rotary_qk``, then ``write_kv_cache_torch``).
 
@@ -179,8 +181,39 @@ class PagedAttention(nn.Module):
         if self.sliding_window is not None:
             # The CUDA attention kernels have no window: windowed layers attend on the torch path.
             return self._attend_torch(query, key_cache, value_cache, md)
+        group = query.shape[1] // key_cache.shape[1]  # this rank's heads, under TP
+        tc_decode = decode_kernel(group, self.head_dim) == "tensor_cores"
+        scales = {"scale": self.scale, "k_scale": k_scale, "v_scale": v_scale}
+        if md.num_prefills > 0 and md.num_decode_tokens > 0 and tc_decode:
+            # A mixed step: the prefill chunks through the prefill kernel, the decode rows
+            # (after them, one token each) through the decode kernel, into one output. In the
+            # prefill kernel a decode row would take a whole 128-row tile of its own.
+            out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+            p, s = md.num_prefill_tokens, md.num_prefills  # host ints
+            ops.paged_attention_prefill(
+                query[:p],
+                key_cache,
+                value_cache,
+                md.block_tables[:s],
+                md.seq_lens[:s],
+                md.query_start_loc[: s + 1],
+                md.max_query_len,  # host int: no device read-back
+                out=out[:p],
+                **scales,
+            )
+            ops.paged_attention_decode_tc(
+                query[p:],
+                key_cache,
+                value_cache,
+                md.block_tables[s:],
+                md.seq_lens[s:],
+                md.max_seq_len,  # an upper bound for the decode rows: host int
+                out=out[p:],
+                **scales,
+            )
+            return out
         if md.num_prefills > 0:
-            # Prefill chunks (and the decode rows riding along): one tensor-core launch.
+            # Prefill chunks (and any decode rows riding along): one tensor-core launch.
             return ops.paged_attention_prefill(
                 query,
                 key_cache,
@@ -189,16 +222,9 @@ class PagedAttention(nn.Module):
                 md.seq_lens,
                 md.query_start_loc,
                 md.max_query_len,  # host int: no device read-back
-                scale=self.scale,
-                k_scale=k_scale,
-                v_scale=v_scale,
+                **scales,
             )
-        group = query.shape[1] // key_cache.shape[1]  # this rank's heads, under TP
-        decode = (
-            ops.paged_attention_decode_tc
-            if decode_kernel(group, self.head_dim) == "tensor_cores"
-            else ops.paged_attention_decode
-        )
+        decode = ops.paged_attention_decode_tc if tc_decode else ops.paged_attention_decode
         return decode(
             query,
             key_cache,
@@ -206,7 +232,5 @@ class PagedAttention(nn.Module):
             md.block_tables,
             md.seq_lens,
             md.max_seq_len,  # host int, computed once per step: no device read-back
-            scale=self.scale,
-            k_scale=k_scale,
-            v_scale=v_scale,
+            **scales,
         )

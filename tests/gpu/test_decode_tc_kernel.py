@@ -356,3 +356,63 @@ def test_engine_gqa_decode_on_tc_kernel_follows_fp32_and_torch_path(
         assert float(gaps.max()) < 0.05, f"largest gap {float(gaps.max()):.3f} logit std"
     # fp16 rounding differs between the kernel and the torch path only at near-ties.
     assert same >= len(prompts) - 1, f"only {same}/{len(prompts)} sequences equal the torch path"
+
+
+@pytest.mark.parametrize("heads", [(32, 8), (8, 8)], ids=["gqa", "mha"])
+def test_layer_mixed_step_splits_prefill_and_decode_rows(heads, monkeypatch):
+    """A step with prefill chunks and decode rows: a GQA layer sends the chunks to the prefill
+    kernel and the decode rows to the tensor-core decode kernel (two launches, one output);
+    MHA keeps one prefill launch. Either way the output is the torch path's."""
+    from pydaemon.attention_metadata import AttentionMetadata
+    from pydaemon.layers.attention import PagedAttention
+    from pydaemon.layers.paged_attention_torch import paged_attention_torch
+
+    calls = []
+    for name in ("paged_attention_decode_tc", "paged_attention_decode", "paged_attention_prefill"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(
+            ops, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k)
+        )
+    torch.manual_seed(3)
+    # two prefills (a 50-token chunk after 30 cached tokens, a fresh 70-token prompt), then
+    # three decode rows
+    prefixes, query_lens = [30, 0, 699, 2999, 4], [50, 70, 1, 1, 1]
+    lens = [p + q for p, q in zip(prefixes, query_lens, strict=True)]
+    batch = make_paged_batch(lens, heads[1], 128, 16, torch.bfloat16)
+    tables = batch.block_tables.cpu()
+    slots = [
+        int(tables[s, pos // 16]) * 16 + pos % 16
+        for s, (p, n) in enumerate(zip(prefixes, lens, strict=True))
+        for pos in range(p, n)
+    ]
+    num_tokens = sum(query_lens)
+    query = torch.randn(num_tokens, heads[0], 128, device="cuda", dtype=torch.bfloat16)
+    key = torch.randn(num_tokens, heads[1], 128, device="cuda", dtype=torch.bfloat16)
+    value = torch.randn_like(key)
+    starts = torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32).cuda()
+    md = AttentionMetadata(
+        num_prefills=2,
+        num_prefill_tokens=120,
+        num_decode_tokens=3,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device="cuda"),
+        block_tables=batch.block_tables,
+        seq_lens=batch.seq_lens,
+        query_start_loc=starts,
+        max_seq_len=max(lens),
+        max_query_len=max(query_lens),
+        seq_lens_cpu=lens,
+        query_lens_cpu=query_lens,
+    )
+    layer = PagedAttention(heads[0], heads[1], 128, 128**-0.5)
+    out = layer(query, key, value, batch.key_cache, batch.value_cache, md)
+    expected = ["paged_attention_prefill"]
+    if heads[0] != heads[1]:
+        expected.append("paged_attention_decode_tc")
+    assert calls == expected
+    ref = paged_attention_torch(query, batch.key_cache, batch.value_cache, md, 128**-0.5)
+    ref = ref.view(num_tokens, heads[0], 128).double()
+    got = out.view(num_tokens, heads[0], 128).double()
+    for s in range(len(lens)):
+        rows = slice(int(starts[s]), int(starts[s + 1]))
+        err = (got[rows] - ref[rows]).norm() / ref[rows].norm()
+        assert err < TOL[torch.bfloat16], f"sequence {s}: relative error {err:.2e}"
