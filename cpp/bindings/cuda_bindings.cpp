@@ -99,85 +99,6 @@ int64_t check_attention_args(const Array& out, const Array& query, const Array& 
   return head_dim;
 }
 
-void paged_attention_decode(Array out, Array query, Array key_cache, Array value_cache,
-                            Array block_tables, Array seq_lens, double scale, int max_seq_len,
-                            nb::object tmp_out_obj, nb::object exp_sums_obj,
-                            nb::object max_logits_obj, double k_scale, double v_scale,
-                            uintptr_t stream) {
-  const int dev = current_device();
-  const int64_t head_dim =
-      check_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, dev);
-  check_kv_scales(k_scale, v_scale);
-  const DType dtype = attention_dtype(query, "query");
-  const int64_t num_seqs = query.shape(0), num_q_heads = query.shape(1);
-  const int64_t block_size = key_cache.shape(2);
-  check_dim(block_tables, "block_tables", 0, num_seqs, "num_seqs");
-  check_dim(seq_lens, "seq_lens", 0, num_seqs, "num_seqs");
-  if (num_seqs == 0) return;
-  if (num_seqs > 65535) throw nb::value_error("at most 65535 sequences per call");
-  if (max_seq_len > block_tables.shape(1) * block_size)
-    throw nb::value_error(("max_seq_len (" + std::to_string(max_seq_len) +
-                           ") exceeds block_tables.shape[1] * block_size (" +
-                           std::to_string(block_tables.shape(1) * block_size) + ")")
-                              .c_str());
-  const int num_partitions = pagedd::cuda::num_partitions_for(max_seq_len);
-
-  float* ws[3] = {nullptr, nullptr, nullptr};
-  if (num_partitions > 1) {
-    const char* names[3] = {"tmp_out", "exp_sums", "max_logits"};
-    nb::object objs[3] = {tmp_out_obj, exp_sums_obj, max_logits_obj};
-    for (int i = 0; i < 3; ++i) {
-      if (objs[i].is_none())
-        throw nb::value_error((std::string(names[i]) + " is required when max_seq_len > " +
-                               std::to_string(pagedd::cuda::kPartitionSize))
-                                  .c_str());
-      Array a = nb::cast<Array>(objs[i]);
-      check_dtype(a, names[i], kFloat, 32, "float32");
-      check_cuda(a, names[i], dev);
-      check_ndim(a, names[i], i == 0 ? 4 : 3);
-      check_dim(a, names[i], 0, num_seqs, "num_seqs");
-      check_dim(a, names[i], 1, num_q_heads, "num_q_heads");
-      check_dim(a, names[i], 2, num_partitions, "num_partitions for max_seq_len");
-      if (i == 0) check_dim(a, names[i], 3, head_dim, "head_dim");
-      check_contiguous_from(a, names[i], 0);
-      ws[i] = static_cast<float*>(a.data());
-    }
-  }
-
-  pagedd::cuda::PagedDecodeParams p{};
-  p.out = out.data();
-  p.query = query.data();
-  p.q_seq_stride = query.stride(0);
-  p.q_head_stride = query.stride(1);
-  p.key_cache = key_cache.data();
-  p.value_cache = value_cache.data();
-  p.kv_block_stride = key_cache.stride(0);
-  p.kv_head_stride = key_cache.stride(1);
-  p.block_tables = static_cast<const int32_t*>(block_tables.data());
-  p.block_table_stride = block_tables.stride(0);
-  p.seq_lens = static_cast<const int32_t*>(seq_lens.data());
-  p.tmp_out = ws[0];
-  p.exp_sums = ws[1];
-  p.max_logits = ws[2];
-  p.num_partitions = num_partitions;
-  p.num_seqs = (int)num_seqs;
-  p.num_q_heads = (int)num_q_heads;
-  p.num_kv_heads = (int)key_cache.shape(1);
-  p.head_dim = (int)head_dim;
-  p.block_size = (int)block_size;
-  p.scale = (float)scale;
-  p.dtype = dtype;
-  p.cache_dtype = kv_cache_dtype(key_cache, "key_cache", query, "query");
-  p.k_scale = (float)k_scale;
-  p.v_scale = (float)v_scale;
-  cudaError_t err;
-  {
-    nb::gil_scoped_release release;
-    err = pagedd::cuda::paged_attention_decode(p, as_stream(stream));
-  }
-  check_cuda_error(err, "paged_attention_decode");
-}
-
 // The split-KV workspaces of a decode with num_partitions > 1 (checked; null otherwise).
 void decode_workspaces(float* (&ws)[3], nb::object tmp_out_obj, nb::object exp_sums_obj,
                        nb::object max_logits_obj, int64_t num_seqs, int64_t num_q_heads,
@@ -200,6 +121,75 @@ void decode_workspaces(float* (&ws)[3], nb::object tmp_out_obj, nb::object exp_s
     check_contiguous_from(a, names[i], 0);
     ws[i] = static_cast<float*>(a.data());
   }
+}
+
+// The parameters both decode kernels share, from checked arguments.
+void fill_decode_params(pagedd::cuda::PagedDecodeParams& p, const Array& out, const Array& query,
+                        const Array& key_cache, const Array& value_cache,
+                        const Array& block_tables, const Array& seq_lens, float* (&ws)[3],
+                        int num_partitions, double scale, double k_scale, double v_scale) {
+  p.out = out.data();
+  p.query = query.data();
+  p.q_seq_stride = query.stride(0);
+  p.q_head_stride = query.stride(1);
+  p.key_cache = key_cache.data();
+  p.value_cache = value_cache.data();
+  p.kv_block_stride = key_cache.stride(0);
+  p.kv_head_stride = key_cache.stride(1);
+  p.block_tables = static_cast<const int32_t*>(block_tables.data());
+  p.block_table_stride = block_tables.stride(0);
+  p.seq_lens = static_cast<const int32_t*>(seq_lens.data());
+  p.tmp_out = ws[0];
+  p.exp_sums = ws[1];
+  p.max_logits = ws[2];
+  p.num_partitions = num_partitions;
+  p.num_seqs = (int)query.shape(0);
+  p.num_q_heads = (int)query.shape(1);
+  p.num_kv_heads = (int)key_cache.shape(1);
+  p.head_dim = (int)query.shape(2);
+  p.block_size = (int)key_cache.shape(2);
+  p.scale = (float)scale;
+  p.dtype = attention_dtype(query, "query");
+  p.cache_dtype = kv_cache_dtype(key_cache, "key_cache", query, "query");
+  p.k_scale = (float)k_scale;
+  p.v_scale = (float)v_scale;
+}
+
+void paged_attention_decode(Array out, Array query, Array key_cache, Array value_cache,
+                            Array block_tables, Array seq_lens, double scale, int max_seq_len,
+                            nb::object tmp_out_obj, nb::object exp_sums_obj,
+                            nb::object max_logits_obj, double k_scale, double v_scale,
+                            uintptr_t stream) {
+  const int dev = current_device();
+  const int64_t head_dim =
+      check_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, dev);
+  check_kv_scales(k_scale, v_scale);
+  const int64_t num_seqs = query.shape(0), num_q_heads = query.shape(1);
+  const int64_t block_size = key_cache.shape(2);
+  check_dim(block_tables, "block_tables", 0, num_seqs, "num_seqs");
+  check_dim(seq_lens, "seq_lens", 0, num_seqs, "num_seqs");
+  if (num_seqs == 0) return;
+  if (num_seqs > 65535) throw nb::value_error("at most 65535 sequences per call");
+  if (max_seq_len > block_tables.shape(1) * block_size)
+    throw nb::value_error(("max_seq_len (" + std::to_string(max_seq_len) +
+                           ") exceeds block_tables.shape[1] * block_size (" +
+                           std::to_string(block_tables.shape(1) * block_size) + ")")
+                              .c_str());
+  const int num_partitions = pagedd::cuda::num_partitions_for(max_seq_len);
+
+  float* ws[3];
+  decode_workspaces(ws, tmp_out_obj, exp_sums_obj, max_logits_obj, num_seqs, num_q_heads,
+                    head_dim, num_partitions,
+                    "max_seq_len > " + std::to_string(pagedd::cuda::kPartitionSize), dev);
+  pagedd::cuda::PagedDecodeParams p{};
+  fill_decode_params(p, out, query, key_cache, value_cache, block_tables, seq_lens, ws,
+                     num_partitions, scale, k_scale, v_scale);
+  cudaError_t err;
+  {
+    nb::gil_scoped_release release;
+    err = pagedd::cuda::paged_attention_decode(p, as_stream(stream));
+  }
+  check_cuda_error(err, "paged_attention_decode");
 }
 
 void paged_attention_decode_tc(Array out, Array query, Array key_cache, Array value_cache,
@@ -254,31 +244,8 @@ void paged_attention_decode_tc(Array out, Array query, Array key_cache, Array va
                     dev);
 
   pagedd::cuda::PagedDecodeTcParams p{};
-  p.out = out.data();
-  p.query = query.data();
-  p.q_seq_stride = query.stride(0);
-  p.q_head_stride = query.stride(1);
-  p.key_cache = key_cache.data();
-  p.value_cache = value_cache.data();
-  p.kv_block_stride = key_cache.stride(0);
-  p.kv_head_stride = key_cache.stride(1);
-  p.block_tables = static_cast<const int32_t*>(block_tables.data());
-  p.block_table_stride = block_tables.stride(0);
-  p.seq_lens = static_cast<const int32_t*>(seq_lens.data());
-  p.tmp_out = ws[0];
-  p.exp_sums = ws[1];
-  p.max_logits = ws[2];
-  p.num_partitions = num_partitions;
-  p.num_seqs = (int)num_seqs;
-  p.num_q_heads = (int)num_q_heads;
-  p.num_kv_heads = (int)num_kv_heads;
-  p.head_dim = (int)head_dim;
-  p.block_size = (int)block_size;
-  p.scale = (float)scale;
-  p.dtype = attention_dtype(query, "query");
-  p.cache_dtype = kv_cache_dtype(key_cache, "key_cache", query, "query");
-  p.k_scale = (float)k_scale;
-  p.v_scale = (float)v_scale;
+  fill_decode_params(p, out, query, key_cache, value_cache, block_tables, seq_lens, ws,
+                     num_partitions, scale, k_scale, v_scale);
   p.partition_size = partition_size;
   p.max_seq_len = max_seq_len;
   cudaError_t err;

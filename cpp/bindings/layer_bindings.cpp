@@ -335,18 +335,11 @@ void rotary_embedding_and_cache(Array query, Array key, const Array& value, Arra
 void per_token_fp8_quant(Array out, Array scale, Array input, uintptr_t stream) {
   const int dev = current_device();
   const DType dtype = layer_dtype(input, "input");
-  check_dtype(out, "out", nb::dlpack::dtype_code::UInt, 8,
-              "uint8 (a float8_e4m3fn tensor's bytes)");
-  check_dtype(scale, "scale", kFloat, 32, "float32");
   check_ndim(input, "input", 2);
   const int64_t num_tokens = input.shape(0), d = input.shape(1);
   check_sizes(num_tokens, d, "d (input.shape[1])");
   check_rows(input, "input", num_tokens, d, dev, false);
-  check_rows(out, "out", num_tokens, d, dev, true);
-  check_cuda(scale, "scale", dev);
-  check_ndim(scale, "scale", 1);
-  check_dim(scale, "scale", 0, num_tokens, "num_tokens");
-  if (num_tokens > 1 && scale.stride(0) != 1) throw nb::value_error("scale must be contiguous");
+  check_fp8_out(out, scale, num_tokens, d, dev);
 
   pagedd::cuda::PerTokenFp8QuantParams p{};
   p.out = out.data();

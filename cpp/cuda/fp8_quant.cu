@@ -19,26 +19,10 @@ template <typename T, int VEC>
 __global__ void per_token_fp8_quant_kernel(uint8_t* out, float* scale, const T* input,
                                            int64_t out_stride, int64_t input_stride, int d) {
   using V = Vec<T, VEC>;
-  using O = Vec<uint8_t, VEC>;
   const int64_t row = blockIdx.x;
   const V* in = reinterpret_cast<const V*>(input + row * input_stride);
-  float amax = 0.0f;
-  for (int i = threadIdx.x; i < d / VEC; i += blockDim.x) {
-    const V x = in[i];
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) amax = fmaxf(amax, fabsf(to_float(x.v[j])));
-  }
-  amax = block_max(amax);
-  const float inverse = fp8_row_inverse<T>(amax);
-  if (threadIdx.x == 0) scale[row] = __frcp_rn(inverse);  // 1.0 / inverse: a reciprocal too
-  O* o = reinterpret_cast<O*>(out + row * out_stride);
-  for (int i = threadIdx.x; i < d / VEC; i += blockDim.x) {
-    const V x = in[i];
-    O y;
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) y.v[j] = fp8_code<T>(to_float(x.v[j]), inverse);
-    o[i] = y;
-  }
+  quantize_row_fp8<T, VEC>([&](int i) { return in[i]; }, d / VEC, out + row * out_stride,
+                           scale + row);
 }
 
 template <typename T>

@@ -47,4 +47,30 @@ __device__ __forceinline__ uint8_t fp8_code(float x, float inverse) {
   return __nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3);
 }
 
+// Quantizes one token row of num_vecs vectors, per token: the row's largest |value|, then its
+// codes into out_row and 1 / inverse into *scale_out. value(i) returns vector i of the row as a
+// Vec<T, VEC>; it is called twice per vector (a row is read, or recomputed, once per pass).
+// Every thread of the block calls it (block_max).
+template <typename T, int VEC, typename ValueFn>
+__device__ __forceinline__ void quantize_row_fp8(ValueFn value, int num_vecs, uint8_t* out_row,
+                                                 float* scale_out) {
+  float amax = 0.0f;
+  for (int i = threadIdx.x; i < num_vecs; i += blockDim.x) {
+    const Vec<T, VEC> y = value(i);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) amax = fmaxf(amax, fabsf(to_float(y.v[j])));
+  }
+  const float inverse = fp8_row_inverse<T>(block_max(amax));
+  if (threadIdx.x == 0) *scale_out = __frcp_rn(inverse);  // 1.0 / inverse: a reciprocal too
+  using O = Vec<uint8_t, VEC>;
+  O* o = reinterpret_cast<O*>(out_row);
+  for (int i = threadIdx.x; i < num_vecs; i += blockDim.x) {
+    const Vec<T, VEC> y = value(i);
+    O q;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) q.v[j] = fp8_code<T>(to_float(y.v[j]), inverse);
+    o[i] = q;
+  }
+}
+
 }  // namespace pagedd::cuda

@@ -62,23 +62,7 @@ __global__ void rms_norm_kernel(T* out, uint8_t* out_fp8, float* out_scale, cons
     V* o = reinterpret_cast<V*>(out + row * out_stride);
     for (int i = threadIdx.x; i < num_vecs; i += blockDim.x) o[i] = normalised(i);
   } else {
-    float amax = 0.0f;
-    for (int i = threadIdx.x; i < num_vecs; i += blockDim.x) {
-      const V y = normalised(i);
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) amax = fmaxf(amax, fabsf(to_float(y.v[j])));
-    }
-    const float inverse = fp8_row_inverse<T>(block_max(amax));
-    if (threadIdx.x == 0) out_scale[row] = __frcp_rn(inverse);
-    using O = Vec<uint8_t, VEC>;
-    O* o = reinterpret_cast<O*>(out_fp8 + row * out_stride);
-    for (int i = threadIdx.x; i < num_vecs; i += blockDim.x) {
-      const V y = normalised(i);
-      O q;
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) q.v[j] = fp8_code<T>(to_float(y.v[j]), inverse);
-      o[i] = q;
-    }
+    quantize_row_fp8<T, VEC>(normalised, num_vecs, out_fp8 + row * out_stride, out_scale + row);
   }
 }
 

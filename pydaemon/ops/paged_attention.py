@@ -15,6 +15,23 @@ def num_partitions(max_seq_len: int) -> int:
     return max(1, -(-max_seq_len // PARTITION_SIZE))
 
 
+def split_kv_workspaces(
+    query: torch.Tensor, parts: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """-> (tmp_out [num_seqs, num_q_heads, parts, head_dim], exp_sums, max_logits [num_seqs,
+    num_q_heads, parts]) float32 for a split-KV decode of ``query`` [num_seqs, num_q_heads,
+    head_dim] over ``parts`` partitions; Nones for one partition. From torch's caching
+    allocator: no sync, graph-capturable."""
+    if parts <= 1:
+        return None, None, None
+    num_seqs, num_q_heads, head_dim = query.shape
+    tmp_out = torch.empty(
+        num_seqs, num_q_heads, parts, head_dim, dtype=torch.float32, device=query.device
+    )
+    exp_sums = torch.empty(num_seqs, num_q_heads, parts, dtype=torch.float32, device=query.device)
+    return tmp_out, exp_sums, torch.empty_like(exp_sums)
+
+
 def paged_attention_decode(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -53,22 +70,12 @@ def paged_attention_decode(
             f"pydaemon._core partition size {_core.partition_size} != {PARTITION_SIZE}; "
             "rebuild _core"
         )
-    num_seqs, num_q_heads, head_dim = query.shape
+    head_dim = query.shape[2]
     if scale is None:
         scale = head_dim**-0.5
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    parts = num_partitions(max_seq_len)
-    tmp_out = exp_sums = max_logits = None
-    if parts > 1:
-        # Workspaces from torch's caching allocator: no sync, graph-capturable.
-        tmp_out = torch.empty(
-            num_seqs, num_q_heads, parts, head_dim, dtype=torch.float32, device=query.device
-        )
-        exp_sums = torch.empty(
-            num_seqs, num_q_heads, parts, dtype=torch.float32, device=query.device
-        )
-        max_logits = torch.empty_like(exp_sums)
+    tmp_out, exp_sums, max_logits = split_kv_workspaces(query, num_partitions(max_seq_len))
     _core.paged_attention_decode(
         out,
         query,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from pydaemon.ops._core_ext import core, kv_cache_arg, stream_handle
+from pydaemon.ops.paged_attention import split_kv_workspaces
 
 # Head sizes the kernel is built for (pagedd::cuda::decode_tc_is_built) and the largest
 # group of query heads per kv head it takes (one mma atom of 16 rows).
@@ -70,7 +71,7 @@ def paged_attention_decode_tc(
     (when there are several partitions) come from torch's caching allocator: graph-capturable.
     """
     _core = core()  # RuntimeError first when the kernels are unavailable
-    num_seqs, num_q_heads, head_dim = query.shape
+    num_seqs, _, head_dim = query.shape
     if scale is None:
         scale = head_dim**-0.5
     if out is None:
@@ -80,15 +81,7 @@ def paged_attention_decode_tc(
     if partition_size <= 0 or partition_size % 64 != 0:
         raise ValueError(f"partition_size must be a positive multiple of 64, got {partition_size}")
     parts = decode_tc_num_partitions(max_seq_len, partition_size)
-    tmp_out = exp_sums = max_logits = None
-    if parts > 1:
-        tmp_out = torch.empty(
-            num_seqs, num_q_heads, parts, head_dim, dtype=torch.float32, device=query.device
-        )
-        exp_sums = torch.empty(
-            num_seqs, num_q_heads, parts, dtype=torch.float32, device=query.device
-        )
-        max_logits = torch.empty_like(exp_sums)
+    tmp_out, exp_sums, max_logits = split_kv_workspaces(query, parts)
     _core.paged_attention_decode_tc(
         out,
         query,
