@@ -74,7 +74,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     from pydaemon.async_step import AsyncStepper
     from pydaemon.config import EngineConfig
@@ -137,25 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         phases["update"].append(u)
         batch_sizes.append(num_seqs)
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(args.steps):
-            step_parts()
-        torch.cuda.synchronize()
-        profiled_wall = time.perf_counter() - t
-    per_kind: dict[str, float] = {}
-    per_name: dict[str, float] = {}
-    launches = 0
-    for event in prof.key_averages():
-        device_us = getattr(event, "device_time_total", 0.0) or 0.0
-        if event.device_type.name != "CUDA" or device_us <= 0:
-            continue
-        launches += event.count
-        per_kind[kind_of(event.key)] = per_kind.get(kind_of(event.key), 0.0) + device_us
-        per_name[event.key] = per_name.get(event.key, 0.0) + device_us
+    profiled = _profile_steps(step_parts, args.steps, args.top)
     n = args.steps
-    gpu_ms = sum(per_kind.values()) / 1e3 / n
+    gpu_ms = profiled["gpu_kernel_ms_per_step"]
     result = {
         "model": args.model,
         "gpu": torch.cuda.get_device_name(),
@@ -165,17 +148,12 @@ def main(argv: list[str] | None = None) -> int:
         "steps_profiled": n,
         "step_wall_ms_median": statistics.median(walls) * 1e3,
         "host_ms_median": {k: statistics.median(v) * 1e3 for k, v in phases.items()},
-        "profiled_step_wall_ms": profiled_wall * 1e3 / n,
+        "profiled_step_wall_ms": profiled["step_wall_ms"],
         "gpu_kernel_ms_per_step": gpu_ms,
-        "gpu_busy_fraction": gpu_ms / (profiled_wall * 1e3 / n),
-        "kernel_launches_per_step": launches / n,
-        "gpu_ms_per_step_by_kind": {
-            k: v / 1e3 / n for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1])
-        },
-        "top_kernels_ms_per_step": {
-            k[:120]: v / 1e3 / n
-            for k, v in sorted(per_name.items(), key=lambda kv: -kv[1])[: args.top]
-        },
+        "gpu_busy_fraction": gpu_ms / profiled["step_wall_ms"],
+        "kernel_launches_per_step": profiled["launches_per_step"],
+        "gpu_ms_per_step_by_kind": profiled["gpu_ms_per_step_by_kind"],
+        "top_kernels_ms_per_step": profiled["top_kernels_ms_per_step"],
     }
     print(f"decode step at batch {result['batch_size_median']:.0f}, median of {n} steps")
     print(f"  wall per step            {result['step_wall_ms_median']:8.2f} ms")
@@ -225,15 +203,18 @@ def _profile_steps(step_parts, num_steps: int, top: int) -> dict:
         wall = time.perf_counter() - t
     per_kind: dict[str, float] = {}
     per_name: dict[str, float] = {}
+    launches = 0
     for event in prof.key_averages():
         device_us = getattr(event, "device_time_total", 0.0) or 0.0
         if event.device_type.name != "CUDA" or device_us <= 0:
             continue
+        launches += event.count
         per_kind[kind_of(event.key)] = per_kind.get(kind_of(event.key), 0.0) + device_us
         per_name[event.key] = per_name.get(event.key, 0.0) + device_us
     return {
         "steps": num_steps,
         "step_wall_ms": wall * 1e3 / num_steps,
+        "launches_per_step": launches / num_steps,
         "gpu_kernel_ms_per_step": sum(per_kind.values()) / 1e3 / num_steps,
         "gpu_ms_per_step_by_kind": {
             k: v / 1e3 / num_steps for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1])
