@@ -105,13 +105,14 @@ __device__ __forceinline__ uint32_t float4_to_fp8x4(float a, float b, float c, f
 }
 
 // Four e4m3 values (low byte first) -> two 32-bit pairs of scalar_t (fp16 / bf16), as an mma
-// fragment holds them: bytes 0, 1 -> lo, bytes 2, 3 -> hi.
-template <typename scalar_t>
+// fragment holds them: bytes 0, 1 -> lo, bytes 2, 3 -> hi. The selectors pick other byte
+// pairs for free (fp8x4_to_even_odd_pairs).
+template <typename scalar_t, uint32_t SEL_LO = 0x1404u, uint32_t SEL_HI = 0x3424u>
 __device__ __forceinline__ void fp8x4_to_pairs(uint32_t w, uint32_t& lo, uint32_t& hi) {
   constexpr bool HALF = std::is_same_v<scalar_t, __half>;
   constexpr int SHIFT = HALF ? 1 : 4;
-  const uint32_t r0 = fp8x2_place<SHIFT>(fp8x2_spread(w, 0x1404u));
-  const uint32_t r1 = fp8x2_place<SHIFT>(fp8x2_spread(w, 0x3424u));
+  const uint32_t r0 = fp8x2_place<SHIFT>(fp8x2_spread(w, SEL_LO));
+  const uint32_t r1 = fp8x2_place<SHIFT>(fp8x2_spread(w, SEL_HI));
   if constexpr (HALF) {
     const __half2 k = __halves2half2(__ushort_as_half(0x5C00), __ushort_as_half(0x5C00));  // 2^8
     const __half2 a = __hmul2(*reinterpret_cast<const __half2*>(&r0), k);
@@ -124,6 +125,14 @@ __device__ __forceinline__ void fp8x4_to_pairs(uint32_t w, uint32_t& lo, uint32_
     const __nv_bfloat162 b = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&r1), k);
     lo = *reinterpret_cast<const uint32_t*>(&a), hi = *reinterpret_cast<const uint32_t*>(&b);
   }
+}
+
+// Bytes 0, 2 -> lo and bytes 1, 3 -> hi: what ldmatrix.trans of 16-bit elements leaves in a
+// lane from an e4m3 tile of [key][dim] bytes (keys 2c, 2c+1 x dims 2g, 2g+1) becomes the B
+// fragments of the even dim 2g (lo) and the odd dim 2g + 1 (hi), keys 2c and 2c+1 each.
+template <typename scalar_t>
+__device__ __forceinline__ void fp8x4_to_even_odd_pairs(uint32_t w, uint32_t& lo, uint32_t& hi) {
+  fp8x4_to_pairs<scalar_t, 0x2404u, 0x3414u>(w, lo, hi);
 }
 
 // 16 e4m3 values (one 16-byte chunk) -> 16 scalar_t values (two 16-byte chunks).

@@ -19,10 +19,18 @@
 // workspace of the CUDA-core decode kernel (natural-log max, exp sum, O unnormalised) and
 // paged_decode_reduce_kernel (paged_attention_kernel.cuh) merges the partitions.
 //
-// An fp8 (e4m3) cache streams its raw bytes through the ring (half the bytes of bf16); each
-// warp converts its own sub-tile into a small per-warp 16-bit K/V buffer (exact: e4m3 fits
-// fp16 and bf16), __syncwarp only, then the same ldmatrix / mma path. k_scale is folded into
-// the softmax scale, v_scale into the final normalisation.
+// An fp8 (e4m3) cache streams its raw bytes through the ring (half the bytes of bf16) and
+// ldmatrix reads them as if they were 16-bit elements, each register holding four e4m3 values
+// that become two 16-bit pairs in registers (exact: e4m3 fits fp16 and bf16); no converted copy
+// goes through shared memory, which leaves room for 3 blocks per SM.
+//   K (ldmatrix): a lane gets dims 4c..4c+3 of key g of a 16-dim step. The dot product does
+//     not care in which order the dims are summed, so mma k 2c, 2c+1 are taken as dims 4c,
+//     4c+1 and k 2c+8, 2c+9 as dims 4c+2, 4c+3: the four bytes are the whole B fragment, and
+//     Q's A fragment is loaded in the same order (two 8-byte loads per row instead of ldmatrix).
+//   V (ldmatrix.trans): a lane gets keys 2c, 2c+1 x dims 2g, 2g+1 of a 16-dim segment: the even
+//     dims' bytes are the B fragment of an n tile of the segment's 8 even dims, the odd ones of
+//     its 8 odd dims. O's n tiles are thus (segment, parity) pairs, unscrambled at the merge.
+// k_scale is folded into the softmax scale, v_scale into the final normalisation.
 #pragma once
 
 #include <cmath>
@@ -42,6 +50,10 @@ struct DecodeTcTile {
   static constexpr int ROW = HEAD_DIM + 8;
   static constexpr int CHUNKS = HEAD_DIM / 8;      // 16-byte chunks of a 16-bit row
   static constexpr int RAW_CHUNKS = HEAD_DIM / 16;  // 16-byte chunks of an fp8 row
+  // An fp8 row in the ring: an odd number of 16-byte chunks, so the 8 rows of an ldmatrix
+  // fall in distinct bank groups (head 80: 5 chunks as is; 64, 96, 128, 256: one more).
+  static constexpr int RAW_ROW = HEAD_DIM + (RAW_CHUNKS % 2 == 0 ? 16 : 0);
+  static constexpr int SEGS = HEAD_DIM / 16;        // 16-dim segments (= k steps of Q K^T)
   static constexpr int K_STEPS = HEAD_DIM / 16;    // k steps of S = Q K^T
   static constexpr int D_TILES = HEAD_DIM / 8;     // n tiles of O
   // Q fragments stay in registers up to head 128 (K_STEPS * 4 registers); head 256 re-reads
@@ -50,10 +62,10 @@ struct DecodeTcTile {
   static constexpr size_t Q_BYTES = sizeof(uint16_t) * 16 * ROW;
   // One 16-bit K + V sub-tile ([SUB][ROW] each).
   static constexpr size_t TILE_BYTES = sizeof(uint16_t) * 2 * SUB * ROW;
-  // One raw fp8 K + V sub-tile ([SUB][HEAD_DIM] bytes each).
-  static constexpr size_t RAW_BYTES = 2 * SUB * HEAD_DIM;
-  // Per warp: STAGES 16-bit sub-tiles, or STAGES raw sub-tiles + one converted sub-tile.
-  static constexpr size_t WARP_BYTES = FP8 ? STAGES * RAW_BYTES + TILE_BYTES : STAGES * TILE_BYTES;
+  // One raw fp8 K + V sub-tile ([SUB][RAW_ROW] bytes each).
+  static constexpr size_t RAW_BYTES = 2 * SUB * RAW_ROW;
+  // Per warp: STAGES sub-tiles, 16-bit or raw fp8.
+  static constexpr size_t WARP_BYTES = STAGES * (FP8 ? RAW_BYTES : TILE_BYTES);
   // The merge of the warps' results: O [WARPS][16][HEAD_DIM] fp32, then max and sum [WARPS][16].
   static constexpr size_t MERGE_BYTES = sizeof(float) * WARPS * 16 * (HEAD_DIM + 2);
   static constexpr size_t RING_BYTES = WARPS * WARP_BYTES;
@@ -62,8 +74,8 @@ struct DecodeTcTile {
   static_assert(RAW_BYTES % 16 == 0 && TILE_BYTES % 16 == 0 && Q_BYTES % 16 == 0, "alignment");
 };
 
-template <typename scalar_t, typename cache_t, int HEAD_DIM, int WARPS, int STAGES>
-__global__ void __launch_bounds__(32 * WARPS, 2)
+template <typename scalar_t, typename cache_t, int HEAD_DIM, int WARPS, int STAGES, int MIN_BLOCKS>
+__global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
     paged_decode_tc_kernel(const PagedDecodeTcParams p, int block_shift) {
   constexpr bool FP8 = is_fp8_v<cache_t>;
   using T = DecodeTcTile<HEAD_DIM, WARPS, STAGES, FP8>;
@@ -117,12 +129,12 @@ __global__ void __launch_bounds__(32 * WARPS, 2)
       static_cast<const cache_t*>(p.value_cache) + (int64_t)kv_head * p.kv_head_stride;
   const int offset_mask = (1 << block_shift) - 1;
   unsigned char* warp_ring = s_ring + warp * T::WARP_BYTES;
-  // The sub-tile's 16-bit K and V: ring stage `stage` (16-bit cache) or the converted buffer.
-  auto tile_k = [&](int stage) -> scalar_t* {
-    return reinterpret_cast<scalar_t*>(warp_ring + (FP8 ? STAGES * T::RAW_BYTES
-                                                        : stage * T::TILE_BYTES));
+  // Ring stage `stage`: K [SUB][ROW] then V of a 16-bit cache, K [SUB][RAW_ROW] then V bytes of
+  // an fp8 cache.
+  auto tile_k = [&](int stage) {
+    return reinterpret_cast<scalar_t*>(warp_ring + stage * T::TILE_BYTES);
   };
-  auto raw_k = [&](int stage) { return warp_ring + stage * T::RAW_BYTES; };  // fp8 only
+  auto raw_k = [&](int stage) { return warp_ring + stage * T::RAW_BYTES; };
 
   // First key of this warp's i-th sub-tile. A sub-tile starts at a multiple of 16 and block
   // sizes are powers of two >= 8, so its keys lie in the blocks of keys 0 and 8 of it.
@@ -158,9 +170,9 @@ __global__ void __launch_bounds__(32 * WARPS, 2)
         off = (int64_t)(r < 8 ? b.b0 : b.b1) * p.kv_block_stride + (key & offset_mask) * HEAD_DIM +
               ch * ELEMS;
       if constexpr (FP8) {
-        unsigned char* dst = raw_k(stage) + r * HEAD_DIM + ch * 16;
+        unsigned char* dst = raw_k(stage) + r * T::RAW_ROW + ch * 16;
         cp_async16_zfill(dst, k_base + off, valid);
-        cp_async16_zfill(dst + SUB * HEAD_DIM, v_base + off, valid);
+        cp_async16_zfill(dst + SUB * T::RAW_ROW, v_base + off, valid);
       } else {
         scalar_t* dst = tile_k(stage) + r * ROW + ch * 8;
         cp_async16_zfill(dst, k_base + off, valid);
@@ -168,25 +180,6 @@ __global__ void __launch_bounds__(32 * WARPS, 2)
       }
     }
   };
-  // fp8: this lane's chunks of raw stage -> the converted 16-bit sub-tile (the same chunks
-  // it copied, so its own cp.async wait suffices; a __syncwarp publishes them).
-  auto convert_sub = [&](int stage) {
-    constexpr int PER_LANE = (SUB * T::RAW_CHUNKS + 31) / 32;
-    scalar_t* dk = tile_k(0);
-#pragma unroll
-    for (int it = 0; it < PER_LANE; ++it) {
-      const int x = lane + it * 32;
-      if ((SUB * T::RAW_CHUNKS) % 32 != 0 && x >= SUB * T::RAW_CHUNKS) break;
-      const int r = x / T::RAW_CHUNKS, ch = x % T::RAW_CHUNKS;
-      const unsigned char* src = raw_k(stage) + r * HEAD_DIM + ch * 16;
-      uint4* k16 = reinterpret_cast<uint4*>(dk + r * ROW + ch * 16);
-      uint4* v16 = reinterpret_cast<uint4*>(dk + SUB * ROW + r * ROW + ch * 16);
-      fp8x16_to_vec<scalar_t>(*reinterpret_cast<const uint4*>(src), k16[0], k16[1]);
-      fp8x16_to_vec<scalar_t>(*reinterpret_cast<const uint4*>(src + SUB * HEAD_DIM), v16[0],
-                              v16[1]);
-    }
-  };
-
   // Block-table entries, 32 sub-tiles at a time: lane j of `cur` holds those of this warp's
   // sub-tile 32 * c + j (c = the batch of the sub-tile being loaded), `nxt` those of batch
   // c + 1, fetched a whole batch ahead. A block-table read per sub-tile, even one sub-tile
@@ -214,11 +207,26 @@ __global__ void __launch_bounds__(32 * WARPS, 2)
   const float scale_log2 = p.scale * (FP8 ? p.k_scale : 1.f) * 1.4426950408889634f;
   const int quad_row = lane / 4, quad_col = 2 * (lane % 4);
   const scalar_t* q_lane = s_q + (lane % 16) * ROW + (lane / 16) * 8;
+  // Q's A fragment of k step ks: through ldmatrix, or for an fp8 cache in the dim order of
+  // its K fragments (a0, a2 = dims 16 ks + 4c .. 4c+3 of row g; a1, a3 the same of row g+8).
+  auto q_fragment = [&](int ks, uint32_t(&qa)[4]) {
+    if constexpr (FP8) {
+      const scalar_t* q = s_q + quad_row * ROW + ks * 16 + 2 * quad_col;
+      const uint2 lo = *reinterpret_cast<const uint2*>(q);
+      const uint2 hi = *reinterpret_cast<const uint2*>(q + 8 * ROW);
+      qa[0] = lo.x, qa[1] = hi.x, qa[2] = lo.y, qa[3] = hi.y;
+    } else {
+      ldmatrix_x4(qa, q_lane + ks * 16);
+    }
+  };
   uint32_t q_frag[T::Q_IN_REGS ? T::K_STEPS : 1][4];
   if constexpr (T::Q_IN_REGS) {
 #pragma unroll
-    for (int ks = 0; ks < T::K_STEPS; ++ks) ldmatrix_x4(q_frag[ks], q_lane + ks * 16);
+    for (int ks = 0; ks < T::K_STEPS; ++ks) q_fragment(ks, q_frag[ks]);
   }
+  // fp8: the row addresses of this lane in an ldmatrix(.trans) x4 of a raw K or V sub-tile:
+  // matrices (keys 0-7, segment 2j), (keys 8-15, 2j), (keys 0-7, 2j+1), (keys 8-15, 2j+1).
+  const int raw_lane = (lane % 8 + 8 * ((lane / 8) % 2)) * T::RAW_ROW + (lane / 16) * 16;
   float o[T::D_TILES][4];
 #pragma unroll
   for (int d = 0; d < T::D_TILES; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
@@ -230,30 +238,55 @@ __global__ void __launch_bounds__(32 * WARPS, 2)
     cp_async_commit_group();
     cp_async_wait_group<STAGES - 1>();  // this lane's copies of sub-tile i landed
     const int stage = i % STAGES;
-    if constexpr (FP8) convert_sub(stage);
-    __syncwarp();  // ... and every lane's (converted) chunks are visible to the warp
-    const scalar_t* sk = tile_k(FP8 ? 0 : stage);
-    const scalar_t* sv = sk + SUB * ROW;
+    __syncwarp();  // ... and every lane's chunks are visible to the warp
     const int k0 = sub_start(i);
+    auto q_at = [&](int ks, uint32_t(&qa)[4]) {
+      if constexpr (T::Q_IN_REGS) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) qa[j] = q_frag[ks][j];
+      } else {
+        q_fragment(ks, qa);
+      }
+    };
 
     // S = Q K^T: 16 rows x 16 keys (two n tiles of 8 keys).
     float s[2][4];
 #pragma unroll
     for (int t = 0; t < 2; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.f;
-    const scalar_t* k_lane = sk + (lane % 8 + (lane / 16) * 8) * ROW + ((lane / 8) % 2) * 8;
+    if constexpr (FP8) {
+      const unsigned char* k_lane = raw_k(stage) + raw_lane;
+      // One register = the whole B fragment (b0, b1) of one 8-key tile and k step.
+      auto k_step = [&](int ks, uint32_t keys0_7, uint32_t keys8_15) {
+        uint32_t qa[4], b0, b1;
+        q_at(ks, qa);
+        fp8x4_to_pairs<scalar_t>(keys0_7, b0, b1);
+        MMA::m16n8k16(s[0], qa, b0, b1);
+        fp8x4_to_pairs<scalar_t>(keys8_15, b0, b1);
+        MMA::m16n8k16(s[1], qa, b0, b1);
+      };
 #pragma unroll
-    for (int ks = 0; ks < T::K_STEPS; ++ks) {
-      uint32_t qa[4];
-      if constexpr (T::Q_IN_REGS) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) qa[j] = q_frag[ks][j];
-      } else {
-        ldmatrix_x4(qa, q_lane + ks * 16);
+      for (int j = 0; j < T::SEGS / 2; ++j) {
+        uint32_t r[4];
+        ldmatrix_x4(r, k_lane + j * 32);
+        k_step(2 * j, r[0], r[1]);
+        k_step(2 * j + 1, r[2], r[3]);
       }
-      uint32_t b[4];
-      ldmatrix_x4(b, k_lane + ks * 16);
-      MMA::m16n8k16(s[0], qa, b[0], b[1]);
-      MMA::m16n8k16(s[1], qa, b[2], b[3]);
+      if constexpr (T::SEGS % 2 == 1) {
+        uint32_t r[2];
+        ldmatrix_x2(r, k_lane + (T::SEGS - 1) * 16);
+        k_step(T::SEGS - 1, r[0], r[1]);
+      }
+    } else {
+      const scalar_t* k_lane =
+          tile_k(stage) + (lane % 8 + (lane / 16) * 8) * ROW + ((lane / 8) % 2) * 8;
+#pragma unroll
+      for (int ks = 0; ks < T::K_STEPS; ++ks) {
+        uint32_t qa[4], b[4];
+        q_at(ks, qa);
+        ldmatrix_x4(b, k_lane + ks * 16);
+        MMA::m16n8k16(s[0], qa, b[0], b[1]);
+        MMA::m16n8k16(s[1], qa, b[2], b[3]);
+      }
     }
     // Keys past the end of the partition (or sequence).
     if (k0 + SUB > end) {
@@ -296,13 +329,38 @@ __global__ void __launch_bounds__(32 * WARPS, 2)
     pa[1] = MMA::pack(s[0][2], s[0][3]);
     pa[2] = MMA::pack(s[1][0], s[1][1]);
     pa[3] = MMA::pack(s[1][2], s[1][3]);
-    const scalar_t* v_lane = sv + (lane % 8 + ((lane / 8) % 2) * 8) * ROW + (lane / 16) * 8;
+    if constexpr (FP8) {
+      // n tiles 2 seg (the segment's even dims) and 2 seg + 1 (its odd dims).
+      const unsigned char* v_lane = raw_k(stage) + SUB * T::RAW_ROW + raw_lane;
+      auto v_seg = [&](int seg, uint32_t keys0_7, uint32_t keys8_15) {
+        uint32_t even0, odd0, even1, odd1;
+        fp8x4_to_even_odd_pairs<scalar_t>(keys0_7, even0, odd0);
+        fp8x4_to_even_odd_pairs<scalar_t>(keys8_15, even1, odd1);
+        MMA::m16n8k16(o[2 * seg], pa, even0, even1);
+        MMA::m16n8k16(o[2 * seg + 1], pa, odd0, odd1);
+      };
 #pragma unroll
-    for (int dp = 0; dp < T::D_TILES / 2; ++dp) {
-      uint32_t b[4];
-      ldmatrix_x4_trans(b, v_lane + dp * 16);
-      MMA::m16n8k16(o[2 * dp], pa, b[0], b[1]);
-      MMA::m16n8k16(o[2 * dp + 1], pa, b[2], b[3]);
+      for (int j = 0; j < T::SEGS / 2; ++j) {
+        uint32_t r[4];
+        ldmatrix_x4_trans(r, v_lane + j * 32);
+        v_seg(2 * j, r[0], r[1]);
+        v_seg(2 * j + 1, r[2], r[3]);
+      }
+      if constexpr (T::SEGS % 2 == 1) {
+        uint32_t r[2];
+        ldmatrix_x2_trans(r, v_lane + (T::SEGS - 1) * 16);
+        v_seg(T::SEGS - 1, r[0], r[1]);
+      }
+    } else {
+      const scalar_t* v_lane = tile_k(stage) + SUB * ROW +
+                               (lane % 8 + ((lane / 8) % 2) * 8) * ROW + (lane / 16) * 8;
+#pragma unroll
+      for (int dp = 0; dp < T::D_TILES / 2; ++dp) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, v_lane + dp * 16);
+        MMA::m16n8k16(o[2 * dp], pa, b[0], b[1]);
+        MMA::m16n8k16(o[2 * dp + 1], pa, b[2], b[3]);
+      }
     }
     __syncwarp();  // every lane is done with this stage before it is refilled
   }
@@ -320,10 +378,21 @@ __global__ void __launch_bounds__(32 * WARPS, 2)
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     const int r = quad_row + 8 * rr;
     if (lane % 4 == 0) m_max[warp * 16 + r] = row_max[rr], m_sum[warp * 16 + r] = l;
-    float* dst = m_o + (warp * 16 + r) * HEAD_DIM + quad_col;
+    float* dst = m_o + (warp * 16 + r) * HEAD_DIM;
+    if constexpr (FP8) {
+      // n tiles (seg, parity): column j of tile 2 seg + p is dim 16 seg + 2 j + p, so this
+      // lane's columns 2c, 2c+1 of the two tiles are dims 16 seg + 4c .. 4c+3.
 #pragma unroll
-    for (int d = 0; d < T::D_TILES; ++d)
-      *reinterpret_cast<float2*>(dst + d * 8) = make_float2(o[d][2 * rr], o[d][2 * rr + 1]);
+      for (int seg = 0; seg < T::SEGS; ++seg)
+        *reinterpret_cast<float4*>(dst + seg * 16 + 2 * quad_col) =
+            make_float4(o[2 * seg][2 * rr], o[2 * seg + 1][2 * rr], o[2 * seg][2 * rr + 1],
+                        o[2 * seg + 1][2 * rr + 1]);
+    } else {
+#pragma unroll
+      for (int d = 0; d < T::D_TILES; ++d)
+        *reinterpret_cast<float2*>(dst + quad_col + d * 8) =
+            make_float2(o[d][2 * rr], o[d][2 * rr + 1]);
+    }
   }
   __syncthreads();
 
@@ -354,21 +423,23 @@ __global__ void __launch_bounds__(32 * WARPS, 2)
   }
 }
 
-// Ring stages per warp: 3 x 16-bit (2 in flight while one is used) or 4 x fp8 (half the
-// bytes each) keep ~2 blocks per SM within shared memory up to head 128; head 256 runs one
-// block per SM.
+// Ring stages per warp and blocks per SM: 3 x 16-bit sub-tiles (2 in flight while one is used)
+// at 2 blocks per SM, 3 x fp8 (half the bytes each) at 3 blocks per SM up to head 128 (12
+// warps to hide the conversion); head 256 takes 2 stages of 16-bit or 3 of fp8, 2 blocks.
 template <int HEAD_DIM, bool FP8>
 constexpr int decode_tc_stages() {
-  return HEAD_DIM <= 128 ? (FP8 ? 4 : 3) : (FP8 ? 3 : 2);
+  return HEAD_DIM <= 128 ? 3 : (FP8 ? 3 : 2);
+}
+template <int HEAD_DIM, bool FP8>
+constexpr int decode_tc_min_blocks() {
+  return FP8 && HEAD_DIM <= 128 ? 3 : 2;
 }
 
-template <typename scalar_t, typename cache_t, int HEAD_DIM>
-cudaError_t launch_paged_decode_tc_typed(const PagedDecodeTcParams& p, cudaStream_t stream) {
+template <typename scalar_t, typename cache_t, int HEAD_DIM, int STAGES, int MIN_BLOCKS>
+cudaError_t launch_paged_decode_tc_config(const PagedDecodeTcParams& p, cudaStream_t stream) {
   constexpr int WARPS = 4;
-  constexpr bool FP8 = is_fp8_v<cache_t>;
-  constexpr int STAGES = decode_tc_stages<HEAD_DIM, FP8>();
-  using T = DecodeTcTile<HEAD_DIM, WARPS, STAGES, FP8>;
-  auto kernel = paged_decode_tc_kernel<scalar_t, cache_t, HEAD_DIM, WARPS, STAGES>;
+  using T = DecodeTcTile<HEAD_DIM, WARPS, STAGES, is_fp8_v<cache_t>>;
+  auto kernel = paged_decode_tc_kernel<scalar_t, cache_t, HEAD_DIM, WARPS, STAGES, MIN_BLOCKS>;
   constexpr size_t smem = T::SMEM_BYTES;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
@@ -381,6 +452,14 @@ cudaError_t launch_paged_decode_tc_typed(const PagedDecodeTcParams& p, cudaStrea
   if (err != cudaSuccess || p.num_partitions == 1) return err;
   return launch_paged_decode_reduce<scalar_t, HEAD_DIM>(p, p.partition_size, p.max_seq_len,
                                                         stream);
+}
+
+template <typename scalar_t, typename cache_t, int HEAD_DIM>
+cudaError_t launch_paged_decode_tc_typed(const PagedDecodeTcParams& p, cudaStream_t stream) {
+  constexpr bool FP8 = is_fp8_v<cache_t>;
+  return launch_paged_decode_tc_config<scalar_t, cache_t, HEAD_DIM,
+                                       decode_tc_stages<HEAD_DIM, FP8>(),
+                                       decode_tc_min_blocks<HEAD_DIM, FP8>()>(p, stream);
 }
 
 template <int HEAD_DIM>
