@@ -7,7 +7,9 @@ import pytest
 from pydaemon.layers.attention import decode_kernel
 from pydaemon.ops.paged_decode_tc import (
     DECODE_TC_MAX_GROUP,
-    TARGET_BLOCKS,
+    MAX_PARTITION,
+    MIN_BLOCKS,
+    WHOLE_BLOCKS,
     decode_tc_num_partitions,
     decode_tc_partition_size,
 )
@@ -22,17 +24,29 @@ def test_partition_size_is_a_covering_multiple_of_64(num_seqs, num_kv_heads, max
     parts = decode_tc_num_partitions(max_seq_len, size)
     assert parts * size >= max_seq_len
     assert size < max_seq_len + 64 or max_seq_len <= 0 and size == 64  # never past one partition
-    blocks = num_seqs * num_kv_heads
-    if blocks >= TARGET_BLOCKS or max_seq_len <= 256:
-        assert parts == 1, "enough blocks (or a short context): no split"
+    pairs = num_seqs * num_kv_heads
+    if pairs >= WHOLE_BLOCKS or max_seq_len <= 64:
+        assert parts == 1, "enough (sequence, kv head) pairs (or a short context): no split"
+        return
+    assert size <= MAX_PARTITION, "no partition longer than MAX_PARTITION below WHOLE_BLOCKS"
+    if pairs >= MIN_BLOCKS:
+        # As few partitions as MAX_PARTITION allows: one up to 1024 keys.
+        assert parts == -(-max_seq_len // MAX_PARTITION)
     else:
-        assert size >= 256, "partitions of at least 256 keys"
-        # As many partitions as fill the GPU (TARGET_BLOCKS), not more: 256 keys less per
-        # partition would overshoot.
-        target_parts = -(-TARGET_BLOCKS // blocks)
-        assert parts <= target_parts
-        if 256 < size < max_seq_len:
-            assert decode_tc_num_partitions(max_seq_len, size - 256) > target_parts
+        # A tiny batch: about MIN_BLOCKS / pairs partitions (more only past 1024 keys each).
+        target_parts = -(-MIN_BLOCKS // pairs)
+        assert parts <= max(target_parts, -(-max_seq_len // MAX_PARTITION))
+        if size > 64 and size < MAX_PARTITION:
+            assert decode_tc_num_partitions(max_seq_len, size - 64) > target_parts
+
+
+def test_partition_rule_at_the_measured_shapes():
+    # (batch, context) -> partition size, GQA 32/8: the sweep the rule comes from.
+    expected = {(1, 1024): 128, (1, 4096): 512, (1, 16384): 1024, (8, 1024): 1024,
+                (8, 16384): 1024, (64, 1024): 1024, (64, 16384): 1024, (256, 1024): 1024,
+                (256, 16384): 16384, (512, 700): 704}  # fmt: skip
+    for (batch, ctx), size in expected.items():
+        assert decode_tc_partition_size(batch, 8, ctx) == size, (batch, ctx)
 
 
 def test_one_partition_at_a_long_context_means_one_at_every_shorter():

@@ -11,29 +11,36 @@ from pydaemon.ops.paged_attention import split_kv_workspaces
 # group of query heads per kv head it takes (one mma atom of 16 rows).
 DECODE_TC_HEAD_DIMS = (64, 80, 96, 128, 256)
 DECODE_TC_MAX_GROUP = 16
-# Thread blocks that fill the GPU: 2 per SM on the H200's 132 SMs (the kernel's shared memory
-# allows 2 per SM up to head 128), twice over so that uneven partitions even out.
-TARGET_BLOCKS = 2 * 132 * 2
-MIN_PARTITION = 256  # keys: below this a partition's fixed costs (Q load, merge) dominate
+# The split rule, from a partition-size sweep on the H200 (bench/bench_attention.py
+# --tc-partition-sizes, GQA 32/8, head 128; bench/results/h200_2026-12-01c_fp8_decode.md):
+# - WHOLE_BLOCKS (sequence, kv head) pairs or more fill the GPU (2 blocks per SM on its 132
+#   SMs, twice over): no split.
+# - Below it a partition holds at most MAX_PARTITION keys, and as few partitions as that allows:
+#   one up to 1024 keys (batch 8 and 64 x 1k: one partition is 9-11 % faster than 2-4, the
+#   reduce kernel costing more than the extra blocks gain); batch 1 x 16k: 36.8 us with 1024
+#   keys against 41.8 with 256; batch 8 x 16k: 154.8 us, within 2 % of 2048 keys.
+# - Tiny batches (fewer than MIN_BLOCKS pairs) split further, into about MIN_BLOCKS / pairs
+#   partitions of at least 64 keys (batch 1 x 1k: 8 partitions of 128 keys, 13.4 us against
+#   14.3 with 256 and 20.2 with 1024).
+WHOLE_BLOCKS = 2 * 132 * 2
+MAX_PARTITION = 1024
+MIN_BLOCKS = 64
 
 
 def decode_tc_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int:
     """Keys per split-KV partition for a decode step (a multiple of 64), from host ints only.
 
-    One partition (the whole context, rounded up to 64) when the step already has
-    TARGET_BLOCKS (sequence, kv head) blocks or a context of at most MIN_PARTITION keys; else
-    the context is split into about TARGET_BLOCKS / (num_seqs * num_kv_heads) partitions of
-    a multiple of 256 keys (at least MIN_PARTITION). Depends only on its arguments, so a CUDA
-    graph captured at a (batch, max_seq_len) shape launches the same grid at replay.
-    Tuning default, to be re-measured on the H200 (bench/bench_attention.py --kernel).
+    The rule above. Depends only on its arguments, so a CUDA graph captured at a (batch,
+    max_seq_len) shape launches the same grid at replay; one partition at a context means one
+    at every shorter context (the graph plan relies on it).
     """
     whole = max(64, -(-max_seq_len // 64) * 64)
-    blocks = num_seqs * num_kv_heads
-    if blocks >= TARGET_BLOCKS or max_seq_len <= MIN_PARTITION:
+    pairs = max(num_seqs * num_kv_heads, 1)
+    if pairs >= WHOLE_BLOCKS:
         return whole
-    parts = -(-TARGET_BLOCKS // max(blocks, 1))
-    size = -(-max_seq_len // parts)
-    size = max(MIN_PARTITION, -(-size // 256) * 256)
+    parts = -(-MIN_BLOCKS // pairs)
+    size = -(-max(max_seq_len, 1) // parts)
+    size = min(MAX_PARTITION, max(64, -(-size // 64) * 64))
     return min(size, whole)
 
 
