@@ -14,9 +14,10 @@ Seq-len tiers: 512, 2048, 8192, ... (x4) up to ``max_seq_len_to_capture``, which
 The split-KV decode kernels' grids depend on the context (``max_seq_len`` sizes their
 partitions and workspaces, and only those host ints): a graph captured at tier ``t`` serves
 every batch whose longest context is at most ``t`` (partitions past a sequence's end exit at
-once). The tiers keep the number of idle partitions within 4x of the eager launch. Batch
-buckets whose tensor-core decode (grouped heads, ``decode_kernel``) runs ONE partition even
-at the longest tier get one graph only: that launch's blocks each read just their
+once). The tiers keep the number of idle partitions within 4x of the eager launch, and they
+are the tensor-core decode kernel's context buckets, so a graph splits every context it serves
+as eager does. Batch buckets whose tensor-core decode (grouped heads, ``decode_kernel``) runs
+ONE partition at every tier get one graph only: that launch's blocks each read just their
 sequence's keys whatever the tier. Longer contexts run eagerly, as in vLLM.
 
 Padding rows are no-ops for everything the step keeps: token 0 at position 0, slot -1 (the
@@ -42,11 +43,17 @@ import torch
 from pydaemon.config import EngineConfig
 from pydaemon.layers.attention import decode_kernel, uses_kernels
 from pydaemon.model_config import ModelConfig
-from pydaemon.ops.paged_decode_tc import decode_tc_partition_size
+from pydaemon.ops.paged_decode_tc import (
+    CONTEXT_BUCKET_FACTOR,
+    FIRST_CONTEXT_BUCKET,
+    decode_tc_partition_size,
+)
 
 PAD_SLOT_ID = -1
-FIRST_SEQ_LEN_TIER = 512
-SEQ_LEN_TIER_FACTOR = 4
+# The tensor-core decode kernel's context buckets: a graph of a tier partitions every context
+# it serves as eager does (ops/paged_decode_tc.py).
+FIRST_SEQ_LEN_TIER = FIRST_CONTEXT_BUCKET
+SEQ_LEN_TIER_FACTOR = CONTEXT_BUCKET_FACTOR
 
 
 def capture_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -146,16 +153,15 @@ def make_graph_plan(
     head_dim: int = 128,
 ) -> GraphPlan:
     """The buckets and tiers (cuda_graph_inputs.py); a bucket needs one graph per tier unless
-    its decode runs on tensor cores with one partition at the longest tier
-    (``decode_tc_partition_size`` only shrinks the partition count as the context shrinks)."""
+    its decode runs on tensor cores with one partition at every tier (then the graph of the
+    longest tier serves every context with one partition, as eager does)."""
     batch_sizes = capture_batch_sizes(max_num_seqs)
     tiers = capture_seq_len_tiers(max_seq_len_to_capture)
-    longest = tiers[-1]
 
     def one_graph(b: int) -> bool:
         if decode_kernel(num_q_heads // num_kv_heads, head_dim) != "tensor_cores":
             return False
-        return decode_tc_partition_size(b, num_kv_heads, longest) >= longest
+        return all(decode_tc_partition_size(b, num_kv_heads, t) >= t for t in tiers)
 
     tiered = frozenset(b for b in batch_sizes if not one_graph(b))
     return GraphPlan(tuple(batch_sizes), tuple(tiers), block_size, tiered)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+from pydaemon.cuda_graph_inputs import capture_seq_len_tiers
 from pydaemon.layers.attention import decode_kernel
 from pydaemon.ops.paged_decode_tc import (
     DECODE_TC_MAX_GROUP,
     MAX_PARTITION,
-    MIN_BLOCKS,
+    SPLIT_BLOCKS,
     WHOLE_BLOCKS,
+    context_bucket,
     decode_tc_num_partitions,
     decode_tc_partition_size,
 )
@@ -28,40 +30,38 @@ def test_partition_size_is_a_covering_multiple_of_64(num_seqs, num_kv_heads, max
     if pairs >= WHOLE_BLOCKS or max_seq_len <= 64:
         assert parts == 1, "enough (sequence, kv head) pairs (or a short context): no split"
         return
-    assert size <= MAX_PARTITION, "no partition longer than MAX_PARTITION below WHOLE_BLOCKS"
-    if pairs >= MIN_BLOCKS:
-        # As few partitions as MAX_PARTITION allows: one up to 1024 keys.
-        assert parts == -(-max_seq_len // MAX_PARTITION)
-    else:
-        # A tiny batch: about MIN_BLOCKS / pairs partitions (more only past 1024 keys each).
-        target_parts = -(-MIN_BLOCKS // pairs)
-        assert parts <= max(target_parts, -(-max_seq_len // MAX_PARTITION))
-        if size > 64 and size < MAX_PARTITION:
-            assert decode_tc_num_partitions(max_seq_len, size - 64) > target_parts
+    assert 64 <= size <= MAX_PARTITION
+    if parts == 1:
+        return  # the context fits one partition of the rule's size
+    # About SPLIT_BLOCKS / pairs partitions of the context's bucket: 64 keys less would
+    # overshoot (unless MAX_PARTITION or the context itself bounds the size).
+    target_parts = -(-SPLIT_BLOCKS // pairs)
+    bucket = context_bucket(max_seq_len)
+    assert decode_tc_num_partitions(bucket, size) <= target_parts or size in (64, MAX_PARTITION)
+    if 64 < size < MAX_PARTITION:
+        assert decode_tc_num_partitions(bucket, size - 64) > target_parts
 
 
 def test_partition_rule_at_the_measured_shapes():
     # (batch, context) -> partition size, GQA 32/8: the sweep the rule comes from.
     expected = {(1, 1024): 128, (1, 4096): 512, (1, 16384): 1024, (8, 1024): 1024,
-                (8, 16384): 1024, (64, 1024): 1024, (64, 16384): 1024, (256, 1024): 1024,
-                (256, 16384): 16384, (512, 700): 704}  # fmt: skip
+                (8, 4096): 1024, (8, 16384): 1024, (64, 1024): 1024, (64, 16384): 1024,
+                (256, 1024): 1024, (256, 16384): 16384, (512, 700): 704}  # fmt: skip
     for (batch, ctx), size in expected.items():
         assert decode_tc_partition_size(batch, 8, ctx) == size, (batch, ctx)
 
 
-def test_one_partition_at_a_long_context_means_one_at_every_shorter():
-    # The CUDA-graph plan relies on it: a bucket with one partition at the longest tier
-    # captures one graph for every context.
-    for num_seqs in (1, 4, 16, 40, 64, 66, 80, 512):
-        for longest in (300, 2048, 8192, 32768):
-            if (
-                decode_tc_num_partitions(longest, decode_tc_partition_size(num_seqs, 8, longest))
-                > 1
-            ):
-                continue
-            for n in range(1, longest + 1, 37):
-                size = decode_tc_partition_size(num_seqs, 8, n)
-                assert decode_tc_num_partitions(n, size) == 1, (num_seqs, longest, n)
+@pytest.mark.parametrize("max_seq_len_to_capture", [512, 600, 2048, 5000, 8192, 32768])
+def test_a_graph_tier_splits_every_context_it_serves_as_eager_does(max_seq_len_to_capture):
+    # Graph and eager outputs are bitwise equal when each sequence's keys fall into the same
+    # partitions: the same partition size, or one partition in both.
+    tiers = capture_seq_len_tiers(max_seq_len_to_capture)
+    for num_seqs in (1, 2, 3, 8, 16, 40, 64, 66, 512):
+        for n in range(1, max_seq_len_to_capture + 1, 23):
+            tier = next(t for t in tiers if t >= n)
+            eager = decode_tc_partition_size(num_seqs, 8, n)
+            graph = decode_tc_partition_size(num_seqs, 8, tier)
+            assert eager == graph or min(eager, graph) >= n, (num_seqs, n, tier, eager, graph)
 
 
 def test_decode_kernel_choice():

@@ -15,31 +15,42 @@ DECODE_TC_MAX_GROUP = 16
 # --tc-partition-sizes, GQA 32/8, head 128; bench/results/h200_2026-12-01c_fp8_decode.md):
 # - WHOLE_BLOCKS (sequence, kv head) pairs or more fill the GPU (2 blocks per SM on its 132
 #   SMs, twice over): no split.
-# - Below it a partition holds at most MAX_PARTITION keys, and as few partitions as that allows:
-#   one up to 1024 keys (batch 8 and 64 x 1k: one partition is 9-11 % faster than 2-4, the
-#   reduce kernel costing more than the extra blocks gain); batch 1 x 16k: 36.8 us with 1024
-#   keys against 41.8 with 256; batch 8 x 16k: 154.8 us, within 2 % of 2048 keys.
-# - Tiny batches (fewer than MIN_BLOCKS pairs) split further, into about MIN_BLOCKS / pairs
-#   partitions of at least 64 keys (batch 1 x 1k: 8 partitions of 128 keys, 13.4 us against
-#   14.3 with 256 and 20.2 with 1024).
+# - Below it, about SPLIT_BLOCKS / pairs partitions of the context's bucket, of 64 to
+#   MAX_PARTITION keys. Batch 1 x 1k: 8 partitions of 128 keys, 13.4 us against 14.3 with 256
+#   and 20.2 with 1024; batch 1 x 16k: 1024 keys, 36.8 us against 41.8 with 256; batch 8 and
+#   64 x 1k: one partition, 9-11 % faster than 2-4 (the reduce kernel costs more than the
+#   extra blocks gain); batch 8 x 16k: 1024 keys, within 2 % of 2048.
+# - The context enters only through its bucket (512, 2048, 8192, ...: x4), which are also the
+#   CUDA-graph seq-len tiers (cuda_graph_inputs.py): a graph captured at a tier picks the
+#   partition size eager picks for every context it serves, so their outputs are bitwise equal.
 WHOLE_BLOCKS = 2 * 132 * 2
+SPLIT_BLOCKS = 128
 MAX_PARTITION = 1024
-MIN_BLOCKS = 64
+FIRST_CONTEXT_BUCKET = 512
+CONTEXT_BUCKET_FACTOR = 4
+
+
+def context_bucket(max_seq_len: int) -> int:
+    """The smallest of 512, 2048, 8192, ... (x4) that holds max_seq_len keys."""
+    bucket = FIRST_CONTEXT_BUCKET
+    while bucket < max_seq_len:
+        bucket *= CONTEXT_BUCKET_FACTOR
+    return bucket
 
 
 def decode_tc_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int:
     """Keys per split-KV partition for a decode step (a multiple of 64), from host ints only.
 
-    The rule above. Depends only on its arguments, so a CUDA graph captured at a (batch,
-    max_seq_len) shape launches the same grid at replay; one partition at a context means one
-    at every shorter context (the graph plan relies on it).
+    The rule above; never more than one partition past max_seq_len. Depends only on its
+    arguments, so a CUDA graph captured at a (batch, max_seq_len) shape launches the same grid
+    at replay.
     """
     whole = max(64, -(-max_seq_len // 64) * 64)
     pairs = max(num_seqs * num_kv_heads, 1)
     if pairs >= WHOLE_BLOCKS:
         return whole
-    parts = -(-MIN_BLOCKS // pairs)
-    size = -(-max(max_seq_len, 1) // parts)
+    parts = -(-SPLIT_BLOCKS // pairs)
+    size = -(-context_bucket(max_seq_len) // parts)
     size = min(MAX_PARTITION, max(64, -(-size // 64) * 64))
     return min(size, whole)
 
