@@ -1,5 +1,5 @@
 // Dynamic per-token FP8 (e4m3) quantization of activations (layer_kernels.h): one block per
-// token row; the row is read twice (its largest |value|, then the scaled values), written once.
+// token row, read once into registers (quantize_row_fp8) and written once.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>

@@ -17,9 +17,9 @@ namespace {
 // touches the same vectors in both passes, so out may alias input: a row is fully read before
 // the block_sum barrier, and each element is written only by the thread that read it.
 // QUANT: the normalised row (rounded to T as above) is not stored but quantized per token to
-// e4m3 (out_fp8, out_scale) exactly as per_token_fp8_quant would quantize it: a third pass
-// finds its largest |value|, the second recomputes it from the row (L2-resident) and stores the
-// codes. out_stride then counts bytes of out_fp8.
+// e4m3 (out_fp8, out_scale) exactly as per_token_fp8_quant would quantize it
+// (quantize_row_fp8: the normalised values stay in registers between finding the row's largest
+// |value| and storing the codes). out_stride then counts bytes of out_fp8.
 template <typename T, int VEC, bool HAS_RESIDUAL, bool QUANT>
 __global__ void rms_norm_kernel(T* out, uint8_t* out_fp8, float* out_scale, const T* input,
                                 T* residual, const T* weight, int64_t out_stride,

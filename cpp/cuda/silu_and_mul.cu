@@ -14,9 +14,9 @@ namespace pagedd::cuda {
 namespace {
 
 // QUANT: the product (rounded to T) is not stored but quantized per token to e4m3 (out_fp8,
-// out_scale) exactly as per_token_fp8_quant would quantize it: a first pass finds its largest
-// |value|, a second recomputes it from the (L2-resident) row and stores the codes; out_stride
-// then counts bytes of out_fp8.
+// out_scale) exactly as per_token_fp8_quant would quantize it (quantize_row_fp8: the products
+// stay in registers between finding the row's largest |value| and storing the codes);
+// out_stride then counts bytes of out_fp8.
 template <typename T, int VEC, bool QUANT>
 __global__ void silu_and_mul_kernel(T* out, uint8_t* out_fp8, float* out_scale, const T* input,
                                     int64_t out_stride, int64_t input_stride, int d) {
