@@ -21,7 +21,7 @@ __global__ void per_token_fp8_quant_kernel(uint8_t* out, float* scale, const T* 
   using V = Vec<T, VEC>;
   const int64_t row = blockIdx.x;
   const V* in = reinterpret_cast<const V*>(input + row * input_stride);
-  quantize_row_fp8<T, VEC>([&](int i) { return in[i]; }, d / VEC, out + row * out_stride,
+  quantize_row_fp8<T, VEC, 1>([&](int i) { return in[i]; }, d / VEC, out + row * out_stride,
                            scale + row);
 }
 

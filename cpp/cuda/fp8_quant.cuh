@@ -75,15 +75,16 @@ __device__ __forceinline__ Vec<uint8_t, VEC> fp8_codes(const Vec<T, VEC>& y, flo
 // Quantizes one token row of num_vecs vectors, per token: the row's largest |value|, then its
 // codes into out_row and 1 / inverse into *scale_out. value(i) returns vector i of the row as a
 // Vec<T, VEC>. A thread's first CACHED vectors stay in registers between the two passes (a
-// row of up to CACHED * blockDim.x vectors: 32k bf16 values at 1024 threads), so value(i) is
-// called once per vector; vectors past them are recomputed (read again) in the second pass.
+// row of up to CACHED * blockDim.x vectors), so value(i) is called once per vector; vectors
+// past them are recomputed (read again) in the second pass. Each cached vector costs
+// 16 bytes of registers a thread, and these kernels are memory-bound: keep CACHED to the
+// vectors a thread of the usual row holds (occupancy falls with every 32 registers).
 // Every thread of the block calls it (block_max).
-template <typename T, int VEC, typename ValueFn>
+template <typename T, int VEC, int CACHED, typename ValueFn>
 __device__ __forceinline__ void quantize_row_fp8(ValueFn value, int num_vecs, uint8_t* out_row,
                                                  float* scale_out) {
-  constexpr int CACHED = 4;
   using V = Vec<T, VEC>;
-  V cached[CACHED];
+  V cached[CACHED > 0 ? CACHED : 1];
   float amax = 0.0f;
   auto take_max = [&](const V& y) {
 #pragma unroll

@@ -62,7 +62,7 @@ __global__ void rms_norm_kernel(T* out, uint8_t* out_fp8, float* out_scale, cons
     V* o = reinterpret_cast<V*>(out + row * out_stride);
     for (int i = threadIdx.x; i < num_vecs; i += blockDim.x) o[i] = normalised(i);
   } else {
-    quantize_row_fp8<T, VEC>(normalised, num_vecs, out_fp8 + row * out_stride, out_scale + row);
+    quantize_row_fp8<T, VEC, 1>(normalised, num_vecs, out_fp8 + row * out_stride, out_scale + row);
   }
 }
 
