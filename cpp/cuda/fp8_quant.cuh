@@ -83,8 +83,9 @@ __device__ __forceinline__ Vec<uint8_t, VEC> fp8_codes(const Vec<T, VEC>& y, flo
 template <typename T, int VEC, int CACHED, typename ValueFn>
 __device__ __forceinline__ void quantize_row_fp8(ValueFn value, int num_vecs, uint8_t* out_row,
                                                  float* scale_out) {
+  static_assert(CACHED >= 1, "at least one cached vector a thread");
   using V = Vec<T, VEC>;
-  V cached[CACHED > 0 ? CACHED : 1];
+  V cached[CACHED];
   float amax = 0.0f;
   auto take_max = [&](const V& y) {
 #pragma unroll

@@ -53,8 +53,7 @@ struct DecodeTcTile {
   // An fp8 row in the ring: an odd number of 16-byte chunks, so the 8 rows of an ldmatrix
   // fall in distinct bank groups (head 80: 5 chunks as is; 64, 96, 128, 256: one more).
   static constexpr int RAW_ROW = HEAD_DIM + (RAW_CHUNKS % 2 == 0 ? 16 : 0);
-  static constexpr int SEGS = HEAD_DIM / 16;        // 16-dim segments (= k steps of Q K^T)
-  static constexpr int K_STEPS = HEAD_DIM / 16;    // k steps of S = Q K^T
+  static constexpr int K_STEPS = HEAD_DIM / 16;    // k steps of S = Q K^T (16-dim segments)
   static constexpr int D_TILES = HEAD_DIM / 8;     // n tiles of O
   // Q fragments stay in registers up to head 128 (K_STEPS * 4 registers); head 256 re-reads
   // them from shared memory to leave room for its 128 accumulators.
@@ -73,6 +72,32 @@ struct DecodeTcTile {
   static_assert(HEAD_DIM % 16 == 0, "head_dim must be a multiple of 16");
   static_assert(RAW_BYTES % 16 == 0 && TILE_BYTES % 16 == 0 && Q_BYTES % 16 == 0, "alignment");
 };
+
+// fp8: calls step(seg, keys0_7, keys8_15) for each 16-dim segment of a raw K (ldmatrix) or V
+// (TRANS: ldmatrix.trans) sub-tile, with this lane's register of keys 0-7 and of keys 8-15;
+// lane_row: this lane's row address of the x4 matrices (keys 0-7, segment 2j), (keys 8-15, 2j),
+// (keys 0-7, 2j+1), (keys 8-15, 2j+1); an odd last segment takes an x2.
+template <int SEGS, bool TRANS, typename StepFn>
+__device__ __forceinline__ void for_each_fp8_segment(const unsigned char* lane_row, StepFn&& step) {
+#pragma unroll
+  for (int j = 0; j < SEGS / 2; ++j) {
+    uint32_t r[4];
+    if constexpr (TRANS)
+      ldmatrix_x4_trans(r, lane_row + j * 32);
+    else
+      ldmatrix_x4(r, lane_row + j * 32);
+    step(2 * j, r[0], r[1]);
+    step(2 * j + 1, r[2], r[3]);
+  }
+  if constexpr (SEGS % 2 == 1) {
+    uint32_t r[2];
+    if constexpr (TRANS)
+      ldmatrix_x2_trans(r, lane_row + (SEGS - 1) * 16);
+    else
+      ldmatrix_x2(r, lane_row + (SEGS - 1) * 16);
+    step(SEGS - 1, r[0], r[1]);
+  }
+}
 
 template <typename scalar_t, typename cache_t, int HEAD_DIM, int WARPS, int STAGES, int MIN_BLOCKS>
 __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
@@ -224,8 +249,8 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
 #pragma unroll
     for (int ks = 0; ks < T::K_STEPS; ++ks) q_fragment(ks, q_frag[ks]);
   }
-  // fp8: the row addresses of this lane in an ldmatrix(.trans) x4 of a raw K or V sub-tile:
-  // matrices (keys 0-7, segment 2j), (keys 8-15, 2j), (keys 0-7, 2j+1), (keys 8-15, 2j+1).
+  // fp8: this lane's row address in the x4 matrices of a raw K or V sub-tile
+  // (for_each_fp8_segment).
   const int raw_lane = (lane % 8 + 8 * ((lane / 8) % 2)) * T::RAW_ROW + (lane / 16) * 16;
   float o[T::D_TILES][4];
 #pragma unroll
@@ -240,7 +265,7 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
     const int stage = i % STAGES;
     __syncwarp();  // ... and every lane's chunks are visible to the warp
     const int k0 = sub_start(i);
-    auto q_at = [&](int ks, uint32_t(&qa)[4]) {
+    auto q_at = [&](int ks, uint32_t(&qa)[4]) {  // from registers, or loaded again (head 256)
       if constexpr (T::Q_IN_REGS) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) qa[j] = q_frag[ks][j];
@@ -254,28 +279,16 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
 #pragma unroll
     for (int t = 0; t < 2; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.f;
     if constexpr (FP8) {
-      const unsigned char* k_lane = raw_k(stage) + raw_lane;
       // One register = the whole B fragment (b0, b1) of one 8-key tile and k step.
-      auto k_step = [&](int ks, uint32_t keys0_7, uint32_t keys8_15) {
-        uint32_t qa[4], b0, b1;
-        q_at(ks, qa);
-        fp8x4_to_pairs<scalar_t>(keys0_7, b0, b1);
-        MMA::m16n8k16(s[0], qa, b0, b1);
-        fp8x4_to_pairs<scalar_t>(keys8_15, b0, b1);
-        MMA::m16n8k16(s[1], qa, b0, b1);
-      };
-#pragma unroll
-      for (int j = 0; j < T::SEGS / 2; ++j) {
-        uint32_t r[4];
-        ldmatrix_x4(r, k_lane + j * 32);
-        k_step(2 * j, r[0], r[1]);
-        k_step(2 * j + 1, r[2], r[3]);
-      }
-      if constexpr (T::SEGS % 2 == 1) {
-        uint32_t r[2];
-        ldmatrix_x2(r, k_lane + (T::SEGS - 1) * 16);
-        k_step(T::SEGS - 1, r[0], r[1]);
-      }
+      for_each_fp8_segment<T::K_STEPS, false>(
+          raw_k(stage) + raw_lane, [&](int ks, uint32_t keys0_7, uint32_t keys8_15) {
+            uint32_t qa[4], b0, b1;
+            q_at(ks, qa);
+            fp8x4_to_pairs<scalar_t>(keys0_7, b0, b1);
+            MMA::m16n8k16(s[0], qa, b0, b1);
+            fp8x4_to_pairs<scalar_t>(keys8_15, b0, b1);
+            MMA::m16n8k16(s[1], qa, b0, b1);
+          });
     } else {
       const scalar_t* k_lane =
           tile_k(stage) + (lane % 8 + (lane / 16) * 8) * ROW + ((lane / 8) % 2) * 8;
@@ -331,26 +344,15 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
     pa[3] = MMA::pack(s[1][2], s[1][3]);
     if constexpr (FP8) {
       // n tiles 2 seg (the segment's even dims) and 2 seg + 1 (its odd dims).
-      const unsigned char* v_lane = raw_k(stage) + SUB * T::RAW_ROW + raw_lane;
-      auto v_seg = [&](int seg, uint32_t keys0_7, uint32_t keys8_15) {
-        uint32_t even0, odd0, even1, odd1;
-        fp8x4_to_even_odd_pairs<scalar_t>(keys0_7, even0, odd0);
-        fp8x4_to_even_odd_pairs<scalar_t>(keys8_15, even1, odd1);
-        MMA::m16n8k16(o[2 * seg], pa, even0, even1);
-        MMA::m16n8k16(o[2 * seg + 1], pa, odd0, odd1);
-      };
-#pragma unroll
-      for (int j = 0; j < T::SEGS / 2; ++j) {
-        uint32_t r[4];
-        ldmatrix_x4_trans(r, v_lane + j * 32);
-        v_seg(2 * j, r[0], r[1]);
-        v_seg(2 * j + 1, r[2], r[3]);
-      }
-      if constexpr (T::SEGS % 2 == 1) {
-        uint32_t r[2];
-        ldmatrix_x2_trans(r, v_lane + (T::SEGS - 1) * 16);
-        v_seg(T::SEGS - 1, r[0], r[1]);
-      }
+      for_each_fp8_segment<T::K_STEPS, true>(
+          raw_k(stage) + SUB * T::RAW_ROW + raw_lane,
+          [&](int seg, uint32_t keys0_7, uint32_t keys8_15) {
+            uint32_t even0, odd0, even1, odd1;
+            fp8x4_to_even_odd_pairs<scalar_t>(keys0_7, even0, odd0);
+            fp8x4_to_even_odd_pairs<scalar_t>(keys8_15, even1, odd1);
+            MMA::m16n8k16(o[2 * seg], pa, even0, even1);
+            MMA::m16n8k16(o[2 * seg + 1], pa, odd0, odd1);
+          });
     } else {
       const scalar_t* v_lane = tile_k(stage) + SUB * ROW +
                                (lane % 8 + ((lane / 8) % 2) * 8) * ROW + (lane / 16) * 8;
@@ -383,7 +385,7 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
       // n tiles (seg, parity): column j of tile 2 seg + p is dim 16 seg + 2 j + p, so this
       // lane's columns 2c, 2c+1 of the two tiles are dims 16 seg + 4c .. 4c+3.
 #pragma unroll
-      for (int seg = 0; seg < T::SEGS; ++seg)
+      for (int seg = 0; seg < T::K_STEPS; ++seg)
         *reinterpret_cast<float4*>(dst + seg * 16 + 2 * quad_col) =
             make_float4(o[2 * seg][2 * rr], o[2 * seg + 1][2 * rr], o[2 * seg][2 * rr + 1],
                         o[2 * seg + 1][2 * rr + 1]);
