@@ -18,6 +18,13 @@ def _flush_l2() -> None:
     _FLUSH.zero_()
 
 
+# GPU cycles of the spin kernel queued before each timed call (about 0.2 ms on an H200): the
+# host's launch work for the call (Python, argument checks, allocations) then overlaps the spin,
+# so the events time the device work alone. Without it, a call whose host side outlasts the
+# L2 flush had that excess counted as device time (tens of microseconds for one small decode).
+_SPIN_CYCLES = 400_000
+
+
 def bench_ms(
     fn: Callable[[], object],
     *,
@@ -27,7 +34,8 @@ def bench_ms(
     target_ms: float = 150.0,
     flush_l2: bool = True,
 ) -> dict[str, float]:
-    """Median / min / max of ``fn``'s device time in ms, each rep timed by its own events.
+    """Median / min / max of ``fn``'s device time in ms, each rep timed by its own events
+    (the GPU kept busy while the host launches it, see _SPIN_CYCLES).
 
     The number of reps is picked from a first estimate so that the total is about target_ms.
     """
@@ -35,6 +43,7 @@ def bench_ms(
         fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(_SPIN_CYCLES)
     start.record()
     fn()
     end.record()
@@ -46,6 +55,7 @@ def bench_ms(
     for i in range(reps):
         if flush_l2:
             _flush_l2()
+        torch.cuda._sleep(_SPIN_CYCLES)
         starts[i].record()
         fn()
         ends[i].record()

@@ -314,6 +314,7 @@ void paged_attention_prefill(Array out, Array query, Array key_cache, Array valu
   p.value_cache = value_cache.data();
   p.kv_block_stride = key_cache.stride(0);
   p.kv_head_stride = key_cache.stride(1);
+  p.num_blocks = key_cache.shape(0);
   p.block_tables = static_cast<const int32_t*>(block_tables.data());
   p.block_table_stride = block_tables.stride(0);
   p.seq_lens = static_cast<const int32_t*>(seq_lens.data());

@@ -99,6 +99,7 @@ struct PagedPrefillParams {
   const void* value_cache;       // same shape and strides as key_cache
   int64_t kv_block_stride;       // elements between consecutive blocks
   int64_t kv_head_stride;        // elements between consecutive kv heads of one block
+  int64_t num_blocks;            // blocks of the cache (the wgmma kernel's TMA bounds)
   const int32_t* block_tables;   // [num_seqs, max_num_blocks_per_seq]
   int64_t block_table_stride;    // elements between rows
   const int32_t* seq_lens;       // [num_seqs] context length after this step (cached + new)
@@ -153,16 +154,18 @@ const char* prefill_wgmma_unavailable_reason(int head_dim, DType cache_dtype);
 // The backend a call runs. kAuto takes wgmma where it is available, at head 128 (the size
 // measured against mma.sync), with the default tile (block_m = block_n = 0: an explicit tile is
 // mma.sync tuning) and max_query_len >= kPrefillWgmmaMinQueryLen. Measured on the H200
-// (bench/results/prefill_h200.md, GQA 32/8, bf16): wgmma with 128-key tiles is 1.05-1.24x
-// mma.sync from 1024 new tokens per sequence (1.00x at 1024 without a cached prefix); below
-// that mma.sync's 128x32 tile wins without a prefix (512: 196 vs 175 TFLOP/s). Decode steps
-// and short chunks keep mma.sync.
-constexpr int kPrefillWgmmaMinQueryLen = 1024;
+// (bench/results/h200_2026-12-01d_prefill_ws.md, GQA 32/8, bf16, TFLOP/s): the warp-specialized
+// wgmma kernel with 128-key tiles against mma.sync's default 128x32 tile is 215 vs 197 at 512
+// new tokens (378 vs 259 after a 512-token prefix), 322 vs 242 at 1024; at 256 it wins only
+// after a cached prefix (277 vs 225; 129 vs 146 without), and below that mma.sync wins (its
+// 128-row tile wastes less on short sequences). Decode steps and short chunks keep mma.sync.
+constexpr int kPrefillWgmmaMinQueryLen = 512;
 PrefillBackend prefill_backend_for(const PagedPrefillParams& p);
 
 // The wgmma kernel's tile: 128 rows (two warpgroups of 64) x block_n keys, block_n 64 or 128
 // (block_m 0 or 128). block_n 0 picks 128: measured on the H200 it is as fast as 64 at 512 new
-// tokens and 4-10 % faster from 1024 (the wider tile halves the per-tile overhead).
+// tokens without a prefix and 5-13 % faster elsewhere from 512 (the wider tile halves the
+// per-tile overhead).
 inline int prefill_wgmma_block_n(int max_query_len, int block_n) {
   (void)max_query_len;
   return block_n != 0 ? block_n : 128;

@@ -115,6 +115,32 @@ def test_wgmma_16k_prompt_and_long_chunk_after_prefix(dtype):
     check(out, ref, query_lens, TOL[dtype], f"16k prompt {dtype}", 4)
 
 
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("block_n", [64, 128], ids=lambda n: f"keys{n}")
+def test_wgmma_ignores_nan_past_the_end(block_size, block_n):
+    """Every cache slot that holds no token of a sequence (its last block's tail, unused
+    blocks) filled with NaN: the kernel loads whole pages, and none of it reaches the output."""
+    chunks = [(0, 17), (37, 129), (3, 513), (250, 1), (0, 128)]
+    torch.manual_seed(2)
+    query_lens = [q for _, q in chunks]
+    batch = make_paged_batch([p + q for p, q in chunks], 4, 128, block_size, torch.bfloat16)
+    holds_token = torch.zeros(batch.kv_cache.shape[0], block_size, dtype=torch.bool)
+    tables = batch.block_tables.cpu()
+    for s, n in enumerate(batch.seq_lens_cpu):
+        for t in range(n):
+            holds_token[tables[s, t // block_size], t % block_size] = True
+    slots = batch.kv_cache.permute(0, 4, 1, 2, 3, 5)  # [blocks, slot, layer, k/v, head, dim]
+    slots[~holds_token.cuda()] = float("nan")
+    query = torch.randn(sum(query_lens), 16, 128, device="cuda", dtype=torch.bfloat16)
+    starts = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    out = ops.paged_attention_prefill(
+        query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens,
+        starts.cuda(), max(query_lens), block_n=block_n, backend="wgmma",
+    )  # fmt: skip
+    ref = reference_prefill(query, batch, query_lens, 128**-0.5)
+    check(out, ref, query_lens, TOL[torch.bfloat16], f"NaN past the end, block {block_size}", 4)
+
+
 @pytest.mark.parametrize("heads", [(12, 4), (40, 4), (24, 1)], ids=lambda h: f"q{h[0]}kv{h[1]}")
 def test_wgmma_odd_group_sizes(heads):
     """Groups of 3, 10 and 24: a token's packed rows straddle warpgroups and tiles."""
@@ -151,11 +177,11 @@ def test_wgmma_flags_bad_metadata_with_nan():
 
 @pytest.mark.parametrize(
     "chunks,expect",
-    [([(0, 1100), (40, 64), (9, 1)], "wgmma"), ([(0, 1023), (5, 1)], "mma")],
+    [([(0, 600), (40, 64), (9, 1)], "wgmma"), ([(0, 511), (5, 1)], "mma")],
     ids=["prefill-uses-wgmma", "short-uses-mma"],
 )
 def test_auto_backend_choice(chunks, expect):
-    """auto = wgmma at head 128 for max_query_len >= 1024 (bit-identical to forcing it), else
+    """auto = wgmma at head 128 for max_query_len >= 512 (bit-identical to forcing it), else
     mma; both kernels are deterministic, and they differ in rounding."""
     torch.manual_seed(1)
     query_lens = [q for _, q in chunks]
