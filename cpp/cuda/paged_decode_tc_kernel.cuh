@@ -50,9 +50,12 @@ struct DecodeTcTile {
   static constexpr int ROW = HEAD_DIM + 8;
   static constexpr int CHUNKS = HEAD_DIM / 8;      // 16-byte chunks of a 16-bit row
   static constexpr int RAW_CHUNKS = HEAD_DIM / 16;  // 16-byte chunks of an fp8 row
-  // An fp8 row in the ring: an odd number of 16-byte chunks, so the 8 rows of an ldmatrix
-  // fall in distinct bank groups (head 80: 5 chunks as is; 64, 96, 128, 256: one more).
-  static constexpr int RAW_ROW = HEAD_DIM + (RAW_CHUNKS % 2 == 0 ? 16 : 0);
+  // An fp8 row in the ring: swizzled like the 16-bit rows below when it has a multiple of 8
+  // chunks (head 128, 256); else an odd number of 16-byte chunks, so the 8 rows of an
+  // ldmatrix fall in distinct bank groups (head 80: 5 chunks as is; 64, 96: one more).
+  static constexpr bool RAW_SWIZZLE = RAW_CHUNKS % 8 == 0;
+  static constexpr int RAW_ROW =
+      HEAD_DIM + (RAW_SWIZZLE || RAW_CHUNKS % 2 == 1 ? 0 : 16);
   // A 16-bit K or V row in the ring: HEAD_DIM elements, its 16-byte chunk c stored at chunk
   // c ^ (row % 8) when the row has a multiple of 8 chunks (head 64, 128, 256), else padded
   // like Q (head 80, 96). Both keep the 8 rows of an ldmatrix in distinct bank groups; the
@@ -81,30 +84,33 @@ struct DecodeTcTile {
   static_assert(RAW_BYTES % 16 == 0 && TILE_BYTES % 16 == 0 && Q_BYTES % 16 == 0, "alignment");
   static_assert(!SWIZZLE || (Q_BYTES % 128 == 0 && TILE_BYTES % 128 == 0),
                 "swizzled rows start at 128-byte boundaries (the bank pattern)");
+  static_assert(!RAW_SWIZZLE || (Q_BYTES % 128 == 0 && RAW_BYTES % 128 == 0),
+                "swizzled rows start at 128-byte boundaries (the bank pattern)");
 };
 
 // fp8: calls step(seg, keys0_7, keys8_15) for each 16-dim segment of a raw K (ldmatrix) or V
-// (TRANS: ldmatrix.trans) sub-tile, with this lane's register of keys 0-7 and of keys 8-15;
-// lane_row: this lane's row address of the x4 matrices (keys 0-7, segment 2j), (keys 8-15, 2j),
-// (keys 0-7, 2j+1), (keys 8-15, 2j+1); an odd last segment takes an x2.
-template <int SEGS, bool TRANS, typename StepFn>
-__device__ __forceinline__ void for_each_fp8_segment(const unsigned char* lane_row, StepFn&& step) {
+// (TRANS: ldmatrix.trans) sub-tile, with this lane's register of keys 0-7 and of keys 8-15.
+// chunk(c): the address of 16-byte chunk c (segment c) of this lane's row of the x4 matrices
+// (keys 0-7, segment 2j), (keys 8-15, 2j), (keys 0-7, 2j+1), (keys 8-15, 2j+1), which read
+// chunk 2j + half (half = lane / 16); an odd last segment takes an x2.
+template <int SEGS, bool TRANS, typename ChunkFn, typename StepFn>
+__device__ __forceinline__ void for_each_fp8_segment(ChunkFn&& chunk, int half, StepFn&& step) {
 #pragma unroll
   for (int j = 0; j < SEGS / 2; ++j) {
     uint32_t r[4];
     if constexpr (TRANS)
-      ldmatrix_x4_trans(r, lane_row + j * 32);
+      ldmatrix_x4_trans(r, chunk(2 * j + half));
     else
-      ldmatrix_x4(r, lane_row + j * 32);
+      ldmatrix_x4(r, chunk(2 * j + half));
     step(2 * j, r[0], r[1]);
     step(2 * j + 1, r[2], r[3]);
   }
   if constexpr (SEGS % 2 == 1) {
     uint32_t r[2];
     if constexpr (TRANS)
-      ldmatrix_x2_trans(r, lane_row + (SEGS - 1) * 16);
+      ldmatrix_x2_trans(r, chunk(SEGS - 1));
     else
-      ldmatrix_x2(r, lane_row + (SEGS - 1) * 16);
+      ldmatrix_x2(r, chunk(SEGS - 1));
     step(SEGS - 1, r[0], r[1]);
   }
 }
@@ -172,6 +178,10 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
   auto kv_offset = [](int r, int c) {
     return r * T::KV_ROW * 2 + (T::SWIZZLE ? c ^ (r & 7) : c) * 16;
   };
+  // The same for an fp8 row (see RAW_ROW).
+  auto raw_offset = [](int r, int c) {
+    return r * T::RAW_ROW + (T::RAW_SWIZZLE ? c ^ (r & 7) : c) * 16;
+  };
   auto raw_k = [&](int stage) { return warp_ring + stage * T::RAW_BYTES; };
 
   // First key of this warp's i-th sub-tile. A sub-tile starts at a multiple of 16 and block
@@ -208,7 +218,7 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
         off = (int64_t)(r < 8 ? b.b0 : b.b1) * p.kv_block_stride + (key & offset_mask) * HEAD_DIM +
               ch * ELEMS;
       if constexpr (FP8) {
-        unsigned char* dst = raw_k(stage) + r * T::RAW_ROW + ch * 16;
+        unsigned char* dst = raw_k(stage) + raw_offset(r, ch);
         cp_async16_zfill(dst, k_base + off, valid);
         cp_async16_zfill(dst + SUB * T::RAW_ROW, v_base + off, valid);
       } else {
@@ -264,7 +274,7 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
   }
   // fp8: this lane's row address in the x4 matrices of a raw K or V sub-tile
   // (for_each_fp8_segment).
-  const int raw_lane = (lane % 8 + 8 * ((lane / 8) % 2)) * T::RAW_ROW + (lane / 16) * 16;
+  const int raw_row = lane % 8 + 8 * ((lane / 8) % 2), raw_half = lane / 16;
   float o[T::D_TILES][4];
 #pragma unroll
   for (int d = 0; d < T::D_TILES; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
@@ -294,7 +304,8 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
     if constexpr (FP8) {
       // One register = the whole B fragment (b0, b1) of one 8-key tile and k step.
       for_each_fp8_segment<T::K_STEPS, false>(
-          raw_k(stage) + raw_lane, [&](int ks, uint32_t keys0_7, uint32_t keys8_15) {
+          [&](int c) { return raw_k(stage) + raw_offset(raw_row, c); }, raw_half,
+          [&](int ks, uint32_t keys0_7, uint32_t keys8_15) {
             uint32_t qa[4], b0, b1;
             q_at(ks, qa);
             fp8x4_to_pairs<scalar_t>(keys0_7, b0, b1);
@@ -359,7 +370,8 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
     if constexpr (FP8) {
       // n tiles 2 seg (the segment's even dims) and 2 seg + 1 (its odd dims).
       for_each_fp8_segment<T::K_STEPS, true>(
-          raw_k(stage) + SUB * T::RAW_ROW + raw_lane,
+          [&](int c) { return raw_k(stage) + SUB * T::RAW_ROW + raw_offset(raw_row, c); },
+          raw_half,
           [&](int seg, uint32_t keys0_7, uint32_t keys8_15) {
             uint32_t even0, odd0, even1, odd1;
             fp8x4_to_even_odd_pairs<scalar_t>(keys0_7, even0, odd0);
