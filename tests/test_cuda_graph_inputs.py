@@ -65,10 +65,13 @@ def test_plan_llama3_8b_shape():
     assert plan.key_for(512, 8192) == GraphKey(512, 8192, 512)
     assert plan.key_for(513, 10) is None  # more sequences than the largest bucket
     assert plan.key_for(1, 8193) is None  # longer than max_seq_len_to_capture
-    # MHA (the CUDA-core kernel at every batch) and TP=4 of the same model: 2 kv heads,
-    # group 4, one partition from 264 sequences.
+    # MHA (tensor cores too: 32 kv heads, one partition at every tier from 17 sequences, 544
+    # pairs), a group of 32 (the CUDA-core kernel at every batch) and TP=4 of the same model:
+    # 2 kv heads, group 4, one partition from 264 sequences.
     mha = make_graph_plan(64, 4096, 16, num_kv_heads=32, num_q_heads=32)
-    assert mha.tiered == frozenset(mha.batch_sizes)
+    assert sorted(mha.tiered) == [1, 2, 4, 8, 16]
+    wide = make_graph_plan(64, 4096, 16, num_kv_heads=1, num_q_heads=32)
+    assert wide.tiered == frozenset(wide.batch_sizes)
     tp4 = make_graph_plan(512, 8192, 16, num_kv_heads=2, num_q_heads=8)
     assert max(tp4.tiered) == 256
 

@@ -46,7 +46,8 @@ def test_partition_rule_at_the_measured_shapes():
     # (batch, context) -> partition size, GQA 32/8: the sweep the rule comes from.
     expected = {(1, 1024): 128, (1, 4096): 512, (1, 16384): 1024, (8, 1024): 1024,
                 (8, 4096): 1024, (8, 16384): 1024, (64, 1024): 1024, (64, 16384): 1024,
-                (256, 1024): 1024, (256, 16384): 16384, (512, 700): 704}  # fmt: skip
+                (256, 1024): 1024, (256, 16384): 16384, (512, 700): 704,
+                (8, 512): 512, (1, 512): 64}  # fmt: skip
     for (batch, ctx), size in expected.items():
         assert decode_tc_partition_size(batch, 8, ctx) == size, (batch, ctx)
 
@@ -65,8 +66,7 @@ def test_a_graph_tier_splits_every_context_it_serves_as_eager_does(max_seq_len_t
 
 
 def test_decode_kernel_choice():
-    assert decode_kernel(1, 128) == "cuda_cores"  # MHA
-    for group in (2, 4, 8, DECODE_TC_MAX_GROUP):
+    for group in (1, 2, 4, 8, DECODE_TC_MAX_GROUP):  # MHA included
         for head_dim in (64, 80, 96, 128, 256):
             assert decode_kernel(group, head_dim) == "tensor_cores"
     assert decode_kernel(DECODE_TC_MAX_GROUP + 1, 128) == "cuda_cores"

@@ -5,11 +5,11 @@ and only here:
 - CUDA with the pagedd kernels (fp16/bf16): ``rotary_embedding_and_cache`` (rotary and cache
   write in one launch; ``reshape_and_cache`` when the caller rotated already), then ONE
   attention launch per layer: the tensor-core paged prefill kernel when the step has
-  prefill work; for decode-only steps, the split-KV tensor-core decode kernel for grouped
-  heads (GQA), else the split-KV CUDA-core decode kernel (``decode_kernel``). A mixed step
-  of a GQA model takes two launches: prefill chunks and decode rows each to its kernel (MHA
-  decode rows ride along in the prefill launch). No Python loop over sequences, no
-  host-device sync.
+  prefill work; for decode-only steps, the split-KV tensor-core decode kernel (up to 16 query
+  heads per kv head, MHA included), else the split-KV CUDA-core decode kernel
+  (``decode_kernel``). A mixed step takes two launches: prefill chunks and decode rows each
+  to its kernel (decode rows of a CUDA-core model ride along in the prefill launch). No
+  Python loop over sequences, no host-device sync.
 - otherwise (CPU, float32, or a build without kernels): the plain torch path
   (``apply_rotary_qk``, then ``write_kv_cache_torch``).
 
@@ -65,17 +65,16 @@ def uses_kernels(cache: torch.Tensor) -> bool:
 
 def decode_kernel(group: int, head_dim: int) -> str:
     """The kernel of a decode-only step: "tensor_cores" (ops.paged_attention_decode_tc, the
-    query heads of a kv head as the rows of one mma atom, split-KV) for grouped heads (GQA,
-    2 to DECODE_TC_MAX_GROUP query heads per kv head) at a head size it is built for, else
-    "cuda_cores" (ops.paged_attention_decode, the split-KV CUDA-core kernel; MHA stays there:
-    with one query row an mma atom would be 1/16 used).
+    query heads of a kv head as the rows of one mma atom, split-KV) for 1 to
+    DECODE_TC_MAX_GROUP query heads per kv head at a head size it is built for, else
+    "cuda_cores" (ops.paged_attention_decode, the split-KV CUDA-core kernel).
 
-    Replaces the decode route through the prefill kernel with 64-row tiles (no split-KV, one
-    warp of four computing). The H200 numbers in bench/results (attention_h200.md,
-    prefill_h200.md part B) predate this kernel and are to be re-measured with
-    ``bench/bench_attention.py --kernel all``.
+    MHA (one query row per kv head, an mma atom 1/16 used) runs on tensor cores too: decode
+    is memory-bound, and on the H200 (bench/results/h200_2026-12-01d_prefill_ws.md, MHA 32/32,
+    bf16) the tensor-core kernel is faster at every measured shape: 13.1 against 22.4 us at
+    batch 1 x 512, 3,780 against 3,939 us at batch 256 x 4k (106 % of copy bandwidth).
     """
-    if 2 <= group <= DECODE_TC_MAX_GROUP and head_dim in DECODE_TC_HEAD_DIMS:
+    if 1 <= group <= DECODE_TC_MAX_GROUP and head_dim in DECODE_TC_HEAD_DIMS:
         return "tensor_cores"
     return "cuda_cores"
 

@@ -20,6 +20,9 @@ DECODE_TC_MAX_GROUP = 16
 #   and 20.2 with 1024; batch 1 x 16k: 1024 keys, 36.8 us against 41.8 with 256; batch 8 and
 #   64 x 1k: one partition, 9-11 % faster than 2-4 (the reduce kernel costs more than the
 #   extra blocks gain); batch 8 x 16k: 1024 keys, within 2 % of 2048.
+# - Two partitions (pairs enough for half the GPU) only pay off at MAX_PARTITION keys each:
+#   batch 8 x 512 runs 13.9 us in one partition against 17.4 in two of 256
+#   (bench/results/h200_2026-12-01d_prefill_ws.md).
 # - The context enters only through its bucket (512, 2048, 8192, ...: x4), which are also the
 #   CUDA-graph seq-len tiers (cuda_graph_inputs.py): a graph captured at a tier picks the
 #   partition size eager picks for every context it serves, so their outputs are bitwise equal.
@@ -52,6 +55,8 @@ def decode_tc_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int)
     parts = -(-SPLIT_BLOCKS // pairs)
     size = -(-context_bucket(max_seq_len) // parts)
     size = min(MAX_PARTITION, max(64, -(-size // 64) * 64))
+    if parts <= 2:
+        size = MAX_PARTITION
     return min(size, whole)
 
 

@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine_utils import gaps_to_fp32_argmax, make_hf_model, random_prompts  # noqa: E402
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
-# (num_q_heads, num_kv_heads): groups 2, 4, 8 and the largest, 16.
-HEADS = [(8, 4), (16, 4), (16, 2), (32, 2)]
+# (num_q_heads, num_kv_heads): groups 1 (MHA), 2, 4, 8 and the largest, 16.
+HEADS = [(4, 4), (8, 4), (16, 4), (16, 2), (32, 2)]
 # Around the 16-key sub-tile, the 64-key multiple, block and partition boundaries.
 LENS = [1, 15, 16, 17, 63, 64, 65, 255, 1000, 4097]
 # partition_size: None = the default rule (one partition for these few sequences up to 256
@@ -258,12 +258,12 @@ def test_decode_tc_argument_errors_name_the_problem():
 # ---------------------------------------------------------------- layer and engine routing
 
 
-def test_layer_decode_step_uses_tc_kernel_for_gqa_and_cuda_core_for_mha(monkeypatch):
+def test_layer_decode_step_uses_tc_kernel_up_to_16_heads_a_group(monkeypatch):
     from pydaemon.attention_metadata import AttentionMetadata
     from pydaemon.layers.attention import PagedAttention, decode_kernel
 
     assert decode_kernel(4, 128) == "tensor_cores"
-    assert decode_kernel(1, 128) == "cuda_cores"
+    assert decode_kernel(1, 128) == "tensor_cores"  # MHA
     assert decode_kernel(32, 128) == "cuda_cores"  # more than one mma atom of rows
     calls = []
     for name in ("paged_attention_decode_tc", "paged_attention_decode", "paged_attention_prefill"):
@@ -273,7 +273,8 @@ def test_layer_decode_step_uses_tc_kernel_for_gqa_and_cuda_core_for_mha(monkeypa
         )
     for heads, expected in (
         ((32, 8), "paged_attention_decode_tc"),
-        ((8, 8), "paged_attention_decode"),
+        ((8, 8), "paged_attention_decode_tc"),
+        ((32, 1), "paged_attention_decode"),
     ):
         calls.clear()
         lens = [700, 3000, 5]
@@ -358,11 +359,12 @@ def test_engine_gqa_decode_on_tc_kernel_follows_fp32_and_torch_path(
     assert same >= len(prompts) - 1, f"only {same}/{len(prompts)} sequences equal the torch path"
 
 
-@pytest.mark.parametrize("heads", [(32, 8), (8, 8)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("heads", [(32, 8), (8, 8), (32, 1)], ids=["gqa", "mha", "group32"])
 def test_layer_mixed_step_splits_prefill_and_decode_rows(heads, monkeypatch):
-    """A step with prefill chunks and decode rows: a GQA layer sends the chunks to the prefill
-    kernel and the decode rows to the tensor-core decode kernel (two launches, one output);
-    MHA keeps one prefill launch. Either way the output is the torch path's."""
+    """A step with prefill chunks and decode rows: a layer whose decode runs on tensor cores
+    (GQA, MHA) sends the chunks to the prefill kernel and the decode rows to the decode
+    kernel (two launches, one output); a group of 32 keeps one prefill launch. Either way the
+    output is the torch path's."""
     from pydaemon.attention_metadata import AttentionMetadata
     from pydaemon.layers.attention import PagedAttention
     from pydaemon.layers.paged_attention_torch import paged_attention_torch
@@ -406,7 +408,7 @@ def test_layer_mixed_step_splits_prefill_and_decode_rows(heads, monkeypatch):
     layer = PagedAttention(heads[0], heads[1], 128, 128**-0.5)
     out = layer(query, key, value, batch.key_cache, batch.value_cache, md)
     expected = ["paged_attention_prefill"]
-    if heads[0] != heads[1]:
+    if heads[0] // heads[1] <= 16:
         expected.append("paged_attention_decode_tc")
     assert calls == expected
     ref = paged_attention_torch(query, batch.key_cache, batch.value_cache, md, 128**-0.5)

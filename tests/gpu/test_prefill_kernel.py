@@ -201,8 +201,14 @@ def test_attention_layer_mixed_step_one_launch_matches_reference_and_torch_path(
 
 @pytest.mark.parametrize(
     "num_seqs,ctx,heads",
-    [(40, 700, (32, 8)), (3, 3000, (32, 8)), (5, 300, (32, 8)), (9, 900, (16, 16))],
-    ids=["gqa-many", "gqa-long", "gqa-short", "mha-split-kv"],
+    [
+        (40, 700, (32, 8)),
+        (3, 3000, (32, 8)),
+        (5, 300, (32, 8)),
+        (9, 900, (16, 16)),
+        (9, 900, (32, 1)),
+    ],
+    ids=["gqa-many", "gqa-long", "gqa-short", "mha-split-kv", "group-32-cuda-cores"],
 )
 def test_attention_layer_decode_step_either_kernel(num_seqs, ctx, heads):
     """Decode-only steps on either kernel of decode_kernel give the reference."""
@@ -210,6 +216,6 @@ def test_attention_layer_decode_step_either_kernel(num_seqs, ctx, heads):
 
     chunks = [(ctx - 1 - 7 * i, 1) for i in range(num_seqs)]
     out, ref, md, *_ = run_layer_step(chunks, *heads)
-    expect = "tensor_cores" if heads == (32, 8) else "cuda_cores"
+    expect = "cuda_cores" if heads == (32, 1) else "tensor_cores"
     assert decode_kernel(heads[0] // heads[1], 128) == expect
     assert_close_per_seq(out, ref, md.query_lens_cpu, TOL[torch.bfloat16])
