@@ -13,6 +13,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cmath>
 #include <cstdint>
 
 namespace pagedd::cuda {
@@ -62,6 +63,22 @@ __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+}
+
+// Online softmax, the max step, for a row whose scores the 4 lanes of a quad hold (the mma
+// accumulator layout): mx is this lane's max of the new raw scores. Folds the quad's max, in
+// the log2 domain (scale_log2 = softmax scale * log2 e), into row_max; sets alpha, the factor
+// that rescales the row's old sum and O; returns the offset the new scores' exp2 subtracts
+// (0 while the row has seen no key, so that -inf scores give 0, not NaN).
+__device__ __forceinline__ float online_softmax_max(float mx, float scale_log2, float& row_max,
+                                                    float& alpha) {
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  const float m_new = fmaxf(row_max, mx * scale_log2);
+  const float m_use = m_new == -INFINITY ? 0.f : m_new;
+  alpha = fast_exp2(row_max - m_use);
+  row_max = m_new;
+  return m_use;
 }
 
 template <typename scalar_t>

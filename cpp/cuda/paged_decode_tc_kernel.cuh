@@ -339,12 +339,7 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
       float mx = fmaxf(fmaxf(s[0][2 * rr], s[0][2 * rr + 1]), fmaxf(s[1][2 * rr], s[1][2 * rr + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(row_max[rr], mx * scale_log2);
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with no key yet
-      alpha[rr] = fast_exp2(row_max[rr] - m_use);
-      row_max[rr] = m_new;
+      const float m_use = online_softmax_max(mx, scale_log2, row_max[rr], alpha[rr]);
       float sum = 0.f;
 #pragma unroll
       for (int t = 0; t < 2; ++t) {

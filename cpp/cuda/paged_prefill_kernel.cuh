@@ -275,12 +275,7 @@ __global__ void __launch_bounds__(32 * WARPS)
 #pragma unroll
           for (int t = 0; t < T::N_TILES; ++t)
             mx = fmaxf(mx, fmaxf(s[a][t][2 * rr], s[a][t][2 * rr + 1]));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          const float m_new = fmaxf(row_max[a][rr], mx * scale_log2);
-          const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with no key yet
-          alpha[a][rr] = fast_exp2(row_max[a][rr] - m_use);
-          row_max[a][rr] = m_new;
+          const float m_use = online_softmax_max(mx, scale_log2, row_max[a][rr], alpha[a][rr]);
           float sum = 0.f;
 #pragma unroll
           for (int t = 0; t < T::N_TILES; ++t) {

@@ -267,12 +267,7 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j)
         mx = fmaxf(mx, fmaxf(s[4 * j + 2 * rr], s[4 * j + 2 * rr + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(row_max[rr], mx * scale_log2);
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with no key yet
-      alpha[rr] = fast_exp2(row_max[rr] - m_use);
-      row_max[rr] = m_new;
+      const float m_use = online_softmax_max(mx, scale_log2, row_max[rr], alpha[rr]);
       float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j) {
