@@ -16,9 +16,10 @@ partitions and workspaces, and only those host ints): a graph captured at tier `
 every batch whose longest context is at most ``t`` (partitions past a sequence's end exit at
 once). The tiers keep the number of idle partitions within 4x of the eager launch, and they
 are the tensor-core decode kernel's context buckets, so a graph splits every context it serves
-as eager does. Batch buckets whose tensor-core decode (grouped heads, ``decode_kernel``) runs
-ONE partition at every tier get one graph only: that launch's blocks each read just their
-sequence's keys whatever the tier. Longer contexts run eagerly, as in vLLM.
+as eager does. Batch buckets whose tensor-core decode (up to 16 query heads a kv head,
+``decode_kernel``) runs ONE partition at every tier get one graph only: that launch's blocks
+each read just their sequence's keys whatever the tier. Longer contexts run eagerly, as in
+vLLM.
 
 Padding rows are no-ops for everything the step keeps: token 0 at position 0, slot -1 (the
 cache-write kernel and the torch path skip negative slots), context length 1 over block 0

@@ -1,4 +1,4 @@
-"""Paged decode attention on tensor cores for grouped query heads (GQA), split-KV."""
+"""Paged decode attention on tensor cores, split-KV (1 to 16 query heads per kv head: GQA, MHA)."""
 
 from __future__ import annotations
 
