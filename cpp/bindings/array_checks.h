@@ -122,6 +122,18 @@ inline void check_contiguous_from(const Array& a, const char* name, size_t from)
   }
 }
 
+// An fp8 (uint8 storage) cache that the cache-write kernels store 8 bytes at a time
+// (cuda_bindings.cpp, layer_bindings.cpp): head_dim, the block and head strides (elements) and
+// both base addresses must be multiples of 8.
+inline void check_fp8_cache_layout(int64_t head_dim, int64_t block_stride, int64_t head_stride,
+                                   const void* key_cache, const void* value_cache) {
+  if (head_dim % 8 != 0 || block_stride % 8 != 0 || head_stride % 8 != 0 ||
+      reinterpret_cast<uintptr_t>(key_cache) % 8 != 0 ||
+      reinterpret_cast<uintptr_t>(value_cache) % 8 != 0)
+    throw nb::value_error("an fp8 key_cache / value_cache needs head_dim and strides that are "
+                          "multiples of 8 and 8-byte aligned data");
+}
+
 // Per-layer fp8 KV-cache scales (cuda_bindings.cpp, layer_bindings.cpp).
 inline void check_kv_scales(double k_scale, double v_scale) {
   if (!(k_scale > 0.0) || !(v_scale > 0.0) || !std::isfinite(k_scale) || !std::isfinite(v_scale))

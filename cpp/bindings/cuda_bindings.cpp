@@ -123,6 +123,19 @@ void decode_workspaces(float* (&ws)[3], nb::object tmp_out_obj, nb::object exp_s
   }
 }
 
+// The paged-cache fields of the decode and prefill parameters, from checked arguments.
+template <typename Params>
+void fill_paged_kv(Params& p, const Array& key_cache, const Array& value_cache,
+                   const Array& block_tables, const Array& seq_lens) {
+  p.key_cache = key_cache.data();
+  p.value_cache = value_cache.data();
+  p.kv_block_stride = key_cache.stride(0);
+  p.kv_head_stride = key_cache.stride(1);
+  p.block_tables = static_cast<const int32_t*>(block_tables.data());
+  p.block_table_stride = block_tables.stride(0);
+  p.seq_lens = static_cast<const int32_t*>(seq_lens.data());
+}
+
 // The parameters both decode kernels share, from checked arguments.
 void fill_decode_params(pagedd::cuda::PagedDecodeParams& p, const Array& out, const Array& query,
                         const Array& key_cache, const Array& value_cache,
@@ -132,13 +145,7 @@ void fill_decode_params(pagedd::cuda::PagedDecodeParams& p, const Array& out, co
   p.query = query.data();
   p.q_seq_stride = query.stride(0);
   p.q_head_stride = query.stride(1);
-  p.key_cache = key_cache.data();
-  p.value_cache = value_cache.data();
-  p.kv_block_stride = key_cache.stride(0);
-  p.kv_head_stride = key_cache.stride(1);
-  p.block_tables = static_cast<const int32_t*>(block_tables.data());
-  p.block_table_stride = block_tables.stride(0);
-  p.seq_lens = static_cast<const int32_t*>(seq_lens.data());
+  fill_paged_kv(p, key_cache, value_cache, block_tables, seq_lens);
   p.tmp_out = ws[0];
   p.exp_sums = ws[1];
   p.max_logits = ws[2];
@@ -310,14 +317,8 @@ void paged_attention_prefill(Array out, Array query, Array key_cache, Array valu
   p.query = query.data();
   p.q_token_stride = query.stride(0);
   p.q_head_stride = query.stride(1);
-  p.key_cache = key_cache.data();
-  p.value_cache = value_cache.data();
-  p.kv_block_stride = key_cache.stride(0);
-  p.kv_head_stride = key_cache.stride(1);
+  fill_paged_kv(p, key_cache, value_cache, block_tables, seq_lens);
   p.num_blocks = key_cache.shape(0);
-  p.block_tables = static_cast<const int32_t*>(block_tables.data());
-  p.block_table_stride = block_tables.stride(0);
-  p.seq_lens = static_cast<const int32_t*>(seq_lens.data());
   p.query_start_loc = static_cast<const int32_t*>(query_start_loc.data());
   p.num_seqs = (int)num_seqs;
   p.num_q_heads = (int)query.shape(1);
@@ -409,11 +410,8 @@ void reshape_and_cache(Array key, Array value, Array key_cache, Array value_cach
   p.elem_size = key.dtype().bits / 8;
   p.cache_fp8 = cache_fp8;
   if (cache_fp8) {
-    if (p.head_dim % 8 != 0 || p.cache_block_stride % 8 != 0 || p.cache_head_stride % 8 != 0 ||
-        reinterpret_cast<uintptr_t>(p.key_cache) % 8 != 0 ||
-        reinterpret_cast<uintptr_t>(p.value_cache) % 8 != 0)
-      throw nb::value_error("an fp8 key_cache / value_cache needs head_dim and strides that are "
-                            "multiples of 8 and 8-byte aligned data");
+    check_fp8_cache_layout(p.head_dim, p.cache_block_stride, p.cache_head_stride, p.key_cache,
+                           p.value_cache);
     p.dtype = attention_dtype(key, "key");
     p.k_scale = (float)k_scale;
     p.v_scale = (float)v_scale;

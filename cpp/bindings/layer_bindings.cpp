@@ -316,11 +316,8 @@ void rotary_embedding_and_cache(Array query, Array key, const Array& value, Arra
   p.slot_mapping = static_cast<const int64_t*>(slot_mapping.data());
   p.block_size = (int)key_cache.shape(2);
   if (p.cache_fp8) {
-    if (head_dim % 8 != 0 || p.cache_block_stride % 8 != 0 || p.cache_head_stride % 8 != 0 ||
-        reinterpret_cast<uintptr_t>(p.key_cache) % 8 != 0 ||
-        reinterpret_cast<uintptr_t>(p.value_cache) % 8 != 0)
-      throw nb::value_error("an fp8 key_cache / value_cache needs head_dim and strides that are "
-                            "multiples of 8 and 8-byte aligned data");
+    check_fp8_cache_layout(head_dim, p.cache_block_stride, p.cache_head_stride, p.key_cache,
+                           p.value_cache);
     p.k_scale = (float)k_scale;
     p.v_scale = (float)v_scale;
   }

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
+
+from pydaemon.kv_cache_fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
 
 
 @dataclass
@@ -56,6 +59,20 @@ def make_paged_batch(
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
         seq_lens_cpu=list(seq_lens),
     )
+
+
+def fp8_batch(lens, num_kv_heads, head_dim, block_size, k_scale, v_scale, spread=3.0):
+    """-> (batch with an fp8 cache, the same batch with the dequantized cache in float32).
+    K/V ~ N(0, spread) in real units, stored as e4m3 of x / scale."""
+    full = make_paged_batch(lens, num_kv_heads, head_dim, block_size, torch.float32)
+    real = full.kv_cache * spread
+    fp8 = torch.empty_like(real, dtype=FP8_DTYPE)
+    fp8[:, :, 0] = quantize_fp8(real[:, :, 0], k_scale)
+    fp8[:, :, 1] = quantize_fp8(real[:, :, 1], v_scale)
+    deq = torch.empty_like(real)
+    deq[:, :, 0] = dequantize_fp8(fp8[:, :, 0], k_scale, torch.float32)
+    deq[:, :, 1] = dequantize_fp8(fp8[:, :, 1], v_scale, torch.float32)
+    return dataclasses.replace(full, kv_cache=fp8), dataclasses.replace(full, kv_cache=deq)
 
 
 def gather_kv(batch: PagedBatch, seq: int) -> tuple[torch.Tensor, torch.Tensor]:

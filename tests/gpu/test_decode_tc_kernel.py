@@ -5,7 +5,6 @@ attention layer / engine routing decode steps to it."""
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -13,9 +12,8 @@ import pytest
 import torch
 
 from pydaemon import ops
-from pydaemon.kv_cache_fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
 
-from .kv_factory import make_paged_batch, reference_decode
+from .kv_factory import fp8_batch, make_paged_batch, reference_decode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine_utils import gaps_to_fp32_argmax, make_hf_model, random_prompts  # noqa: E402
@@ -136,20 +134,6 @@ def test_decode_tc_agrees_with_cuda_core_decode(dtype, heads):
 
 
 # ---------------------------------------------------------------- fp8 cache
-
-
-def fp8_batch(lens, num_kv_heads, head_dim, block_size, k_scale, v_scale, spread=3.0):
-    """-> (batch with an fp8 cache, the same batch with the dequantized cache in float32):
-    the torch path's fp8 emulation (kv_cache_fp8.py)."""
-    full = make_paged_batch(lens, num_kv_heads, head_dim, block_size, torch.float32)
-    real = full.kv_cache * spread
-    fp8 = torch.empty_like(real, dtype=FP8_DTYPE)
-    fp8[:, :, 0] = quantize_fp8(real[:, :, 0], k_scale)
-    fp8[:, :, 1] = quantize_fp8(real[:, :, 1], v_scale)
-    deq = torch.empty_like(real)
-    deq[:, :, 0] = dequantize_fp8(fp8[:, :, 0], k_scale, torch.float32)
-    deq[:, :, 1] = dequantize_fp8(fp8[:, :, 1], v_scale, torch.float32)
-    return dataclasses.replace(full, kv_cache=fp8), dataclasses.replace(full, kv_cache=deq)
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ import torch
 from pydaemon import ops
 from pydaemon.kv_cache_fp8 import FP8_DTYPE, FP8_MAX, dequantize_fp8, quantize_fp8
 
-from .kv_factory import make_paged_batch, reference_decode, reference_prefill
+from .kv_factory import fp8_batch, make_paged_batch, reference_decode, reference_prefill
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine_utils import make_hf_model, random_prompts  # noqa: E402
@@ -29,20 +29,6 @@ MIXED_LENS = [1, 7, 256, 257, 1000, 33, 2049, 512]  # around partition and block
 CHUNKS = [(0, 1), (0, 17), (5, 64), (16, 100), (37, 129), (0, 300), (250, 1), (1000, 33),
           (64, 64), (3, 513)]  # fmt: skip
 SCALES = [(1.0, 1.0), (0.05, 0.3)]
-
-
-def fp8_batch(lens, num_kv_heads, head_dim, block_size, k_scale, v_scale, spread=3.0):
-    """-> (batch with an fp8 cache, the same batch with the dequantized cache in float32).
-    K/V ~ N(0, spread) in real units, stored as e4m3 of x / scale."""
-    full = make_paged_batch(lens, num_kv_heads, head_dim, block_size, torch.float32)
-    real = full.kv_cache * spread
-    fp8 = torch.empty_like(real, dtype=FP8_DTYPE)
-    fp8[:, :, 0] = quantize_fp8(real[:, :, 0], k_scale)
-    fp8[:, :, 1] = quantize_fp8(real[:, :, 1], v_scale)
-    deq = torch.empty_like(real)
-    deq[:, :, 0] = dequantize_fp8(fp8[:, :, 0], k_scale, torch.float32)
-    deq[:, :, 1] = dequantize_fp8(fp8[:, :, 1], v_scale, torch.float32)
-    return dataclasses.replace(full, kv_cache=fp8), dataclasses.replace(full, kv_cache=deq)
 
 
 def assert_close_rows(out, ref, row_slices, tol, what):
