@@ -8,6 +8,7 @@ from pydaemon.cuda_graph_inputs import capture_seq_len_tiers
 from pydaemon.layers.attention import decode_kernel
 from pydaemon.ops.paged_decode_tc import (
     DECODE_TC_MAX_GROUP,
+    LONG_SPLIT,
     MAX_PARTITION,
     SPLIT_BLOCKS,
     WHOLE_BLOCKS,
@@ -30,13 +31,17 @@ def test_partition_size_is_a_covering_multiple_of_64(num_seqs, num_kv_heads, max
     if pairs >= WHOLE_BLOCKS or max_seq_len <= 64:
         assert parts == 1, "enough (sequence, kv head) pairs (or a short context): no split"
         return
+    target_parts = -(-SPLIT_BLOCKS // pairs)
+    bucket = context_bucket(max_seq_len)
+    if target_parts <= 2:
+        # Half the GPU's blocks or more: a bucket / LONG_SPLIT partition, at least MAX_PARTITION.
+        assert size == min(max(MAX_PARTITION, bucket // LONG_SPLIT), -(-max_seq_len // 64) * 64)
+        return
     assert 64 <= size <= MAX_PARTITION
     if parts == 1:
         return  # the context fits one partition of the rule's size
     # About SPLIT_BLOCKS / pairs partitions of the context's bucket: 64 keys less would
     # overshoot (unless MAX_PARTITION or the context itself bounds the size).
-    target_parts = -(-SPLIT_BLOCKS // pairs)
-    bucket = context_bucket(max_seq_len)
     assert decode_tc_num_partitions(bucket, size) <= target_parts or size in (64, MAX_PARTITION)
     if 64 < size < MAX_PARTITION:
         assert decode_tc_num_partitions(bucket, size - 64) > target_parts
@@ -45,9 +50,9 @@ def test_partition_size_is_a_covering_multiple_of_64(num_seqs, num_kv_heads, max
 def test_partition_rule_at_the_measured_shapes():
     # (batch, context) -> partition size, GQA 32/8: the sweep the rule comes from.
     expected = {(1, 1024): 128, (1, 4096): 512, (1, 16384): 1024, (8, 1024): 1024,
-                (8, 4096): 1024, (8, 16384): 1024, (64, 1024): 1024, (64, 16384): 1024,
-                (256, 1024): 1024, (256, 16384): 16384, (512, 700): 704,
-                (8, 512): 512, (1, 512): 64}  # fmt: skip
+                (8, 4096): 1024, (8, 16384): 4096, (64, 1024): 1024, (64, 4096): 4096,
+                (64, 16384): 16384, (256, 1024): 1024, (256, 16384): 16384, (512, 700): 704,
+                (8, 512): 512, (1, 512): 64, (32, 16384): 4096}  # fmt: skip
     for (batch, ctx), size in expected.items():
         assert decode_tc_partition_size(batch, 8, ctx) == size, (batch, ctx)
 

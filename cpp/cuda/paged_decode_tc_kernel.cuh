@@ -134,6 +134,33 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
   const bool single = p.num_partitions == 1;
   scalar_t* out = static_cast<scalar_t*>(p.out);
 
+  const int32_t* block_table = p.block_tables + (int64_t)seq * p.block_table_stride;
+  const int fetch_end = min(p.max_seq_len, start + p.partition_size);  // >= end below
+  const int fetch_subs = max(0, ((fetch_end - start + SUB - 1) / SUB - warp + WARPS - 1) / WARPS);
+  // First key of this warp's i-th sub-tile. A sub-tile starts at a multiple of 16 and block
+  // sizes are powers of two >= 8, so its keys lie in the blocks of keys 0 and 8 of it.
+  auto sub_start = [&](int i) { return start + (warp + i * WARPS) * SUB; };
+  struct Blocks {
+    int b0, b1;
+  };
+  auto fetch_blocks = [&](int i) -> Blocks {
+    Blocks b{0, 0};
+    if (i < fetch_subs) {
+      const int k0 = sub_start(i);
+      b.b0 = block_table[k0 >> block_shift];
+      if (k0 + 8 < fetch_end) b.b1 = block_table[(k0 + 8) >> block_shift];
+    }
+    return b;
+  };
+  // Block-table entries, 32 sub-tiles at a time: lane j of `cur` holds those of this warp's
+  // sub-tile 32 * c + j (c = the batch of the sub-tile being loaded), `nxt` those of batch
+  // c + 1, fetched a whole batch ahead. A block-table read per sub-tile, even one sub-tile
+  // ahead, put a dependent global load (~1-2 us under load) into every iteration and bounded
+  // the loop at one sub-tile per load latency, whatever the dtype. The first two batches are
+  // read before seq_len is known (its load and theirs overlap): up to max_seq_len, which the
+  // block table row covers (keys past seq_len are masked, their entries never used).
+  Blocks cur = fetch_blocks(lane), nxt = fetch_blocks(32 + lane);
+
   if (start >= seq_len || seq_len > p.max_seq_len) {
     // Nothing to attend to. Only the single-partition path owns `out` here (zeros for length
     // 0, NaN for a sequence longer than max_seq_len); with partitions, the reduce kernel
@@ -163,7 +190,6 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
     cp_async16_zfill(s_q + r * ROW + ch * 8, src, valid);
   }
 
-  const int32_t* block_table = p.block_tables + (int64_t)seq * p.block_table_stride;
   const cache_t* k_base =
       static_cast<const cache_t*>(p.key_cache) + (int64_t)kv_head * p.kv_head_stride;
   const cache_t* v_base =
@@ -184,21 +210,6 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
   };
   auto raw_k = [&](int stage) { return warp_ring + stage * T::RAW_BYTES; };
 
-  // First key of this warp's i-th sub-tile. A sub-tile starts at a multiple of 16 and block
-  // sizes are powers of two >= 8, so its keys lie in the blocks of keys 0 and 8 of it.
-  auto sub_start = [&](int i) { return start + (warp + i * WARPS) * SUB; };
-  struct Blocks {
-    int b0, b1;
-  };
-  auto fetch_blocks = [&](int i) -> Blocks {
-    Blocks b{0, 0};
-    if (i < my_subs) {
-      const int k0 = sub_start(i);
-      b.b0 = block_table[k0 >> block_shift];
-      if (k0 + 8 < end) b.b1 = block_table[(k0 + 8) >> block_shift];
-    }
-    return b;
-  };
   // Copies this lane's chunks of sub-tile i into ring stage `stage` (keys past `end`
   // zero-filled: 0 * garbage is never NaN). Sub-tiles past this warp's last copy nothing.
   auto load_sub = [&](int i, Blocks b, int stage) {
@@ -228,12 +239,6 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
       }
     }
   };
-  // Block-table entries, 32 sub-tiles at a time: lane j of `cur` holds those of this warp's
-  // sub-tile 32 * c + j (c = the batch of the sub-tile being loaded), `nxt` those of batch
-  // c + 1, fetched a whole batch ahead. A block-table read per sub-tile, even one sub-tile
-  // ahead, put a dependent global load (~1-2 us under load) into every iteration and bounded
-  // the loop at one sub-tile per load latency, whatever the dtype.
-  Blocks cur = fetch_blocks(lane), nxt = fetch_blocks(32 + lane);
   auto blocks_of = [&](int j) -> Blocks {  // j: a sub-tile of batch c; warp-uniform
     if (j > 0 && j % 32 == 0) {  // entering batch c + 1
       cur = nxt;
@@ -456,6 +461,15 @@ template <int HEAD_DIM, bool FP8>
 constexpr int decode_tc_min_blocks() {
   return FP8 && HEAD_DIM <= 128 ? 3 : 2;
 }
+// 16-bit caches at head 128 switch to 2 stages at 3 blocks per SM (168 registers, no spills)
+// when there are many blocks, each with a long context: one partition, max_seq_len at least
+// 2,048 keys and at least 1,024 (sequence, kv head) pairs. On the H200 (GQA 32/8, bf16) this read batch
+// 256 x 16k in 3,712 us against 3,810 (SDPA 3,732) and 256 x 4k in 945 against 963; with fewer
+// or shorter blocks it was no faster, and at batch 8 and 64 x 1k it was 8-20 % slower.
+inline bool decode_tc_three_blocks(const PagedDecodeTcParams& p) {
+  return p.num_partitions == 1 && p.max_seq_len >= 2048 &&
+         (int64_t)p.num_seqs * p.num_kv_heads >= 1024;
+}
 
 template <typename scalar_t, typename cache_t, int HEAD_DIM, int STAGES, int MIN_BLOCKS>
 cudaError_t launch_paged_decode_tc_config(const PagedDecodeTcParams& p, cudaStream_t stream) {
@@ -479,6 +493,10 @@ cudaError_t launch_paged_decode_tc_config(const PagedDecodeTcParams& p, cudaStre
 template <typename scalar_t, typename cache_t, int HEAD_DIM>
 cudaError_t launch_paged_decode_tc_typed(const PagedDecodeTcParams& p, cudaStream_t stream) {
   constexpr bool FP8 = is_fp8_v<cache_t>;
+  if constexpr (!FP8 && HEAD_DIM == 128) {
+    if (decode_tc_three_blocks(p))
+      return launch_paged_decode_tc_config<scalar_t, cache_t, 128, 2, 3>(p, stream);
+  }
   return launch_paged_decode_tc_config<scalar_t, cache_t, HEAD_DIM,
                                        decode_tc_stages<HEAD_DIM, FP8>(),
                                        decode_tc_min_blocks<HEAD_DIM, FP8>()>(p, stream);

@@ -11,24 +11,27 @@ from pydaemon.ops.paged_attention import split_kv_workspaces
 # group of query heads per kv head it takes (one mma atom of 16 rows).
 DECODE_TC_HEAD_DIMS = (64, 80, 96, 128, 256)
 DECODE_TC_MAX_GROUP = 16
-# The split rule, from a partition-size sweep on the H200 (bench/bench_attention.py
-# --tc-partition-sizes, GQA 32/8, head 128; bench/results/h200_2026-12-01c_fp8_decode.md):
-# - WHOLE_BLOCKS (sequence, kv head) pairs or more fill the GPU (2 blocks per SM on its 132
-#   SMs, twice over): no split.
+# The split rule, from partition-size sweeps on the H200 (bench/bench_attention.py
+# --tc-partition-sizes, GQA 32/8, head 128, bf16; bench/results/h200_2026-12-01c_fp8_decode.md
+# and h200_2026-12-01e_decode_rule.md):
+# - WHOLE_BLOCKS (sequence, kv head) pairs or more (about two waves of two blocks per SM on
+#   the 132 SMs): no split. Batch 64 x 4k in one partition: 253.5 us against 266 in four of 1,024.
 # - Below it, about SPLIT_BLOCKS / pairs partitions of the context's bucket, of 64 to
 #   MAX_PARTITION keys. Batch 1 x 1k: 8 partitions of 128 keys, 13.4 us against 14.3 with 256
-#   and 20.2 with 1024; batch 1 x 16k: 1024 keys, 36.8 us against 41.8 with 256; batch 8 and
-#   64 x 1k: one partition, 9-11 % faster than 2-4 (the reduce kernel costs more than the
-#   extra blocks gain); batch 8 x 16k: 1024 keys, within 2 % of 2048.
-# - Two partitions (pairs enough for half the GPU) only pay off at MAX_PARTITION keys each:
-#   batch 8 x 512 runs 13.9 us in one partition against 17.4 in two of 256
-#   (bench/results/h200_2026-12-01d_prefill_ws.md).
+#   and 20.2 with 1024; batch 1 x 16k: 1024 keys, 36.8 us against 41.8 with 256.
+# - Where that is two partitions or fewer (64+ pairs, half the GPU's blocks or more), the
+#   partition is the bucket / LONG_SPLIT keys, at least MAX_PARTITION: one partition up to
+#   1k (batch 8 x 512: 13.9 us against 17.4 in two of 256; batch 8 x 1k: one partition, 9-11 %
+#   faster than 2-4, the reduce kernel costs more than the extra blocks gain), 1,024 keys at
+#   4k (batch 8: 50 us against 55 in one partition), 4,096 at 16k (batch 8: 139.8 us against
+#   145 with 1,024).
 # - The context enters only through its bucket (512, 2048, 8192, ...: x4), which are also the
 #   CUDA-graph seq-len tiers (cuda_graph_inputs.py): a graph captured at a tier picks the
 #   partition size eager picks for every context it serves, so their outputs are bitwise equal.
-WHOLE_BLOCKS = 2 * 132 * 2
+WHOLE_BLOCKS = 512
 SPLIT_BLOCKS = 128
 MAX_PARTITION = 1024
+LONG_SPLIT = 8
 FIRST_CONTEXT_BUCKET = 512
 CONTEXT_BUCKET_FACTOR = 4
 
@@ -52,11 +55,13 @@ def decode_tc_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int)
     pairs = max(num_seqs * num_kv_heads, 1)
     if pairs >= WHOLE_BLOCKS:
         return whole
+    bucket = context_bucket(max_seq_len)
     parts = -(-SPLIT_BLOCKS // pairs)
-    size = -(-context_bucket(max_seq_len) // parts)
-    size = min(MAX_PARTITION, max(64, -(-size // 64) * 64))
     if parts <= 2:
-        size = MAX_PARTITION
+        size = max(MAX_PARTITION, bucket // LONG_SPLIT)  # a multiple of 64: bucket = 512 * 4^k
+    else:
+        size = -(-bucket // parts)
+        size = min(MAX_PARTITION, max(64, -(-size // 64) * 64))
     return min(size, whole)
 
 

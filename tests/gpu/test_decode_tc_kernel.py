@@ -72,12 +72,24 @@ def test_decode_tc_matches_reference(heads, block_size, head_dim, dtype, partiti
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads", [(32, 8), (64, 8), (32, 4)], ids=lambda h: f"q{h[0]}kv{h[1]}")
-@pytest.mark.parametrize("partition_size", [None, 16384, 512], ids=lambda p: f"part{p}")
+@pytest.mark.parametrize("partition_size", [None, 16384, 512, 64], ids=lambda p: f"part{p}")
 def test_decode_tc_long_context_16k(dtype, heads, partition_size):
-    """16k keys in one partition (16384), in 32 (512), and the default split."""
+    """16k keys in one partition (16384), in 32 (512), in 256 (64), and the default split."""
     lens = [16384, 3, 9000]
     batch = make_paged_batch(lens, heads[1], 128, 16, dtype)
     out, query, scale = run_tc(batch, heads[0], 128, dtype, partition_size=partition_size)
+    assert_close_per_seq(out, reference_decode(query, batch, scale), TOL[dtype], lens=lens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_tc_many_long_blocks_three_per_sm(dtype):
+    """1,024 (sequence, kv head) pairs, one partition, max_seq_len >= 2048: the 16-bit head-128
+    kernel's 2-stage, 3-blocks-per-SM configuration (decode_tc_three_blocks)."""
+    gen = torch.Generator().manual_seed(7)
+    lens = torch.randint(1, 300, (128,), generator=gen).tolist()
+    lens[5], lens[64], lens[127] = 2048, 2100, 2049
+    batch = make_paged_batch(lens, 8, 128, 16, dtype)
+    out, query, scale = run_tc(batch, 32, 128, dtype)
     assert_close_per_seq(out, reference_decode(query, batch, scale), TOL[dtype], lens=lens)
 
 
