@@ -21,6 +21,7 @@
 
 #include "dtype_utils.cuh"
 #include "pagedd_cuda.h"
+#include "pdl.cuh"
 
 namespace pagedd::cuda {
 
@@ -114,6 +115,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, decode_min_blocks<HEADS>())
   const int kv_head = blockIdx.x, seq = blockIdx.y, part = blockIdx.z;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int group = p.num_q_heads / p.num_kv_heads;
+  pdl_launch_dependents();  // the reduce kernel (if any) may be scheduled now
   const int seq_len = p.seq_lens[seq];
   const int start = part * P;
   const bool single = p.num_partitions == 1;
@@ -324,7 +326,8 @@ __global__ void __launch_bounds__(128)
   extern __shared__ float s_weights[];  // [num_partitions]
   __shared__ float s_red[32];
   const int qh = blockIdx.x, seq = blockIdx.y, tid = threadIdx.x;
-  const int seq_len = p.seq_lens[seq];
+  const int seq_len = p.seq_lens[seq];  // host-written metadata: safe before the wait
+  pdl_wait_primary();  // launched as the decode kernel's dependent (launch_paged_decode_reduce)
   const int64_t row_idx = (int64_t)seq * p.num_q_heads + qh;
   scalar_t* out = static_cast<scalar_t*>(p.out) + row_idx * HEAD_DIM;
   if (seq_len <= 0 || seq_len > max_len) {
@@ -417,9 +420,11 @@ cudaError_t launch_paged_decode_reduce(const PagedDecodeParams& p, int partition
                              cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (err != cudaSuccess) return err;
   }
-  paged_decode_reduce_kernel<scalar_t, HEAD_DIM>
-      <<<dim3(p.num_q_heads, p.num_seqs), 128, smem, stream>>>(p, partition_size, max_len);
-  return cudaGetLastError();
+  // Launched while the decode kernel's last blocks run (programmatic dependent launch): the
+  // reduce blocks wait in pdl_wait_primary for its partials, and the launch gap is hidden.
+  return launch_after_primary(paged_decode_reduce_kernel<scalar_t, HEAD_DIM>,
+                              dim3(p.num_q_heads, p.num_seqs), dim3(128), smem, stream, p,
+                              partition_size, max_len);
 }
 
 template <typename scalar_t, typename cache_t, int HEAD_DIM>

@@ -129,6 +129,7 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
   const int kv_head = blockIdx.x, part = blockIdx.y, seq = blockIdx.z;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int group = p.num_q_heads / p.num_kv_heads;
+  pdl_launch_dependents();  // the reduce kernel (if any) may be scheduled now
   const int seq_len = p.seq_lens[seq];
   const int start = part * p.partition_size;
   const bool single = p.num_partitions == 1;
