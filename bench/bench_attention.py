@@ -100,7 +100,7 @@ def bench_shape(
         "sdpa_gbs": num_bytes / (t_sdpa["median_ms"] * 1e6),
     }
     if "tc" in kernels:
-        row["tc_partition_size"] = ops.decode_tc_partition_size(batch, num_kv_heads, ctx)
+        row["tc_partition_size"] = ops.decode_tc_partition_size(batch, num_kv_heads, ctx, kv_fp8)
     for name in kernels:
         out.fill_(float("nan"))
         calls[name]()

@@ -142,6 +142,7 @@ def cuda_graph_plan(
         model_config.num_key_value_heads // tp,
         model_config.num_attention_heads // tp,
         model_config.head_dim,
+        fp8_cache=kv_cache.dtype == torch.float8_e4m3fn,
     )
 
 
@@ -152,17 +153,19 @@ def make_graph_plan(
     num_kv_heads: int,  # this rank's
     num_q_heads: int,  # this rank's
     head_dim: int = 128,
+    fp8_cache: bool = False,
 ) -> GraphPlan:
     """The buckets and tiers (cuda_graph_inputs.py); a bucket needs one graph per tier unless
     its decode runs on tensor cores with one partition at every tier (then the graph of the
-    longest tier serves every context with one partition, as eager does)."""
+    longest tier serves every context with one partition, as eager does). fp8_cache: the KV
+    cache is float8_e4m3fn, which splits up to more sequences (decode_tc_partition_size)."""
     batch_sizes = capture_batch_sizes(max_num_seqs)
     tiers = capture_seq_len_tiers(max_seq_len_to_capture)
 
     def one_graph(b: int) -> bool:
         if decode_kernel(num_q_heads // num_kv_heads, head_dim) != "tensor_cores":
             return False
-        return all(decode_tc_partition_size(b, num_kv_heads, t) >= t for t in tiers)
+        return all(decode_tc_partition_size(b, num_kv_heads, t, fp8_cache) >= t for t in tiers)
 
     tiered = frozenset(b for b in batch_sizes if not one_graph(b))
     return GraphPlan(tuple(batch_sizes), tuple(tiers), block_size, tiered)

@@ -49,31 +49,36 @@ def test_seq_len_tiers():
 
 def test_plan_llama3_8b_shape():
     # 8 kv heads, 32 query heads: decode runs on the tensor-core kernel, with one partition
-    # at every context from 64 sequences (512 blocks), so only the smaller buckets need a
+    # at every context from 12 sequences (96 pairs), so only the smaller buckets need a
     # graph per tier (their partition count follows the context).
     plan = make_graph_plan(512, 8192, 16, num_kv_heads=8, num_q_heads=32, head_dim=128)
-    assert sorted(plan.tiered) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56]
+    assert sorted(plan.tiered) == [1, 2, 4, 8]
     keys = plan.keys()
-    assert len(keys) == 10 * 3 + 13
+    assert len(keys) == 4 * 3 + 19
     assert keys[0] == GraphKey(512, 8192, 512)  # largest first
     assert keys[-1] == GraphKey(1, 512, 32)
     assert plan.key_for(1, 1024) == GraphKey(1, 2048, 128)
     assert plan.key_for(5, 300) == GraphKey(8, 512, 32)
     assert plan.key_for(5, 513) == GraphKey(8, 2048, 128)
-    assert plan.key_for(40, 100) == GraphKey(40, 512, 32)
+    assert plan.key_for(40, 100) == GraphKey(40, 8192, 512)  # one partition at 40
     assert plan.key_for(70, 100) == GraphKey(80, 8192, 512)
     assert plan.key_for(512, 8192) == GraphKey(512, 8192, 512)
     assert plan.key_for(513, 10) is None  # more sequences than the largest bucket
     assert plan.key_for(1, 8193) is None  # longer than max_seq_len_to_capture
-    # MHA (tensor cores too: 32 kv heads, one partition at every tier from 16 sequences, 512
+    # MHA (tensor cores too: 32 kv heads, one partition at every tier from 3 sequences, 96
     # pairs), a group of 32 (the CUDA-core kernel at every batch) and TP=4 of the same model:
-    # 2 kv heads, group 4, one partition from 256 sequences.
+    # 2 kv heads, group 4, one partition from 48 sequences.
     mha = make_graph_plan(64, 4096, 16, num_kv_heads=32, num_q_heads=32)
-    assert sorted(mha.tiered) == [1, 2, 4, 8]
+    assert sorted(mha.tiered) == [1, 2]
     wide = make_graph_plan(64, 4096, 16, num_kv_heads=1, num_q_heads=32)
     assert wide.tiered == frozenset(wide.batch_sizes)
     tp4 = make_graph_plan(512, 8192, 16, num_kv_heads=2, num_q_heads=8)
-    assert max(tp4.tiered) == 224
+    assert max(tp4.tiered) == 40
+    # An fp8 cache splits up to 512 pairs: llama3 needs graphs per tier up to 56 sequences.
+    fp8 = make_graph_plan(512, 8192, 16, num_kv_heads=8, num_q_heads=32, fp8_cache=True)
+    assert sorted(fp8.tiered) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56]
+    assert len(fp8.keys()) == 10 * 3 + 13
+    assert fp8.key_for(40, 100) == GraphKey(40, 512, 32)
 
 
 def _decode_batch():

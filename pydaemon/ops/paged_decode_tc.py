@@ -12,23 +12,29 @@ from pydaemon.ops.paged_attention import split_kv_workspaces
 DECODE_TC_HEAD_DIMS = (64, 80, 96, 128, 256)
 DECODE_TC_MAX_GROUP = 16
 # The split rule, from partition-size sweeps on the H200 (bench/bench_attention.py
-# --tc-partition-sizes, GQA 32/8, head 128, bf16; bench/results/h200_2026-12-01c_fp8_decode.md
-# and h200_2026-12-01e_decode_rule.md):
-# - WHOLE_BLOCKS (sequence, kv head) pairs or more (about two waves of two blocks per SM on
-#   the 132 SMs): no split. Batch 64 x 4k in one partition: 253.5 us against 266 in four of 1,024.
+# --tc-partition-sizes, bf16, head 128, GQA 32/8 and MHA 32/32; bench/results/
+# h200_2026-12-01c_fp8_decode.md, h200_2026-12-01e_decode_rule.md):
+# - WHOLE_BLOCKS (sequence, kv head) pairs or more: no split. From 96 pairs up the context in
+#   one partition was the fastest or within 2 % of it at 2k, 4k and 16k: GQA batch 12 x 16k
+#   206.7 us against 228.5 in four partitions of 4,096 (SDPA 199.6), batch 16 x 4k 78.0
+#   against 84.5 in four of 1,024, batch 32 x 16k 496.2 against 511.7, MHA batch 8 x 4k
+#   137.6 against 143.6; one partition also needs no reduce kernel.
+# - An fp8 cache keeps splitting up to WHOLE_BLOCKS_FP8 pairs: each key costs half the bytes,
+#   so a block's share of the context streams in half the time and more blocks in flight pay
+#   off longer (batch 12 x 16k: 134.4 us in four partitions of 4,096 against 220.1 whole;
+#   batch 16 x 16k 178.4 against 222.9; batch 12 x 4k 46.1 in four of 1,024 against 61.2).
 # - Below it, about SPLIT_BLOCKS / pairs partitions of the context's bucket, of 64 to
 #   MAX_PARTITION keys. Batch 1 x 1k: 8 partitions of 128 keys, 13.4 us against 14.3 with 256
 #   and 20.2 with 1024; batch 1 x 16k: 1024 keys, 36.8 us against 41.8 with 256.
-# - Where that is two partitions or fewer (64+ pairs, half the GPU's blocks or more), the
-#   partition is the bucket / LONG_SPLIT keys, at least MAX_PARTITION: one partition up to
-#   1k (batch 8 x 512: 13.9 us against 17.4 in two of 256; batch 8 x 1k: one partition, 9-11 %
-#   faster than 2-4, the reduce kernel costs more than the extra blocks gain), 1,024 keys at
-#   4k (batch 8: 50 us against 55 in one partition), 4,096 at 16k (batch 8: 139.8 us against
-#   145 with 1,024).
+# - Where that is two partitions or fewer (from 64 pairs to the threshold), the partition is
+#   the bucket / LONG_SPLIT keys, at least MAX_PARTITION: one partition up to 1k (batch 8 x
+#   512: 13.9 us against 17.4 in two of 256), 1,024 keys at 4k (batch 8: 49.1 us against 55.1
+#   in one partition), 4,096 at 16k (batch 8: 140.5 against 149.4 with 1,024).
 # - The context enters only through its bucket (512, 2048, 8192, ...: x4), which are also the
 #   CUDA-graph seq-len tiers (cuda_graph_inputs.py): a graph captured at a tier picks the
 #   partition size eager picks for every context it serves, so their outputs are bitwise equal.
-WHOLE_BLOCKS = 512
+WHOLE_BLOCKS = 96
+WHOLE_BLOCKS_FP8 = 512
 SPLIT_BLOCKS = 128
 MAX_PARTITION = 1024
 LONG_SPLIT = 8
@@ -44,16 +50,18 @@ def context_bucket(max_seq_len: int) -> int:
     return bucket
 
 
-def decode_tc_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int:
-    """Keys per split-KV partition for a decode step (a multiple of 64), from host ints only.
+def decode_tc_partition_size(
+    num_seqs: int, num_kv_heads: int, max_seq_len: int, fp8_cache: bool = False
+) -> int:
+    """Keys per split-KV partition for a decode step (a multiple of 64), from host values only.
 
-    The rule above; never more than one partition past max_seq_len. Depends only on its
-    arguments, so a CUDA graph captured at a (batch, max_seq_len) shape launches the same grid
-    at replay.
+    The rule above (fp8_cache: the cache is float8_e4m3fn); never more than one partition
+    past max_seq_len. Depends only on its arguments, so a CUDA graph captured at a (batch,
+    max_seq_len) shape launches the same grid at replay.
     """
     whole = max(64, -(-max_seq_len // 64) * 64)
     pairs = max(num_seqs * num_kv_heads, 1)
-    if pairs >= WHOLE_BLOCKS:
+    if pairs >= (WHOLE_BLOCKS_FP8 if fp8_cache else WHOLE_BLOCKS):
         return whole
     bucket = context_bucket(max_seq_len)
     parts = -(-SPLIT_BLOCKS // pairs)
@@ -92,7 +100,8 @@ def paged_attention_decode_tc(
     zeros); returns out [num_seqs, num_q_heads, head_dim].
 
     partition_size: keys per split-KV partition, a multiple of 64; None picks
-                    ``decode_tc_partition_size(num_seqs, num_kv_heads, max_seq_len)``.
+                    ``decode_tc_partition_size(num_seqs, num_kv_heads, max_seq_len,
+                    fp8_cache)``.
 
     head_dim in DECODE_TC_HEAD_DIMS, at most DECODE_TC_MAX_GROUP query heads per kv head,
     block_size in {8, 16, 32}. Runs on the current stream of query's device; the workspaces
@@ -105,7 +114,10 @@ def paged_attention_decode_tc(
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if partition_size is None:
-        partition_size = decode_tc_partition_size(num_seqs, key_cache.shape[1], max_seq_len)
+        fp8_cache = key_cache.dtype == torch.float8_e4m3fn
+        partition_size = decode_tc_partition_size(
+            num_seqs, key_cache.shape[1], max_seq_len, fp8_cache
+        )
     if partition_size <= 0 or partition_size % 64 != 0:
         raise ValueError(f"partition_size must be a positive multiple of 64, got {partition_size}")
     parts = decode_tc_num_partitions(max_seq_len, partition_size)
