@@ -13,7 +13,7 @@ DECODE_TC_HEAD_DIMS = (64, 80, 96, 128, 256)
 DECODE_TC_MAX_GROUP = 16
 # The split rule, from partition-size sweeps on the H200 (bench/bench_attention.py
 # --tc-partition-sizes, bf16, head 128, GQA 32/8 and MHA 32/32; bench/results/
-# h200_2026-12-01c_fp8_decode.md, h200_2026-12-01e_decode_rule.md):
+# h200_2026-12-01c_fp8_decode.md, h200_2026-12-02_decode_rule.md):
 # - WHOLE_BLOCKS (sequence, kv head) pairs or more: no split. From 96 pairs up the context in
 #   one partition was the fastest or within 2 % of it at 2k, 4k and 16k: GQA batch 12 x 16k
 #   206.7 us against 228.5 in four partitions of 4,096 (SDPA 199.6), batch 16 x 4k 78.0
