@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from pydaemon.config import EngineConfig
+from pydaemon.kv_cache_fp8 import is_fp8
 from pydaemon.layers.attention import decode_kernel, uses_kernels
 from pydaemon.model_config import ModelConfig
 from pydaemon.ops.paged_decode_tc import (
@@ -142,7 +143,7 @@ def cuda_graph_plan(
         model_config.num_key_value_heads // tp,
         model_config.num_attention_heads // tp,
         model_config.head_dim,
-        fp8_cache=kv_cache.dtype == torch.float8_e4m3fn,
+        fp8_cache=is_fp8(kv_cache.dtype),
     )
 
 

@@ -15,21 +15,22 @@ DECODE_TC_MAX_GROUP = 16
 # --tc-partition-sizes, bf16, head 128, GQA 32/8 and MHA 32/32; bench/results/
 # h200_2026-12-01c_fp8_decode.md, h200_2026-12-02_decode_rule.md):
 # - WHOLE_BLOCKS (sequence, kv head) pairs or more: no split. From 96 pairs up the context in
-#   one partition was the fastest or within 2 % of it at 2k, 4k and 16k: GQA batch 12 x 16k
-#   206.7 us against 228.5 in four partitions of 4,096 (SDPA 199.6), batch 16 x 4k 78.0
-#   against 84.5 in four of 1,024, batch 32 x 16k 496.2 against 511.7, MHA batch 8 x 4k
-#   137.6 against 143.6; one partition also needs no reduce kernel.
+#   one partition was the fastest or within 2 % of it at 4k and 16k (decode_rule_sweep_*_h200_
+#   2026-12-02_d52af53.json): GQA batch 12 x 16k 203.8 us against 229.6 in four partitions of
+#   4,096 (SDPA 195.7), batch 16 x 4k 76.2 against 82.2 in four of 1,024, batch 32 x 16k
+#   494.3 against 503.0, MHA batch 3 x 16k 201.6 against 226.9; one partition also needs no
+#   reduce kernel.
 # - An fp8 cache keeps splitting up to WHOLE_BLOCKS_FP8 pairs: each key costs half the bytes,
 #   so a block's share of the context streams in half the time and more blocks in flight pay
-#   off longer (batch 12 x 16k: 134.4 us in four partitions of 4,096 against 220.1 whole;
-#   batch 16 x 16k 178.4 against 222.9; batch 12 x 4k 46.1 in four of 1,024 against 61.2).
+#   off longer (batch 12 x 16k: 133.3 us in four partitions of 4,096 against 219.9 whole;
+#   batch 16 x 16k 176.6 against 221.3; batch 12 x 4k 45.1 in four of 1,024 against 61.3).
 # - Below it, about SPLIT_BLOCKS / pairs partitions of the context's bucket, of 64 to
 #   MAX_PARTITION keys. Batch 1 x 1k: 8 partitions of 128 keys, 13.4 us against 14.3 with 256
 #   and 20.2 with 1024; batch 1 x 16k: 1024 keys, 36.8 us against 41.8 with 256.
 # - Where that is two partitions or fewer (from 64 pairs to the threshold), the partition is
 #   the bucket / LONG_SPLIT keys, at least MAX_PARTITION: one partition up to 1k (batch 8 x
-#   512: 13.9 us against 17.4 in two of 256), 1,024 keys at 4k (batch 8: 49.1 us against 55.1
-#   in one partition), 4,096 at 16k (batch 8: 140.5 against 149.4 with 1,024).
+#   512: 13.9 us against 17.4 in two of 256), 1,024 keys at 4k (batch 8: 48.9 us against 55.2
+#   in one partition), 4,096 at 16k (batch 8: 140.9 against 146.3 with 1,024).
 # - The context enters only through its bucket (512, 2048, 8192, ...: x4), which are also the
 #   CUDA-graph seq-len tiers (cuda_graph_inputs.py): a graph captured at a tier picks the
 #   partition size eager picks for every context it serves, so their outputs are bitwise equal.
