@@ -33,7 +33,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.timing import bench_ms, copy_bandwidth_gbs  # noqa: E402
 from pydaemon import ops  # noqa: E402
-from pydaemon.kv_cache_fp8 import quantize_fp8  # noqa: E402
+from pydaemon.quantization.kv_cache_fp8 import quantize_fp8  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 HEADS = {"gqa32/8": (32, 8), "gqa32/4": (32, 4), "mha32/32": (32, 32)}

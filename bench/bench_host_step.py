@@ -9,7 +9,7 @@ the GPU waits for. A batch of ``--num-seqs`` sequences with W1-like prompt lengt
     PYTHONPATH=. python bench/bench_host_step.py --num-seqs 256
     PYTHONPATH=. python bench/bench_host_step.py --async-scheduling  # the overlapped order
 
-``--async-scheduling`` runs the phases in async scheduling's order (pydaemon.async_step):
+``--async-scheduling`` runs the phases in async scheduling's order (pydaemon.core.sched.async_stepper):
 schedule(overlap=True) on placeholder tokens, the inputs with placeholders, then the update of
 the step before, then ``advance``; this host time is what hides behind the GPU's step.
 """
@@ -23,14 +23,13 @@ import time
 
 import numpy as np
 
-from pydaemon import _core
-from pydaemon.input_batch import InputBatch
+from pydaemon.core.request import Request, Sequence
+from pydaemon.core.runner_output import ModelRunnerOutput
+from pydaemon.core.sched.scheduler import Scheduler
+from pydaemon.core.stop_checker import StopChecker
 from pydaemon.outputs import RequestMetrics
-from pydaemon.request import Request, Sequence
-from pydaemon.runner_output import ModelRunnerOutput
 from pydaemon.sampling_params import SamplingParams
-from pydaemon.scheduler import Scheduler
-from pydaemon.stop_checker import StopChecker
+from pydaemon.worker.input_batch import InputBatch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,9 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.num_seqs)
     ]
     num_blocks = sum(len(p) + args.steps + 1 for p in prompts) // args.block_size + 2 * len(prompts)
-    bm = _core.BlockManager(args.block_size, num_blocks, 0, 0.0, True)
     scheduler = Scheduler(
-        bm,
+        block_size=args.block_size,
+        num_gpu_blocks=num_blocks,
         max_num_seqs=args.num_seqs,
         max_num_batched_tokens=1 << 30,
         max_model_len=args.max_model_len,

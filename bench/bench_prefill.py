@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.bench_attention import git_commit  # noqa: E402
 from bench.timing import bench_ms  # noqa: E402
 from pydaemon import ops  # noqa: E402
-from pydaemon.kv_cache_fp8 import quantize_fp8  # noqa: E402
 from pydaemon.ops.paged_prefill import wgmma_unavailable_reason  # noqa: E402
+from pydaemon.quantization.kv_cache_fp8 import quantize_fp8  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

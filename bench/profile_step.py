@@ -10,7 +10,7 @@ prompts, steps until every prompt is prefilled, then times ``--steps`` decode st
   other), and the share of the step's wall time the GPU was busy.
 
 ``--async-scheduling both`` then times the same engine, in the same batch state, with async
-scheduling (pydaemon.async_step: step N+1 scheduled and launched while step N runs), one
+scheduling (pydaemon.core.sched.async_stepper: step N+1 scheduled and launched while step N runs), one
 block of steps of each kind after the other, and reports both walls and the ratio.
 
 The summary is printed as a table and written as JSON (``--out``).
@@ -75,10 +75,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from pydaemon.async_step import AsyncStepper
-    from pydaemon.config import EngineConfig
-    from pydaemon.engine_core import EngineCore
-    from pydaemon.engine_core_types import EngineCoreRequest
+    from pydaemon.config.engine import EngineConfig
+    from pydaemon.core.messages import EngineCoreRequest
+    from pydaemon.core.sched.async_stepper import AsyncStepper
+    from pydaemon.engine.engine_core import EngineCore
     from pydaemon.sampling_params import SamplingParams
 
     config = EngineConfig(

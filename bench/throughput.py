@@ -122,7 +122,7 @@ def run_backend(backend: str, args: argparse.Namespace) -> dict:
         figures = run_pagedd(args.model, requests, args)
     else:
         if args.model == "demo":
-            from pydaemon.demo_model import demo_model_dir
+            from pydaemon.model_loader.demo_model import demo_model_dir
 
             args.model = str(demo_model_dir())
         from bench import throughput_hf

@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pydaemon import LLM, SamplingParams  # noqa: E402
-from pydaemon.default_model import DEFAULT_MODEL, default_model_path  # noqa: E402
+from pydaemon.model_loader.default_model import DEFAULT_MODEL, default_model_path  # noqa: E402
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 

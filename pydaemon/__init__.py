@@ -13,7 +13,7 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__vers
 def __getattr__(name: str):
     # LLM pulls in torch and the model code; import it lazily so `import pydaemon` stays light.
     if name == "LLM":
-        from pydaemon.llm import LLM
+        from pydaemon.entrypoints.llm import LLM
 
         return LLM
     raise AttributeError(name)

@@ -1,5 +1,5 @@
 """`python -m pydaemon ...` is `pagedd ...`."""
 
-from pydaemon.cli import main
+from pydaemon.entrypoints.cli import main
 
 raise SystemExit(main())

@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
-from pydaemon.gguf.tokenizer import bytes_to_unicode
+from pydaemon.tokenizer.gguf import bytes_to_unicode
 
 # K-quant block layouts (ggml-common.h): bytes per block of 256, and where the f16 scales are.
 _K_BLOCKS = {

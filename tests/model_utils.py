@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from pydaemon.attention_metadata import AttentionMetadata
+from pydaemon.layers.attention_metadata import AttentionMetadata
 
 
 @dataclass

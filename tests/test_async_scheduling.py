@@ -9,8 +9,8 @@ from engine_utils import hf_greedy, make_hf_model, random_prompts
 
 from pydaemon import LLM, SamplingParams
 from pydaemon._core import Device
-from pydaemon.config import EngineConfig
-from pydaemon.engine_core_types import EngineCoreRequest
+from pydaemon.config.engine import EngineConfig
+from pydaemon.core.messages import EngineCoreRequest
 
 VOCAB = 256
 
@@ -63,8 +63,8 @@ def test_flag_defaults_and_validation(model):
     ).async_scheduling
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig(model="demo", async_scheduling="yes")
-    from pydaemon.cli import build_parser
-    from pydaemon.server.settings import resolve
+    from pydaemon.entrypoints.cli import build_parser
+    from pydaemon.entrypoints.daemon.settings import resolve
 
     for argv, want in (
         ([], None),
@@ -304,11 +304,11 @@ def test_core_never_emits_after_a_finish_or_abort(model):
     for request_id, end in (("3", core.abort_request), ("2", lambda r: core.finish_seq(r, 0))):
         # An abort, and a stop string matched by the front end: blocks freed at once.
         seq_ids = [s.seq_id for s in core.scheduler.requests[request_id].seqs]
-        used = core.block_manager.num_used_blocks(Device.GPU)
+        used = core.scheduler.block_manager.num_used_blocks(Device.GPU)
         assert end(request_id)
         finished.add(request_id)
-        assert not any(core.block_manager.has_seq(s) for s in seq_ids)
-        assert core.block_manager.num_used_blocks(Device.GPU) < used
+        assert not any(core.scheduler.block_manager.has_seq(s) for s in seq_ids)
+        assert core.scheduler.block_manager.num_used_blocks(Device.GPU) < used
         collect(core.step())
     while core.has_unfinished_requests():
         collect(core.step())

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pydaemon.beam_search import BeamSearchState, length_normalized
+from pydaemon.core.beam_search import BeamSearchState, length_normalized
 
 transformers = pytest.importorskip("transformers")
 

@@ -9,10 +9,11 @@ import shutil
 import pytest
 from tokenizer_utils import MISTRAL_TEMPLATE, STYLES, build_hf_tokenizer
 
-from pydaemon.chat_template import render_chat_template
-from pydaemon.demo_model import demo_model_dir
-from pydaemon.hf_tokenizer import HFTokenizer
-from pydaemon.tokenizer import Tokenizer, load_tokenizer
+from pydaemon.model_loader.demo_model import demo_model_dir
+from pydaemon.tokenizer.chat_template import render_chat_template
+from pydaemon.tokenizer.hf import HFTokenizer
+from pydaemon.tokenizer.loader import load_tokenizer
+from pydaemon.tokenizer.sentencepiece import SentencePieceTokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -163,7 +164,7 @@ def test_sentencepiece_tokenizer_renders_like_transformers(tmp_path):
     }
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     ours = load_tokenizer(tmp_path)
-    assert isinstance(ours, Tokenizer)
+    assert isinstance(ours, SentencePieceTokenizer)
     ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     for messages in CHATS[:2]:
         assert ours.apply_chat_template(messages) == _ref_render(
@@ -171,7 +172,7 @@ def test_sentencepiece_tokenizer_renders_like_transformers(tmp_path):
         )
     # Without tokenizer_config.json the special tokens come from the SentencePiece model.
     (tmp_path / "tokenizer_config.json").unlink()
-    assert Tokenizer(tmp_path / "tokenizer.model").special_tokens_map == {
+    assert SentencePieceTokenizer(tmp_path / "tokenizer.model").special_tokens_map == {
         "bos_token": "<s>",
         "eos_token": "</s>",
         "unk_token": "<unk>",

@@ -14,9 +14,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model_utils import save_hf_model  # noqa: E402
 
-from pydaemon.attention_metadata import AttentionMetadata  # noqa: E402
-from pydaemon.config import EngineConfig  # noqa: E402
-from pydaemon.cuda_graph_inputs import (  # noqa: E402
+from pydaemon.config.engine import EngineConfig  # noqa: E402
+from pydaemon.layers.attention_metadata import AttentionMetadata  # noqa: E402
+from pydaemon.model_loader.loader import load_model  # noqa: E402
+from pydaemon.worker.cuda_graph_inputs import (  # noqa: E402
     GraphKey,
     buffer_words,
     capture_batch_sizes,
@@ -26,8 +27,7 @@ from pydaemon.cuda_graph_inputs import (  # noqa: E402
     make_graph_plan,
     pack_decode_inputs,
 )
-from pydaemon.cuda_graphs import CUDAGraphRunner  # noqa: E402
-from pydaemon.model_loader import load_model  # noqa: E402
+from pydaemon.worker.cuda_graphs import CUDAGraphRunner  # noqa: E402
 
 
 def test_batch_buckets():
@@ -211,8 +211,8 @@ def test_no_graphs_off_the_cuda_kernels_path(tiny_model):
 
 
 def test_config_and_cli_switches():
-    from pydaemon.cli import build_parser
-    from pydaemon.server.settings import resolve
+    from pydaemon.entrypoints.cli import build_parser
+    from pydaemon.entrypoints.daemon.settings import resolve
 
     assert EngineConfig().enforce_eager is False
     with pytest.raises(ValueError, match="enforce_eager must be true or false"):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from pydaemon.cuda_graph_inputs import capture_seq_len_tiers
 from pydaemon.layers.attention import decode_kernel
 from pydaemon.ops.paged_decode_tc import (
     DECODE_TC_MAX_GROUP,
@@ -17,6 +16,7 @@ from pydaemon.ops.paged_decode_tc import (
     decode_tc_num_partitions,
     decode_tc_partition_size,
 )
+from pydaemon.worker.cuda_graph_inputs import capture_seq_len_tiers
 
 
 @pytest.mark.parametrize("fp8_cache", [False, True])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pydaemon.server import settings
+from pydaemon.entrypoints.daemon import settings
 
 ROOT = Path(__file__).resolve().parents[1]
 UNIT = ROOT / "deploy" / "systemd" / "pagedd.service"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pydaemon.model_loader import load_model
+from pydaemon.model_loader.loader import load_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_utils import make_hf_model  # noqa: E402
@@ -67,8 +67,8 @@ def test_random_llama_fp8_against_unquantized(tmp_path, dtype):
 
 
 def test_smollm2_fp8_against_float32():
-    from pydaemon.default_model import default_model_path
-    from pydaemon.tokenizer import load_tokenizer
+    from pydaemon.model_loader.default_model import default_model_path
+    from pydaemon.tokenizer.loader import load_tokenizer
 
     try:
         path = default_model_path()

@@ -13,7 +13,7 @@ import torch
 
 from pydaemon.layers.activation import SiluAndMul
 from pydaemon.layers.rms_norm import RMSNorm
-from pydaemon.model_loader import load_model
+from pydaemon.model_loader.loader import load_model
 from pydaemon.models import llama
 from pydaemon.quantization.fp8 import Fp8Activation, quantize_per_token
 

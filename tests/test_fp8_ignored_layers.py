@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from pydaemon.config.checkpoint_format import parse_quantization_config
 from pydaemon.layers.parallel_linear import LinearBase
-from pydaemon.model_loader import load_model
-from pydaemon.quantization.checkpoint_format import parse_quantization_config
+from pydaemon.model_loader.loader import load_model
 from pydaemon.quantization.fp8 import FP8_DTYPE
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -241,7 +241,7 @@ def test_malformed_ignore_lists(raw, message):
 def test_tp2_ignored_layers_are_the_tp1_ones_sliced(float_model, tmp_path):
     """Ignored column- and row-parallel layers under TP=2 (gloo): rank 0 holds TP=1's bf16
     weights sliced, the others stay FP8."""
-    from pydaemon.llm import LLM
+    from pydaemon.entrypoints.llm import LLM
     from pydaemon.sampling_params import SamplingParams
 
     ignore = [r"re:model\.layers\.0\.self_attn\.", "model.layers.1.mlp.down_proj"]

@@ -12,9 +12,11 @@ from kv_logprobs import compare_logprobs, next_token_logprobs
 from model_utils import Seq, SimpleAllocator, build_step
 
 from pydaemon import LLM, SamplingParams
-from pydaemon.config import EngineConfig
-from pydaemon.kv_cache import KVCacheSpec
-from pydaemon.kv_cache_fp8 import (
+from pydaemon.config.engine import EngineConfig
+from pydaemon.layers.attention import PagedAttention
+from pydaemon.layers.paged_attention_torch import paged_attention_torch, write_kv_cache_torch
+from pydaemon.model_loader.loader import load_model
+from pydaemon.quantization.kv_cache_fp8 import (
     FP8_DTYPE,
     FP8_MAX,
     dequantize_fp8,
@@ -22,9 +24,7 @@ from pydaemon.kv_cache_fp8 import (
     quantize_fp8,
     resolve_kv_cache_dtype,
 )
-from pydaemon.layers.attention import PagedAttention
-from pydaemon.layers.paged_attention_torch import paged_attention_torch, write_kv_cache_torch
-from pydaemon.model_loader import load_model
+from pydaemon.worker.kv_cache import KVCacheSpec
 
 MIN_NORMAL = 2.0**-6  # smallest normal e4m3 magnitude; subnormals are spaced 2**-9
 
@@ -69,8 +69,8 @@ def test_kv_cache_dtype_resolution_and_config_errors():
 
 
 def test_cli_flag_reaches_the_engine_config():
-    from pydaemon.cli import build_parser
-    from pydaemon.server.settings import resolve
+    from pydaemon.entrypoints.cli import build_parser
+    from pydaemon.entrypoints.daemon.settings import resolve
 
     args = build_parser().parse_args(["serve", "--model", "demo", "--kv-cache-dtype", "fp8"])
     engine_kwargs, _, _ = resolve(args)

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pydaemon.config import EngineConfig
-from pydaemon.model_loader import load_model
+from pydaemon.config.engine import EngineConfig
+from pydaemon.model_loader.loader import load_model
 from pydaemon.quantization.fp8 import (
     FP8_DTYPE,
     FP8_MAX,
@@ -178,7 +178,7 @@ def test_tp2_fp8_equals_tp1(float_model, tmp_path):
     row-parallel layer (o_proj, down_proj) quantizes each rank's half of the activations
     with that half's per-token scale. Compared teacher-forced: every prefix of TP=1's
     greedy continuations, one next token each, with the logprobs of the top 5."""
-    from pydaemon.llm import LLM
+    from pydaemon.entrypoints.llm import LLM
     from pydaemon.sampling_params import SamplingParams
 
     write_fp8_checkpoint(float_model, tmp_path / "hf", "hf-block", (24, 40))

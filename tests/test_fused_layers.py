@@ -15,8 +15,8 @@ from pydaemon.distributed import parallel_state as ps
 from pydaemon.layers.activation import SiluAndMul
 from pydaemon.layers.parallel_linear import MergedColumnParallelLinear
 from pydaemon.layers.rms_norm import RMSNorm
-from pydaemon.model_loader import load_model
-from pydaemon.weight_targets import WeightLoader, weight_targets
+from pydaemon.model_loader.loader import load_model
+from pydaemon.model_loader.weight_targets import WeightLoader, weight_targets
 
 RANKS = [(1, 0), (2, 0), (2, 1)]  # (tp, rank)
 

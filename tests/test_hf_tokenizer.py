@@ -11,10 +11,11 @@ import pytest
 import tokenizers
 from tokenizer_utils import STYLES, TEXTS, build_hf_tokenizer
 
-from pydaemon.demo_model import demo_model_dir
-from pydaemon.detokenizer import IncrementalDetokenizer
-from pydaemon.hf_tokenizer import HFTokenizer
-from pydaemon.tokenizer import Tokenizer, load_tokenizer
+from pydaemon.engine.detokenizer import IncrementalDetokenizer
+from pydaemon.model_loader.demo_model import demo_model_dir
+from pydaemon.tokenizer.hf import HFTokenizer
+from pydaemon.tokenizer.loader import load_tokenizer
+from pydaemon.tokenizer.sentencepiece import SentencePieceTokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -175,7 +176,7 @@ def test_load_tokenizer_prefers_tokenizer_json(tmp_path, caplog):
         assert load_tokenizer(tmp_path) is None
     assert "has no tokenizer" in caplog.text and "tokenizer.json" in caplog.text
     shutil.copy(demo_model_dir(tmp_path / "cache") / "tokenizer.model", tmp_path)
-    assert isinstance(load_tokenizer(tmp_path), Tokenizer)
+    assert isinstance(load_tokenizer(tmp_path), SentencePieceTokenizer)
     build_hf_tokenizer(tmp_path, "qwen2")
     assert isinstance(load_tokenizer(tmp_path), HFTokenizer)
 

@@ -1,5 +1,8 @@
-"""Import structure, read with ``ast``: no import cycle in pydaemon/, and the gRPC servicer and
-the daemon app reach the engine only through the EngineClient interface."""
+"""Import structure, read with ``ast``: no import cycle between modules and no loop between
+folders (each folder is a layer: it imports only folders below it), ``ops/`` imports nothing
+above itself, nothing below the entry points imports them, the top-level modules are leaves,
+the gRPC servicer and the daemon app reach the engine only through the EngineClient interface,
+and the package keeps its size rules."""
 
 from __future__ import annotations
 
@@ -87,20 +90,96 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_pydaemon_has_no_import_cycle():
     graph = _graph()
-    assert "pydaemon.engine_core" in graph["pydaemon.engine"]  # the graph is read at all
+    # the graph is read at all
+    assert "pydaemon.engine.engine_core" in graph["pydaemon.engine.llm_engine"]
     assert _find_cycle(graph) is None, " -> ".join(_find_cycle(graph))
+
+
+# The package's own façade and ``python -m pydaemon``: above every layer by definition.
+ENTRY_MODULES = {"pydaemon", "pydaemon.__main__"}
+
+
+def _folder(module: str, modules: dict[str, Path]) -> str:
+    """The folder (package) a module sits in: pydaemon.core.sched.scheduler -> core.sched; a
+    package's __init__ belongs to the package itself; a top-level module is its own node."""
+    parts = module.split(".")[1:]
+    if modules[module].name == "__init__.py":
+        return ".".join(parts)
+    return ".".join(parts[:-1]) or parts[-1]
+
+
+def _folder_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, deps in _graph().items():
+        if name in ENTRY_MODULES:
+            continue
+        src = _folder(name, modules)
+        for dep in deps:
+            if dep in ENTRY_MODULES:
+                continue
+            dst = _folder(dep, modules)
+            if dst != src:
+                graph.setdefault(src, set()).add(dst)
+    return graph
+
+
+def test_no_folder_loop():
+    graph = _folder_graph()
+    assert "core.sched" in graph["worker"]  # the graph is read at all: the runner reads it
+    assert _find_cycle(graph) is None, " -> ".join(_find_cycle(graph))
+
+
+def test_top_level_modules_are_leaves():
+    """The plain data at the top (sampling_params, outputs) imports no folder."""
+    modules = _modules()
+    graph = _graph()
+    top = {m for m in modules if m.count(".") == 1 and modules[m].name != "__init__.py"}
+    for name in sorted(top - ENTRY_MODULES):
+        outside = graph[name] - top
+        assert not outside, f"{name} imports {sorted(outside)}"
+
+
+def test_ops_imports_nothing_above_itself():
+    for name, deps in _graph().items():
+        if name.startswith("pydaemon.ops"):
+            above = {d for d in deps if not d.startswith("pydaemon.ops") and d != "pydaemon"}
+            assert not above, f"{name} imports {sorted(above)}"
+
+
+def test_nothing_below_the_entry_points_imports_them():
+    for name, deps in _graph().items():
+        if name.startswith("pydaemon.entrypoints") or name in ENTRY_MODULES:
+            continue
+        below = {d for d in deps if d.startswith("pydaemon.entrypoints")}
+        assert not below, f"{name} imports {sorted(below)}"
+
+
+def test_package_size_rules():
+    """At most 12 top-level modules, none over 400 lines, and one module builds the one
+    BlockManager (the scheduler, its owner)."""
+    files = [p for p in PACKAGE_DIR.rglob("*.py") if "proto" not in p.parts]
+    top = sorted(p.name for p in PACKAGE_DIR.glob("*.py"))
+    assert len(top) <= 12, top
+    lines = {p.relative_to(PACKAGE_DIR).as_posix(): len(p.read_text().splitlines()) for p in files}
+    assert not {k: n for k, n in lines.items() if n > 400}
+    builders = [
+        p.relative_to(PACKAGE_DIR).as_posix() for p in files if "BlockManager(" in p.read_text()
+    ]
+    assert builders == ["core/sched/scheduler.py"]
 
 
 def test_the_server_reaches_the_engine_only_through_engine_client():
     graph = _graph()
     allowed_outside = {
         "pydaemon",  # __version__
-        "pydaemon.engine_client",
+        "pydaemon.engine.engine_client",
+        "pydaemon.entrypoints.common.validation",  # shared by gRPC and HTTP, no engine
         "pydaemon.proto.pagedd.v1.generation_pb2",
         "pydaemon.proto.pagedd.v1.generation_pb2_grpc",
     }
-    for name in ("pydaemon.server.servicer", "pydaemon.server.app"):
-        outside = {m for m in graph[name] if not m.startswith("pydaemon.server")}
+    for name in ("pydaemon.entrypoints.grpc.servicer", "pydaemon.entrypoints.daemon.app"):
+        outside = {m for m in graph[name] if not m.startswith("pydaemon.entrypoints")}
         assert outside, name
         assert outside <= allowed_outside, f"{name} imports {sorted(outside - allowed_outside)}"
 
@@ -114,8 +193,8 @@ def test_the_front_end_does_not_load_torch():
 
     code = (
         "import sys\n"
-        "import pydaemon.cli, pydaemon.mp_engine_client, pydaemon.server.app\n"
-        "import pydaemon.server.http.app, pydaemon.tokenizer, pydaemon.model_config\n"
+        "import pydaemon.entrypoints.cli, pydaemon.engine.mp_client, pydaemon.entrypoints.daemon.app\n"
+        "import pydaemon.entrypoints.openai.app, pydaemon.tokenizer.sentencepiece, pydaemon.config.model\n"
         "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
         "print(len(loaded))\n"
     )

@@ -15,11 +15,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pydaemon import LLM, SamplingParams
-from pydaemon.config import EngineConfig
-from pydaemon.kv_cache_fp8 import FP8_DTYPE, K_SCALE_RANGE, V_SCALE_RANGE
+from pydaemon.config.engine import EngineConfig
 from pydaemon.layers.attention import PagedAttention
 from pydaemon.layers.rotary_embedding import apply_rotary_qk
-from pydaemon.model_loader import load_model
+from pydaemon.model_loader.loader import load_model
+from pydaemon.quantization.kv_cache_fp8 import FP8_DTYPE, K_SCALE_RANGE, V_SCALE_RANGE
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_utils import make_hf_model, random_prompts  # noqa: E402
@@ -178,8 +178,8 @@ def test_config_errors_and_cli_flag():
         EngineConfig(kv_cache_dtype="fp8", calculate_kv_scales="yes")
     assert EngineConfig(kv_cache_dtype="fp8_e4m3", calculate_kv_scales=True).calculate_kv_scales
 
-    from pydaemon.cli import build_parser
-    from pydaemon.server.settings import resolve
+    from pydaemon.entrypoints.cli import build_parser
+    from pydaemon.entrypoints.daemon.settings import resolve
 
     argv = ["serve", "--model", "demo", "--kv-cache-dtype", "fp8", "--calculate-kv-scales"]
     engine_kwargs, _, _ = resolve(build_parser().parse_args(argv))

@@ -10,8 +10,8 @@ import torch
 from model_utils import Driver, save_hf_model
 from safetensors.torch import load_file, save_file
 
-from pydaemon.model_config import ModelConfig, resolve_dtype
-from pydaemon.model_loader import load_model
+from pydaemon.config.model import ModelConfig, resolve_dtype
+from pydaemon.model_loader.loader import load_model
 from pydaemon.models import get_model_class
 
 BASE = {

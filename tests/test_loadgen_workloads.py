@@ -101,8 +101,8 @@ def test_flags_build_the_workload():
 
 def test_default_workload_fits_the_demo_model():
     """The default used to be W1, whose ids and lengths the demo model cannot take."""
-    from pydaemon.config import EngineConfig
-    from pydaemon.engine import LLMEngine
+    from pydaemon.config.engine import EngineConfig
+    from pydaemon.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model="demo", device="cpu", num_kv_blocks=64))
     p = argparse.ArgumentParser()

@@ -8,7 +8,7 @@ import pytest
 import torch
 from model_utils import Driver, Seq, hf_greedy, save_hf_model
 
-from pydaemon.model_loader import load_model
+from pydaemon.model_loader.loader import load_model
 
 MAX_NEW = 32
 

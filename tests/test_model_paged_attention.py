@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from pydaemon.attention_metadata import AttentionMetadata
 from pydaemon.layers.attention import PagedAttention
+from pydaemon.layers.attention_metadata import AttentionMetadata
 from pydaemon.layers.paged_attention_torch import write_kv_cache_torch
 
 

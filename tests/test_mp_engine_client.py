@@ -9,8 +9,8 @@ import asyncio
 import pytest
 
 from pydaemon import LLM, SamplingParams
-from pydaemon.config import EngineConfig
-from pydaemon.mp_engine_client import MPEngineClient
+from pydaemon.config.engine import EngineConfig
+from pydaemon.engine.mp_client import MPEngineClient
 
 CONFIG = dict(model="demo", device="cpu", num_kv_blocks=128, max_num_seqs=16)
 CASES = {

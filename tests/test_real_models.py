@@ -18,7 +18,7 @@ from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 sys.path.insert(0, str(Path(__file__).parent / "server"))
 from server_helpers import BidiClient, ServerThread, joined_ids, joined_text  # noqa: E402
 
-from pydaemon.server.app import ServerOptions  # noqa: E402
+from pydaemon.entrypoints.daemon.app import ServerOptions  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 

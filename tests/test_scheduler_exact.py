@@ -11,15 +11,14 @@ import itertools
 import numpy as np
 import pytest
 
-from pydaemon import _core
-from pydaemon.input_batch import InputBatch
+from pydaemon.core.request import Request, RequestStatus, Sequence
+from pydaemon.core.runner_output import ModelRunnerOutput
+from pydaemon.core.sched.scheduler import Scheduler
+from pydaemon.core.sched.scheduler_output import SchedulerOutput
+from pydaemon.core.stop_checker import StopChecker
 from pydaemon.outputs import RequestMetrics
-from pydaemon.request import Request, RequestStatus, Sequence
-from pydaemon.runner_output import ModelRunnerOutput
 from pydaemon.sampling_params import SamplingParams
-from pydaemon.scheduler import Scheduler
-from pydaemon.scheduler_output import SchedulerOutput
-from pydaemon.stop_checker import StopChecker
+from pydaemon.worker.input_batch import InputBatch
 
 BLOCK_SIZE = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -59,17 +58,17 @@ class Harness:
         preemption_mode: str = "recompute",
         prefix_caching: bool = True,
     ) -> None:
-        self.bm = _core.BlockManager(
-            BLOCK_SIZE, num_gpu_blocks, num_cpu_blocks, 0.0, prefix_caching
-        )
         self.scheduler = Scheduler(
-            self.bm,
+            block_size=BLOCK_SIZE,
+            num_gpu_blocks=num_gpu_blocks,
+            num_cpu_blocks=num_cpu_blocks,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=budget,
             max_model_len=64,
             preemption_mode=preemption_mode,
             enable_prefix_caching=prefix_caching,
         )
+        self.bm = self.scheduler.block_manager
         self.batch = InputBatch(max_num_seqs, 64, BLOCK_SIZE)
 
     def add(self, *requests: Request) -> None:
@@ -256,7 +255,7 @@ def test_abort_frees_blocks_and_tells_the_runner(mode):
 def test_overlapped_schedule_decodes_placeholders_and_refuses_preemption():
     """Async scheduling: the next step is planned on placeholder tokens while the last one
     runs; a step that would have to preempt is refused, changing nothing."""
-    from pydaemon.request import PLACEHOLDER_TOKEN_ID
+    from pydaemon.core.request import PLACEHOLDER_TOKEN_ID
 
     h = Harness(num_gpu_blocks=5)
     a, b = make_request("a", _prompt(10, 7)), make_request("b", _prompt(40, 8))

@@ -114,7 +114,7 @@ def test_swap_round_trip_restores_kv_exactly(model_dir):
     runner = llm.engine.runner
     runner.kv_cache.copy_(torch.randn_like(runner.kv_cache))
     before = runner.kv_cache[[3, 7]].clone()
-    from pydaemon.scheduler import SchedulerOutput
+    from pydaemon.core.sched.scheduler import SchedulerOutput
 
     runner._move_blocks(SchedulerOutput(blocks_to_swap_out=[(3, 0), (7, 1)]))
     runner.kv_cache[[3, 7]] = 0

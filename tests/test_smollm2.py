@@ -12,8 +12,8 @@ import pytest
 import torch
 from gguf_utils import transformers_gguf_model
 
-from pydaemon.default_model import DEFAULT_MODEL, default_model_path
-from pydaemon.llm import LLM
+from pydaemon.entrypoints.llm import LLM
+from pydaemon.model_loader.default_model import DEFAULT_MODEL, default_model_path
 from pydaemon.sampling_params import SamplingParams
 
 try:
@@ -133,13 +133,13 @@ def test_streamed_text_equals_decode(llm):
 
 def test_chat_over_grpc_with_pagedd_generate(llm):
     """Out of the box: the daemon on the default model answers `pagedd generate --chat`.
-    Last in the module: the server's AsyncEngine takes the engine over."""
+    Last in the module: the server's InprocEngineClient takes the engine over."""
     sys.path.insert(0, str(Path(__file__).parent / "server"))
     from server_helpers import ServerThread
 
-    from pydaemon.cli import build_parser
-    from pydaemon.server.app import ServerOptions
-    from pydaemon.server.client import run_generate
+    from pydaemon.entrypoints.cli import build_parser
+    from pydaemon.entrypoints.daemon.app import ServerOptions
+    from pydaemon.entrypoints.grpc.client import run_generate
 
     st = ServerThread(ServerOptions(port=0))
     st.start(lambda: llm.engine, timeout=120)

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
+from pydaemon.core.stop_checker import StopChecker, StopDecision
 from pydaemon.sampling_params import SamplingParams
-from pydaemon.stop_checker import StopChecker, StopDecision
 
 EOS = 1000
 

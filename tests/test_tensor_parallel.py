@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from pydaemon.config import EngineConfig
-from pydaemon.llm import LLM
+from pydaemon.config.engine import EngineConfig
+from pydaemon.entrypoints.llm import LLM
 from pydaemon.sampling_params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -100,8 +100,8 @@ def test_kv_heads_not_divisible_is_a_clear_error(tmp_path):
 
 
 def test_flag_and_toml_key(tmp_path):
-    from pydaemon.cli import build_parser
-    from pydaemon.server.settings import resolve
+    from pydaemon.entrypoints.cli import build_parser
+    from pydaemon.entrypoints.daemon.settings import resolve
 
     toml = tmp_path / "pagedd.toml"
     toml.write_text("tensor-parallel-size = 4\n")
@@ -120,7 +120,7 @@ def test_tensor_parallel_size_is_validated(bad):
 
 
 def test_worker_killed_mid_generation_fails_the_engine_without_hanging(tmp_path):
-    from pydaemon.distributed.executor import TensorParallelError
+    from pydaemon.worker.tp_executor import TensorParallelError
 
     model_dir, _ = make_hf_model(tmp_path / "m")
     llm = LLM(str(model_dir), tensor_parallel_size=2, **COMMON, num_kv_blocks=256)
@@ -153,9 +153,9 @@ def test_daemon_streams_like_tp1_then_fails_cleanly_when_a_worker_dies():
     sys.path.insert(0, str(Path(__file__).parent / "server"))
     from server_helpers import BidiClient, ServerThread, joined_ids
 
-    from pydaemon.engine import LLMEngine
+    from pydaemon.engine.llm_engine import LLMEngine
+    from pydaemon.entrypoints.daemon.app import ServerOptions
     from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
-    from pydaemon.server.app import ServerOptions
 
     prompt, max_tokens = "The capital of France is", 12
     expected = (

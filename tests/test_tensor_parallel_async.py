@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from pydaemon._core import Device
-from pydaemon.engine_core_types import EngineCoreRequest
-from pydaemon.llm import LLM
+from pydaemon.core.messages import EngineCoreRequest
+from pydaemon.entrypoints.llm import LLM
 from pydaemon.sampling_params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -165,11 +165,11 @@ def test_abort_mid_run_frees_blocks_and_the_others_match(engines):
         collect(core.step())
     assert core.async_stepper.in_flight is not None  # aborted while a step runs on it
     seq_ids = [s.seq_id for s in core.scheduler.requests["a1"].seqs]
-    used = core.block_manager.num_used_blocks(Device.GPU)
+    used = core.scheduler.block_manager.num_used_blocks(Device.GPU)
     assert core.abort_request("a1")
     aborted = True
-    assert not any(core.block_manager.has_seq(s) for s in seq_ids)
-    assert core.block_manager.num_used_blocks(Device.GPU) < used
+    assert not any(core.scheduler.block_manager.has_seq(s) for s in seq_ids)
+    assert core.scheduler.block_manager.num_used_blocks(Device.GPU) < used
     while core.has_unfinished_requests():
         collect(core.step())
     assert tokens["a0"] == ref["abort"][0] and tokens["a2"] == ref["abort"][2]

@@ -84,7 +84,7 @@ def test_llama3_8b_config(tmp_path):
                      "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
                      "vocab_size": 128256, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
                      "max_position_embeddings": 8192}  # fmt: skip
-    from pydaemon.model_config import ModelConfig
+    from pydaemon.config.model import ModelConfig
 
     parsed = ModelConfig.from_model_dir(path)  # pagedd reads it
     assert (parsed.head_dim, parsed.rope_theta, parsed.max_model_len) == (128, 500000.0, 8192)

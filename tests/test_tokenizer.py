@@ -8,10 +8,11 @@ import shutil
 import pytest
 from model_utils import Driver
 
-from pydaemon.demo_model import build_demo_model, demo_model_dir
-from pydaemon.detokenizer import IncrementalDetokenizer
-from pydaemon.model_loader import load_model
-from pydaemon.tokenizer import Tokenizer, load_tokenizer
+from pydaemon.engine.detokenizer import IncrementalDetokenizer
+from pydaemon.model_loader.demo_model import build_demo_model, demo_model_dir
+from pydaemon.model_loader.loader import load_model
+from pydaemon.tokenizer.loader import load_tokenizer
+from pydaemon.tokenizer.sentencepiece import SentencePieceTokenizer
 
 TEXTS = [
     "Hello world, how are you today?",
@@ -30,7 +31,7 @@ def demo_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tok(demo_dir) -> Tokenizer:
+def tok(demo_dir) -> SentencePieceTokenizer:
     t = load_tokenizer(demo_dir)
     assert t is not None
     return t
@@ -75,7 +76,7 @@ def test_bos_eos_preference(demo_dir, tmp_path):
 def test_no_tokenizer_is_none(tmp_path):
     assert load_tokenizer(tmp_path) is None
     with pytest.raises(FileNotFoundError, match="tokenizer.model"):
-        Tokenizer(tmp_path / "tokenizer.model")
+        SentencePieceTokenizer(tmp_path / "tokenizer.model")
 
 
 def _stream(tok, prompt, output):

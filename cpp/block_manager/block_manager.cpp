@@ -1,5 +1,5 @@
-// Allocation, growth, fork, free, swap and prefix-cache registration. The per-step metadata
-// and the accounting are in step_metadata.cpp.
+// Allocation, growth, fork, free, swap and prefix-cache registration. The accounting is in
+// accounting.cpp.
 #include <cmath>
 #include <string>
 #include <unordered_map>

@@ -146,23 +146,6 @@ class BlockManager {
   // Test hook: hashes are ANDed with mask (mask 0 makes every block collide).
   void set_hash_mask(uint64_t mask);
 
-  // ---- step metadata ---------------------------------------------------------------------
-  // For n sequences (all on the GPU), with query_start[i] = tokens already computed and
-  // query_len[i] = tokens computed in this step:
-  //   block_tables [n, max_blocks] int32: the block table, padded with 0
-  //                (throws if a table is longer than max_blocks)
-  //   slot_mapping [sum(query_len)] int64: slots of positions [query_start, +query_len)
-  //   seq_lens     [n] int32: query_start + query_len
-  // Written straight into caller-owned buffers (row-major, contiguous). Throws
-  // BlockManagerError for an unknown or swapped-out sequence, query_start + query_len >
-  // num_tokens, or sum(query_len) != num_slots (outputs may then be partly written).
-  // Not thread-safe, like every other method: the binding releases the GIL around it, so one
-  // thread (the scheduler's) must own the manager.
-  void build_step_metadata(const SeqId* seq_ids, const int32_t* query_start,
-                           const int32_t* query_len, int64_t num_seqs, int32_t* block_tables,
-                           int64_t max_blocks, int64_t* slot_mapping, int64_t num_slots,
-                           int32_t* seq_lens) const;
-
   // ---- accounting and introspection ------------------------------------------------------
   int block_size() const;
   int num_total_blocks(Device device) const;

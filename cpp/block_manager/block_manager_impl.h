@@ -1,5 +1,5 @@
 // Private state of BlockManager, shared by block_manager.cpp (allocation, growth, swap, prefix
-// cache) and step_metadata.cpp (per-step metadata and accounting).
+// cache) and accounting.cpp (accounting and introspection).
 #pragma once
 
 #include <string>

@@ -4,7 +4,7 @@
 // cudaError_t (cudaErrorInvalidValue for an unsupported size). No torch, no nanobind: the
 // validating binding lives in cpp/bindings/cuda_bindings.cpp.
 //
-// KV-cache layout (pydaemon/attention_metadata.py): kv_cache [num_blocks, num_layers, 2,
+// KV-cache layout (pydaemon/layers/attention_metadata.py): kv_cache [num_blocks, num_layers, 2,
 // num_kv_heads, block_size, head_dim]. One layer's key_cache / value_cache is the strided view
 // [num_blocks, num_kv_heads, block_size, head_dim] whose inner [block_size, head_dim] is
 // contiguous; the block and head strides are passed in.

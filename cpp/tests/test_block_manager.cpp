@@ -124,7 +124,7 @@ static void test_set_last_token_id() {
   CHECK_THROWS(hashed.set_last_token_id(3, 1), BlockManagerError);  // unknown sequence
 }
 
-static void test_bad_args_and_metadata() {
+static void test_bad_args() {
   CHECK_THROWS(BlockManager(0, 8, 0), std::invalid_argument);
   CHECK_THROWS(BlockManager(4, 0, 0), std::invalid_argument);
   CHECK_THROWS(BlockManager(4, 8, -1), std::invalid_argument);
@@ -132,15 +132,6 @@ static void test_bad_args_and_metadata() {
   BlockManager bm(4, 8, 0, 0.0);
   bm.allocate(7, tokens(5));
   CHECK_THROWS(bm.allocate(7, tokens(5)), BlockManagerError);
-  SeqId ids[1] = {7};
-  int32_t qs[1] = {3}, ql[1] = {2}, bt[3] = {-1, -1, -1}, sl[1] = {0};
-  int64_t slots[2] = {0, 0};
-  bm.build_step_metadata(ids, qs, ql, 1, bt, 3, slots, 2, sl);
-  CHECK(bt[0] == 0 && bt[1] == 1 && bt[2] == 0);
-  CHECK(slots[0] == 3 && slots[1] == 4 && sl[0] == 5);
-  CHECK_THROWS(bm.build_step_metadata(ids, qs, ql, 1, bt, 1, slots, 2, sl), BlockManagerError);
-  ql[0] = 3;
-  CHECK_THROWS(bm.build_step_metadata(ids, qs, ql, 1, bt, 3, slots, 2, sl), BlockManagerError);
 }
 
 // Random operations; the invariants are checked through the public API.
@@ -196,7 +187,7 @@ int main() {
   test_fork_cow_swap();
   test_prefix_cache_and_collision();
   test_set_last_token_id();
-  test_bad_args_and_metadata();
+  test_bad_args();
   test_random_ops();
   if (g_failures) {
     std::fprintf(stderr, "%d check(s) failed\n", g_failures);

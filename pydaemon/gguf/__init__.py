@@ -1,4 +1,5 @@
-"""GGUF checkpoints (llama.cpp's single-file format): config, weights and tokenizer.
+"""GGUF checkpoints (llama.cpp's single-file format): config and weights (the tokenizer
+in its metadata: pydaemon.tokenizer.gguf).
 
 The weights (``pydaemon.gguf.weights.iter_gguf_weights``) are imported from their module by
 the loader: they need torch, and this package is also read by the daemon's front end (GGUF
@@ -7,7 +8,6 @@ metadata, tokenizer), which does not load torch.
 
 from pydaemon.gguf.config import GGUF_ARCHITECTURES, load_gguf_config
 from pydaemon.gguf.reader import SUPPORTED_TENSOR_TYPES, GGUFFile, is_gguf_file
-from pydaemon.gguf.tokenizer import load_gguf_tokenizer
 
 __all__ = [
     "GGUF_ARCHITECTURES",
@@ -15,5 +15,4 @@ __all__ = [
     "GGUFFile",
     "is_gguf_file",
     "load_gguf_config",
-    "load_gguf_tokenizer",
 ]

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydaemon.config.model import ModelConfig
 from pydaemon.gguf.reader import GGUFFile
-from pydaemon.model_config import ModelConfig
 
 # general.architecture -> the Hugging Face architecture pagedd serves it as.
 GGUF_ARCHITECTURES = {

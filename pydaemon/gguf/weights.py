@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import torch
 
+from pydaemon.config.model import ModelConfig
 from pydaemon.gguf.reader import GGUFFile
-from pydaemon.model_config import ModelConfig
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",

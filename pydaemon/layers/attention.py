@@ -19,7 +19,7 @@ the torch path, which applies the window (the CUDA decode kernel has none).
 An FP8 cache (``--kv-cache-dtype fp8``, see kv_cache_fp8.py) takes the same routes: the kernels
 quantize on write and dequantize in registers; the torch path quantizes and dequantizes around
 its gathers. ``k_scale`` / ``v_scale`` are this layer's scales (1.0 unless the checkpoint has
-them, or measured by ``--calculate-kv-scales``: pydaemon/kv_scale_calibration.py); a cache in
+them, or measured by ``--calculate-kv-scales``: pydaemon/worker/kv_scale_calibration.py); a cache in
 the model's dtype ignores them.
 """
 
@@ -31,11 +31,11 @@ import os
 import torch
 from torch import nn
 
-from pydaemon.attention_metadata import AttentionMetadata
-from pydaemon.kv_cache_fp8 import FP8_DTYPE, measure_kv_scales
+from pydaemon.layers.attention_metadata import AttentionMetadata
 from pydaemon.layers.paged_attention_torch import paged_attention_torch, write_kv_cache_torch
 from pydaemon.layers.rotary_embedding import apply_rotary_qk
 from pydaemon.ops.paged_decode_tc import DECODE_TC_HEAD_DIMS, DECODE_TC_MAX_GROUP
+from pydaemon.quantization.kv_cache_fp8 import FP8_DTYPE, measure_kv_scales
 
 # "auto": the CUDA kernels where they apply; "torch": always the torch path (debugging, A/B).
 BACKEND = os.environ.get("PAGEDD_ATTENTION_BACKEND", "auto")

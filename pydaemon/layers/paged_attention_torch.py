@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pydaemon.attention_metadata import AttentionMetadata
-from pydaemon.kv_cache_fp8 import dequantize_fp8, is_fp8, quantize_fp8
+from pydaemon.layers.attention_metadata import AttentionMetadata
+from pydaemon.quantization.kv_cache_fp8 import dequantize_fp8, is_fp8, quantize_fp8
 
 
 def write_kv_cache_torch(

@@ -14,7 +14,7 @@ at TP=1 (so the single-GPU model is exactly the unsharded one).
 
 Every sharded module lists ``tp_shards``: parameter name -> (dim, size in the checkpoint),
 which the loader uses to read only this rank's slice (``shard_range``); a merged linear
-describes its parts instead (``packed_parts``, ``part_range``; see pydaemon/weight_targets.py).
+describes its parts instead (``packed_parts``, ``part_range``; see pydaemon/model_loader/weight_targets.py).
 
 Quantization (vLLM's scheme): a linear layer built with a ``quant_config`` gets its weights
 from ``quant_config.linear_method()`` (``create_weights``: e.g. an FP8 ``weight`` and its
@@ -22,7 +22,7 @@ from ``quant_config.linear_method()`` (``create_weights``: e.g. an FP8 ``weight`
 ``F.linear``. The factories then return the parallel class even at TP=1 (there it is the
 unsharded layer). The embedding and the LM head are never quantized; a layer the
 checkpoint's ignore list names is made unquantized again (``skip_quantization``, see
-pydaemon/quantization/ignored_layers.py).
+pydaemon/model_loader/ignored_layers.py).
 """
 
 from __future__ import annotations
@@ -88,24 +88,6 @@ def takes_fp8_input(layer: nn.Module) -> bool:
     """Whether ``layer``'s forward accepts an ``Fp8Activation`` (the op before it quantizes
     its output in its own kernel) as well as a tensor: an FP8-quantized linear layer."""
     return isinstance(layer, LinearBase) and layer.quant_method is not None
-
-
-class ColumnParallelLinear(LinearBase):
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool,
-        what: str,
-        quant_config: Fp8Config | None = None,
-    ) -> None:
-        super().__init__(quant_config)
-        tp = ps.get_tp_world_size()
-        self.create_weights(_split(out_features, tp, what), in_features, bias)
-        self.tp_shards = {"weight": (0, out_features), "bias": (0, out_features)}
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out / tp]
-        return self.matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(LinearBase):
@@ -204,18 +186,6 @@ def parallel_logits(
     -> [N, vocab_size] float32 on rank 0, None on the other ranks."""
     full = ps.gather_last_dim(F.linear(hidden_states, weight))
     return None if full is None else full[:, :vocab_size].float()
-
-
-def column_linear(
-    in_features: int,
-    out_features: int,
-    bias: bool,
-    what: str,
-    quant_config: Fp8Config | None = None,
-) -> nn.Module:
-    if ps.get_tp_world_size() == 1 and quant_config is None:
-        return nn.Linear(in_features, out_features, bias=bias)
-    return ColumnParallelLinear(in_features, out_features, bias, what, quant_config)
 
 
 def row_linear(

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from pydaemon import ops
-from pydaemon.model_config import RopeScaling
+from pydaemon.config.model import RopeScaling
 
 
 def compute_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:

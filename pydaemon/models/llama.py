@@ -4,7 +4,7 @@ window), Qwen3 dense (RMSNorm of q and k per head, before RoPE).
 Fused as in vLLM: q/k/v are one GEMM (``qkv_proj``), gate/up one GEMM (``gate_up_proj``)
 followed by SiLU-and-multiply, and each residual add is fused with the RMSNorm after it (the
 decoder layer hands ``(hidden_states, residual)`` to the next). Other parameter names equal
-the Hugging Face checkpoint names; pydaemon/weight_targets.py maps the checkpoint's separate
+the Hugging Face checkpoint names; pydaemon/model_loader/weight_targets.py maps the checkpoint's separate
 q/k/v and gate/up tensors into the packed ones.
 
 Tensor parallel (Megatron): qkv_proj and gate_up_proj are column-parallel (each rank its
@@ -24,10 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pydaemon.attention_metadata import AttentionMetadata
+from pydaemon.config.model import ModelConfig
 from pydaemon.distributed import parallel_state as ps
 from pydaemon.layers.activation import SiluAndMul
 from pydaemon.layers.attention import PagedAttention
+from pydaemon.layers.attention_metadata import AttentionMetadata
 from pydaemon.layers.parallel_linear import (
     MergedColumnParallelLinear,
     lm_head,
@@ -38,7 +39,6 @@ from pydaemon.layers.parallel_linear import (
 )
 from pydaemon.layers.rms_norm import RMSNorm
 from pydaemon.layers.rotary_embedding import RotaryEmbedding
-from pydaemon.model_config import ModelConfig
 
 if TYPE_CHECKING:
     from pydaemon.quantization.config import Fp8Config

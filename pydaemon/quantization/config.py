@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pydaemon.quantization.checkpoint_format import (  # noqa: F401 - parse_... re-exported
+from pydaemon.config.checkpoint_format import (  # noqa: F401 - parse_... re-exported
     CheckpointQuantization,
     parse_quantization_config,
 )

@@ -25,7 +25,7 @@ from torch import nn
 from pydaemon import ops
 
 if TYPE_CHECKING:
-    from pydaemon.quantization.checkpoint_format import CheckpointQuantization
+    from pydaemon.config.checkpoint_format import CheckpointQuantization
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pydaemon.kv_cache_fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
+from pydaemon.quantization.kv_cache_fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
 
 
 @dataclass

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine_utils import gaps_to_fp32_argmax, make_hf_model, random_prompts  # noqa: E402
 
 from pydaemon import LLM, SamplingParams  # noqa: E402
-from pydaemon.input_batch import StepInput  # noqa: E402
+from pydaemon.worker.input_batch import StepInput  # noqa: E402
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 12800  # 100 sequences of up to 2048 tokens

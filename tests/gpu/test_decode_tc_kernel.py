@@ -255,8 +255,8 @@ def test_decode_tc_argument_errors_name_the_problem():
 
 
 def test_layer_decode_step_uses_tc_kernel_up_to_16_heads_a_group(monkeypatch):
-    from pydaemon.attention_metadata import AttentionMetadata
     from pydaemon.layers.attention import PagedAttention, decode_kernel
+    from pydaemon.layers.attention_metadata import AttentionMetadata
 
     assert decode_kernel(4, 128) == "tensor_cores"
     assert decode_kernel(1, 128) == "tensor_cores"  # MHA
@@ -361,8 +361,8 @@ def test_layer_mixed_step_splits_prefill_and_decode_rows(heads, monkeypatch):
     (GQA, MHA) sends the chunks to the prefill kernel and the decode rows to the decode
     kernel (two launches, one output); a group of 32 keeps one prefill launch. Either way the
     output is the torch path's."""
-    from pydaemon.attention_metadata import AttentionMetadata
     from pydaemon.layers.attention import PagedAttention
+    from pydaemon.layers.attention_metadata import AttentionMetadata
     from pydaemon.layers.paged_attention_torch import paged_attention_torch
 
     calls = []

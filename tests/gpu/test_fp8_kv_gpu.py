@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pydaemon import ops
-from pydaemon.kv_cache_fp8 import FP8_DTYPE, FP8_MAX, dequantize_fp8, quantize_fp8
+from pydaemon.quantization.kv_cache_fp8 import FP8_DTYPE, FP8_MAX, dequantize_fp8, quantize_fp8
 
 from .kv_factory import fp8_batch, make_paged_batch, reference_decode, reference_prefill
 
@@ -271,7 +271,7 @@ def test_model_next_token_distributions_with_fp8_kv(model_dir, dtype, monkeypatc
     fp8 kernels against the torch path's fp8 emulation on the same GPU: both store the same
     bytes, so they differ by fp16/bf16 arithmetic only: a small fraction of the fp8 KL."""
     from pydaemon.layers import attention
-    from pydaemon.model_loader import load_model
+    from pydaemon.model_loader.loader import load_model
 
     model, _ = load_model(model_dir, dtype=dtype, device="cuda")
     prompts = random_prompts(4, 512, 24, 300, seed=7)

@@ -19,7 +19,7 @@ from fp8_utils import PASSAGE, fp8_weight, write_fp8_checkpoint  # noqa: E402
 from model_utils import Seq, SimpleAllocator, build_step, make_kv_cache  # noqa: E402
 
 from pydaemon import LLM, SamplingParams, ops  # noqa: E402
-from pydaemon.model_loader import load_model  # noqa: E402
+from pydaemon.model_loader.loader import load_model  # noqa: E402
 from pydaemon.quantization.fp8 import (  # noqa: E402
     Fp8LinearMethod,
     emulated_scaled_mm,
@@ -165,7 +165,7 @@ def _compare(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float, float]
 
 
 def _default_model() -> Path:
-    from pydaemon.default_model import default_model_path
+    from pydaemon.model_loader.default_model import default_model_path
 
     try:
         return default_model_path()
@@ -175,7 +175,7 @@ def _default_model() -> Path:
 
 def test_smollm2_fp8_logits_against_bf16(record_property):
     path = _default_model()
-    from pydaemon.tokenizer import load_tokenizer
+    from pydaemon.tokenizer.loader import load_tokenizer
 
     tokens = load_tokenizer(path).encode(PASSAGE)
     bf16, _ = load_model(path, dtype="bfloat16", device="cuda")

@@ -145,8 +145,8 @@ def run_layer_step(chunks, num_q_heads, num_kv_heads, head_dim=128, bs=16):
     """PagedAttention on CUDA for one step of (cached prefix, new tokens) sequences, prefill
     chunks first: writes the new K/V through slot_mapping, then attends. Returns (out [T, Hq,
     D], float64 reference, metadata)."""
-    from pydaemon.attention_metadata import AttentionMetadata
     from pydaemon.layers.attention import PagedAttention, uses_kernels
+    from pydaemon.layers.attention_metadata import AttentionMetadata
 
     dtype = torch.bfloat16
     query_lens = [q for _, q in chunks]

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from pydaemon import LLM, SamplingParams, ops
-from pydaemon.kv_cache_fp8 import FP8_DTYPE
+from pydaemon.config.model import RopeScaling
 from pydaemon.layers.rotary_embedding import RotaryEmbedding
-from pydaemon.model_config import RopeScaling
+from pydaemon.quantization.kv_cache_fp8 import FP8_DTYPE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine_utils import gaps_to_fp32_argmax, make_hf_model, random_prompts  # noqa: E402
@@ -191,8 +191,8 @@ def test_attention_layer_with_rotary_equals_rotating_first(cache_dtype, sliding_
     """PagedAttention(..., rotary=(cos, sin)) on CUDA (fused kernel, then attention; windowed
     layers attend on the torch path) against the rotary kernel, then the layer without rotary:
     the same output, query and cache bits, prefill chunks and decode rows in one step."""
-    from pydaemon.attention_metadata import AttentionMetadata
     from pydaemon.layers.attention import PagedAttention, uses_kernels
+    from pydaemon.layers.attention_metadata import AttentionMetadata
 
     heads, kv_heads, head_dim, bs = 16, 4, 128, 16
     chunks = [(0, 40), (20, 77), (99, 1), (15, 1)]  # (cached, new): two prefills, two decodes

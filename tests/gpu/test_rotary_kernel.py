@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from pydaemon import ops
+from pydaemon.config.model import RopeScaling
 from pydaemon.layers.rotary_embedding import (
     RotaryEmbedding,
     apply_rotary,
     apply_rotary_qk,
     rotate_half,
 )
-from pydaemon.model_config import RopeScaling
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # Inputs reach |x| ~ 15, where one fp16 ulp is 2^-7 and one bf16 ulp 2^-4: cos/sin rounded to

@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gguf_utils import transformers_gguf_model  # noqa: E402
 
 from pydaemon import LLM, SamplingParams  # noqa: E402
-from pydaemon.default_model import default_model_path  # noqa: E402
 from pydaemon.layers.attention import uses_kernels  # noqa: E402
+from pydaemon.model_loader.default_model import default_model_path  # noqa: E402
 
 MAX_TOKENS = 300
 QUESTIONS = [

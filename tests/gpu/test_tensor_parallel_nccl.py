@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pydaemon._core import Device
-from pydaemon.llm import LLM
+from pydaemon.entrypoints.llm import LLM
 from pydaemon.sampling_params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
@@ -84,7 +84,7 @@ def _generate(path, prompts, params, **kwargs) -> tuple[list, dict]:
         outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
         core = llm.engine.core
         stepper, graphs = core.async_stepper, core.runner.cuda_graphs
-        bm = core.block_manager
+        bm = core.scheduler.block_manager
         info = {
             "overlapped": 0 if stepper is None else stepper.num_overlapped_steps,
             "replays": 0 if graphs is None else graphs.num_replays,
@@ -194,7 +194,7 @@ def test_nccl_tp2_async_launch_never_waits_for_the_gpu(async_model):
         torch.cuda.synchronize()
         while llm.engine.has_unfinished_requests():
             llm.engine.step()
-        bm = llm.engine.core.block_manager
+        bm = llm.engine.core.scheduler.block_manager
         assert bm.num_used_blocks(Device.GPU) == 0
     finally:
         llm.engine.shutdown()

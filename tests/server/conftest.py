@@ -1,7 +1,7 @@
 """Fixtures: a real in-process server on a free local port.
 
 ``demo_engine`` is one real LLMEngine on the demo model (CPU), loaded once per session and
-handed from server to server (each server's AsyncEngine owns it while it runs and aborts
+handed from server to server (each server's InprocEngineClient owns it while it runs and aborts
 what is left when it drains). Set PAGEDD_SERVER_TEST_ENGINE=fake to use the fake engine
 instead (when the real engine is being reworked). Tests that need behaviour only the fake
 can produce (a failing or hung step, huge deltas, slow steps) use FakeEngine explicitly.
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fake_engine import FakeEngine  # noqa: E402
 from server_helpers import ServerThread  # noqa: E402
 
-from pydaemon.server.app import ServerOptions  # noqa: E402
+from pydaemon.entrypoints.daemon.app import ServerOptions  # noqa: E402
 
 DEMO_NUM_KV_BLOCKS = 256
 _shared: dict[str, object] = {}
@@ -35,8 +35,8 @@ def shared_demo_engine():
                 num_gpu_blocks=DEMO_NUM_KV_BLOCKS, max_model_len=2048, step_delay_s=0.002
             )
         else:
-            from pydaemon.config import EngineConfig
-            from pydaemon.engine import LLMEngine
+            from pydaemon.config.engine import EngineConfig
+            from pydaemon.engine.llm_engine import LLMEngine
 
             _shared["engine"] = LLMEngine(
                 EngineConfig(model="demo", device="cpu", num_kv_blocks=DEMO_NUM_KV_BLOCKS)

@@ -12,10 +12,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from pydaemon.chat_template import render_chat_template
-from pydaemon.generation_config import GenerationDefaults
+from pydaemon.config.generation import GenerationDefaults
 from pydaemon.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pydaemon.sampling_params import SamplingParams
+from pydaemon.tokenizer.chat_template import render_chat_template
 
 
 class FakeTokenizer:

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pydaemon.async_engine import AsyncEngine
+from pydaemon.engine.inproc_client import InprocEngineClient
+from pydaemon.entrypoints.daemon.app import PageddServer, ServerOptions
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 from pydaemon.proto.pagedd.v1 import generation_pb2_grpc as pb_grpc
-from pydaemon.server.app import PageddServer, ServerOptions
 
 
 class ServerThread:
@@ -36,12 +36,12 @@ class ServerThread:
         return self.call(self.server.listen())
 
     def start(self, engine_factory: Callable, timeout: float = 60.0) -> ServerThread:
-        """Serves the engine ``engine_factory`` builds through an in-process AsyncEngine."""
-        self.call(self.server.start(lambda: AsyncEngine.load(engine_factory)), timeout)
+        """Serves the engine ``engine_factory`` builds through an in-process InprocEngineClient."""
+        self.call(self.server.start(lambda: InprocEngineClient.load(engine_factory)), timeout)
         return self
 
     def start_async(self, engine_factory: Callable):
-        factory = lambda: AsyncEngine.load(engine_factory)  # noqa: E731
+        factory = lambda: InprocEngineClient.load(engine_factory)  # noqa: E731
         return asyncio.run_coroutine_threadsafe(self.server.start(factory), self.loop)
 
     @property

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pydaemon.server.http.chunk_template import IDS_MARKER, TEXT_MARKER, ChunkTemplate
-from pydaemon.server.http.responses import (
+from pydaemon.entrypoints.openai.chunk_template import IDS_MARKER, TEXT_MARKER, ChunkTemplate
+from pydaemon.entrypoints.openai.responses import (
     ChatChunkChoice,
     ChatCompletionChunk,
     CompletionChoice,

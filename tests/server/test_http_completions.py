@@ -201,7 +201,7 @@ def shared_tokenizer():
 def test_generation_config_defaults_fill_unset_fields(monkeypatch):
     from conftest import shared_demo_engine
 
-    from pydaemon.generation_config import GenerationDefaults
+    from pydaemon.config.generation import GenerationDefaults
 
     monkeypatch.setattr(shared_demo_engine(), "generation_defaults", GenerationDefaults(0.0))
     st = start_http_server()  # reads the model's defaults when it starts

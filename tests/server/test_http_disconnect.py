@@ -124,7 +124,7 @@ def test_a_client_that_stops_reading_is_dropped_after_the_stall_timeout(start_se
     from aiohttp import web
     from conftest import shared_demo_engine
 
-    from pydaemon.server.servicer import ServingOptions
+    from pydaemon.entrypoints.grpc.servicer import ServingOptions
 
     # A client that stops reading, as the server sees it: after the first two chunks, writes
     # to the event stream never complete (the socket buffers are full).

@@ -140,7 +140,7 @@ def test_draining_is_503_and_health_says_so():
 
 
 def _serving(**kw):
-    from pydaemon.server.servicer import ServingOptions
+    from pydaemon.entrypoints.grpc.servicer import ServingOptions
 
     return ServingOptions(**kw)
 

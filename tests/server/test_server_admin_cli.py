@@ -7,8 +7,8 @@ import json
 import socket
 import threading
 
-from pydaemon.cli import build_parser
-from pydaemon.server.admin import run_admin
+from pydaemon.entrypoints.cli import build_parser
+from pydaemon.entrypoints.grpc.admin import run_admin
 
 
 def _run(*argv: str) -> tuple[int, str, str]:
@@ -49,7 +49,7 @@ def test_health_wait_until_serving():
     from fake_engine import FakeEngine
     from server_helpers import ServerThread
 
-    from pydaemon.server.app import ServerOptions
+    from pydaemon.entrypoints.daemon.app import ServerOptions
 
     st = ServerThread(ServerOptions(port=0))
     try:

@@ -1,4 +1,4 @@
-"""AsyncEngine on its own: the engine thread, command queue and per-request queues."""
+"""InprocEngineClient on its own: the engine thread, command queue and per-request queues."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import asyncio
 import pytest
 from fake_engine import FakeEngine
 
-from pydaemon.async_engine import AsyncEngine, EngineDeadError
+from pydaemon.engine.inproc_client import EngineDeadError, InprocEngineClient
 from pydaemon.sampling_params import SamplingParams
 
 
 def run(coro_fn, engine: FakeEngine):
     async def main():
-        async_engine = AsyncEngine(engine)
+        async_engine = InprocEngineClient(engine)
         async_engine.start()
         try:
             return await coro_fn(async_engine)
@@ -24,7 +24,7 @@ def run(coro_fn, engine: FakeEngine):
 
 
 def test_concurrent_requests_stream_their_own_deltas():
-    async def body(ae: AsyncEngine):
+    async def body(ae: InprocEngineClient):
         async def one(rid, prompt, n):
             ids = []
             async for out in ae.generate(rid, prompt, SamplingParams(max_tokens=n)):
@@ -38,7 +38,7 @@ def test_concurrent_requests_stream_their_own_deltas():
 
 
 def test_bad_input_raises_value_error_from_the_engine_thread():
-    async def body(ae: AsyncEngine):
+    async def body(ae: InprocEngineClient):
         with pytest.raises(ValueError, match="prompt is empty"):
             async for _ in ae.generate("a", [], SamplingParams()):
                 pass
@@ -48,7 +48,7 @@ def test_bad_input_raises_value_error_from_the_engine_thread():
 
 
 def test_leaving_early_aborts_and_frees_blocks():
-    async def body(ae: AsyncEngine):
+    async def body(ae: InprocEngineClient):
         async for _ in ae.generate("a", [1], SamplingParams(max_tokens=100)):
             break
         for _ in range(100):
@@ -64,7 +64,7 @@ def test_leaving_early_aborts_and_frees_blocks():
 
 
 def test_engine_failure_fails_live_and_new_requests():
-    async def body(ae: AsyncEngine):
+    async def body(ae: InprocEngineClient):
         with pytest.raises(EngineDeadError, match="simulated internal failure"):
             async for _ in ae.generate("a", [1], SamplingParams(max_tokens=4)):
                 pass
@@ -77,7 +77,7 @@ def test_engine_failure_fails_live_and_new_requests():
 
 
 def test_idle_engine_thread_keeps_beating():
-    async def body(ae: AsyncEngine):
+    async def body(ae: InprocEngineClient):
         before = ae.num_loop_iterations
         await asyncio.sleep(1.2)
         return ae.num_loop_iterations - before, ae.seconds_since_progress()

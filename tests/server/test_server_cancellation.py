@@ -120,6 +120,6 @@ def test_stalled_reader_has_its_requests_aborted(start_server):
 
 
 def _serving(**kw):
-    from pydaemon.server.servicer import ServingOptions
+    from pydaemon.entrypoints.grpc.servicer import ServingOptions
 
     return ServingOptions(**kw)

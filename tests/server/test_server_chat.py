@@ -9,10 +9,10 @@ import grpc
 from fake_engine import FakeEngine
 from server_helpers import BidiClient, joined_ids
 
-from pydaemon.cli import build_parser
-from pydaemon.generation_config import GenerationDefaults
+from pydaemon.config.generation import GenerationDefaults
+from pydaemon.entrypoints.cli import build_parser
+from pydaemon.entrypoints.grpc.client import run_generate
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
-from pydaemon.server.client import run_generate
 
 CONVERSATION = [("system", "be brief"), ("user", "hi")]
 RENDERED = "<system>be brief<user>hi<a>"  # FakeTokenizer's template

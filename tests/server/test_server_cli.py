@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from pydaemon.cli import build_parser
-from pydaemon.config import EngineConfig
-from pydaemon.server.client import run_generate
-from pydaemon.server.settings import resolve
+from pydaemon.config.engine import EngineConfig
+from pydaemon.entrypoints.cli import build_parser
+from pydaemon.entrypoints.daemon.settings import resolve
+from pydaemon.entrypoints.grpc.client import run_generate
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,10 +13,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from fake_engine import FakeEngine  # noqa: E402
 
-from pydaemon.async_engine import AsyncEngine  # noqa: E402
+from pydaemon.engine.inproc_client import InprocEngineClient  # noqa: E402
+from pydaemon.entrypoints.daemon.app import ServerOptions, serve  # noqa: E402
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb  # noqa: E402
 from pydaemon.proto.pagedd.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
-from pydaemon.server.app import ServerOptions, serve  # noqa: E402
 
 
 def _free_port() -> int:
@@ -31,7 +31,9 @@ def test_engine_failure_makes_serve_exit_1():
     options = ServerOptions(port=port, grace_period_s=1.0)
 
     async def main() -> tuple[int, list]:
-        serving = asyncio.create_task(serve(lambda: AsyncEngine.load(lambda: engine), options))
+        serving = asyncio.create_task(
+            serve(lambda: InprocEngineClient.load(lambda: engine), options)
+        )
         frames = []
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             await asyncio.wait_for(channel.channel_ready(), 30)

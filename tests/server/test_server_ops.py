@@ -17,10 +17,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from server_helpers import BidiClient, ServerThread
 
+from pydaemon.entrypoints.daemon.app import ServerOptions
+from pydaemon.entrypoints.daemon.sd_notify import SdNotifier
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 from pydaemon.proto.pagedd.v1 import generation_pb2_grpc as pb_grpc
-from pydaemon.server.app import ServerOptions
-from pydaemon.server.sd_notify import SdNotifier
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -55,12 +55,12 @@ def test_reflection_v1_is_served_too(start_server):
 def test_failed_start_logs_the_real_traceback(caplog):
     import asyncio
 
-    from pydaemon.server.app import ServerOptions, serve
+    from pydaemon.entrypoints.daemon.app import ServerOptions, serve
 
     def load_engine():
         raise RuntimeError("the GPU caught fire")
 
-    with caplog.at_level(logging.ERROR, logger="pydaemon.server.app"):
+    with caplog.at_level(logging.ERROR, logger="pydaemon.entrypoints.daemon.app"):
         assert asyncio.run(serve(load_engine, ServerOptions(port=0))) == 1
     (record,) = [r for r in caplog.records if "start-up failed" in r.getMessage()]
     assert record.exc_info is not None and record.exc_info[0] is RuntimeError

@@ -13,10 +13,10 @@ from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 
 if os.environ.get("PAGEDD_SERVER_TEST_ENGINE") == "fake":
     pytest.skip("PAGEDD_SERVER_TEST_ENGINE=fake", allow_module_level=True)
-engine_mod = pytest.importorskip("pydaemon.engine", exc_type=ImportError)
+engine_mod = pytest.importorskip("pydaemon.engine.llm_engine", exc_type=ImportError)
 
-from pydaemon.config import EngineConfig  # noqa: E402
-from pydaemon.server.app import ServerOptions  # noqa: E402
+from pydaemon.config.engine import EngineConfig  # noqa: E402
+from pydaemon.entrypoints.daemon.app import ServerOptions  # noqa: E402
 
 PROMPTS = ("Hello, my name is", "The capital of France is", "1 2 3 4 5")
 MAX_TOKENS = (12, 20, 7)

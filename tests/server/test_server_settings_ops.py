@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pydaemon.cli import build_parser
-from pydaemon.server.settings import resolve
+from pydaemon.entrypoints.cli import build_parser
+from pydaemon.entrypoints.daemon.settings import resolve
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -76,7 +76,7 @@ def test_sigterm_drain_fake_engine_daemon():
 def test_sigterm_drain_pagedd_serve_demo():
     if os.environ.get("PAGEDD_SERVER_TEST_ENGINE") == "fake":
         pytest.skip("PAGEDD_SERVER_TEST_ENGINE=fake")
-    pytest.importorskip("pydaemon.engine", exc_type=ImportError)
+    pytest.importorskip("pydaemon.engine.llm_engine", exc_type=ImportError)
     port = _free_port()
     cmd = [
         sys.executable,

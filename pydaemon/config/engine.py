@@ -1,0 +1,136 @@
+"""Engine configuration: one dataclass, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+# The out-of-the-box model (model_loader/default_model.py finds its file).
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+PREEMPTION_MODES = ("auto", "recompute", "swap")
+LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATIONS = (None, "fp8", "fp8_emulated")
+BLOCK_SIZES = (8, 16, 32)
+KV_CACHE_DTYPES = (
+    "auto",
+    "fp8",
+    "fp8_e4m3",
+)  # as pydaemon.quantization.kv_cache_fp8 (no torch import here)
+
+
+@dataclass
+class EngineConfig:
+    """Everything an LLMEngine needs; the daemon's flags and TOML keys use the same names.
+
+    ``max_num_batched_tokens`` is the per-step token budget (decodes first, then prefill
+    chunks); ``None`` picks 4096 on CUDA and 512 on CPU (and at least max_num_seqs). ``num_kv_blocks`` overrides the
+    KV-cache size derived from ``gpu_memory_utilization`` (CUDA) or ``cpu_kv_cache_space``
+    (GiB, CPU). ``swap_space`` (GiB) sizes the CPU swap pool used by swap preemption.
+    ``tensor_parallel_size`` > 1 shards the model over that many processes (one per GPU, or
+    gloo on CPUs), started by the engine itself. On CUDA, decode steps replay CUDA graphs
+    (pydaemon/worker/cuda_graphs.py) unless ``enforce_eager``; a decode step whose longest context
+    exceeds ``max_seq_len_to_capture`` runs eagerly. ``kv_cache_dtype`` "fp8" (= "fp8_e4m3")
+    stores the KV cache as e4m3 with per-layer scales (from the checkpoint, else 1.0): about
+    twice the blocks for the same memory; "auto" stores it in the model's dtype.
+    ``calculate_kv_scales`` (fp8 cache only) measures the scales the checkpoint lacks on the
+    first step, then keeps them (pydaemon/worker/kv_scale_calibration.py).
+    ``async_scheduling`` schedules and launches each step while the previous one runs on the
+    GPU (pydaemon.core.sched.async_stepper); ``None`` turns it on for CUDA with one GPU and off otherwise (on
+    a CPU there is nothing to overlap, but ``True`` runs the same path, for tests). With
+    tensor parallelism ``True`` turns it on (every rank fills placeholders from rank 0's
+    sampled ids, broadcast on the device); ``None`` leaves it off there until it has been
+    measured over NCCL.
+    ``quantization``: None (as the checkpoint is), "fp8" (FP8 weights, CUDA sm_89+) or
+    "fp8_emulated" (the same, emulated: any device).
+    """
+
+    model: str = DEFAULT_MODEL
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_space: float = 1.0
+    swap_space: float = 4.0
+    max_num_seqs: int = 512
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    preemption_mode: str = "auto"
+    enable_prefix_caching: bool = True
+    load_format: str = "auto"
+    seed: int = 0
+    watermark: float = 0.01
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    max_seq_len_to_capture: int = 8192
+    kv_cache_dtype: str = "auto"
+    async_scheduling: bool | None = None
+    quantization: str | None = None
+    calculate_kv_scales: bool = False
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"EngineConfig.{name} {why} (got {getattr(self, name)!r})")
+
+        for name, allowed in (
+            ("device", DEVICES),
+            ("dtype", DTYPES),
+            ("preemption_mode", PREEMPTION_MODES),
+            ("load_format", LOAD_FORMATS),
+            ("kv_cache_dtype", KV_CACHE_DTYPES),
+        ):
+            if getattr(self, name) not in allowed:
+                raise bad(name, f"must be one of {', '.join(allowed)}")
+        if self.quantization not in QUANTIZATIONS:
+            raise bad("quantization", "must be None, 'fp8' or 'fp8_emulated'")
+        if self.block_size not in BLOCK_SIZES:
+            raise bad("block_size", f"must be one of {BLOCK_SIZES}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise bad("num_kv_blocks", "must be a positive integer or None")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise bad("gpu_memory_utilization", "must be in (0, 1]")
+        if self.cpu_kv_cache_space <= 0:
+            raise bad("cpu_kv_cache_space", "must be positive (GiB)")
+        if self.swap_space < 0:
+            raise bad("swap_space", "must be >= 0 (GiB)")
+        if self.max_num_seqs < 1:
+            raise bad("max_num_seqs", "must be a positive integer")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise bad("max_num_batched_tokens", "must be a positive integer or None")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise bad("max_model_len", "must be a positive integer or None")
+        if not 0.0 <= self.watermark < 1.0:
+            raise bad("watermark", "must be in [0, 1)")
+        if (
+            not isinstance(self.tensor_parallel_size, int)
+            or isinstance(self.tensor_parallel_size, bool)
+            or self.tensor_parallel_size < 1
+        ):
+            raise bad("tensor_parallel_size", "must be a positive integer")
+        if not isinstance(self.enforce_eager, bool):
+            raise bad("enforce_eager", "must be true or false")
+        if (
+            not isinstance(self.max_seq_len_to_capture, int)
+            or isinstance(self.max_seq_len_to_capture, bool)
+            or self.max_seq_len_to_capture < 1
+        ):
+            raise bad("max_seq_len_to_capture", "must be a positive integer")
+        if not isinstance(self.calculate_kv_scales, bool):
+            raise bad("calculate_kv_scales", "must be true or false")
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise bad(
+                "calculate_kv_scales",
+                "measures the scales of an FP8 KV cache: it needs kv_cache_dtype 'fp8', and "
+                "kv_cache_dtype is 'auto'",
+            )
+        if self.async_scheduling not in (None, True, False):
+            raise bad("async_scheduling", "must be true, false or None (auto)")
+        if not self.model:
+            raise bad(
+                "model", f"must name {DEFAULT_MODEL!r}, 'demo', a model directory or a .gguf file"
+            )
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

@@ -1,0 +1,394 @@
+"""Iteration-level scheduling: who runs this step, under a token budget and the KV blocks.
+
+Policy lives here; memory lives in the C++ block manager; tensors never appear. Each step:
+
+1. decodes of running requests (one token per sequence), in priority order; when a sequence
+   cannot get a slot, the lowest-priority, latest-arrived running request is preempted
+   (recompute: its blocks are freed and it is requeued; swap: its blocks move to the CPU pool);
+2. prefill chunks of running requests whose prompt is not yet fully computed (chunked
+   prefill: a long prompt takes what is left of the budget and never stalls decodes);
+3. swapped requests come back when the GPU pool allows (not in a step that preempted);
+4. waiting requests are admitted in order while blocks, ``max_num_seqs`` and the budget allow
+   (prefix-cache hits make their first tokens free).
+
+``schedule()`` returns a plain ``SchedulerOutput`` (pydaemon.core.sched.scheduler_output) and keeps
+the live sequences it scheduled to itself; ``update_from_output()`` records what the runner
+computed and sampled (``pydaemon.core.sched.seq_updates``). The scheduler builds and alone owns
+the one ``_core.BlockManager``: every change goes through ``SeqBlocks``, and the engine core
+reads its figures through ``kv_cache_stats()``.
+
+Async scheduling (pydaemon.core.sched.async_stepper): ``advance()`` records a launched step as computed,
+with a placeholder for each token it samples; ``schedule(overlap=True)`` then plans the next
+step while that one runs, or returns None (changing nothing) when the next step might
+preempt, swap, fork or run beams: those steps wait for the results first.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+
+from pydaemon import _core
+from pydaemon.core.messages import EngineCoreOutputs
+from pydaemon.core.request import Request, RequestStatus, Sequence
+from pydaemon.core.runner_output import ModelRunnerOutput
+from pydaemon.core.sched.output_builder import build_scheduler_output
+from pydaemon.core.sched.scheduler_output import SchedulerOutput
+from pydaemon.core.sched.seq_updates import SeqUpdater
+from pydaemon.core.sched.step_plan import ScheduledSeq, StepPlan
+from pydaemon.core.seq_blocks import SeqBlocks
+from pydaemon.core.stats import KVCacheStats, SchedulerStats
+
+
+class Scheduler:
+    """Queues and policy. Invariants: a request is in at most one of waiting / running /
+    swapped; a running request's live sequences hold GPU blocks for their first ``num_slots``
+    tokens; a waiting request holds no blocks; the runner holds a sequence
+    (``seq.is_in_runner``) only while it runs."""
+
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int = 0,
+        watermark: float = 0.0,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        preemption_mode: str = "auto",
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        self.block_manager = _core.BlockManager(
+            block_size, num_gpu_blocks, num_cpu_blocks, watermark, enable_prefix_caching
+        )
+        self.blocks = SeqBlocks(self.block_manager, enable_prefix_caching)
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.preemption_mode = preemption_mode
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        self.stats = SchedulerStats()
+        self.finished_request_ids: list[str] = []  # told to the runner at the next step
+        self.updater = SeqUpdater(self.blocks, max_model_len)
+        # Scheduled steps awaiting update_from_output(), oldest first (two under async
+        # scheduling), each with the output it was sent as.
+        self._plans: deque[tuple[SchedulerOutput, StepPlan]] = deque()
+        self._num_sync_only_requests = 0  # beam search or n > 1: never overlapped
+
+    # ---- queues -----------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already running")
+        self.requests[request.request_id] = request
+        if _is_sync_only(request):
+            self._num_sync_only_requests += 1
+        request.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def can_overlap(self) -> bool:
+        """Whether the next step may be scheduled while the last one runs: no beam search or
+        n > 1 request (forks and beam steps need the results) and no swapped request."""
+        return self._num_sync_only_requests == 0 and not self.swapped
+
+    def kv_cache_stats(self) -> KVCacheStats:
+        """The block manager's figures, for the engine core's stats."""
+        return self.blocks.kv_cache_stats()
+
+    def num_running_seqs(self) -> int:
+        return sum(len(r.seqs) for r in self.running)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request and free its KV blocks now. False if it is unknown or finished."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        request.status = RequestStatus.FINISHED
+        self.remove_request(request)
+        return True
+
+    def finish_seq(self, request_id: str, index: int) -> bool:
+        """The front end ended sequence ``index`` (a stop string matched): free it now; the
+        request ends with its last sequence. False if no such live sequence."""
+        request = self.requests.get(request_id)
+        seq = next((s for s in request.seqs if s.index == index), None) if request else None
+        if seq is None or request.forks_at_first_sample or request.params.is_beam_search:
+            return False
+        self.updater.retire(request, seq)
+        if not request.seqs:
+            request.status = RequestStatus.FINISHED
+            self.remove_request(request)
+        return True
+
+    def remove_request(self, request: Request) -> None:
+        """Take a request out of every queue and free all its blocks at once."""
+        if self.requests.pop(request.request_id, None) is not None and _is_sync_only(request):
+            self._num_sync_only_requests -= 1
+        for queue in (self.waiting, self.running, self.swapped):
+            if request in queue:
+                queue.remove(request)
+        for seq in request.seqs:
+            self.blocks.free(seq)
+        self.finished_request_ids.append(request.request_id)
+
+    # ---- the step ---------------------------------------------------------------------------
+    def schedule(self, overlap: bool = False) -> SchedulerOutput | None:
+        """Who runs this step, as plain data for the runner (the live plan stays here).
+
+        ``overlap``: the previous step is still running (async scheduling). Returns None,
+        having changed nothing, when this step cannot be planned without its results."""
+        if overlap and not self.can_overlap():
+            return None
+        plan = StepPlan()
+        budget = self.max_num_batched_tokens
+        # 1. Decodes of running requests, preempting from the tail when blocks run out.
+        pending_prefill: set[str] = set()  # requests with work besides their decodes
+        decodes = [(r, self._split_decoding(r, pending_prefill)) for r in self.running]
+        if not self._reserve_all_decode_slots(decodes, budget, plan):
+            if overlap:
+                return None  # it may preempt: after the previous step's sequences are freed
+            self._reserve_decode_slots_in_order(budget, plan, pending_prefill)
+        budget -= len(plan.decodes)
+        # 2. Prefill chunks of running requests.
+        if pending_prefill:
+            decoding_ids = {s.seq.seq_id for s in plan.decodes}  # a set: runs per sequence
+            for request in self.running:
+                if request.request_id not in pending_prefill:
+                    continue
+                for seq in request.seqs:
+                    if budget == 0:
+                        break
+                    if seq.num_uncomputed_tokens == 0 or seq.seq_id in decoding_ids:
+                        continue
+                    budget -= self._schedule_prefill(request, seq, budget, plan)
+        # 3. Swapped requests come back, unless this step had to preempt.
+        if not plan.preempted:
+            while self.swapped and budget > 0:
+                request = self.swapped[0]
+                if not self._swap_in(request, plan):
+                    break
+                if request.status != RequestStatus.RUNNING:
+                    continue  # rejected
+                for seq in request.seqs:
+                    budget -= self._schedule_after_resume(request, seq, budget, plan)
+        # 4. Admit waiting requests.
+        if not plan.preempted and not self.swapped:
+            num_running_seqs = self.num_running_seqs()
+            while self.waiting and budget > 0:
+                request = self.waiting[0]
+                if num_running_seqs + request.num_expected_seqs > self.max_num_seqs:
+                    break
+                admitted = self._admit(request, plan)
+                if admitted is None:
+                    continue  # rejected: try the next one
+                if not admitted:
+                    break  # head of line waits for blocks
+                num_running_seqs += len(request.seqs)
+                for seq in request.seqs:
+                    budget -= self._schedule_after_resume(request, seq, budget, plan)
+        out = build_scheduler_output(plan, self.blocks, self.finished_request_ids)
+        self.finished_request_ids = []
+        self._plans.append((out, plan))
+        return out
+
+    def advance(self, scheduler_output: SchedulerOutput) -> None:
+        """The step was launched: its tokens count as computed and each sequence it samples
+        holds a placeholder token, so that the next step can be scheduled before its results
+        (``update_from_output`` also does this, if not done)."""
+        for out, plan in self._plans:
+            if out is scheduler_output:
+                self.updater.advance(plan)
+                return
+        raise RuntimeError("advance: not the output of a pending schedule()")
+
+    def discard(self, scheduler_output: SchedulerOutput) -> None:
+        """The step of ``scheduler_output`` never ran (the runner failed): it is no longer
+        pending, so that the steps after it can be updated. Its requests stay where schedule()
+        put them; a caller that keeps the engine aborts them."""
+        self._plans = deque((out, plan) for out, plan in self._plans if out is not scheduler_output)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        """Records what the step computed and sampled: appends tokens, checks token-level
+        stops, forks, runs beam steps, frees what finished. A failure while processing one
+        request fails that request alone. Steps are updated in the order they were scheduled."""
+        if not self._plans or self._plans[0][0] is not scheduler_output:
+            raise RuntimeError(
+                "update_from_output: not the output of the oldest pending schedule()"
+            )
+        _, plan = self._plans.popleft()
+        outputs = self.updater.update(plan, runner_output)
+        for request in self.updater.take_finished():
+            self.remove_request(request)
+        return outputs
+
+    # ---- helpers ----------------------------------------------------------------------------
+    @staticmethod
+    def _split_decoding(request: Request, pending_prefill: set[str]) -> list[Sequence]:
+        """The request's sequences that decode one token now; notes whether it has more."""
+        decoding = []
+        for seq in request.seqs:
+            num_uncomputed = seq.num_tokens - seq.num_computed_tokens
+            if num_uncomputed == 1 and seq.output_token_ids:
+                decoding.append(seq)
+            elif num_uncomputed:
+                pending_prefill.add(request.request_id)
+        return decoding
+
+    def _reserve_all_decode_slots(
+        self, decodes: list[tuple[Request, list[Sequence]]], budget: int, plan: StepPlan
+    ) -> bool:
+        """The common case in one check: every decode fits the budget and the free blocks.
+        False (nothing done) when some request must wait or be preempted."""
+        num_decodes = sum(len(d) for _, d in decodes)
+        if num_decodes > budget:
+            return False
+        needing = [s for _, d in decodes for s in d if s.num_slots < s.num_tokens]
+        if not self.blocks.can_append_slots(needing):
+            return False
+        for seq in needing:
+            self.blocks.append_slot(seq)
+        plan.decodes.extend(ScheduledSeq(r, s, 1) for r, d in decodes for s in d)
+        return True
+
+    def _reserve_decode_slots_in_order(
+        self, budget: int, plan: StepPlan, pending_prefill: set[str]
+    ) -> None:
+        """Request by request in priority order, preempting from the tail when blocks run out."""
+        index = 0
+        while index < len(self.running):
+            request = self.running[index]
+            decoding = self._split_decoding(request, pending_prefill)
+            if not decoding:
+                index += 1
+                continue
+            if len(decoding) > budget:
+                pending_prefill.add(request.request_id)  # what budget is left may take some
+                index += 1  # it keeps its blocks and runs next step
+                continue
+            if not self._reserve_decode_slots(request, decoding, plan):
+                continue  # preempted itself: running[index] is now the next request
+            plan.decodes.extend(ScheduledSeq(request, seq, 1) for seq in decoding)
+            budget -= len(decoding)
+            index += 1
+
+    def _reserve_decode_slots(
+        self, request: Request, decoding: list[Sequence], plan: StepPlan
+    ) -> bool:
+        """Give each decoding sequence a slot for its last token, preempting if needed."""
+        needing = [s for s in decoding if s.num_slots < s.num_tokens]
+        while not self.blocks.can_append_slots(needing):
+            victim = self.running[-1]
+            self._preempt(victim, plan)
+            if victim is request:
+                return False
+        for seq in needing:
+            self.blocks.append_slot(seq)
+        return True
+
+    def _schedule_prefill(
+        self, request: Request, seq: Sequence, budget: int, plan: StepPlan
+    ) -> int:
+        num_new = min(seq.num_uncomputed_tokens, budget)
+        if num_new <= 0:
+            return 0
+        plan.prefills.append(ScheduledSeq(request, seq, num_new))
+        return num_new
+
+    def _schedule_after_resume(
+        self, request: Request, seq: Sequence, budget: int, plan: StepPlan
+    ) -> int:
+        """Schedule a sequence that just got its blocks (admitted or swapped in)."""
+        if seq.num_slots < seq.num_tokens:  # swapped in while decoding: needs one more slot
+            if not self.blocks.can_append_slots([seq]):
+                return 0
+            self.blocks.append_slot(seq)
+        return self._schedule_prefill(request, seq, budget, plan)
+
+    def _admit(self, request: Request, plan: StepPlan) -> bool | None:
+        """Allocate blocks for a waiting request. True: admitted; False: later; None: rejected."""
+        statuses = [self.blocks.can_allocate(s, request.cache_salt) for s in request.seqs]
+        if _core.AllocStatus.NEVER in statuses:
+            self.waiting.pop(0)
+            plan.rejected.append((request, _needs_more_blocks(request)))
+            return None
+        if _core.AllocStatus.LATER in statuses:
+            return False
+        allocated: list[Sequence] = []
+        try:
+            for seq in request.seqs:
+                num_cached = self.blocks.allocate(seq, request.cache_salt)
+                allocated.append(seq)
+                # The last token is always computed so that the step yields its logits.
+                seq.num_computed_tokens = min(num_cached, seq.num_tokens - 1)
+                if seq is request.seqs[0] and request.metrics.first_scheduled_time is None:
+                    request.metrics.num_cached_tokens = seq.num_computed_tokens
+        except _core.NoFreeBlocksError:
+            for seq in allocated:
+                self.blocks.free(seq)
+            return False
+        self.waiting.pop(0)
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self.running, request, key=lambda r: r.sort_key)
+        return True
+
+    def _swap_in(self, request: Request, plan: StepPlan) -> bool:
+        status = self.blocks.can_swap_in(request.seqs)
+        if status == _core.AllocStatus.NEVER:
+            self.swapped.pop(0)
+            plan.rejected.append((request, _needs_more_blocks(request)))
+            return True
+        if status != _core.AllocStatus.OK:
+            return False
+        if self.num_running_seqs() + len(request.seqs) > self.max_num_seqs:
+            return False
+        pairs = self.blocks.swap_in(request.seqs)
+        plan.blocks_to_swap_in.extend(pairs)
+        self.stats.num_swapped_in_blocks += len(pairs)
+        self.swapped.pop(0)
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self.running, request, key=lambda r: r.sort_key)
+        return True
+
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        self.running.remove(request)
+        self.stats.num_preemptions += 1
+        request.num_preemptions += 1
+        plan.preempted.append(request)
+        # Anything this step already scheduled for the victim is dropped.
+        plan.prefills = [s for s in plan.prefills if s.request is not request]
+        plan.decodes = [s for s in plan.decodes if s.request is not request]
+        mode = self.preemption_mode
+        if mode == "auto":
+            mode = "swap" if len(request.seqs) > 1 else "recompute"
+        if mode == "swap" and self.blocks.can_swap_out(request.seqs):
+            pairs = self.blocks.swap_out(request.seqs)
+            plan.blocks_to_swap_out.extend(pairs)
+            self.stats.num_swapped_out_blocks += len(pairs)
+            request.status = RequestStatus.SWAPPED
+            bisect.insort(self.swapped, request, key=lambda r: r.sort_key)
+            return
+        # Recompute: drop the K/V; every live sequence re-prefills prompt + output later.
+        for seq in request.seqs:
+            self.blocks.free(seq)
+            seq.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+
+
+def _is_sync_only(request: Request) -> bool:
+    return request.params.is_beam_search or request.params.best_of > 1
+
+
+def _needs_more_blocks(request: Request) -> str:
+    num_tokens = max(s.num_tokens for s in request.seqs)
+    return (
+        f"request {request.request_id!r} needs more KV blocks than the cache has "
+        f"({num_tokens} tokens in {len(request.seqs)} sequence(s))"
+    )

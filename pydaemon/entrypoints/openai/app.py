@@ -1,0 +1,162 @@
+"""The aiohttp application and its server: routes, middlewares, start and stop.
+
+Routes: ``GET /v1/models``, ``GET /v1/models/{model}``, ``POST /v1/completions``,
+``POST /v1/chat/completions``, ``GET /health`` (200 serving, 503 otherwise) and
+``GET /metrics`` (Prometheus, the same registry as the gRPC side's).
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from pydaemon.entrypoints.common.metrics import Metrics
+from pydaemon.entrypoints.openai.auth import api_key_middleware
+from pydaemon.entrypoints.openai.chat import create_chat_completion
+from pydaemon.entrypoints.openai.completions import create_completion
+from pydaemon.entrypoints.openai.engine_stream import GenerateClient
+from pydaemon.entrypoints.openai.errors import ApiError, error_middleware, error_response
+from pydaemon.entrypoints.openai.responses import ModelCard, ModelList
+from pydaemon.entrypoints.openai.serving import HttpOptions, OpenAIServing, ServedModel
+
+logger = logging.getLogger(__name__)
+
+
+def build_app(serving: OpenAIServing) -> web.Application:
+    middlewares = [error_middleware]
+    if serving.options.api_key:
+        middlewares.insert(
+            0, api_key_middleware(serving.options.api_key, serving.options.metrics_auth)
+        )
+    app = web.Application(middlewares=middlewares, client_max_size=serving.options.max_body_bytes)
+
+    def card() -> ModelCard:
+        m = serving.model
+        return ModelCard(
+            id=m.name,
+            created=m.created,
+            root=m.name,
+            max_model_len=m.max_model_len,
+            vocab_size=m.vocab_size,
+        )
+
+    def as_json(model) -> web.Response:
+        return web.Response(text=model.model_dump_json(), content_type="application/json")
+
+    async def list_models(request: web.Request) -> web.Response:
+        return as_json(ModelList(data=[card()]))
+
+    async def get_model(request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name != serving.model.name:
+            raise ApiError(
+                404, f"model {name!r} does not exist", param="model", code="model_not_found"
+            )
+        return as_json(card())
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        return await create_completion(serving, request)
+
+    async def chat_completions(request: web.Request) -> web.StreamResponse:
+        return await create_chat_completion(serving, request)
+
+    async def health(request: web.Request) -> web.Response:
+        if serving.is_serving:
+            return web.Response(text="")
+        return error_response(503, "not serving (draining or failed)", code="not_serving")
+
+    async def metrics(request: web.Request) -> web.Response:
+        if serving.metrics is None:
+            raise ApiError(404, "metrics are not collected by this server")
+        return web.Response(
+            text=serving.metrics.render(),
+            content_type="text/plain",
+            charset="utf-8",
+            headers={"X-Content-Type-Options": "nosniff"},
+        )
+
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model}", get_model)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+class HttpServer:
+    """The OpenAI-compatible API on its own port, on the caller's event loop (the gRPC
+    server's), over the same engine client."""
+
+    def __init__(
+        self,
+        engine: GenerateClient,
+        tokenizer: Any,
+        model: ServedModel,
+        options: HttpOptions,
+        metrics: Metrics | None = None,
+        num_queued: Callable[[], int] | None = None,
+    ) -> None:
+        self.options = options
+        self.serving = OpenAIServing(engine, tokenizer, model, options, metrics, num_queued)
+        self.port: int | None = None
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def num_live_requests(self) -> int:
+        return len(self.serving.live)
+
+    def stop_admitting(self) -> None:
+        self.serving.is_admitting = False
+
+    def abort_all(self) -> None:
+        self.serving.abort_all()
+
+    async def start(self) -> int:
+        """Listens; returns the port (useful with port 0)."""
+        # handler_cancellation: a client that disconnects cancels its handler, and so aborts
+        # its engine request at once instead of at the next failed write.
+        runner = web.AppRunner(
+            build_app(self.serving),
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=1.0,
+        )
+        await runner.setup()
+        site = web.TCPSite(
+            runner,
+            self.options.host,
+            self.options.port,
+            reuse_port=False,
+            ssl_context=self._ssl_context(),
+        )
+        try:
+            await site.start()
+        except OSError:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        self.port = runner.addresses[0][1]
+        return self.port
+
+    def _ssl_context(self) -> ssl.SSLContext | None:
+        if not self.options.tls_cert:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.options.tls_cert, self.options.tls_key)
+        return context
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.options.tls_cert else "http"
+
+    async def stop(self) -> None:
+        """Closes the listener and every connection (after the drain ended the requests)."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        self.serving.close()

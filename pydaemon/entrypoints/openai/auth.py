@@ -1,0 +1,35 @@
+"""Optional bearer-token auth for ``/v1/*`` and, unless ``--no-metrics-auth``, ``/metrics``
+(``/health`` stays open for load balancers and probes)."""
+
+from __future__ import annotations
+
+import hmac
+
+from aiohttp import web
+
+from pydaemon.entrypoints.openai.errors import error_response
+
+
+def api_key_middleware(api_key: str, metrics_auth: bool = True):
+    """Refuses ``/v1/*`` (and ``/metrics`` with ``metrics_auth``) requests without
+    ``Authorization: Bearer <api_key>`` with 401."""
+    if not api_key:
+        raise ValueError("api_key must not be empty")
+    expected = f"Bearer {api_key}".encode()
+
+    def is_guarded(path: str) -> bool:
+        return path == "/v1" or path.startswith("/v1/") or (metrics_auth and path == "/metrics")
+
+    @web.middleware
+    async def check_api_key(request: web.Request, handler) -> web.StreamResponse:
+        if is_guarded(request.path):
+            given = request.headers.get("Authorization", "")
+            if not given:
+                return error_response(
+                    401, "missing 'Authorization: Bearer <api key>' header", code="invalid_api_key"
+                )
+            if not hmac.compare_digest(given.encode(), expected):
+                return error_response(401, "invalid api key", code="invalid_api_key")
+        return await handler(request)
+
+    return check_api_key

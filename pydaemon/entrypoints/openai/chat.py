@@ -1,0 +1,185 @@
+"""POST /v1/chat/completions: messages rendered by the model's chat template -> choices.
+
+The template is the tokenizer's (``apply_chat_template``, jinja2 as transformers renders it);
+the rendered prompt is tokenized without an added BOS, since templates write their own.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from aiohttp import web
+
+from pydaemon.entrypoints.openai.accumulator import Accumulator, ChoiceDelta, ChoiceState
+from pydaemon.entrypoints.openai.chunk_template import TEXT_MARKER, ChunkTemplate
+from pydaemon.entrypoints.openai.engine_stream import EnginePrompt
+from pydaemon.entrypoints.openai.errors import bad_request
+from pydaemon.entrypoints.openai.logprobs import TokenTexts, chat_logprobs
+from pydaemon.entrypoints.openai.protocol import ChatCompletionRequest
+from pydaemon.entrypoints.openai.responses import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    DeltaMessage,
+    Usage,
+)
+from pydaemon.entrypoints.openai.runner import respond
+from pydaemon.entrypoints.openai.serving import OpenAIServing
+
+
+async def create_chat_completion(
+    serving: OpenAIServing, request: web.Request
+) -> web.StreamResponse:
+    body = ChatCompletionRequest.model_validate_json(await request.read())
+    body.check()
+    serving.admit(body.model)
+    rendered = _render(serving, body)
+    prompt = EnginePrompt(await serving.encode(rendered, add_bos=False, param="messages"))
+    max_tokens = serving.resolve_max_tokens(
+        len(prompt.token_ids),
+        body.requested_max_tokens,
+        prompt_param="messages",
+        max_tokens_param=(
+            "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        ),
+    )
+    params = body.sampling_params(
+        max_tokens, body.engine_logprobs, defaults=serving.model.generation_defaults
+    )
+    formatter = ChatFormatter(
+        f"chatcmpl-{uuid.uuid4().hex}", serving.model.name, serving.tokenizer, prompt, body
+    )
+    return await respond(
+        serving,
+        request,
+        [prompt],
+        params,
+        formatter,
+        stream=body.stream,
+        include_usage=body.include_usage,
+        cache_salt=body.cache_salt,
+    )
+
+
+def _render(serving: OpenAIServing, body: ChatCompletionRequest) -> str:
+    if serving.tokenizer is None:
+        raise bad_request("this model has no tokenizer, so no chat template", "messages")
+    try:
+        return serving.tokenizer.apply_chat_template(
+            [m.for_template() for m in body.messages],
+            add_generation_prompt=body.add_generation_prompt,
+            tools=body.tools,
+            **(body.chat_template_kwargs or {}),
+        )
+    except ValueError as e:  # no template, or the template refused the messages
+        raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
+
+
+class ChatFormatter:
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        tokenizer,
+        prompt: EnginePrompt,
+        body: ChatCompletionRequest,
+    ) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.top_logprobs = body.top_logprobs or 0
+        self.has_logprobs = body.logprobs
+        self._tokenizer = tokenizer
+        self._prompt = prompt
+        self._templates: dict[int, ChunkTemplate] = {}  # choice index -> its text-chunk template
+
+    def _template(self, index: int) -> ChunkTemplate:
+        template = self._templates.get(index)
+        if template is None:
+            choice = ChatChunkChoice(index=index, delta=DeltaMessage(content=TEXT_MARKER))
+            template = ChunkTemplate(
+                ChatCompletionChunk(
+                    id=self.request_id, created=self.created, model=self.model, choices=[choice]
+                )
+            )
+            self._templates[index] = template
+        return template
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+        return ChatCompletionChunk(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
+        ).model_dump_json()
+
+    def start_chunks(self, acc: Accumulator) -> list[str]:
+        """OpenAI's first chunk of each choice names the role."""
+        return [
+            self._chunk(
+                [ChatChunkChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))]
+            )
+            for c in acc.choices
+        ]
+
+    def delta_chunks(self, deltas: list[ChoiceDelta]) -> list[str]:
+        chunks = []
+        for d in deltas:
+            out = d.output
+            if out.finish_reason is None and not (self.has_logprobs and out.logprobs):
+                chunks.append(self._template(d.choice.index).render(out.text))
+                continue
+            logprobs = None
+            if self.has_logprobs and out.logprobs is not None:
+                logprobs = chat_logprobs(
+                    d.choice.texts, out.token_ids, out.logprobs, self.top_logprobs
+                )
+            choice = ChatChunkChoice(
+                index=d.choice.index,
+                delta=DeltaMessage(content=out.text),
+                logprobs=logprobs,
+                finish_reason=out.finish_reason,
+                stop_reason=out.stop_reason,
+            )
+            chunks.append(self._chunk([choice]))
+        return chunks
+
+    def abort_chunks(self, choices: list[ChoiceState]) -> list[str]:
+        return [
+            self._chunk(
+                [ChatChunkChoice(index=c.index, delta=DeltaMessage(), finish_reason="abort")]
+            )
+            for c in choices
+        ]
+
+    def usage_chunk(self, usage: Usage) -> str:
+        return self._chunk([], usage)
+
+    def response_json(self, acc: Accumulator) -> str:
+        choices = []
+        for c in acc.choices:
+            logprobs = None
+            if self.has_logprobs:
+                texts = TokenTexts(self._tokenizer, self._prompt.token_ids)
+                logprobs = chat_logprobs(texts, c.token_ids, c.positions, self.top_logprobs)
+            choices.append(
+                ChatChoice(
+                    index=c.index,
+                    message=ChatResponseMessage(content=c.text),
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+            )
+        response = ChatCompletionResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=acc.usage(),
+        )
+        return response.model_dump_json()

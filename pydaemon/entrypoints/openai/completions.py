@@ -1,0 +1,181 @@
+"""POST /v1/completions: a prompt (text or token ids, or a list of either) -> choices."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from aiohttp import web
+
+from pydaemon.entrypoints.openai.accumulator import Accumulator, ChoiceDelta, ChoiceState
+from pydaemon.entrypoints.openai.chunk_template import IDS_MARKER, TEXT_MARKER, ChunkTemplate
+from pydaemon.entrypoints.openai.engine_stream import EnginePrompt
+from pydaemon.entrypoints.openai.errors import bad_request
+from pydaemon.entrypoints.openai.logprobs import TokenTexts, completion_logprobs
+from pydaemon.entrypoints.openai.protocol import CompletionRequest
+from pydaemon.entrypoints.openai.responses import CompletionChoice, CompletionResponse, Usage
+from pydaemon.entrypoints.openai.runner import respond
+from pydaemon.entrypoints.openai.serving import OpenAIServing
+
+
+async def create_completion(serving: OpenAIServing, request: web.Request) -> web.StreamResponse:
+    body = CompletionRequest.model_validate_json(await request.read())
+    body.check()
+    serving.admit(body.model)
+    prompts = await _prompts(serving, body.prompt, body.echo)
+    max_tokens = min(
+        serving.resolve_max_tokens(
+            len(p.token_ids), body.max_tokens, prompt_param="prompt", max_tokens_param="max_tokens"
+        )
+        for p in prompts
+    )
+    params = body.sampling_params(
+        max_tokens, body.logprobs, body.best_of, serving.model.generation_defaults
+    )
+    formatter = CompletionFormatter(
+        f"cmpl-{uuid.uuid4().hex}", serving.model.name, serving.tokenizer, prompts, body
+    )
+    return await respond(
+        serving,
+        request,
+        prompts,
+        params,
+        formatter,
+        stream=body.stream,
+        include_usage=body.include_usage,
+        cache_salt=body.cache_salt,
+    )
+
+
+async def _prompts(serving: OpenAIServing, prompt, echo: bool) -> list[EnginePrompt]:
+    """str | list[str] | list[int] | list[list[int]] -> one EnginePrompt per prompt."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    if not prompt:
+        raise bad_request("prompt is empty", "prompt")
+    out = []
+    for i, p in enumerate(prompt):
+        param = "prompt" if len(prompt) == 1 else f"prompt.{i}"
+        if isinstance(p, str):
+            out.append(EnginePrompt(await serving.encode(p, add_bos=True, param=param), p))
+            continue
+        vocab_size = serving.model.vocab_size
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if not p or bad:
+            why = "is empty" if not p else f"has token ids {bad[:8]} outside [0, {vocab_size})"
+            raise bad_request(f"{param} {why}", param)
+        out.append(EnginePrompt(list(p), serving.decode(p) if echo else None))
+    return out
+
+
+class CompletionFormatter:
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        tokenizer,
+        prompts: list[EnginePrompt],
+        body: CompletionRequest,
+    ) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.n = body.n
+        self.has_logprobs = body.logprobs is not None
+        self.echo = [p.text or "" for p in prompts] if body.echo else None
+        # Without return_token_ids the field is left out, not written as null.
+        self._exclude = None if body.return_token_ids else {"choices": {"__all__": {"token_ids"}}}
+        self._return_token_ids = body.return_token_ids
+        self._templates: dict[int, ChunkTemplate] = {}  # choice index -> its text-chunk template
+        self._tokenizer = tokenizer
+        self._prompts = prompts
+
+    def _echo(self, index: int) -> str:
+        return self.echo[index // self.n] if self.echo else ""
+
+    def _chunk(self, choices: list[CompletionChoice]) -> str:
+        return CompletionResponse(
+            id=self.request_id, created=self.created, model=self.model, choices=choices
+        ).model_dump_json(exclude=self._exclude)
+
+    def _template(self, index: int) -> ChunkTemplate:
+        template = self._templates.get(index)
+        if template is None:
+            ids = IDS_MARKER if self._return_token_ids else None
+            choice = CompletionChoice(index=index, text=TEXT_MARKER, token_ids=ids)
+            chunk = CompletionResponse(
+                id=self.request_id, created=self.created, model=self.model, choices=[choice]
+            )
+            template = ChunkTemplate(chunk, self._exclude, has_ids=self._return_token_ids)
+            self._templates[index] = template
+        return template
+
+    def start_chunks(self, acc: Accumulator) -> list[str]:
+        if not self.echo:
+            return []
+        return [
+            self._chunk([CompletionChoice(index=c.index, text=self._echo(c.index))])
+            for c in acc.choices
+        ]
+
+    def delta_chunks(self, deltas: list[ChoiceDelta]) -> list[str]:
+        chunks = []
+        for d in deltas:
+            out = d.output
+            if out.finish_reason is None and not (self.has_logprobs and out.logprobs):
+                chunks.append(self._template(d.choice.index).render(out.text, out.token_ids))
+                continue
+            logprobs = None
+            if self.has_logprobs and out.logprobs is not None:
+                offset = len(self._echo(d.choice.index)) + d.text_offset
+                logprobs = completion_logprobs(d.choice.texts, out.token_ids, out.logprobs, offset)
+            choice = CompletionChoice(
+                index=d.choice.index,
+                text=out.text,
+                logprobs=logprobs,
+                finish_reason=out.finish_reason,
+                stop_reason=out.stop_reason,
+                token_ids=out.token_ids,
+            )
+            chunks.append(self._chunk([choice]))
+        return chunks
+
+    def abort_chunks(self, choices: list[ChoiceState]) -> list[str]:
+        return [
+            self._chunk([CompletionChoice(index=c.index, text="", finish_reason="abort")])
+            for c in choices
+        ]
+
+    def usage_chunk(self, usage: Usage) -> str:
+        return CompletionResponse(
+            id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage
+        ).model_dump_json()
+
+    def response_json(self, acc: Accumulator) -> str:
+        choices = []
+        for c in acc.choices:
+            logprobs = None
+            if self.has_logprobs:
+                prompt = self._prompts[c.index // self.n]
+                texts = TokenTexts(self._tokenizer, prompt.token_ids)
+                logprobs = completion_logprobs(
+                    texts, c.token_ids, c.positions, len(self._echo(c.index))
+                )
+            choices.append(
+                CompletionChoice(
+                    index=c.index,
+                    text=self._echo(c.index) + c.text,
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                    token_ids=c.token_ids,
+                )
+            )
+        response = CompletionResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=acc.usage(),
+        )
+        return response.model_dump_json(exclude=self._exclude)

@@ -1,0 +1,109 @@
+"""The engine requests of one HTTP request (one per prompt) as one stream of outputs.
+
+Only the engine client's public surface is used (``GenerateClient``): ``generate``, an async
+iterator of RequestOutput deltas that aborts its request when left early. Leaving this stream
+early (client gone, error, drain) closes every per-prompt iterator, which aborts the engine
+requests and frees their KV blocks before the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from pydaemon.outputs import RequestOutput
+from pydaemon.sampling_params import SamplingParams
+
+_DONE = object()
+
+
+@dataclass
+class EnginePrompt:
+    """One prompt, tokenized by the front end."""
+
+    token_ids: list[int]
+    text: str | None = None  # the prompt as text, when known (echo)
+
+
+class GenerateClient(Protocol):
+    """What the HTTP layer uses of the engine client (InprocEngineClient / EngineClient)."""
+
+    def generate(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]: ...
+
+    @property
+    def is_alive(self) -> bool: ...
+
+
+class EngineRequestFailed(ValueError):
+    """The engine refused or failed a request (e.g. a prompt that can never fit)."""
+
+
+async def _one(
+    engine: GenerateClient,
+    request_id: str,
+    prompt: EnginePrompt,
+    params: SamplingParams,
+    cache_salt: str | None,
+) -> AsyncIterator[RequestOutput]:
+    async for output in engine.generate(
+        request_id, prompt.token_ids, params, cache_salt=cache_salt
+    ):
+        if output.error is not None:
+            raise EngineRequestFailed(output.error)
+        yield output
+
+
+async def generate_all(
+    engine: GenerateClient,
+    request_id: str,
+    prompts: list[EnginePrompt],
+    params: SamplingParams,
+    cache_salt: str | None = None,
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yields (prompt index, delta) until every prompt's request finished.
+
+    Engine request ids are ``request_id`` (one prompt) or ``request_id-<i>``.
+    """
+    if len(prompts) == 1:
+        async with contextlib.aclosing(
+            _one(engine, request_id, prompts[0], params, cache_salt)
+        ) as outputs:
+            async for output in outputs:
+                yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        try:
+            async for output in _one(engine, f"{request_id}-{i}", prompts[i], params, cache_salt):
+                queue.put_nowait((i, output))
+        except Exception as e:  # noqa: BLE001 - re-raised in the consumer
+            queue.put_nowait(e)
+        finally:
+            queue.put_nowait(_DONE)
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(prompts))]
+    try:
+        num_running = len(tasks)
+        while num_running:
+            item = await queue.get()
+            if item is _DONE:
+                num_running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()  # aborts the engine requests still running
+        await asyncio.gather(*tasks, return_exceptions=True)

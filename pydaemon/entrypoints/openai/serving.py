@@ -1,0 +1,198 @@
+"""What every OpenAI endpoint shares: the engine client, the tokenizer, the served model, the
+admission rules (503 not serving, 404 unknown model, 429 queue full), tokenization with the
+context-length check, the live requests (for the drain) and the latency metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydaemon.config.generation import GenerationDefaults
+from pydaemon.entrypoints.common.metrics import Metrics
+from pydaemon.entrypoints.openai.accumulator import Accumulator
+from pydaemon.entrypoints.openai.engine_stream import GenerateClient
+from pydaemon.entrypoints.openai.errors import ApiError, bad_request
+from pydaemon.entrypoints.openai.protocol import InvalidParam
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    name: str  # what clients put in "model"
+    max_model_len: int  # prompt + output tokens
+    vocab_size: int
+    # generation_config.json's sampling defaults, for the fields a request leaves unset
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass
+class HttpOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: any free port (see HttpServer.port)
+    api_key: str | None = None
+    metrics_auth: bool = True  # with api_key: /metrics requires it too
+    tls_cert: str | None = None  # PEM files: serve HTTPS (the same pair as gRPC's TLS)
+    tls_key: str | None = None
+    max_queued_requests: int = 1024  # beyond this many unscheduled requests: 429
+    stall_timeout_s: float = 30.0  # a streaming client not reading this long is dropped
+    max_body_bytes: int = 16 * 1024 * 1024
+
+
+@dataclass(eq=False)
+class LiveRequest:
+    task: asyncio.Task
+    is_aborted_by_server: bool = False  # cancelled by the drain, not by the client leaving
+    is_failed: bool = False  # answered with an error (not counted as a finished request)
+
+
+class OpenAIServing:
+    """``engine``: the engine client; ``tokenizer``: the model's (``encode``, ``decode``,
+    ``apply_chat_template``), or None; ``metrics``: the daemon's Prometheus registry;
+    ``num_queued``: requests posted to the engine and not yet scheduled (from every front
+    end), for admission control."""
+
+    def __init__(
+        self,
+        engine: GenerateClient,
+        tokenizer: Any,
+        model: ServedModel,
+        options: HttpOptions,
+        metrics: Metrics | None = None,
+        num_queued: Callable[[], int] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model = model
+        self.options = options
+        self.metrics = metrics
+        self.num_queued = num_queued or (lambda: 0)
+        self.is_admitting = True
+        self.live: set[LiveRequest] = set()
+
+    @property
+    def is_serving(self) -> bool:
+        return self.is_admitting and self.engine is not None and self.engine.is_alive
+
+    def close(self) -> None:
+        """Drops the engine, tokenizer and metrics once the server has stopped: aiohttp keeps
+        the handlers (and so this object) in a module-level cache for the process's life."""
+        self.is_admitting = False
+        self.engine = self.tokenizer = self.metrics = None
+        self.num_queued = lambda: 0
+
+    def admit(self, model_name: str) -> None:
+        if not self.is_serving:
+            raise ApiError(
+                503, "the server is not serving (draining or failed)", code="not_serving"
+            )
+        if model_name != self.model.name:
+            raise ApiError(
+                404,
+                f"model {model_name!r} does not exist; this server serves {self.model.name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        num_queued = self.num_queued()
+        if num_queued >= self.options.max_queued_requests:
+            raise ApiError(
+                429,
+                f"{num_queued} requests are already queued (--max-queued-requests "
+                f"{self.options.max_queued_requests}); retry later",
+                code="queue_full",
+            )
+
+    # ---- prompts -----------------------------------------------------------------------
+
+    async def encode(self, text: str, *, add_bos: bool, param: str) -> list[int]:
+        """Token ids of a prompt, tokenized off the event loop (a long prompt takes ms)."""
+        if self.tokenizer is None:
+            raise bad_request("this model has no tokenizer: send the prompt as token ids", param)
+        if not text:
+            raise bad_request(f"{param} is empty", param)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self.tokenizer.encode, text, add_bos)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
+
+    def resolve_max_tokens(
+        self,
+        num_prompt_tokens: int,
+        max_tokens: int | None,
+        *,
+        prompt_param: str,
+        max_tokens_param: str,
+    ) -> int:
+        """``max_tokens`` checked against the context (None: all of what is left); errors
+        name the request field (``prompt_param``, ``max_tokens_param``)."""
+        room = self.model.max_model_len - num_prompt_tokens
+        if room < 1:
+            raise bad_request(
+                f"the prompt has {num_prompt_tokens} tokens; this model's maximum context "
+                f"length is {self.model.max_model_len}, which leaves no room for output",
+                prompt_param,
+            )
+        if max_tokens is None:
+            return room
+        if max_tokens < 1:
+            raise InvalidParam(
+                f"{max_tokens_param} must be a positive integer (got {max_tokens})",
+                max_tokens_param,
+            )
+        if max_tokens > room:
+            raise bad_request(
+                f"this model's maximum context length is {self.model.max_model_len} tokens; "
+                f"you requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in "
+                f"the prompt, {max_tokens} for the output)",
+                max_tokens_param,
+            )
+        return max_tokens
+
+    # ---- live requests -----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[LiveRequest]:
+        live = LiveRequest(asyncio.current_task())
+        self.live.add(live)
+        try:
+            yield live
+        finally:
+            self.live.discard(live)
+
+    def abort_all(self) -> None:
+        """Ends every live request (drain past its grace period); each answers "abort"."""
+        for live in list(self.live):
+            live.is_aborted_by_server = True
+            live.task.cancel()
+
+    def observe(self, acc: Accumulator, cancel_reason: str | None = None) -> None:
+        """Feeds the latency histograms, once per engine request."""
+        if self.metrics is None:
+            return
+        now = time.monotonic()
+        for i, prompt in enumerate(acc.prompts):
+            m = prompt.metrics
+            arrival = m.arrival_time if m is not None else prompt.arrival_time
+            end = m.finished_time if m is not None and m.finished_time else now
+            ttft = None
+            if m is not None and m.first_token_time is not None:
+                ttft = m.first_token_time - arrival
+            longest = acc.longest_output(i)
+            tpot = None
+            if prompt.is_finished and ttft is not None and longest > 1:
+                tpot = (end - m.first_token_time) / (longest - 1)
+            if prompt.is_finished:
+                reason = acc.choices[i * acc.n].finish_reason or "stop"
+            else:
+                reason = cancel_reason or "cancelled"
+            self.metrics.observe(
+                "aborted" if reason == "abort" else reason,
+                ttft_s=ttft,
+                tpot_s=tpot,
+                e2e_s=end - arrival,
+            )

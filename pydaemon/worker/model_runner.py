@@ -1,0 +1,334 @@
+"""Turns a SchedulerOutput into tensors, moves KV blocks, runs the model, samples.
+
+The only part of the engine that touches tensors. It never decides policy: the scheduler says
+which tokens to compute and which blocks to swap or copy; the runner does exactly that.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+import torch
+
+from pydaemon.config.engine import EngineConfig
+from pydaemon.core.runner_output import AsyncModelRunnerOutput, ModelRunnerOutput
+from pydaemon.core.sched.scheduler_output import SchedulerOutput
+from pydaemon.distributed import parallel_state as ps
+from pydaemon.layers.attention import uses_kernels
+from pydaemon.layers.attention_metadata import AttentionMetadata
+from pydaemon.model_loader.loader import load_model
+from pydaemon.quantization.kv_cache_fp8 import is_fp8, resolve_kv_cache_dtype
+from pydaemon.worker.cuda_graph_inputs import cuda_graph_plan
+from pydaemon.worker.cuda_graphs import CUDAGraphRunner, capture_all, measure_graph_memory
+from pydaemon.worker.input_batch import InputBatch, StepInput
+from pydaemon.worker.kv_cache import GiB, KVCacheSpec
+from pydaemon.worker.kv_scale_calibration import KVScales
+from pydaemon.worker.step_sampler import StepSampler
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(device: str, tp_rank: int = 0, tp_size: int = 1) -> torch.device:
+    """Under tensor parallelism rank r runs on cuda:r."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
+    if device == "cuda" and tp_size > 1:
+        if tp_size > torch.cuda.device_count():
+            raise ValueError(
+                f"tensor_parallel_size ({tp_size}) is larger than the number of visible CUDA "
+                f"devices ({torch.cuda.device_count()})"
+            )
+        return torch.device("cuda", tp_rank)
+    return torch.device(device)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if ps.get_tp_world_size() != config.tensor_parallel_size:
+            raise RuntimeError(
+                f"this process is a rank of a tensor-parallel group of size "
+                f"{ps.get_tp_world_size()}, but tensor_parallel_size is "
+                f"{config.tensor_parallel_size}: shut the other engine down first"
+            )
+        self.device = resolve_device(config.device, ps.get_tp_rank(), ps.get_tp_world_size())
+        self.model, self.model_config = load_model(
+            config.model,
+            dtype=config.dtype,
+            device=self.device,
+            load_format=config.load_format,
+            seed=config.seed,
+            quantization=config.quantization,
+        )
+        self.model.eval()
+        self.dtype = next(self.model.parameters()).dtype
+        mc = self.model_config
+        self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
+        self.vocab_size = mc.vocab_size
+        default_budget = max(4096 if self.device.type == "cuda" else 512, config.max_num_seqs)
+        self.max_num_batched_tokens = config.max_num_batched_tokens or default_budget
+        self.spec = KVCacheSpec(
+            num_layers=mc.num_hidden_layers,
+            num_kv_heads=mc.num_key_value_heads // config.tensor_parallel_size,  # this rank's
+            block_size=config.block_size,
+            head_dim=mc.head_dim,
+            dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype),
+        )
+        self.kv_scales: KVScales | None = None
+        if is_fp8(self.spec.dtype):
+            model_dir = None if config.load_format == "dummy" else config.model
+            self.kv_scales = KVScales(self.model, model_dir, config.calculate_kv_scales)
+        self.num_gpu_blocks = config.num_kv_blocks or self._profile_num_blocks()
+        # Tensor parallel: one block manager drives every rank, so all hold as many blocks.
+        self.num_gpu_blocks = ps.min_across_ranks(self.num_gpu_blocks)
+        max_useful = config.max_num_seqs * math.ceil(self.max_model_len / config.block_size) + 1
+        self.num_cpu_blocks = min(
+            self.spec.num_blocks_for_bytes(config.swap_space * GiB), max_useful
+        )
+        pin = self.device.type == "cuda"
+        self.kv_cache = self.spec.allocate(self.num_gpu_blocks, self.device)
+        self.cpu_kv_cache = self.spec.allocate(
+            self.num_cpu_blocks, torch.device("cpu"), pin_memory=pin
+        )
+        self.input_batch = InputBatch(config.max_num_seqs, self.max_model_len, config.block_size)
+        self.step_sampler = StepSampler(self.input_batch, self.device)
+        self._last_output: AsyncModelRunnerOutput | None = None  # the previous step's
+        self.swap_stream = None
+        if uses_kernels(self.kv_cache):
+            from pydaemon.ops import SwapStream
+
+            self.swap_stream = SwapStream(self.kv_cache, self.cpu_kv_cache)
+        # Decode graphs hold the real cache's pointers: captured after it exists (their memory
+        # was kept out of the cache's budget by _profile_num_blocks).
+        self.cuda_graphs: CUDAGraphRunner | None = None
+        self._graphs_to_capture: CUDAGraphRunner | None = None  # after the KV scales' step
+        plan = cuda_graph_plan(config, self.model_config, self.kv_cache, self.max_model_len)
+        if plan is not None:
+            graphs = CUDAGraphRunner(self.model, self.kv_cache, plan)
+            if self.kv_scales is not None and self.kv_scales.is_pending:
+                self._graphs_to_capture = graphs  # graphs bake the KV scales in: not yet
+            else:
+                self.cuda_graphs = capture_all(graphs)
+        logger.info(
+            "KV cache: %d blocks of %d tokens on %s (%s, %.2f GiB), %d swap blocks on the CPU",
+            self.num_gpu_blocks,
+            config.block_size,
+            self.device,
+            self.spec.dtype,
+            self.num_gpu_blocks * self.spec.block_bytes / GiB,
+            self.num_cpu_blocks,
+        )
+
+    # ---- sizing -----------------------------------------------------------------------------
+    def _profile_num_blocks(self) -> int:
+        cfg = self.config
+        max_useful = cfg.max_num_seqs * math.ceil(self.max_model_len / cfg.block_size) + 1
+        if self.device.type != "cuda":
+            return max(
+                1, min(self.spec.num_blocks_for_bytes(cfg.cpu_kv_cache_space * GiB), max_useful)
+            )
+        # Run the largest step once on a throw-away cache to measure peak activation memory.
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = min(self.max_num_batched_tokens, self.max_model_len)
+        probe_blocks = math.ceil(num_tokens / cfg.block_size) + 1
+        self.kv_cache = self.spec.allocate(probe_blocks, self.device)
+        self._dummy_forward(num_tokens)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        plan = cuda_graph_plan(cfg, self.model_config, self.kv_cache, self.max_model_len)
+        graphs = 0 if plan is None else measure_graph_memory(self.model, self.kv_cache, plan)
+        del self.kv_cache
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        other_procs = total - free - torch.cuda.memory_reserved(self.device)
+        # Sampling needs a few float32 [max_num_seqs, vocab] buffers on top.
+        sampling = 4 * cfg.max_num_seqs * self.vocab_size * 4
+        budget = total * cfg.gpu_memory_utilization - peak - other_procs - sampling - graphs
+        blocks = self.spec.num_blocks_for_bytes(budget)
+        if blocks < 1:
+            raise RuntimeError(
+                f"no memory left for the KV cache: peak activations {peak / GiB:.2f} GiB, "
+                f"CUDA graphs {graphs / GiB:.2f} GiB, "
+                f"gpu_memory_utilization={cfg.gpu_memory_utilization}; lower max_num_batched_tokens "
+                "or raise gpu_memory_utilization (or --enforce-eager)"
+            )
+        return min(blocks, max_useful)
+
+    @torch.inference_mode()
+    def _dummy_forward(self, num_tokens: int) -> None:
+        bs = self.config.block_size
+        num_blocks = math.ceil(num_tokens / bs)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        meta = AttentionMetadata(
+            num_prefills=1,
+            num_prefill_tokens=num_tokens,
+            num_decode_tokens=0,
+            slot_mapping=torch.arange(num_tokens, device=self.device),
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None],
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            max_seq_len=num_tokens,
+            max_query_len=num_tokens,
+            seq_lens_cpu=[num_tokens],
+            query_lens_cpu=[num_tokens],
+        )
+        hidden = self.model(ids, positions, self.kv_cache, meta)
+        self.model.compute_logits(hidden[-1:])
+
+    # ---- the step ---------------------------------------------------------------------------
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Updates the cached state, moves blocks, runs the forward pass and samples.
+
+        Returns None on tensor-parallel ranks > 0 (rank 0 samples from the gathered logits).
+        """
+        result = self.execute_model_async(out)
+        return None if result is None else result.get_output()
+
+    @torch.inference_mode()
+    def execute_model_async(self, out: SchedulerOutput) -> AsyncModelRunnerOutput | None:
+        """As execute_model, but returns as soon as the step is launched: the sampled ids
+        come back through ``get_output()`` (async scheduling)."""
+        last = self._last_output
+        self.input_batch.update(out, None if last is None else last.get_output)
+        self.step_sampler.forget(out.finished_request_ids)
+        self._move_blocks(out)
+        is_driver = ps.get_tp_rank() == 0
+        if out.num_seqs == 0:
+            result = AsyncModelRunnerOutput(ModelRunnerOutput())
+        else:
+            step = self.input_batch.prepare(out)
+            if len(step.placeholder_index) and ps.is_tensor_parallel():
+                self._share_sampled_ids(last)
+            measures_kv_scales = self.kv_scales is not None and self.kv_scales.arm_for(out)
+            logits = self._forward(step)
+            if measures_kv_scales:
+                self._finish_kv_scales()
+            if is_driver:
+                result = self.step_sampler.sample(logits, step, out.num_samples)
+            else:  # rank 0 samples; this rank receives its ids if the next step needs them
+                result = self.step_sampler.expect(step, out.num_samples)
+        self._last_output = result
+        return result if is_driver else None
+
+    def _finish_kv_scales(self) -> None:
+        """After the step whose forward measured the KV scales: the decode graphs, which
+        bake them in, are captured now."""
+        self.kv_scales.finish()
+        if self._graphs_to_capture is not None:
+            self.cuda_graphs = capture_all(self._graphs_to_capture)
+            self._graphs_to_capture = None
+
+    def _share_sampled_ids(self, last: AsyncModelRunnerOutput | None) -> None:
+        """Tensor parallelism: every rank fills placeholders with rank 0's samples. Rank 0
+        broadcasts the last step's sampled ids, device to device, in stream order after its
+        sampling (no host sync); the other ranks receive them into that step's output."""
+        if last is None or last.num_samples == 0:
+            raise RuntimeError("placeholder tokens but the previous step sampled nothing")
+        if ps.get_tp_rank() == 0:
+            ps.broadcast_from_rank0(last.sampled_token_ids.contiguous())
+            return
+        ids = torch.empty(last.num_samples, dtype=torch.int64, device=self.device)
+        last.receive_sampled_token_ids(ps.broadcast_from_rank0(ids))
+
+    def _forward(self, step: StepInput) -> torch.Tensor | None:
+        """-> logits [len(step.sample_index), vocab] float32 (None on TP ranks > 0)."""
+        graphs = self.cuda_graphs
+        key = None if graphs is None else graphs.key_for(step)
+        if key is None:
+            return self._forward_eager(step)
+        # hidden: [num_seqs, hidden_size], a view of the graph's output
+        hidden = graphs.run(step, key, lambda ids: self._fill_placeholders(ids, step))
+        if len(step.sample_index) == len(step.seq_ids):  # every row, in order: no gather
+            return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden[_to(step.sample_index, self.device)])
+
+    def _forward_eager(self, step: StepInput) -> torch.Tensor | None:
+        """``_forward`` without graphs: any step, on any device."""
+        query_len = step.query_lens
+        p = step.num_prefills
+        dev = self.device
+        meta = AttentionMetadata(
+            num_prefills=p,
+            num_prefill_tokens=int(query_len[:p].sum()),
+            num_decode_tokens=len(step.seq_ids) - p,
+            slot_mapping=_to(step.slot_mapping, dev),
+            block_tables=_to(step.block_tables, dev),
+            seq_lens=_to(step.seq_lens, dev),
+            query_start_loc=_to(step.query_start_loc, dev),
+            max_seq_len=int(step.seq_lens.max()),
+            max_query_len=int(query_len.max()),
+            seq_lens_cpu=step.seq_lens.tolist(),
+            query_lens_cpu=query_len.tolist(),
+        )
+        hidden = self.model(self._input_ids(step), _to(step.positions, dev), self.kv_cache, meta)
+        if len(step.sample_index) == 0:
+            return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
+        return self.model.compute_logits(hidden[_to(step.sample_index, dev)])
+
+    def release_cuda_graphs(self) -> None:
+        """Drops the decode graphs: call before destroying the NCCL communicator their
+        all-reduces captured (ncclCommDestroy waits for every graph holding it: pytorch#115388).
+        Steps run eagerly afterwards."""
+        if self.cuda_graphs is not None:
+            self.cuda_graphs.release()
+            self.cuda_graphs = None
+
+    def _input_ids(self, step: StepInput) -> torch.Tensor:
+        """[num_tokens] int64 on the device, placeholders filled (``_fill_placeholders``)."""
+        input_ids = _to(step.input_ids, self.device)
+        self._fill_placeholders(input_ids, step)
+        return input_ids
+
+    def _fill_placeholders(self, input_ids: torch.Tensor, step: StepInput) -> None:
+        """input_ids: [>= num_tokens] int64 on the device, the step's tokens first. A
+        placeholder (async scheduling: a token the previous step sampled and the host has not
+        seen yet) is gathered from that step's sampled ids on the device: no host round trip."""
+        if not len(step.placeholder_index):
+            return
+        last = self._last_output
+        if last is None or last.sampled_token_ids is None:
+            raise RuntimeError("placeholder tokens but the previous step sampled nothing")
+        rows = _to(last.sample_rows(step.placeholder_seq_ids.tolist()), self.device)
+        index = _to(step.placeholder_index, self.device)
+        input_ids[index] = last.sampled_token_ids[rows]
+
+    def _move_blocks(self, out: SchedulerOutput) -> None:
+        """Swap out, swap in, then copy-on-write, before this step's K/V writes."""
+        if self.swap_stream is not None:
+            from pydaemon import ops
+
+            # Batched copies on their own stream; the compute stream waits on an event
+            # (no host sync) before it reuses swapped-out blocks or reads swapped-in ones.
+            self.swap_stream.swap_out(out.blocks_to_swap_out)
+            self.swap_stream.swap_in(out.blocks_to_swap_in)
+            self.swap_stream.wait()
+            if out.blocks_to_copy:
+                ops.copy_blocks(self.kv_cache, out.blocks_to_copy)
+            return
+        if out.blocks_to_swap_out:
+            src, dst = _pairs(out.blocks_to_swap_out)
+            self.cpu_kv_cache[dst] = self.kv_cache[src.to(self.device)].to("cpu")
+        if out.blocks_to_swap_in:
+            src, dst = _pairs(out.blocks_to_swap_in)
+            self.kv_cache[dst.to(self.device)] = self.cpu_kv_cache[src].to(self.device)
+        if out.blocks_to_copy:
+            src, dst = _pairs(out.blocks_to_copy)
+            self.kv_cache[dst.to(self.device)] = self.kv_cache[src.to(self.device)]
+
+
+def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor
+
+
+def _pairs(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    both = torch.tensor(pairs, dtype=torch.long)
+    return both[:, 0], both[:, 1]
