@@ -8,10 +8,15 @@ workload through transformers' continuous batching and static-batch ``generate``
         --backend pagedd,hf-continuous,hf-static --num-requests 64 --compare
     PYTHONPATH=. python bench/throughput.py --model-config llama3-8b \\
         --backend pagedd,pagedd-sync --compare    # async scheduling on (default) vs off
+    PYTHONPATH=VLLM_SITE:. VLLM_USE_FLASHINFER_SAMPLER=0 python bench/throughput.py \\
+        --model-config llama3-8b --backend vllm --tpot-batch1 5   # the peer engine, + TPOT
 
 Reports wall time (first submit to last token), output and total tokens/s, and for pagedd
 the peak KV blocks in use, the KV waste (allocated slots holding no token) and preemptions.
-Several backends run one after the other, each in its own process (so that each gets the
+``--tpot-batch1 RUNS`` then measures TPOT at batch 1 on the same engine (bench/tpot_generate.py:
+the same method for pagedd and vLLM); ``--profile`` runs the workload under torch.profiler and
+adds where the GPU time went (bench/gpu_breakdown.py). vLLM (bench/throughput_vllm.py) runs
+with its own defaults unless a flag sets them. Several backends run one after the other, each in its own process (so that each gets the
 whole GPU), and ``--compare`` prints pagedd's throughput over each peer's. See
 bench/throughput_hf.py for how the peers are run and why their weights differ.
 """
@@ -33,7 +38,8 @@ from bench.workloads import add_workload_flags, build_workload, summarize  # noq
 
 # pagedd-sync: pagedd with async scheduling off (--no-async-scheduling), to compare with.
 # pagedd-fp8: pagedd with --quantization fp8 (FP8 weights, quantized at load).
-BACKENDS = ("pagedd", "pagedd-sync", "pagedd-fp8", "hf-continuous", "hf-static")
+# vllm, vllm-fp8: the peer engine (vLLM's offline LLM; vllm-fp8: --quantization fp8).
+BACKENDS = ("pagedd", "pagedd-sync", "pagedd-fp8", "vllm", "vllm-fp8", "hf-continuous", "hf-static")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--static-batch-size", type=int, default=64, help="hf-static batch size")
     h.add_argument("--hf-num-requests", type=int, default=None,
                    help="run the peers on only the first N requests (they are slow); stated in the output")  # fmt: skip
+    t = p.add_argument_group("TPOT at batch 1 and GPU profile (pagedd and vllm)")
+    t.add_argument("--tpot-batch1", type=int, default=0, metavar="RUNS",
+                   help="after the workload, TPOT at batch 1 on the same engine (0: not)")  # fmt: skip
+    t.add_argument("--tpot-prompt-len", type=int, default=1024)
+    t.add_argument("--tpot-output-len", type=int, default=128)
+    t.add_argument("--profile", action="store_true",
+                   help="run the workload under torch.profiler: GPU time by kernel kind, idle time")  # fmt: skip
     add_workload_flags(p)
     o = p.add_argument_group("output")
     o.add_argument(
@@ -105,7 +118,12 @@ def _resolve_model(args: argparse.Namespace) -> None:
 def run_backend(backend: str, args: argparse.Namespace) -> dict:
     """One backend in this process."""
     is_pagedd = backend in ("pagedd", "pagedd-sync", "pagedd-fp8")
-    n = args.hf_num_requests if not is_pagedd and args.hf_num_requests else args.num_requests
+    is_vllm = backend in ("vllm", "vllm-fp8")
+    n = (
+        args.hf_num_requests
+        if not (is_pagedd or is_vllm) and args.hf_num_requests
+        else args.num_requests
+    )
     args.num_requests = n
     vocab = None
     if args.model != "demo":
@@ -119,7 +137,15 @@ def run_backend(backend: str, args: argparse.Namespace) -> dict:
         if backend == "pagedd-fp8":
             args.quantization = "fp8"
 
-        figures = run_pagedd(args.model, requests, args)
+        figures = run_pagedd(args.model, requests, args, vocab_size=vocab)
+    elif is_vllm:
+        if args.model == "demo":
+            raise ValueError("the vllm backend needs a model directory (--model or --model-config)")
+        from bench.throughput_vllm import run_vllm
+
+        if backend == "vllm-fp8":
+            args.quantization = "fp8"
+        figures = run_vllm(args.model, requests, args, vocab_size=vocab)
     else:
         if args.model == "demo":
             from pydaemon.model_loader.demo_model import demo_model_dir
@@ -162,6 +188,11 @@ def _child_argv(argv: list[str], backend: str, out: Path) -> list[str]:
     return kept + ["--backend", backend, "--out", str(out), "--quiet"]
 
 
+def _cell(r: dict, key: str):
+    value = r.get(key)
+    return "-" if value is None else value
+
+
 def table(results: list[dict], compare: bool) -> str:
     head = (f"{'backend':<14} {'requests':>8} {'wall s':>8} {'out tok/s':>10} {'total tok/s':>11} "
             f"{'KV blocks':>9} {'peak KV blk':>11} {'waste %':>7} {'preempt':>7}")  # fmt: skip
@@ -171,9 +202,18 @@ def table(results: list[dict], compare: bool) -> str:
         lines.append(
             f"{r['backend']:<14} {r['workload']['num_requests']:>8} {r['wall_s']:8.2f} "
             f"{r['output_throughput']:10.1f} {r['total_token_throughput']:11.1f} "
-            f"{r.get('num_gpu_blocks', '-'):>9} {r.get('peak_kv_blocks_used', '-'):>11} "
-            f"{'-' if waste is None else f'{100 * waste:.1f}':>7} {r.get('num_preemptions', '-'):>7}"
+            f"{_cell(r, 'num_gpu_blocks'):>9} {_cell(r, 'peak_kv_blocks_used'):>11} "
+            f"{'-' if waste is None else f'{100 * waste:.1f}':>7} {_cell(r, 'num_preemptions'):>7}"
         )
+        tpot = r.get("tpot_batch1")
+        if tpot:
+            lines.append(f"  {r['backend']}: TPOT at batch 1 {tpot['tpot_ms']:.3f} ms, "
+                         f"TTFT {tpot['ttft_ms']:.1f} ms ({tpot['prompt_len']}-token prompt)")  # fmt: skip
+        gpu = r.get("gpu_breakdown")
+        if gpu:
+            kinds = ", ".join(f"{k} {v:.0f}" for k, v in gpu["ms_by_kind"].items())
+            lines.append(f"  {r['backend']}: GPU ms busy {gpu['busy_ms']:.0f} of "
+                         f"{gpu['span_ms']:.0f} (idle {gpu['idle_ms']:.0f}): {kinds}")  # fmt: skip
     base = next((r for r in results if r["backend"] == "pagedd"), None)
     if compare and base is not None:
         for r in results:

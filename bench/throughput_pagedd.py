@@ -1,4 +1,5 @@
-"""The pagedd backend of throughput.py: the workload through ``LLM.generate``, in process."""
+"""The pagedd backend of throughput.py: the workload through ``LLM.generate``, in process (and,
+on request, TPOT at batch 1 on the same engine and a GPU profile of the run)."""
 
 from __future__ import annotations
 
@@ -50,7 +51,10 @@ def engine_kwargs(args) -> dict:
     return kwargs
 
 
-def run_pagedd(model: str, requests: list[WorkloadRequest], args) -> dict:
+def run_pagedd(
+    model: str, requests: list[WorkloadRequest], args, vocab_size: int | None = None
+) -> dict:
+    from bench.gpu_breakdown import Profiled
     from pydaemon import LLM, SamplingParams
 
     t_load = time.perf_counter()
@@ -63,18 +67,20 @@ def run_pagedd(model: str, requests: list[WorkloadRequest], args) -> dict:
     ]
     stats = StepStats(engine)
     before = engine.get_stats()
-    start = time.perf_counter()
-    outputs = llm.generate([r.prompt for r in requests], params, use_tqdm=not args.no_progress)
-    wall_s = time.perf_counter() - start
+    with Profiled(getattr(args, "profile", False)) as profiled:
+        start = time.perf_counter()
+        outputs = llm.generate([r.prompt for r in requests], params, use_tqdm=not args.no_progress)
+        wall_s = time.perf_counter() - start
     stats.restore()
     after = engine.get_stats()
+    tpot = _tpot_batch1(llm, args, vocab_size) if getattr(args, "tpot_batch1", 0) else None
     engine.shutdown()  # stops tensor-parallel workers, if any
     num_output = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
     ttfts = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs
              if o.metrics is not None and o.metrics.first_token_time is not None]  # fmt: skip
     block_size = engine.config.block_size
-    return {
+    figures = {
         "wall_s": wall_s,
         "load_s": load_s,
         "num_prompt_tokens": num_prompt,
@@ -101,3 +107,25 @@ def run_pagedd(model: str, requests: list[WorkloadRequest], args) -> dict:
             **{k: v for k, v in engine.config.__dict__.items() if k != "model"},
         },  # fmt: skip
     }
+    if tpot is not None:
+        figures["tpot_batch1"] = tpot
+    if profiled.result is not None:
+        figures["gpu_breakdown"] = profiled.result
+    return figures
+
+
+def _tpot_batch1(llm, args, vocab_size: int | None) -> dict:
+    """TPOT at batch 1 on this engine (bench/tpot_generate.py, as for the vLLM backend)."""
+    from bench.tpot_generate import measure_tpot_batch1, token_range_for
+    from pydaemon import SamplingParams
+
+    def generate_one(ids: list[int], max_tokens: int) -> int:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        (out,) = llm.generate([ids], params, use_tqdm=False)
+        return len(out.outputs[0].token_ids)
+
+    vocab_size = vocab_size or llm.engine.model_config.vocab_size
+    return measure_tpot_batch1(
+        generate_one, args.tpot_batch1, prompt_len=args.tpot_prompt_len,
+        output_len=args.tpot_output_len, token_range=token_range_for(vocab_size),
+    )  # fmt: skip

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pydaemon.ops._core_ext import core, stream_handle
+from pydaemon.ops._core_ext import arg, core, stream_handle
 
 
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -17,5 +17,5 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     num_tokens, width = x.shape
     if out is None:
         out = torch.empty(num_tokens, width // 2, dtype=x.dtype, device=x.device)
-    core().silu_and_mul(out, x, stream_handle(x.device))
+    core().silu_and_mul(arg(out), arg(x), stream_handle(x.device))
     return out

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pydaemon.ops._core_ext import core, kv_cache_arg, stream_handle
+from pydaemon.ops._core_ext import arg, core, kv_cache_arg, stream_handle
 
 BlockPairs = Sequence[tuple[int, int]] | torch.Tensor
 
@@ -32,11 +32,11 @@ def reshape_and_cache(
                   v_scale), rounded to nearest even
     """
     core().reshape_and_cache(
-        key,
-        value,
+        arg(key),
+        arg(value),
         kv_cache_arg(key_cache),
         kv_cache_arg(value_cache),
-        slot_mapping,
+        arg(slot_mapping),
         float(k_scale),
         float(v_scale),
         stream_handle(key.device),
@@ -62,7 +62,7 @@ def copy_blocks(kv_cache: torch.Tensor, blocks_to_copy: BlockPairs) -> None:
     if len(blocks_to_copy) == 0:
         return
     mapping = _pairs_tensor(blocks_to_copy, kv_cache.device)
-    core().copy_blocks(kv_cache_arg(kv_cache), mapping, stream_handle(kv_cache.device))
+    core().copy_blocks(kv_cache_arg(kv_cache), arg(mapping), stream_handle(kv_cache.device))
 
 
 def swap_blocks(
@@ -84,7 +84,7 @@ def swap_blocks(
     gpu = src if src.is_cuda else dst
     if stream is None:
         stream = stream_handle(gpu.device)
-    core().swap_blocks(kv_cache_arg(src), kv_cache_arg(dst), mapping, stream)
+    core().swap_blocks(kv_cache_arg(src), kv_cache_arg(dst), arg(mapping), stream)
 
 
 class SwapStream:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pydaemon.ops._core_ext import core, stream_handle
+from pydaemon.ops._core_ext import arg, core, stream_handle
 
 
 def per_token_fp8_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -16,7 +16,9 @@ def per_token_fp8_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     num_tokens, d = x.shape
     xq = torch.empty(num_tokens, d, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(num_tokens, 1, dtype=torch.float32, device=x.device)
-    core().per_token_fp8_quant(xq.view(torch.uint8), scale.view(-1), x, stream_handle(x.device))
+    core().per_token_fp8_quant(
+        arg(xq.view(torch.uint8)), arg(scale.view(-1)), arg(x), stream_handle(x.device)
+    )
     return xq, scale
 
 
@@ -37,10 +39,18 @@ def rms_norm_fp8_quant(
     scale = torch.empty(num_tokens, 1, dtype=torch.float32, device=x.device)
     stream = stream_handle(x.device)
     if residual is None:
-        core().rms_norm_fp8(xq.view(torch.uint8), scale.view(-1), x, weight, float(eps), stream)
+        core().rms_norm_fp8(
+            arg(xq.view(torch.uint8)), arg(scale.view(-1)), arg(x), arg(weight), float(eps), stream
+        )
     else:
         core().fused_add_rms_norm_fp8(
-            xq.view(torch.uint8), scale.view(-1), x, residual, weight, float(eps), stream
+            arg(xq.view(torch.uint8)),
+            arg(scale.view(-1)),
+            arg(x),
+            arg(residual),
+            arg(weight),
+            float(eps),
+            stream,
         )
     return xq, scale
 
@@ -55,5 +65,7 @@ def silu_and_mul_fp8_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     num_tokens, width = x.shape
     xq = torch.empty(num_tokens, width // 2, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(num_tokens, 1, dtype=torch.float32, device=x.device)
-    core().silu_and_mul_fp8(xq.view(torch.uint8), scale.view(-1), x, stream_handle(x.device))
+    core().silu_and_mul_fp8(
+        arg(xq.view(torch.uint8)), arg(scale.view(-1)), arg(x), stream_handle(x.device)
+    )
     return xq, scale

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pydaemon.ops._core_ext import core, stream_handle
+from pydaemon.ops._core_ext import arg, core, stream_handle
 
 
 def rms_norm(
@@ -19,7 +19,7 @@ def rms_norm(
     """
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    core().rms_norm(out, x, weight, float(eps), stream_handle(x.device))
+    core().rms_norm(arg(out), arg(x), arg(weight), float(eps), stream_handle(x.device))
     return out
 
 
@@ -40,5 +40,7 @@ def fused_add_rms_norm(
     """
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    core().fused_add_rms_norm(out, x, residual, weight, float(eps), stream_handle(x.device))
+    core().fused_add_rms_norm(
+        arg(out), arg(x), arg(residual), arg(weight), float(eps), stream_handle(x.device)
+    )
     return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pydaemon.ops._core_ext import core, kv_cache_arg, stream_handle
+from pydaemon.ops._core_ext import arg, core, kv_cache_arg, stream_handle
 
 # Tokens per split-KV partition; must equal pagedd::cuda::kPartitionSize (checked on use).
 PARTITION_SIZE = 256
@@ -77,17 +77,17 @@ def paged_attention_decode(
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     tmp_out, exp_sums, max_logits = split_kv_workspaces(query, num_partitions(max_seq_len))
     _core.paged_attention_decode(
-        out,
-        query,
+        arg(out),
+        arg(query),
         kv_cache_arg(key_cache),
         kv_cache_arg(value_cache),
-        block_tables,
-        seq_lens,
+        arg(block_tables),
+        arg(seq_lens),
         float(scale),
         int(max_seq_len),
-        tmp_out,
-        exp_sums,
-        max_logits,
+        arg(tmp_out),
+        arg(exp_sums),
+        arg(max_logits),
         float(k_scale),
         float(v_scale),
         stream_handle(query.device),

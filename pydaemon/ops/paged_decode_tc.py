@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pydaemon.ops._core_ext import core, kv_cache_arg, stream_handle
+from pydaemon.ops._core_ext import arg, core, kv_cache_arg, stream_handle
 from pydaemon.ops.paged_attention import split_kv_workspaces
 
 # Head sizes the kernel is built for (pagedd::cuda::decode_tc_is_built) and the largest
@@ -124,18 +124,18 @@ def paged_attention_decode_tc(
     parts = decode_tc_num_partitions(max_seq_len, partition_size)
     tmp_out, exp_sums, max_logits = split_kv_workspaces(query, parts)
     _core.paged_attention_decode_tc(
-        out,
-        query,
+        arg(out),
+        arg(query),
         kv_cache_arg(key_cache),
         kv_cache_arg(value_cache),
-        block_tables,
-        seq_lens,
+        arg(block_tables),
+        arg(seq_lens),
         float(scale),
         int(max_seq_len),
         int(partition_size),
-        tmp_out,
-        exp_sums,
-        max_logits,
+        arg(tmp_out),
+        arg(exp_sums),
+        arg(max_logits),
         float(k_scale),
         float(v_scale),
         stream_handle(query.device),

@@ -6,7 +6,7 @@ from typing import Literal
 
 import torch
 
-from pydaemon.ops._core_ext import core, kv_cache_arg, stream_handle
+from pydaemon.ops._core_ext import arg, core, kv_cache_arg, stream_handle
 
 PrefillBackend = Literal["auto", "mma", "wgmma"]
 # PrefillBackend in cpp/cuda/pagedd_cuda.h
@@ -70,13 +70,13 @@ def paged_attention_prefill(
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     core().paged_attention_prefill(
-        out,
-        query,
+        arg(out),
+        arg(query),
         kv_cache_arg(key_cache),
         kv_cache_arg(value_cache),
-        block_tables,
-        seq_lens,
-        query_start_loc,
+        arg(block_tables),
+        arg(seq_lens),
+        arg(query_start_loc),
         float(scale),
         int(max_query_len),
         int(block_m),

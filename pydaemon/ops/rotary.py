@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from pydaemon.ops._core_ext import core, kv_cache_arg, stream_handle
+from pydaemon.ops._core_ext import arg, core, kv_cache_arg, stream_handle
 
 
 def rotary_embedding(
@@ -18,7 +18,7 @@ def rotary_embedding(
     key:      [num_tokens, num_kv_heads, head_dim], same dtype
     cos, sin: [num_tokens, head_dim] float32, last dim contiguous
     """
-    core().rotary_embedding(query, key, cos, sin, stream_handle(query.device))
+    core().rotary_embedding(arg(query), arg(key), arg(cos), arg(sin), stream_handle(query.device))
 
 
 def rotary_embedding_and_cache(
@@ -50,14 +50,14 @@ def rotary_embedding_and_cache(
                   v_scale), rounded to nearest even
     """
     core().rotary_embedding_and_cache(
-        query,
-        key,
-        value,
+        arg(query),
+        arg(key),
+        arg(value),
         kv_cache_arg(key_cache),
         kv_cache_arg(value_cache),
-        slot_mapping,
-        cos,
-        sin,
+        arg(slot_mapping),
+        arg(cos),
+        arg(sin),
         float(k_scale),
         float(v_scale),
         stream_handle(query.device),

@@ -1,0 +1,148 @@
+"""The vLLM backend of throughput.py: the same workload through vLLM's offline ``LLM.generate``.
+
+vLLM is the peer engine of BENCH.md, installed on the GPU machine outside its site-packages
+(``PYTHONPATH=VLLM_SITE``; run with ``VLLM_USE_FLASHINFER_SAMPLER=0``). It gets the workload's
+token ids as they are (``skip_tokenizer_init=True``: no tokenizer is needed, and the model
+directory may hold only config.json with ``--load-format dummy``), greedy, EOS ignored, no
+detokenization. Everything not given on the command line is vLLM's own default (its step
+budget, max_num_seqs, torch.compile, CUDA graphs, prefix caching): the peer as shipped.
+
+With ``--profile`` the engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
+so that torch.profiler sees its kernels: that run's wall time is not vLLM's default set-up.
+
+The figures have the pagedd backend's keys; those vLLM does not expose offline (peak KV blocks
+in use, KV waste, preemptions, steps) are None, and the table prints them as "-".
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from bench.gpu_breakdown import Profiled
+from bench.workloads import WorkloadRequest
+
+# Token ids of the untimed warm-up prompts: outside W1's [100, 30000), so that the warm-up
+# leaves no prefix-cache entry that a W1 prompt could hit (the cache is reset anyway).
+_WARMUP_TOKEN = 30001
+
+
+def engine_kwargs(model: str, args) -> dict:
+    """vLLM ``LLM(...)`` arguments from throughput.py's flags (unset flags: vLLM's defaults)."""
+    kwargs: dict = {
+        "model": model,
+        "skip_tokenizer_init": True,
+        "seed": args.seed,
+        "enable_prefix_caching": not args.no_prefix_caching,
+        "enforce_eager": args.enforce_eager,
+    }
+    if args.load_format:
+        kwargs["load_format"] = args.load_format
+    if args.dtype and args.dtype != "auto":
+        kwargs["dtype"] = args.dtype
+    for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                "gpu_memory_utilization", "tensor_parallel_size", "block_size"):  # fmt: skip
+        if getattr(args, key, None) is not None:
+            kwargs[key] = getattr(args, key)
+    if args.kv_cache_dtype and args.kv_cache_dtype != "auto":
+        kwargs["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.quantization is not None:
+        if args.quantization != "fp8":
+            raise ValueError(
+                f"the vllm backend takes --quantization fp8 only (got {args.quantization})"
+            )
+        kwargs["quantization"] = "fp8"
+    return kwargs
+
+
+def _token_prompts(requests: list[WorkloadRequest]) -> list[dict]:
+    if any(r.is_text for r in requests):
+        raise ValueError("the vllm backend runs token-id workloads only (it has no tokenizer)")
+    return [{"prompt_token_ids": list(r.prompt)} for r in requests]
+
+
+def _sampling(max_tokens: int):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                          detokenize=False)  # fmt: skip
+
+
+def _config_summary(llm) -> dict:
+    """vLLM's effective settings, as far as its front end knows them."""
+    import vllm
+
+    config = getattr(llm.llm_engine, "vllm_config", None)
+    sched = getattr(config, "scheduler_config", None)
+    cache = getattr(config, "cache_config", None)
+    model = getattr(config, "model_config", None)
+    compilation = getattr(config, "compilation_config", None)
+    return {
+        "name": "vllm",
+        "version": vllm.__version__,
+        "max_num_seqs": getattr(sched, "max_num_seqs", None),
+        "max_num_batched_tokens": getattr(sched, "max_num_batched_tokens", None),
+        "block_size": getattr(cache, "block_size", None),
+        "kv_cache_dtype": str(getattr(cache, "cache_dtype", None)),
+        "enable_prefix_caching": getattr(cache, "enable_prefix_caching", None),
+        "max_model_len": getattr(model, "max_model_len", None),
+        "quantization": getattr(model, "quantization", None),
+        "enforce_eager": getattr(model, "enforce_eager", None),
+        "compilation_mode": str(getattr(compilation, "mode", getattr(compilation, "level", None))),
+    }
+
+
+def run_vllm(
+    model: str, requests: list[WorkloadRequest], args, vocab_size: int | None = None
+) -> dict:
+    profile = getattr(args, "profile", False)
+    if profile:  # the engine core in this process, where the profiler sees its kernels
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM
+
+    prompts = _token_prompts(requests)
+    t_load = time.perf_counter()
+    llm = LLM(**engine_kwargs(model, args))
+    warmup = [{"prompt_token_ids": [_WARMUP_TOKEN + i] * 32} for i in range(8)]
+    llm.generate(warmup, _sampling(4), use_tqdm=False)  # untimed, as pagedd's engine.warmup()
+    llm.reset_prefix_cache()
+    load_s = time.perf_counter() - t_load
+    params = [_sampling(r.output_len) for r in requests]
+    with Profiled(profile) as profiled:
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
+        wall_s = time.perf_counter() - start
+    num_output = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    config = getattr(llm.llm_engine, "vllm_config", None)
+    figures = {
+        "wall_s": wall_s,
+        "load_s": load_s,
+        "num_prompt_tokens": num_prompt,
+        "num_output_tokens": num_output,
+        "num_steps": None,
+        "async_scheduling": getattr(
+            getattr(config, "scheduler_config", None), "async_scheduling", None
+        ),  # fmt: skip
+        "peak_kv_blocks_used": None,
+        "num_gpu_blocks": getattr(getattr(config, "cache_config", None), "num_gpu_blocks", None),
+        "block_size": getattr(getattr(config, "cache_config", None), "block_size", None),
+        "kv_waste": {},
+        "num_preemptions": None,
+        "mean_ttft_s": None,
+        "engine": _config_summary(llm),
+    }
+    if profiled.result is not None:
+        figures["gpu_breakdown"] = profiled.result
+    if getattr(args, "tpot_batch1", 0):
+        from bench.tpot_generate import measure_tpot_batch1, token_range_for
+
+        def generate_one(ids: list[int], max_tokens: int) -> int:
+            out = llm.generate([{"prompt_token_ids": ids}], _sampling(max_tokens), use_tqdm=False)
+            return len(out[0].outputs[0].token_ids)
+
+        figures["tpot_batch1"] = measure_tpot_batch1(
+            generate_one, args.tpot_batch1, prompt_len=args.tpot_prompt_len,
+            output_len=args.tpot_output_len, token_range=token_range_for(vocab_size),
+        )  # fmt: skip
+    return figures

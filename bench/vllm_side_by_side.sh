@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# pagedd and vLLM 0.26.0 side by side on W1, in ONE device call (about 6 minutes on an H200):
+#   1. pagedd W1 bf16             + TPOT at batch 1 (1k prompt) on the same engine
+#   2. vLLM   W1 bf16             + TPOT at batch 1           (vLLM start-up ~53 s)
+#   3. pagedd W1 FP8 weights + FP8 KV (+ TPOT)
+#   4. vLLM   W1 FP8 weights + FP8 KV (+ TPOT)
+#   5. "levers": pagedd's A/B rows: bf16 with a 16,384-token step budget; bf16 with
+#      PAGEDD_FAST_KERNEL_ARGS=0 (the plain kernel-argument path); eager TPOT at batch 1 with
+#      the fast kernel arguments on and off; the wrappers' host cost per call, both paths
+#   6. "profile" (not by default, ~2.5 min more): W1 bf16 of each engine under torch.profiler,
+#      GPU time by kernel kind and idle time side by side (bench/gpu_breakdown.py)
+# Each step is its own process under `timeout`; its log and JSON land in OUT; a failed step is
+# reported and the next one runs. The summary table (bench/side_by_side_summary.py) ends it.
+#
+#   bash bench/vllm_side_by_side.sh VLLM_SITE [OUT]      # OUT defaults to $OUT, else /tmp/side_by_side
+#
+# VLLM_SITE: the directory install_vllm.sh installed vLLM into (it goes on PYTHONPATH for the
+# vLLM steps only). pagedd must be built with its CUDA kernels first (scripts/dev_build.sh).
+# Environment: PYTHON (default python3), TPOT_RUNS (default 5), STEPS (default "w1 levers";
+# any of w1, levers, profile).
+set -uo pipefail
+site=$(realpath "${1:?usage: vllm_side_by_side.sh VLLM_SITE [OUT]}")
+out=$(realpath -m "${2:-${OUT:-/tmp/side_by_side}}")
+py=${PYTHON:-python3}
+tpot_runs=${TPOT_RUNS:-5}
+repo=$(cd "$(dirname "$0")/.." && pwd)
+cd "$repo"
+mkdir -p "$out"
+[ -d "$site/vllm" ] || { echo "no vllm package in $site (run install_vllm.sh first)" >&2; exit 2; }
+PYTHONPATH="$repo" "$py" -c "from pydaemon import ops; r = ops.unavailable_reason(); assert r is None, r" \
+  || { echo "pagedd's CUDA kernels are not usable here (build: scripts/dev_build.sh)" >&2; exit 2; }
+model=$(mktemp -d)/llama3-8b
+PYTHONPATH="$repo" "$py" bench/throughput_models.py llama3-8b "$model" >/dev/null
+w1=(bench/throughput.py --model "$model" --load-format dummy --device cuda --no-progress --workload w1)
+fp8=(--quantization fp8 --kv-cache-dtype fp8)
+t_all=$(date +%s)
+
+step() {  # step NAME TIMEOUT_S ENV... -- COMMAND...: one process, its log in OUT/NAME.log
+  local name=$1 limit=$2 envs=() t0 rc
+  shift 2
+  while [ "$1" != "--" ]; do envs+=("$1"); shift; done
+  shift
+  t0=$(date +%s)
+  echo "== $name: $*" >&2
+  timeout "$limit" env "${envs[@]}" "$@" >"$out/$name.log" 2>&1
+  rc=$?
+  echo "   $name: rc=$rc, $(($(date +%s) - t0)) s (total $(($(date +%s) - t_all)) s)" >&2
+  [ $rc -eq 0 ] || tail -n 15 "$out/$name.log" >&2
+}
+pagedd=(PYTHONPATH="$repo")
+vllm=(PYTHONPATH="$site:$repo" VLLM_USE_FLASHINFER_SAMPLER=0 TOKENIZERS_PARALLELISM=false)
+
+steps=" ${STEPS:-w1 levers} "
+if [[ $steps == *" w1 "* ]]; then
+step w1_pagedd_bf16 150 "${pagedd[@]}" -- "$py" "${w1[@]}" --backend pagedd \
+  --tpot-batch1 "$tpot_runs" --out "$out/w1_pagedd_bf16.json"
+step w1_vllm_bf16 240 "${vllm[@]}" -- "$py" "${w1[@]}" --backend vllm \
+  --tpot-batch1 "$tpot_runs" --out "$out/w1_vllm_bf16.json"
+step w1_pagedd_fp8 150 "${pagedd[@]}" -- "$py" "${w1[@]}" --backend pagedd "${fp8[@]}" \
+  --tpot-batch1 "$tpot_runs" --out "$out/w1_pagedd_fp8.json"
+step w1_vllm_fp8 240 "${vllm[@]}" -- "$py" "${w1[@]}" --backend vllm "${fp8[@]}" \
+  --tpot-batch1 "$tpot_runs" --out "$out/w1_vllm_fp8.json"
+fi
+if [[ $steps == *" levers "* ]]; then
+  step w1_pagedd_bf16_budget16k 120 "${pagedd[@]}" -- "$py" "${w1[@]}" --backend pagedd \
+    --max-num-batched-tokens 16384 --out "$out/w1_pagedd_bf16_budget16k.json"
+  step w1_pagedd_bf16_plainargs 120 "${pagedd[@]}" PAGEDD_FAST_KERNEL_ARGS=0 -- "$py" "${w1[@]}" \
+    --backend pagedd --out "$out/w1_pagedd_bf16_plainargs.json"
+  for mode in fast plain; do
+    flag=1; [ $mode = plain ] && flag=0
+    step "tpot_eager_$mode" 90 "${pagedd[@]}" PAGEDD_FAST_KERNEL_ARGS=$flag -- "$py" bench/tpot_batch1.py \
+      --model "$model" --modes eager --runs 3 --out "$out/tpot_eager_$mode.json"
+  done
+  step op_overhead 60 "${pagedd[@]}" -- "$py" bench/bench_op_overhead.py --out "$out/op_overhead.json"
+fi
+if [[ $steps == *" profile "* ]]; then
+  step w1_pagedd_bf16_profile 150 "${pagedd[@]}" -- "$py" "${w1[@]}" --backend pagedd --profile \
+    --out "$out/w1_pagedd_bf16_profile.json"
+  step w1_vllm_bf16_profile 240 "${vllm[@]}" -- "$py" "${w1[@]}" --backend vllm --profile \
+    --out "$out/w1_vllm_bf16_profile.json"
+fi
+PYTHONPATH="$repo" "$py" bench/side_by_side_summary.py "$out"
+echo "total $(($(date +%s) - t_all)) s; files in $out" >&2
