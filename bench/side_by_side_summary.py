@@ -128,24 +128,29 @@ def serve_table(rows: list[dict]) -> str:
 
 
 def _f(x, fmt: str) -> str:
-    return "-" if x is None else format(x, fmt)
+    """x in fmt, or "-" right-aligned to fmt's width when x is missing."""
+    if x is not None:
+        return format(x, fmt)
+    width = fmt.split(".")[0]
+    return format("-", f">{width}" if width else "")
 
 
 def table(summary: dict) -> str:
-    lines = [f"{'run':26} {'pagedd s':>9} {'vLLM s':>8} {'speed x':>8} "
-             f"{'TPOT1 ms us':>11} {'vLLM':>6} {'load s us/vLLM':>15}"]  # fmt: skip
+    head = (f"{'W1 run':26} {'pagedd s':>9} {'vLLM s':>8} {'pagedd x':>9} "
+            f"{'TPOT1 ms':>9} {'vLLM':>7} {'load s':>7} {'vLLM':>6}")  # fmt: skip
+    lines = [head, "-" * len(head)]
     for row in summary["w1"]:
         ours, peer = row.get("pagedd", {}), row.get("vllm", {})
         lines.append(
             f"{row['label']:26} {_f(ours.get('wall_s'), '9.2f')} {_f(peer.get('wall_s'), '8.2f')} "
-            f"{_f(row.get('pagedd_speed_over_vllm'), '8.3f')} "
-            f"{_f(ours.get('tpot_batch1_ms'), '11.3f')} {_f(peer.get('tpot_batch1_ms'), '6.3f')} "
-            f"{_f(ours.get('load_s'), '7.1f')}/{_f(peer.get('load_s'), '.1f')}"
+            f"{_f(row.get('pagedd_speed_over_vllm'), '9.3f')} "
+            f"{_f(ours.get('tpot_batch1_ms'), '9.3f')} {_f(peer.get('tpot_batch1_ms'), '7.3f')} "
+            f"{_f(ours.get('load_s'), '7.1f')} {_f(peer.get('load_s'), '6.1f')}"
         )
     for lever in summary["levers"]:
         lines.append(
             f"lever: {lever['label']}: {lever['wall_s']:.2f} s "
-            f"(x{_f(lever.get('speed_over_baseline'), '.3f')} of the bf16 row)"
+            f"(speed x{_f(lever.get('speed_over_baseline'), '.3f')} against the bf16 row)"
         )
     tp = summary["eager_tpot_batch1_ms"]
     if tp:

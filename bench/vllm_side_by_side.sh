@@ -17,7 +17,10 @@
 # VLLM_SITE: the directory install_vllm.sh installed vLLM into (it goes on PYTHONPATH for the
 # vLLM steps only). pagedd must be built with its CUDA kernels first (scripts/dev_build.sh).
 # Environment: PYTHON (default python3), TPOT_RUNS (default 5), STEPS (default "w1 levers";
-# any of w1, levers, profile).
+# any of w1, levers, profile), BUDGET_S (560: steps that would start past it are skipped and
+# a running one is cut there, so that the summary still prints inside a 10-minute call). For a smoke run of the plumbing elsewhere: MODEL_DIR (a model
+# directory instead of the Llama-3-8B shape), DEVICE (cuda), WORKLOAD ("--workload w1"),
+# TPOT_ARGS (e.g. "--tpot-prompt-len 8 --tpot-output-len 3").
 set -uo pipefail
 site=$(realpath "${1:?usage: vllm_side_by_side.sh VLLM_SITE [OUT]}")
 out=$(realpath -m "${2:-${OUT:-/tmp/side_by_side}}")
@@ -26,21 +29,38 @@ tpot_runs=${TPOT_RUNS:-5}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
 mkdir -p "$out"
+device=${DEVICE:-cuda}
 [ -d "$site/vllm" ] || { echo "no vllm package in $site (run install_vllm.sh first)" >&2; exit 2; }
-PYTHONPATH="$repo" "$py" -c "from pydaemon import ops; r = ops.unavailable_reason(); assert r is None, r" \
-  || { echo "pagedd's CUDA kernels are not usable here (build: scripts/dev_build.sh)" >&2; exit 2; }
-model=$(mktemp -d)/llama3-8b
-PYTHONPATH="$repo" "$py" bench/throughput_models.py llama3-8b "$model" >/dev/null
-w1=(bench/throughput.py --model "$model" --load-format dummy --device cuda --no-progress --workload w1)
+if [ "$device" = cuda ]; then
+  PYTHONPATH="$repo" "$py" -c "from pydaemon import ops; r = ops.unavailable_reason(); assert r is None, r" \
+    || { echo "pagedd's CUDA kernels are not usable here (build: scripts/dev_build.sh)" >&2; exit 2; }
+fi
+model=${MODEL_DIR:-}
+if [ -z "$model" ]; then
+  model=$(mktemp -d)/llama3-8b
+  PYTHONPATH="$repo" "$py" bench/throughput_models.py llama3-8b "$model" >/dev/null
+fi
+# shellcheck disable=SC2206
+w1=(bench/throughput.py --model "$model" --load-format dummy --device "$device" --no-progress
+    ${WORKLOAD:---workload w1})
+# shellcheck disable=SC2206
+tpot=(--tpot-batch1 "$tpot_runs" ${TPOT_ARGS:-})
 fp8=(--quantization fp8 --kv-cache-dtype fp8)
 t_all=$(date +%s)
 
+budget=${BUDGET_S:-560}  # the whole call's steps; the summary always runs
 step() {  # step NAME TIMEOUT_S ENV... -- COMMAND...: one process, its log in OUT/NAME.log
-  local name=$1 limit=$2 envs=() t0 rc
+  local name=$1 limit=$2 envs=() t0 rc left
   shift 2
   while [ "$1" != "--" ]; do envs+=("$1"); shift; done
   shift
   t0=$(date +%s)
+  left=$((budget - (t0 - t_all)))
+  if [ "$left" -lt 30 ]; then
+    echo "== $name: skipped (${left} s left of BUDGET_S=$budget)" >&2
+    return 0
+  fi
+  [ "$limit" -le "$left" ] || limit=$left
   echo "== $name: $*" >&2
   timeout "$limit" env "${envs[@]}" "$@" >"$out/$name.log" 2>&1
   rc=$?
@@ -53,13 +73,13 @@ vllm=(PYTHONPATH="$site:$repo" VLLM_USE_FLASHINFER_SAMPLER=0 TOKENIZERS_PARALLEL
 steps=" ${STEPS:-w1 levers} "
 if [[ $steps == *" w1 "* ]]; then
 step w1_pagedd_bf16 150 "${pagedd[@]}" -- "$py" "${w1[@]}" --backend pagedd \
-  --tpot-batch1 "$tpot_runs" --out "$out/w1_pagedd_bf16.json"
+  "${tpot[@]}" --out "$out/w1_pagedd_bf16.json"
 step w1_vllm_bf16 240 "${vllm[@]}" -- "$py" "${w1[@]}" --backend vllm \
-  --tpot-batch1 "$tpot_runs" --out "$out/w1_vllm_bf16.json"
+  "${tpot[@]}" --out "$out/w1_vllm_bf16.json"
 step w1_pagedd_fp8 150 "${pagedd[@]}" -- "$py" "${w1[@]}" --backend pagedd "${fp8[@]}" \
-  --tpot-batch1 "$tpot_runs" --out "$out/w1_pagedd_fp8.json"
+  "${tpot[@]}" --out "$out/w1_pagedd_fp8.json"
 step w1_vllm_fp8 240 "${vllm[@]}" -- "$py" "${w1[@]}" --backend vllm "${fp8[@]}" \
-  --tpot-batch1 "$tpot_runs" --out "$out/w1_vllm_fp8.json"
+  "${tpot[@]}" --out "$out/w1_vllm_fp8.json"
 fi
 if [[ $steps == *" levers "* ]]; then
   step w1_pagedd_bf16_budget16k 120 "${pagedd[@]}" -- "$py" "${w1[@]}" --backend pagedd \
@@ -69,7 +89,7 @@ if [[ $steps == *" levers "* ]]; then
   for mode in fast plain; do
     flag=1; [ $mode = plain ] && flag=0
     step "tpot_eager_$mode" 90 "${pagedd[@]}" PAGEDD_FAST_KERNEL_ARGS=$flag -- "$py" bench/tpot_batch1.py \
-      --model "$model" --modes eager --runs 3 --out "$out/tpot_eager_$mode.json"
+      --model "$model" --device "$device" --modes eager --runs 3 --out "$out/tpot_eager_$mode.json"
   done
   step op_overhead 60 "${pagedd[@]}" -- "$py" bench/bench_op_overhead.py --out "$out/op_overhead.json"
 fi
