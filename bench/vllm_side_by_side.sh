@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # pagedd and vLLM 0.26.0 side by side on W1, in ONE device call (about 6 minutes on an H200):
+#   0. "check": tests/gpu/test_fast_kernel_args_gpu.py (the fast kernel-argument path gives the
+#      plain path's bits, under a CUDA graph too, with the same error messages)
 #   1. pagedd W1 bf16             + TPOT at batch 1 (1k prompt) on the same engine
 #   2. vLLM   W1 bf16             + TPOT at batch 1           (vLLM start-up ~53 s)
 #   3. pagedd W1 FP8 weights + FP8 KV (+ TPOT)
@@ -16,11 +18,12 @@
 #
 # VLLM_SITE: the directory install_vllm.sh installed vLLM into (it goes on PYTHONPATH for the
 # vLLM steps only). pagedd must be built with its CUDA kernels first (scripts/dev_build.sh).
-# Environment: PYTHON (default python3), TPOT_RUNS (default 5), STEPS (default "w1 levers";
-# any of w1, levers, profile), BUDGET_S (560: steps that would start past it are skipped and
-# a running one is cut there, so that the summary still prints inside a 10-minute call). For a smoke run of the plumbing elsewhere: MODEL_DIR (a model
-# directory instead of the Llama-3-8B shape), DEVICE (cuda), WORKLOAD ("--workload w1"),
-# TPOT_ARGS (e.g. "--tpot-prompt-len 8 --tpot-output-len 3").
+# Environment: PYTHON (default python3); TPOT_RUNS (5); STEPS (default "check w1 levers"; any
+# of check, w1, levers, profile); BUDGET_S (560: a step that would start past it is skipped and
+# a running one is cut there, so that the summary still prints inside a 10-minute call). For a
+# smoke run of the plumbing elsewhere: MODEL_DIR (a model directory instead of the Llama-3-8B
+# shape), DEVICE (cuda), WORKLOAD ("--workload w1"), TPOT_ARGS (e.g. "--tpot-prompt-len 8
+# --tpot-output-len 3").
 set -uo pipefail
 site=$(realpath "${1:?usage: vllm_side_by_side.sh VLLM_SITE [OUT]}")
 out=$(realpath -m "${2:-${OUT:-/tmp/side_by_side}}")
@@ -70,7 +73,12 @@ step() {  # step NAME TIMEOUT_S ENV... -- COMMAND...: one process, its log in OU
 pagedd=(PYTHONPATH="$repo")
 vllm=(PYTHONPATH="$site:$repo" VLLM_USE_FLASHINFER_SAMPLER=0 TOKENIZERS_PARALLELISM=false)
 
-steps=" ${STEPS:-w1 levers} "
+steps=" ${STEPS:-check w1 levers} "
+if [[ $steps == *" check "* ]]; then
+  step check 90 "${pagedd[@]}" -- "$py" -m pytest -q -x -p no:cacheprovider \
+    tests/gpu/test_fast_kernel_args_gpu.py
+  tail -n 1 "$out/check.log" >&2
+fi
 if [[ $steps == *" w1 "* ]]; then
 step w1_pagedd_bf16 150 "${pagedd[@]}" -- "$py" "${w1[@]}" --backend pagedd \
   "${tpot[@]}" --out "$out/w1_pagedd_bf16.json"
