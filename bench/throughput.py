@@ -16,9 +16,10 @@ the peak KV blocks in use, the KV waste (allocated slots holding no token) and p
 ``--tpot-batch1 RUNS`` then measures TPOT at batch 1 on the same engine (bench/tpot_generate.py:
 the same method for pagedd and vLLM); ``--profile`` runs the workload under torch.profiler and
 adds where the GPU time went (bench/gpu_breakdown.py). vLLM (bench/throughput_vllm.py) runs
-with its own defaults unless a flag sets them. Several backends run one after the other, each in its own process (so that each gets the
-whole GPU), and ``--compare`` prints pagedd's throughput over each peer's. See
-bench/throughput_hf.py for how the peers are run and why their weights differ.
+with its own defaults unless a flag sets them. Several backends run one after the other, each
+in its own process (so that each gets the whole GPU), and ``--compare`` prints pagedd's
+throughput over each peer's. See bench/throughput_hf.py for how the peers are run and why
+their weights differ.
 """
 
 from __future__ import annotations
