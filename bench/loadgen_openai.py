@@ -5,13 +5,16 @@ model from ``GET /v1/models``, readiness from ``GET /health``.
 Token counts per chunk come from vLLM's ``return_token_ids`` extra, so the per-chunk timings
 and the token timeline mean the same as through gRPC; totals come from the final ``usage``
 chunk (``stream_options.include_usage``). Every request has its own HTTP/1.1 connection
-(kept alive and reused), as streaming needs.
+(kept alive and reused), as streaming needs. ``/metrics`` is read in pagedd's series or in
+vLLM's (``vllm:*``, summed over their labels), so a sweep against ``vllm serve`` records the
+same server counters.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import ssl
 import time
 
@@ -34,6 +37,46 @@ _METRICS = {
     "pagedd_prompt_tokens_total": "num_prompt_tokens",
     "pagedd_generation_tokens_total": "num_generation_tokens",
 }
+# vLLM's /metrics series -> the same fields (counters carry prometheus' _total suffix).
+_VLLM_METRICS = {
+    "vllm:num_requests_running": "num_running",
+    "vllm:num_requests_waiting": "num_waiting",
+    "vllm:num_preemptions_total": "num_preemptions",
+    "vllm:prefix_cache_queries_total": "prefix_cache_query_tokens",
+    "vllm:prefix_cache_hits_total": "prefix_cache_hit_tokens",
+    "vllm:prompt_tokens_total": "num_prompt_tokens",
+    "vllm:generation_tokens_total": "num_generation_tokens",
+}
+_VLLM_BLOCKS = re.compile(r'num_gpu_blocks="(\d+)"')
+
+
+def parse_metrics(text: str) -> dict:
+    """GetServerStatus' fields from a /metrics page of pagedd or of vLLM (absent ones are 0;
+    vLLM's KV blocks in use come from its usage fraction times cache_config_info's blocks)."""
+    values: dict[str, float] = {}
+    blocks = 0
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        series, _, value = line.rpartition(" ")
+        name = series.split("{", 1)[0]
+        if name == "vllm:cache_config_info":
+            m = _VLLM_BLOCKS.search(series)
+            blocks = int(m.group(1)) if m else blocks
+        elif name in _METRICS or name in _VLLM_METRICS or name in (
+            "pagedd_kv_blocks_used", "vllm:kv_cache_usage_perc"
+        ):  # fmt: skip
+            values[name] = values.get(name, 0.0) + float(value)
+    out = {field: 0 for field in STATUS_FIELDS}
+    if any(name.startswith("vllm:") for name in values):
+        out.update({f: int(values.get(s, 0)) for s, f in _VLLM_METRICS.items()})
+        out["num_gpu_blocks"] = blocks
+        used = round(values.get("vllm:kv_cache_usage_perc", 0.0) * blocks)
+    else:
+        out.update({f: int(values.get(s, 0)) for s, f in _METRICS.items()})
+        used = int(values.get("pagedd_kv_blocks_used", 0))
+    out["num_free_gpu_blocks"] = out["num_gpu_blocks"] - used
+    return out
 
 
 class OpenAIPool:
@@ -95,16 +138,7 @@ class OpenAIPool:
                 text = await resp.text()
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return None
-        values = {}
-        for line in text.splitlines():
-            name, _, value = line.partition(" ")
-            if name in _METRICS or name == "pagedd_kv_blocks_used":
-                values[name] = float(value)
-        out = {field: int(values.get(series, 0)) for series, field in _METRICS.items()}
-        out["num_free_gpu_blocks"] = out["num_gpu_blocks"] - int(
-            values.get("pagedd_kv_blocks_used", 0)
-        )
-        return {k: out[k] for k in STATUS_FIELDS}
+        return parse_metrics(text)
 
     async def info(self) -> dict:
         async with self.session.get(f"{self.base_url}/v1/models") as resp:

@@ -226,3 +226,34 @@ def test_serve_summary(tmp_path, capsys):
     assert [r["request_rate"] for r in rows] == ["12.0", "24.0"]
     assert rows[0]["pagedd"]["ttft_p99"] == 146.0 and rows[0]["vllm"]["ttft_p99"] == 165.0
     assert capsys.readouterr().out.count("vllm") == 2
+
+
+VLLM_METRICS_PAGE = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="/tmp/m"} 7.0
+vllm:num_requests_waiting{engine="0",model_name="/tmp/m"} 2.0
+vllm:kv_cache_usage_perc{engine="0",model_name="/tmp/m"} 0.25
+vllm:num_preemptions_total{engine="0",model_name="/tmp/m"} 1.0
+vllm:prefix_cache_queries_total{engine="0",model_name="/tmp/m"} 640.0
+vllm:prefix_cache_hits_total{engine="0",model_name="/tmp/m"} 64.0
+vllm:prompt_tokens_total{engine="0",model_name="/tmp/m"} 600.0
+vllm:prompt_tokens_total{engine="1",model_name="/tmp/m"} 40.0
+vllm:generation_tokens_total{engine="0",model_name="/tmp/m"} 99.0
+vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="1000"} 1.0
+"""
+
+
+def test_loadgen_reads_vllm_and_pagedd_metrics():
+    from bench.loadgen_client import STATUS_FIELDS
+    from bench.loadgen_openai import parse_metrics
+
+    got = parse_metrics(VLLM_METRICS_PAGE)
+    assert set(got) == set(STATUS_FIELDS)
+    assert (got["num_running"], got["num_waiting"], got["num_preemptions"]) == (7, 2, 1)
+    assert (got["num_gpu_blocks"], got["num_free_gpu_blocks"]) == (1000, 750)
+    assert (got["prefix_cache_query_tokens"], got["prefix_cache_hit_tokens"]) == (640, 64)
+    assert (got["num_prompt_tokens"], got["num_generation_tokens"]) == (640, 99)  # summed
+    page = "pagedd_num_requests_running 3\npagedd_kv_blocks_total 512\npagedd_kv_blocks_used 12\n"
+    got = parse_metrics(page)
+    assert (got["num_running"], got["num_gpu_blocks"], got["num_free_gpu_blocks"]) == (3, 512, 500)
