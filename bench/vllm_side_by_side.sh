@@ -2,14 +2,13 @@
 # pagedd and vLLM 0.26.0 side by side on W1, in ONE device call (about 6 minutes on an H200):
 #   0. "check": tests/gpu/test_fast_kernel_args_gpu.py (the fast kernel-argument path gives the
 #      plain path's bits, under a CUDA graph too, with the same error messages)
-#   1. pagedd W1 bf16             + TPOT at batch 1 (1k prompt) on the same engine
-#   2. vLLM   W1 bf16             + TPOT at batch 1           (vLLM start-up ~53 s)
-#   3. pagedd W1 FP8 weights + FP8 KV (+ TPOT)
-#   4. vLLM   W1 FP8 weights + FP8 KV (+ TPOT)
-#   5. "levers": pagedd's A/B rows: bf16 with a 16,384-token step budget; bf16 with
-#      PAGEDD_FAST_KERNEL_ARGS=0 (the plain kernel-argument path); eager TPOT at batch 1 with
-#      the fast kernel arguments on and off; the wrappers' host cost per call, both paths
-#   6. "profile" (not by default, ~2.5 min more): W1 bf16 of each engine under torch.profiler,
+#   1. "w1": pagedd W1 bf16 + TPOT at batch 1 (1k prompt) on the same engine; vLLM W1 bf16 +
+#      TPOT (vLLM start-up ~53 s); pagedd W1 FP8 weights + FP8 KV (+ TPOT); vLLM the same
+#   2. "levers": pagedd's A/B rows: bf16 with a 16,384-token step budget and bf16 with
+#      PAGEDD_FAST_KERNEL_ARGS=0 (the plain kernel-argument path), both right after pagedd's
+#      bf16 row; eager TPOT at batch 1 with the fast kernel arguments on and off; the wrappers'
+#      host cost per call, both paths; pagedd's bf16 row once more, last (the drift)
+#   3. "profile" (not by default, ~2.5 min more): W1 bf16 of each engine under torch.profiler,
 #      GPU time by kernel kind and idle time side by side (bench/gpu_breakdown.py)
 # Each step is its own process under `timeout`; its log and JSON land in OUT; a failed step is
 # reported and the next one runs. The summary table (bench/side_by_side_summary.py) ends it.
@@ -79,27 +78,35 @@ if [[ $steps == *" check "* ]]; then
     tests/gpu/test_fast_kernel_args_gpu.py
   tail -n 1 "$out/check.log" >&2
 fi
-if [[ $steps == *" w1 "* ]]; then
-step w1_pagedd_bf16 150 "${pagedd[@]}" -- "$py" "${w1[@]}" --backend pagedd \
-  "${tpot[@]}" --out "$out/w1_pagedd_bf16.json"
-step w1_vllm_bf16 240 "${vllm[@]}" -- "$py" "${w1[@]}" --backend vllm \
-  "${tpot[@]}" --out "$out/w1_vllm_bf16.json"
-step w1_pagedd_fp8 150 "${pagedd[@]}" -- "$py" "${w1[@]}" --backend pagedd "${fp8[@]}" \
-  "${tpot[@]}" --out "$out/w1_pagedd_fp8.json"
-step w1_vllm_fp8 240 "${vllm[@]}" -- "$py" "${w1[@]}" --backend vllm "${fp8[@]}" \
-  "${tpot[@]}" --out "$out/w1_vllm_fp8.json"
+has() { [[ $steps == *" $1 "* ]]; }
+if has w1 || has levers; then  # the baseline of both
+  step w1_pagedd_bf16 150 "${pagedd[@]}" -- "$py" "${w1[@]}" --backend pagedd \
+    "${tpot[@]}" --out "$out/w1_pagedd_bf16.json"
 fi
-if [[ $steps == *" levers "* ]]; then
+if has levers; then  # the W1 levers right after their baseline (less drift between them)
   step w1_pagedd_bf16_budget16k 120 "${pagedd[@]}" -- "$py" "${w1[@]}" --backend pagedd \
     --max-num-batched-tokens 16384 --out "$out/w1_pagedd_bf16_budget16k.json"
   step w1_pagedd_bf16_plainargs 120 "${pagedd[@]}" PAGEDD_FAST_KERNEL_ARGS=0 -- "$py" "${w1[@]}" \
     --backend pagedd --out "$out/w1_pagedd_bf16_plainargs.json"
+fi
+if has w1; then
+  step w1_vllm_bf16 240 "${vllm[@]}" -- "$py" "${w1[@]}" --backend vllm \
+    "${tpot[@]}" --out "$out/w1_vllm_bf16.json"
+  step w1_pagedd_fp8 150 "${pagedd[@]}" -- "$py" "${w1[@]}" --backend pagedd "${fp8[@]}" \
+    "${tpot[@]}" --out "$out/w1_pagedd_fp8.json"
+  step w1_vllm_fp8 240 "${vllm[@]}" -- "$py" "${w1[@]}" --backend vllm "${fp8[@]}" \
+    "${tpot[@]}" --out "$out/w1_vllm_fp8.json"
+fi
+if has levers; then
   for mode in fast plain; do
     flag=1; [ $mode = plain ] && flag=0
     step "tpot_eager_$mode" 90 "${pagedd[@]}" PAGEDD_FAST_KERNEL_ARGS=$flag -- "$py" bench/tpot_batch1.py \
       --model "$model" --device "$device" --modes eager --runs 3 --out "$out/tpot_eager_$mode.json"
   done
   step op_overhead 60 "${pagedd[@]}" -- "$py" bench/bench_op_overhead.py --out "$out/op_overhead.json"
+  # the baseline once more, last: how far the machine drifted over the call (the noise floor)
+  step w1_pagedd_bf16_again 120 "${pagedd[@]}" -- "$py" "${w1[@]}" --backend pagedd \
+    --out "$out/w1_pagedd_bf16_again.json"
 fi
 if [[ $steps == *" profile "* ]]; then
   step w1_pagedd_bf16_profile 150 "${pagedd[@]}" -- "$py" "${w1[@]}" --backend pagedd --profile \

@@ -192,6 +192,10 @@ def test_side_by_side_summary(tmp_path, capsys):
     assert "pagedd" not in fp8 and "pagedd_speed_over_vllm" not in fp8
     (lever,) = summary["levers"]
     assert lever["speed_over_baseline"] == pytest.approx(12.0 / 11.5)
+    _result(tmp_path / "w1_pagedd_bf16_again.json", "pagedd", 12.2)  # the repeat, at the end
+    assert side_by_side_summary.main([str(tmp_path)]) == 0
+    (lever,) = json.loads((tmp_path / "side_by_side.json").read_text())["levers"]
+    assert lever["speed_over_baseline"] == pytest.approx(12.1 / 11.5)
     out = capsys.readouterr().out
     assert summary["gpu_breakdown"]["pagedd"]["ms_by_kind"]["gemm"] == 8000.0
     assert "W1 bf16" in out and "1.100" in out and "step budget 16,384" in out
