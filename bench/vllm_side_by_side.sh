@@ -34,13 +34,13 @@ mkdir -p "$out"
 device=${DEVICE:-cuda}
 [ -d "$site/vllm" ] || { echo "no vllm package in $site (run install_vllm.sh first)" >&2; exit 2; }
 if [ "$device" = cuda ]; then
-  PYTHONPATH="$repo" "$py" -c "from pydaemon import ops; r = ops.unavailable_reason(); assert r is None, r" \
+  PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" "$py" -c "from pydaemon import ops; r = ops.unavailable_reason(); assert r is None, r" \
     || { echo "pagedd's CUDA kernels are not usable here (build: scripts/dev_build.sh)" >&2; exit 2; }
 fi
 model=${MODEL_DIR:-}
 if [ -z "$model" ]; then
   model=$(mktemp -d)/llama3-8b
-  PYTHONPATH="$repo" "$py" bench/throughput_models.py llama3-8b "$model" >/dev/null
+  PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" "$py" bench/throughput_models.py llama3-8b "$model" >/dev/null
 fi
 # shellcheck disable=SC2206
 w1=(bench/throughput.py --model "$model" --load-format dummy --device "$device" --no-progress
@@ -69,8 +69,10 @@ step() {  # step NAME TIMEOUT_S ENV... -- COMMAND...: one process, its log in OU
   echo "   $name: rc=$rc, $(($(date +%s) - t0)) s (total $(($(date +%s) - t_all)) s)" >&2
   [ $rc -eq 0 ] || tail -n 15 "$out/$name.log" >&2
 }
-pagedd=(PYTHONPATH="$repo")
-vllm=(PYTHONPATH="$site:$repo" VLLM_USE_FLASHINFER_SAMPLER=0 TOKENIZERS_PARALLELISM=false)
+# The caller's PYTHONPATH (carried wheels the machine lacks) stays behind ours.
+extra=${PYTHONPATH:+:$PYTHONPATH}
+pagedd=(PYTHONPATH="$repo$extra")
+vllm=(PYTHONPATH="$site:$repo$extra" VLLM_USE_FLASHINFER_SAMPLER=0 TOKENIZERS_PARALLELISM=false)
 
 steps=" ${STEPS:-check w1 levers} "
 if [[ $steps == *" check "* ]]; then
@@ -114,5 +116,5 @@ if [[ $steps == *" profile "* ]]; then
   step w1_vllm_bf16_profile 240 "${vllm[@]}" -- "$py" "${w1[@]}" --backend vllm --profile \
     --out "$out/w1_vllm_bf16_profile.json"
 fi
-PYTHONPATH="$repo" "$py" bench/side_by_side_summary.py "$out"
+PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" "$py" bench/side_by_side_summary.py "$out"
 echo "total $(($(date +%s) - t_all)) s; files in $out" >&2
