@@ -42,6 +42,8 @@ void bind_block_manager(nb::module_& m) {
            "One more token; returns (src, dst) to copy on write, else None.")
       .def("set_last_token_id", &BlockManager::set_last_token_id, "seq_id"_a, "token_id"_a,
            "Replace the last token's (placeholder) id before its block is marked computed.")
+      .def("replace_tail", &BlockManager::replace_tail, "seq_id"_a, "start"_a, "token_ids"_a,
+           "Keep start slots, give the next ones token_ids, drop the rest (rejected drafts).")
       .def("fork", &BlockManager::fork, "parent_id"_a, "child_id"_a)
       .def("free", &BlockManager::free, "seq_id"_a)
       .def("mark_blocks_computed", &BlockManager::mark_blocks_computed, "seq_id"_a,

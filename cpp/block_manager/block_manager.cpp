@@ -1,5 +1,6 @@
 // Allocation, growth, fork, free, swap and prefix-cache registration. The accounting is in
 // accounting.cpp.
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <unordered_map>
@@ -232,6 +233,31 @@ void BlockManager::set_last_token_id(SeqId seq_id, int32_t token_id) {
                             " is in block " + std::to_string(last / m.block_size) +
                             ", which is already hashed for the prefix cache");
   s.token_ids.back() = token_id;
+}
+
+void BlockManager::replace_tail(SeqId seq_id, int64_t start, const std::vector<int32_t>& token_ids) {
+  Impl& m = *impl_;
+  Sequence& s = m.get(seq_id, "replace_tail");
+  const int64_t n = static_cast<int64_t>(s.token_ids.size());
+  const int64_t new_n = start + static_cast<int64_t>(token_ids.size());
+  if (start < 0 || new_n > n)
+    throw BlockManagerError("replace_tail: start=" + std::to_string(start) + " with " +
+                            std::to_string(token_ids.size()) + " ids does not fit the " +
+                            std::to_string(n) + " slots of " + seq_str(seq_id));
+  if (s.device != Device::GPU)
+    throw BlockManagerError("replace_tail: " + seq_str(seq_id) + " is swapped out to the CPU");
+  if (start < n && start / m.block_size < static_cast<int64_t>(s.block_hashes.size()))
+    throw BlockManagerError("replace_tail: token " + std::to_string(start) + " of " +
+                            seq_str(seq_id) + " is in block " +
+                            std::to_string(start / m.block_size) +
+                            ", which is already hashed for the prefix cache");
+  std::copy(token_ids.begin(), token_ids.end(), s.token_ids.begin() + start);
+  s.token_ids.resize(new_n);
+  const size_t num_blocks = static_cast<size_t>(ceil_div(new_n, m.block_size));
+  while (s.block_table.size() > num_blocks) {
+    m.release(Device::GPU, s.block_table.back());
+    s.block_table.pop_back();
+  }
 }
 
 void BlockManager::fork(SeqId parent_id, SeqId child_id) {

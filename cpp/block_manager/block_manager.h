@@ -113,6 +113,13 @@ class BlockManager {
   // computed over a placeholder, so the id may only change before its block is marked.
   void set_last_token_id(SeqId seq_id, int32_t token_id);
 
+  // Speculative decoding: keep the first `start` token slots, give the next ones the ids
+  // token_ids (at most the slots held after start) and drop every slot past them, releasing
+  // the blocks only they used (a verify step's rejected drafts). Throws BlockManagerError if a
+  // changed or dropped slot lies in a block that already has a prefix-cache hash (only
+  // accepted ids may ever be hashed) or the sequence is swapped out.
+  void replace_tail(SeqId seq_id, int64_t start, const std::vector<int32_t>& token_ids);
+
   // The child gets the parent's block table and tokens; every block's ref_count rises by one.
   void fork(SeqId parent_id, SeqId child_id);
 

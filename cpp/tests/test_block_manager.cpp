@@ -124,6 +124,28 @@ static void test_set_last_token_id() {
   CHECK_THROWS(hashed.set_last_token_id(3, 1), BlockManagerError);  // unknown sequence
 }
 
+// Speculative decoding: draft slots appended with placeholder ids; the accepted ones get their
+// ids, the rejected ones and the blocks only they used are released, and only accepted ids
+// are ever hashed.
+static void test_replace_tail() {
+  BlockManager bm(4, 8, 0, 0.0);
+  bm.allocate(1, tokens(6));  // blocks 0 (0..3), 1 (4..5)
+  for (int i = 0; i < 6; ++i) bm.append_slot(1, -1);  // slots 6..11: blocks 1, 2
+  CHECK(bm.num_free_blocks(Device::GPU) == 5);
+  bm.replace_tail(1, 6, {6, 7});  // two accepted drafts: 8 slots, two blocks
+  CHECK(bm.num_tokens(1) == 8);
+  CHECK(bm.block_table(1).size() == 2);
+  CHECK(bm.num_free_blocks(Device::GPU) == 6);
+  bm.mark_blocks_computed(1, 8);
+  CHECK(bm.lookup_prefix(tokens(9)).num_cached_tokens == 8);  // over the accepted ids
+  // Slots in a hashed block never change; nor past the slots held.
+  CHECK_THROWS(bm.replace_tail(1, 7, {}), BlockManagerError);
+  CHECK_THROWS(bm.replace_tail(1, 8, {1}), BlockManagerError);
+  bm.replace_tail(1, 8, {});  // nothing to drop: fine
+  bm.free(1);
+  CHECK(bm.num_free_blocks(Device::GPU) == 8);
+}
+
 static void test_bad_args() {
   CHECK_THROWS(BlockManager(0, 8, 0), std::invalid_argument);
   CHECK_THROWS(BlockManager(4, 0, 0), std::invalid_argument);
@@ -187,6 +209,7 @@ int main() {
   test_fork_cow_swap();
   test_prefix_cache_and_collision();
   test_set_last_token_id();
+  test_replace_tail();
   test_bad_args();
   test_random_ops();
   if (g_failures) {

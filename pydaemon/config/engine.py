@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from pydaemon.config.speculative import SpeculativeConfig
+
 # The out-of-the-box model (model_loader/default_model.py finds its file).
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEVICES = ("auto", "cpu", "cuda")
@@ -68,6 +70,8 @@ class EngineConfig:
     async_scheduling: bool | None = None
     quantization: str | None = None
     calculate_kv_scales: bool = False
+    # vLLM's speculative_config dict (config/speculative.py); None: no speculation.
+    speculative_config: dict | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -124,12 +128,21 @@ class EngineConfig:
                 "measures the scales of an FP8 KV cache: it needs kv_cache_dtype 'fp8', and "
                 "kv_cache_dtype is 'auto'",
             )
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_dict(self.speculative_config)  # raises naming the key
         if self.async_scheduling not in (None, True, False):
             raise bad("async_scheduling", "must be true, false or None (auto)")
         if not self.model:
             raise bad(
                 "model", f"must name {DEFAULT_MODEL!r}, 'demo', a model directory or a .gguf file"
             )
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """``speculative_config`` parsed, or None."""
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.from_dict(self.speculative_config)
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -28,6 +28,9 @@ class ModelRunnerOutput:
     # CPU each, go to the scheduler's beam step.
     beam_seq_ids: list[int] = field(default_factory=list)
     beam_logprobs: torch.Tensor | None = None  # [len(beam_seq_ids), vocab] float32, CPU
+    # Speculative decoding: seq_id -> drafts it verified this step; its sampled_token_ids
+    # entry is then the accepted drafts and one sampled token (not n samples of a fork).
+    num_draft_tokens: dict[int, int] = field(default_factory=dict)
 
 
 EMPTY_RUNNER_OUTPUT = ModelRunnerOutput()

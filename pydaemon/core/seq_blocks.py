@@ -10,7 +10,7 @@ not hold is sent whole the next time it is scheduled (``SchedulerOutput`` docstr
 from __future__ import annotations
 
 from pydaemon import _core
-from pydaemon.core.request import Sequence
+from pydaemon.core.request import PLACEHOLDER_TOKEN_ID, Sequence
 from pydaemon.core.stats import KVCacheStats
 
 
@@ -69,6 +69,38 @@ class SeqBlocks:
         if changed is not None and seq.is_in_runner:
             start = seq.changed_block_start
             seq.changed_block_start = changed if start is None else min(start, changed)
+
+    def append_draft_slots(self, seq: Sequence, num_drafts: int) -> None:
+        """Slots for ``num_drafts`` drafts past the sequence's tokens (speculative decoding:
+        the runner writes their K/V while verifying them). Their ids are placeholders until
+        ``accept_drafts``; ``seq.num_slots`` counts them meanwhile."""
+        for _ in range(num_drafts):
+            pair = self.block_manager.append_slot(seq.seq_id, PLACEHOLDER_TOKEN_ID)
+            seq.num_slots += 1
+            changed = None
+            if pair is not None:
+                self.blocks_to_copy.append(pair)
+                changed = (seq.num_slots - 1) // self.block_size
+            elif (seq.num_slots - 1) % self.block_size == 0:
+                changed = (seq.num_slots - 1) // self.block_size
+            if changed is not None:
+                self._note_changed(seq, changed)
+
+    def accept_drafts(self, seq: Sequence, start: int, accepted: list[int]) -> None:
+        """After a verify step: the draft slots from ``start`` keep the ``accepted`` ids, the
+        rest are dropped with the blocks only they used (nothing leaks; only accepted ids are
+        ever hashed for the prefix cache)."""
+        num_blocks = len(self.block_manager.block_table(seq.seq_id))
+        self.block_manager.replace_tail(seq.seq_id, start, accepted)
+        seq.num_slots = start + len(accepted)
+        kept = -(-seq.num_slots // self.block_size)
+        if kept < num_blocks:
+            self._note_changed(seq, kept)  # the runner's table shrinks to ``kept`` blocks
+
+    def _note_changed(self, seq: Sequence, block_index: int) -> None:
+        if seq.is_in_runner:
+            start = seq.changed_block_start
+            seq.changed_block_start = block_index if start is None else min(start, block_index)
 
     def set_last_token(self, seq: Sequence) -> None:
         """The sequence's last token, which has a slot, replaced a placeholder: tell the

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -23,6 +23,7 @@ class EngineStats:
     num_swapped_in_blocks: int
     num_prompt_tokens: int
     num_generation_tokens: int
+    spec_decode: SpecDecodeStats | None = None  # None: speculative decoding is off
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -48,3 +49,39 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_swapped_out_blocks: int = 0
     num_swapped_in_blocks: int = 0
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative decoding's counters since start (vLLM's): verify steps of a sequence that
+    had drafts, drafts proposed, drafts accepted, and accepted drafts by position (index j:
+    the (j+1)-th draft of a step)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        if num_drafts == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        per_position = self.accepted_per_position
+        if len(per_position) < num_drafts:
+            per_position.extend([0] * (num_drafts - len(per_position)))
+        for j in range(num_accepted):
+            per_position[j] += 1
+
+    def snapshot(self) -> SpecDecodeStats:
+        return SpecDecodeStats(
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            list(self.accepted_per_position),
+        )
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / max(1, self.num_draft_tokens)

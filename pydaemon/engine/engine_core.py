@@ -12,6 +12,7 @@ last one's results are processed: pydaemon.core.sched.async_stepper.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 
@@ -31,6 +32,8 @@ from pydaemon.outputs import RequestMetrics
 from pydaemon.sampling_params import SamplingParams
 from pydaemon.worker.model_runner import ModelRunner
 
+
+logger = logging.getLogger(__name__)
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
@@ -63,10 +66,15 @@ class EngineCore:
             max_model_len=self.max_model_len,
             preemption_mode=config.preemption_mode,
             enable_prefix_caching=config.enable_prefix_caching,
+            speculative=config.speculative,
         )
         use_async = config.async_scheduling
         if use_async is None:  # auto: with one GPU to overlap with (TP: not measured on NCCL yet)
             use_async = runner.device.type == "cuda" and config.tensor_parallel_size == 1
+        if use_async and config.speculative is not None:
+            # A verify step's accepted run decides the next step's inputs: no overlap yet.
+            logger.info("speculative decoding: steps run synchronously (no async scheduling)")
+            use_async = False
         self.async_stepper = AsyncStepper(self.scheduler, self.executor) if use_async else None
 
     # ---- requests ---------------------------------------------------------------------------
@@ -227,4 +235,5 @@ class EngineCore:
             num_swapped_in_blocks=sched.stats.num_swapped_in_blocks,
             num_prompt_tokens=sched.updater.num_prompt_tokens,
             num_generation_tokens=sched.updater.num_generation_tokens,
+            spec_decode=sched.updater.spec_stats.snapshot() if sched.drafts else None,
         )

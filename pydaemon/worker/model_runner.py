@@ -25,6 +25,7 @@ from pydaemon.worker.cuda_graphs import CUDAGraphRunner, capture_all, measure_gr
 from pydaemon.worker.input_batch import InputBatch, StepInput
 from pydaemon.worker.kv_cache import GiB, KVCacheSpec
 from pydaemon.worker.kv_scale_calibration import KVScales
+from pydaemon.worker.spec.spec_decoder import SpecDecoder
 from pydaemon.worker.step_sampler import StepSampler
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,8 @@ class ModelRunner:
         )
         self.input_batch = InputBatch(config.max_num_seqs, self.max_model_len, config.block_size)
         self.step_sampler = StepSampler(self.input_batch, self.device)
+        spec = config.speculative
+        self.spec_decoder = spec and SpecDecoder(spec, self.input_batch, self.step_sampler)
         self._last_output: AsyncModelRunnerOutput | None = None  # the previous step's
         self.swap_stream = None
         if uses_kernels(self.kv_cache):
@@ -202,14 +205,22 @@ class ModelRunner:
         if out.num_seqs == 0:
             result = AsyncModelRunnerOutput(ModelRunnerOutput())
         else:
-            step = self.input_batch.prepare(out)
+            verify = None  # speculative decoding: drafts proposed for this step
+            if out.num_draft_tokens and self.spec_decoder is not None:
+                verify = self.spec_decoder.propose(out)
+            if verify is None:
+                step = self.input_batch.prepare(out)
+            else:
+                step = self.spec_decoder.prepare(verify)
             if len(step.placeholder_index) and ps.is_tensor_parallel():
                 self._share_sampled_ids(last)
             measures_kv_scales = self.kv_scales is not None and self.kv_scales.arm_for(out)
             logits = self._forward(step)
             if measures_kv_scales:
                 self._finish_kv_scales()
-            if is_driver:
+            if is_driver and verify is not None:
+                result = self.spec_decoder.sample(logits, step, verify, out.num_samples)
+            elif is_driver:
                 result = self.step_sampler.sample(logits, step, out.num_samples)
             else:  # rank 0 samples; this rank receives its ids if the next step needs them
                 result = self.step_sampler.expect(step, out.num_samples)

@@ -47,6 +47,8 @@ def build_scheduler_output(
                 None if seq.changed_block_start is None else blocks.take_block_delta(seq)
             )
             num_computed.append(seq.num_computed_tokens)
+        if scheduled.num_draft_slots:
+            out.num_draft_tokens[seq.seq_id] = scheduled.num_draft_slots
         is_sampled = seq.num_computed_tokens + scheduled.num_new_tokens == num_tokens
         if is_sampled and request.forks_at_first_sample:
             out.num_samples[seq.seq_id] = request.num_expected_seqs

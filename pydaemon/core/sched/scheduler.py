@@ -29,12 +29,14 @@ import bisect
 from collections import deque
 
 from pydaemon import _core
+from pydaemon.config.speculative import SpeculativeConfig
 from pydaemon.core.messages import EngineCoreOutputs
 from pydaemon.core.request import Request, RequestStatus, Sequence
 from pydaemon.core.runner_output import ModelRunnerOutput
 from pydaemon.core.sched.output_builder import build_scheduler_output
 from pydaemon.core.sched.scheduler_output import SchedulerOutput
 from pydaemon.core.sched.seq_updates import SeqUpdater
+from pydaemon.core.sched.spec_slots import DraftSlots
 from pydaemon.core.sched.step_plan import ScheduledSeq, StepPlan
 from pydaemon.core.seq_blocks import SeqBlocks
 from pydaemon.core.stats import KVCacheStats, SchedulerStats
@@ -58,6 +60,7 @@ class Scheduler:
         max_model_len: int,
         preemption_mode: str = "auto",
         enable_prefix_caching: bool = True,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.block_manager = _core.BlockManager(
             block_size, num_gpu_blocks, num_cpu_blocks, watermark, enable_prefix_caching
@@ -73,6 +76,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.finished_request_ids: list[str] = []  # told to the runner at the next step
         self.updater = SeqUpdater(self.blocks, max_model_len)
+        self.drafts = speculative and DraftSlots(speculative, self.blocks, max_model_len)
         # Scheduled steps awaiting update_from_output(), oldest first (two under async
         # scheduling), each with the output it was sent as.
         self._plans: deque[tuple[SchedulerOutput, StepPlan]] = deque()
@@ -154,6 +158,8 @@ class Scheduler:
                 return None  # it may preempt: after the previous step's sequences are freed
             self._reserve_decode_slots_in_order(budget, plan, pending_prefill)
         budget -= len(plan.decodes)
+        if self.drafts and plan.decodes:  # 1b. Speculative decoding: draft slots, budget allowing
+            budget -= self.drafts.reserve(plan, self.num_running_seqs(), budget)
         # 2. Prefill chunks of running requests.
         if pending_prefill:
             decoding_ids = {s.seq.seq_id for s in plan.decodes}  # a set: runs per sequence

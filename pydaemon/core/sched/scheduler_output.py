@@ -59,6 +59,10 @@ class SchedulerOutput:
     # A sampled sequence that forks into n (best_of) at its first sample: seq_id -> n.
     # The runner samples its logits row n times, with the streams of indices 0..n-1.
     num_samples: dict[int, int] = field(default_factory=dict)
+    # Speculative decoding: decode seq_id -> k. The runner may propose up to k drafts for it
+    # and verify them in this step (slots are reserved past its tokens); its query then
+    # grows to 1 + drafts. The token budget counted the k.
+    num_draft_tokens: dict[int, int] = field(default_factory=dict)
     finished_seq_ids: list[int] = field(default_factory=list)  # the runner forgets these
     finished_request_ids: list[str] = field(default_factory=list)  # ... and their streams
     # Block moves before this step's K/V writes: (src, dst) pairs, direction in the name.

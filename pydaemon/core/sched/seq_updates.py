@@ -28,8 +28,9 @@ from pydaemon.core.messages import EngineCoreOutput, EngineCoreOutputs, SeqOutpu
 from pydaemon.core.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus, Sequence
 from pydaemon.core.runner_output import ModelRunnerOutput
 from pydaemon.core.sched.beam_step import advance_beams
-from pydaemon.core.sched.step_plan import StepPlan
+from pydaemon.core.sched.step_plan import ScheduledSeq, StepPlan
 from pydaemon.core.seq_blocks import SeqBlocks
+from pydaemon.core.stats import SpecDecodeStats
 from pydaemon.outputs import TokenLogprobs
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class SeqUpdater:
         self.num_prompt_tokens = 0  # prefill tokens computed (cache hits excluded)
         self.num_generation_tokens = 0
         self._finished: list[Request] = []
+        self.spec_stats = SpecDecodeStats()
 
     def take_finished(self) -> list[Request]:
         """Requests that finished or failed in the last update (their queues are the
@@ -100,7 +102,10 @@ class SeqUpdater:
             if output is None:
                 output = outputs[request.request_id] = EngineCoreOutput(request.request_id, [])
             try:
-                self._append(request, by_seq_id[seq_id].seq, token_ids, chosen, logprobs, output)
+                scheduled = by_seq_id[seq_id]
+                if scheduled.num_draft_slots:  # speculative decoding: a verified run
+                    self._accept_drafts(scheduled, token_ids, ro.num_draft_tokens.get(seq_id, 0))
+                self._append(request, scheduled.seq, token_ids, chosen, logprobs, output)
             except Exception as e:  # noqa: BLE001 - one request's failure is that request's
                 outputs[request.request_id] = self._internal_error(request, e, now)
         beams: dict[str, list[tuple[int, Sequence]]] = {}
@@ -143,7 +148,10 @@ class SeqUpdater:
     ) -> None:
         """One sampled token per sequence; a forking sequence's n samples go to n sequences."""
         targets = [seq]
-        if len(token_ids) > 1:
+        is_run = len(token_ids) > 1 and not request.forks_at_first_sample  # accepted drafts
+        if is_run:
+            targets = [seq] * len(token_ids)
+        elif len(token_ids) > 1:
             if not request.forks_at_first_sample:
                 raise RuntimeError(f"{len(token_ids)} samples for a sequence that does not fork")
             targets += [self._fork(request, seq, k) for k in range(1, len(token_ids))]
@@ -179,6 +187,24 @@ class SeqUpdater:
             if finish_reason is not None:
                 target.finish_reason, target.stop_reason = finish_reason, stop_reason
                 self.retire(request, target)
+                if is_run:
+                    break  # the run's later tokens are dropped with the sequence
+
+    def _accept_drafts(self, scheduled: ScheduledSeq, token_ids: list[int], num_drafts: int) -> None:
+        """A verify step's result: ``token_ids`` is the accepted drafts, then one sampled token.
+        The accepted drafts keep their slots and count as computed (their K/V was written);
+        the other draft slots are dropped with the blocks only they used."""
+        seq = scheduled.seq
+        accepted = token_ids[:-1]
+        if len(accepted) > min(num_drafts, scheduled.num_draft_slots):
+            raise RuntimeError(
+                f"sequence {seq.seq_id}: {len(accepted)} drafts accepted of {num_drafts} proposed"
+            )
+        self.blocks.accept_drafts(seq, seq.num_tokens, accepted)
+        if accepted:
+            seq.num_computed_tokens += len(accepted)
+            self.blocks.mark_computed(seq)
+        self.spec_stats.record(num_drafts, len(accepted))
 
     def _fork(self, request: Request, parent: Sequence, index: int) -> Sequence:
         child = Sequence.new(

@@ -13,6 +13,7 @@ class ScheduledSeq:
     request: Request
     seq: Sequence
     num_new_tokens: int  # tokens whose K/V this step computes
+    num_draft_slots: int = 0  # speculative decoding: draft slots reserved past the tokens
 
 
 @dataclass

@@ -96,12 +96,14 @@ class Metrics:
         )
         self.finished: dict[str, int] = {}
         self._baseline: dict[str, int] = {}  # engine counters before serving (the warm-up)
+        self._spec_baseline = None  # its speculative-decoding counters (SpecDecodeStats)
 
     def set_baseline(self, stats: object) -> None:
         """Counters start from here: what the warm-up request did is not reported."""
         self._baseline = {
             attr: getattr(stats, attr, 0) for _, attr, kind, _ in _STATS if kind == "counter"
         }
+        self._spec_baseline = getattr(stats, "spec_decode", None)
 
     def observe_request(self, account, finish_reason: int) -> None:
         timings = account.timings_ms()
@@ -150,6 +152,9 @@ class Metrics:
             "# TYPE pagedd_prefix_cache_hit_rate gauge",
             f"pagedd_prefix_cache_hit_rate {hit_rate!r}",
         ]
+        spec = getattr(stats, "spec_decode", None)
+        if spec is not None:
+            lines += spec_decode_lines(spec, self._spec_baseline)
         with self._lock:
             lines += [
                 "# HELP pagedd_requests_finished_total Requests ended, by finish reason.",
@@ -160,3 +165,27 @@ class Metrics:
             for hist in (self.ttft, self.tpot, self.e2e):
                 lines += hist.render()
         return "\n".join(lines) + "\n"
+
+
+_SPEC_COUNTERS = (
+    ("pagedd_spec_decode_num_drafts_total", "num_drafts", "Sequence steps that verified drafts."),
+    ("pagedd_spec_decode_draft_tokens_total", "num_draft_tokens", "Draft tokens proposed."),
+    ("pagedd_spec_decode_accepted_tokens_total", "num_accepted_tokens", "Draft tokens accepted."),
+)
+
+
+def spec_decode_lines(spec, baseline) -> list[str]:
+    """Speculative decoding's counters (a SpecDecodeStats), less the warm-up's."""
+    lines = []
+    for name, attr, help_text in _SPEC_COUNTERS:
+        value = getattr(spec, attr) - (getattr(baseline, attr) if baseline else 0)
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {value}"]
+    name = "pagedd_spec_decode_accepted_tokens_per_pos_total"
+    lines += [
+        f"# HELP {name} Draft tokens accepted, by position in the step's drafts (0: first).",
+        f"# TYPE {name} counter",
+    ]
+    before = baseline.accepted_per_position if baseline else []
+    for j, n in enumerate(spec.accepted_per_position):
+        lines.append(f'{name}{{position="{j}"}} {n - (before[j] if j < len(before) else 0)}')
+    return lines

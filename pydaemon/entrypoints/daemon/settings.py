@@ -8,6 +8,7 @@ are the flag names without the leading dashes, with ``-`` or ``_`` (``max_num_se
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Any
@@ -41,6 +42,13 @@ ENGINE_FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("--watermark", float, "fraction of KV blocks kept free at admission"),
     ("--tensor-parallel-size", int, "shard the model over this many GPUs (processes)"),
     ("--max-seq-len-to-capture", int, "decode steps with longer contexts run without CUDA graphs"),
+    (
+        "--speculative-config",
+        "json",
+        "speculative decoding, vLLM's JSON keys: method (ngram), num_speculative_tokens, "
+        "prompt_lookup_min/max, disable_by_batch_size; e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 4}\' (a TOML table works too)',
+    ),
     (
         "--quantization",
         str,
@@ -97,6 +105,20 @@ SERVER_FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
 )
 
 
+JSON_KEYS = ("speculative_config",)  # a JSON object on the command line, a table in TOML
+
+
+def json_object(text: str) -> dict:
+    """A flag's JSON object (argparse type)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
 def _key(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 
@@ -112,7 +134,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     for flag, type_, help_text in ENGINE_FLAGS:
         group.add_argument(
             flag,
-            type=type_,
+            type=json_object if type_ == "json" else type_,
             default=None,
             help=_with_default(help_text, getattr(defaults, _key(flag))),
         )
@@ -167,7 +189,12 @@ def load_toml(path: str) -> dict[str, Any]:
         key = raw_key.replace("-", "_")
         if key not in known:
             raise ValueError(f"--config {path}: unknown key {raw_key!r}")
-        if isinstance(value, dict):
+        if isinstance(value, str) and key in JSON_KEYS:
+            try:
+                value = json_object(value)
+            except argparse.ArgumentTypeError as e:
+                raise ValueError(f"--config {path}: key {raw_key!r} {e}") from None
+        if isinstance(value, dict) and key not in JSON_KEYS:
             raise ValueError(f"--config {path}: key {raw_key!r} must be a value, not a table")
         out[key] = value
     return out

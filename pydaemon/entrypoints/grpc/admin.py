@@ -60,7 +60,12 @@ def _plain_fields(message) -> dict:
     for f in message.DESCRIPTOR.fields:
         value = getattr(message, f.name)
         if f.message_type is not None and not f.is_repeated:
-            value = {g.name: v for g, v in value.ListFields()}
+            if f.name == "spec_decode" and not message.HasField(f.name):
+                continue  # speculative decoding is off
+            value = {
+                g.name: v if isinstance(v, (str, int, float, bool)) else list(v)
+                for g, v in value.ListFields()
+            }
         elif not isinstance(value, (str, int, float, bool)):
             value = list(value)
         fields[f.name] = value

@@ -339,8 +339,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         fields = {
             name: getattr(s, name)
             for name in pb.ServerStatus.DESCRIPTOR.fields_by_name
-            if hasattr(s, name)
+            if hasattr(s, name) and name != "spec_decode"
         }
+        spec = getattr(s, "spec_decode", None)
+        if spec is not None:  # speculative decoding is on
+            fields["spec_decode"] = pb.SpecDecodeStatus(
+                num_drafts=spec.num_drafts,
+                num_draft_tokens=spec.num_draft_tokens,
+                num_accepted_tokens=spec.num_accepted_tokens,
+                accepted_per_position=spec.accepted_per_position,
+            )
         return pb.ServerStatus(
             is_serving=self.is_admitting and self.engine.is_alive,
             uptime_s=time.monotonic() - self._started_at,

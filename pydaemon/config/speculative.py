@@ -1,0 +1,75 @@
+"""SpeculativeConfig: speculative decoding's settings, from vLLM's ``speculative_config`` dict.
+
+Keys (vLLM's names): ``method`` ("ngram" | "draft_model"), ``num_speculative_tokens`` (k, the
+most drafts verified per sequence and step), ``prompt_lookup_min`` / ``prompt_lookup_max``
+(the n-gram sizes the ngram method matches; defaults 1 and 5), ``model`` (draft_model: the draft model's directory), and ``disable_by_batch_size``
+(speculation backs off while more sequences than this are running: at high batch a step is
+compute-bound and drafts stop paying; default 32). An unknown key is an error naming it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+SPEC_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 5
+    model: str | None = None
+    disable_by_batch_size: int = 32
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> SpeculativeConfig:
+        """Validates ``values`` (ValueError naming the key and what is wrong)."""
+        if not isinstance(values, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {values!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative_config: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})"
+            )
+        method = values.get("method")
+        if method is None and values.get("model") is not None:
+            method = "draft_model"
+        if method not in SPEC_METHODS:
+            raise ValueError(
+                f"speculative_config.method must be one of {', '.join(SPEC_METHODS)} "
+                f"(got {method!r})"
+            )
+
+        def positive(name: str, default: int | None) -> int:
+            value = values.get(name, default)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(
+                    f"speculative_config.{name} must be a positive integer (got {value!r})"
+                )
+            return value
+
+        k = positive("num_speculative_tokens", None)
+        lookup_min = positive("prompt_lookup_min", 1)
+        lookup_max = positive("prompt_lookup_max", max(5, lookup_min))
+        if lookup_max < lookup_min:
+            raise ValueError(
+                f"speculative_config.prompt_lookup_max ({lookup_max}) must be >= "
+                f"prompt_lookup_min ({lookup_min})"
+            )
+        model = values.get("model")
+        if method == "draft_model" and not (isinstance(model, str) and model):
+            raise ValueError("speculative_config.model must name the draft model for draft_model")
+        if method == "ngram" and model is not None:
+            raise ValueError("speculative_config.model is for method draft_model, not ngram")
+        return cls(
+            method=method,
+            num_speculative_tokens=k,
+            prompt_lookup_min=lookup_min,
+            prompt_lookup_max=lookup_max,
+            model=model,
+            disable_by_batch_size=positive("disable_by_batch_size", 32),
+        )

@@ -1,0 +1,73 @@
+"""Draft slots: the scheduler's part of speculative decoding.
+
+After the decodes of a step have their slots, each eligible decode gets up to k more slots
+past its tokens (``ScheduledSeq.num_draft_slots``), in priority order, while the token budget
+and the free blocks allow: speculation never preempts, never delays a decode, and the budget
+counts every draft token. The runner proposes and verifies drafts in those slots; the update
+keeps the accepted ones and drops the rest (``SeqBlocks.accept_drafts``).
+
+Eligible: a request of one sequence (not n > 1 / best_of, not beam search: their forks and
+beam steps take one token per step), without a structured-output constraint (its grammar
+would have to be advanced over the drafts to mask each verified row: issue 28's matcher does
+not roll back yet), while at most ``disable_by_batch_size`` sequences are running (at high
+batch a step is compute-bound and drafts stop paying). k is capped so that the step never
+emits past max_tokens or the model's length.
+"""
+
+from __future__ import annotations
+
+from pydaemon import _core
+from pydaemon.config.speculative import SpeculativeConfig
+from pydaemon.core.request import Request
+from pydaemon.core.sched.step_plan import StepPlan
+from pydaemon.core.seq_blocks import SeqBlocks
+
+
+def allows_drafts(request: Request) -> bool:
+    """Whether speculation may run for this request at all (see the module docstring)."""
+    params = request.params
+    return request.has_one_seq and getattr(params, "structured_outputs", None) is None
+
+
+class DraftSlots:
+    """Reserves draft slots for a step's decodes (see the module docstring)."""
+
+    def __init__(self, spec: SpeculativeConfig, blocks: SeqBlocks, max_model_len: int) -> None:
+        self.spec = spec
+        self.blocks = blocks
+        self.max_model_len = max_model_len
+
+    def reserve(self, plan: StepPlan, num_running_seqs: int, budget: int) -> int:
+        """Draft slots for the plan's decodes, in order; -> the budget they take."""
+        spec, blocks = self.spec, self.blocks
+        if num_running_seqs > spec.disable_by_batch_size or budget <= 0:
+            return 0
+        block_size = blocks.block_size
+        num_free = blocks.block_manager.num_free_blocks(_core.Device.GPU)
+        used = 0
+        for scheduled in plan.decodes:
+            if used >= budget:
+                break
+            request, seq = scheduled.request, scheduled.seq
+            if not allows_drafts(request):
+                continue
+            num_tokens = seq.num_tokens
+            k = min(
+                spec.num_speculative_tokens,
+                budget - used,
+                request.params.max_tokens - len(seq.output_token_ids) - 1,
+                self.max_model_len - num_tokens - 1,
+            )
+            if k <= 0:
+                continue
+            num_held = -(-seq.num_slots // block_size)
+            num_new_blocks = -(-(num_tokens + k) // block_size) - num_held
+            if seq.num_slots % block_size:
+                num_new_blocks += 1  # a shared last block would be copied on write
+            if num_new_blocks > num_free:
+                continue
+            blocks.append_draft_slots(seq, k)
+            num_free = blocks.block_manager.num_free_blocks(_core.Device.GPU)
+            scheduled.num_draft_slots = k
+            used += k
+        return used

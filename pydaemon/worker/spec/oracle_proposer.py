@@ -1,0 +1,41 @@
+"""OracleProposer: drafts known continuations (tests and benchmarks only; no config selects it).
+
+Given the full token sequences greedy decoding produces (prompt + output), it drafts for a
+sequence the next tokens of the reference that its tokens are a prefix of: the mechanism's
+ceiling (every draft accepted) for bench/spec_decode.py. ``corrupt_every`` replaces every
+n-th draft by another id, so tests see rejections at known places.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pydaemon.worker.spec.proposer import DraftRequest, Proposer
+
+
+class OracleProposer(Proposer):
+    def __init__(
+        self, references: list[list[int]], corrupt_every: int = 0, vocab_size: int = 256
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.references = [np.asarray(r, dtype=np.int64) for r in references]
+        self.corrupt_every = corrupt_every
+        self.num_proposed = 0
+
+    def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
+        drafts = []
+        for request in requests:
+            tokens = request.token_ids
+            n = len(tokens)
+            found: list[int] = []
+            for ref in self.references:
+                if len(ref) > n and np.array_equal(ref[:n], tokens):
+                    found = ref[n : n + request.max_drafts].tolist()
+                    break
+            if self.corrupt_every:
+                for j in range(len(found)):
+                    self.num_proposed += 1
+                    if self.num_proposed % self.corrupt_every == 0:
+                        found[j] = (found[j] + 1) % self.vocab_size
+            drafts.append(found)
+        return drafts

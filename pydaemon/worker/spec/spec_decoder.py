@@ -1,0 +1,166 @@
+"""SpecDecoder: a verify step in the model runner (draft, then verify in one forward).
+
+The scheduler reserved up to k draft slots for some decodes (``SchedulerOutput.
+num_draft_tokens``). Before the forward pass the proposer drafts m <= k tokens for each; the
+drafts are written past the sequence's tokens in its InputBatch row and the decode becomes a
+short prefill of m + 1 tokens (the paged prefill path attends over the cached context plus
+the new tokens), moved into the step's prefill group. Every verified position's logits are
+sampled: the other sequences through the StepSampler as usual, the verified ones through the
+RejectionSampler, whose accepted run (drafts, then one sampled token) becomes the sequence's
+``sampled_token_ids`` entry. Verify steps run eagerly (a step with prefill rows has no CUDA
+graph) and synchronously (the scheduler must see the accepted run before planning the next
+step: speculation turns async scheduling off).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pydaemon.config.speculative import SpeculativeConfig
+from pydaemon.core.runner_output import AsyncModelRunnerOutput, ModelRunnerOutput
+from pydaemon.core.sched.scheduler_output import SchedulerOutput
+from pydaemon.sampling.sampling_metadata import SamplingMetadata
+from pydaemon.worker.input_batch import InputBatch, StepInput
+from pydaemon.worker.spec.ngram_proposer import NgramProposer
+from pydaemon.worker.spec.proposer import DraftRequest, Proposer
+from pydaemon.worker.spec.rejection_sampler import RejectionSampler
+from pydaemon.worker.step_sampler import StepSampler
+
+
+@dataclass
+class VerifyPlan:
+    """The step as verified: ``out`` lists the sequences with drafts among the prefills."""
+
+    out: SchedulerOutput
+    drafts: dict[int, list[int]]  # seq_id -> its drafts (m >= 1), in batch order
+    first: int  # batch index of the first sequence with drafts
+
+
+def make_proposer(spec: SpeculativeConfig) -> Proposer:
+    if spec.method == "ngram":
+        return NgramProposer(
+            spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+        )
+    raise ValueError(
+        f"speculative_config.method {spec.method!r} is not available in this build (ngram is)"
+    )
+
+
+class SpecDecoder:
+    def __init__(
+        self, spec: SpeculativeConfig, input_batch: InputBatch, step_sampler: StepSampler
+    ) -> None:
+        self.spec = spec
+        self.input_batch = input_batch
+        self.step_sampler = step_sampler
+        self.proposer: Proposer = make_proposer(spec)
+        self.rejection_sampler = RejectionSampler()
+
+    # ---- before the forward -----------------------------------------------------------------
+    def propose(self, out: SchedulerOutput) -> VerifyPlan | None:
+        """Drafts for the decodes with draft slots; None when no sequence got any."""
+        batch = self.input_batch
+        requests = []
+        for seq_id, k in out.num_draft_tokens.items():
+            row = batch.seqs[seq_id].row
+            tokens = batch.token_ids[row, : batch.num_tokens[row]]
+            requests.append(DraftRequest(seq_id, tokens, k))
+        proposed = self.proposer.propose(requests)
+        drafts = {
+            r.seq_id: list(d[: r.max_drafts])
+            for r, d in zip(requests, proposed, strict=True)
+            if len(d)
+        }
+        if not drafts:
+            return None
+        for seq_id, ids in drafts.items():  # past the row's tokens: not counted as its own
+            row = batch.seqs[seq_id].row
+            n = int(batch.num_tokens[row])
+            batch.token_ids[row, n : n + len(ids)] = ids
+        scheduled = out.num_scheduled_tokens
+        prefill_ids = list(scheduled)[: out.num_prefills]
+        order = {s: scheduled[s] for s in prefill_ids}
+        order.update((s, 1 + len(ids)) for s, ids in drafts.items())
+        order.update((s, n) for s, n in scheduled.items() if s not in order)
+        verified = dataclasses.replace(
+            out, num_scheduled_tokens=order, num_prefills=out.num_prefills + len(drafts)
+        )
+        return VerifyPlan(verified, drafts, out.num_prefills)
+
+    def prepare(self, plan: VerifyPlan) -> StepInput:
+        """The step's inputs with the drafts; every verified position is a logits row."""
+        batch = self.input_batch
+        rows = np.fromiter((batch.seqs[s].row for s in plan.drafts), np.int64, len(plan.drafts))
+        num_drafts = np.fromiter((len(d) for d in plan.drafts.values()), np.int32, len(rows))
+        batch.num_tokens[rows] += num_drafts  # the drafts are inputs of this step only
+        try:
+            step = batch.prepare(plan.out)
+        finally:
+            batch.num_tokens[rows] -= num_drafts
+        is_verified = np.zeros(len(step.seq_ids), dtype=bool)
+        is_verified[plan.first : plan.first + len(plan.drafts)] = True
+        counts = np.where(is_verified, step.query_lens, step.is_sampled.astype(np.int32))
+        starts = np.where(is_verified, step.query_start_loc[:-1], step.query_start_loc[1:] - 1)
+        offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        step.sample_index = (np.repeat(starts, counts) + offsets).astype(np.int64)
+        step.is_sampled = step.is_sampled & ~is_verified  # the StepSampler's rows
+        return step
+
+    # ---- after the forward ------------------------------------------------------------------
+    def sample(
+        self, logits: torch.Tensor, step: StepInput, plan: VerifyPlan, num_samples: dict[int, int]
+    ) -> AsyncModelRunnerOutput:
+        """logits: [len(step.sample_index), vocab] float32 -> the step's output, on the host
+        (a verify step is synchronous)."""
+        num_verify_rows = sum(len(d) + 1 for d in plan.drafts.values())
+        # Logits rows in batch order: the prefills' before the verified, the decodes' after.
+        num_before = int(step.is_sampled[: plan.first].sum())
+        verify = logits[num_before : num_before + num_verify_rows]
+        others = torch.cat([logits[:num_before], logits[num_before + num_verify_rows :]])
+        out = self.step_sampler.sample(others, step, num_samples).get_output()
+        self._verify(verify, plan, out)
+        return AsyncModelRunnerOutput(out)
+
+    def _verify(self, logits: torch.Tensor, plan: VerifyPlan, out: ModelRunnerOutput) -> None:
+        batch, step_sampler = self.input_batch, self.step_sampler
+        params, prompts, outputs, generators, stop_ids, draft_ids = [], [], [], [], [], []
+        for seq_id, drafts in plan.drafts.items():
+            state = batch.seqs[seq_id]
+            prompt: list[int] = []
+            output: list[int] = []  # read only where penalties or min_tokens need them
+            if state.params.has_penalties or state.params.min_tokens:
+                prompt = batch.prompt_token_ids(seq_id)
+                output = batch.output_token_ids(seq_id)
+            generator = step_sampler._generator(state, state.index)
+            for j in range(len(drafts) + 1):  # row j follows drafts[:j]
+                params.append(state.params)
+                prompts.append(prompt)
+                outputs.append(output + drafts[:j])
+                generators.append(generator)
+                stop_ids.append(state.min_tokens_stop_ids)
+                draft_ids.append(drafts[j] if j < len(drafts) else -1)
+        metadata = SamplingMetadata.build(
+            params=params,
+            prompt_token_ids=prompts,
+            output_token_ids=outputs,
+            generators=generators,
+            device=logits.device,
+            stop_ids_for_min_tokens=stop_ids,
+        )
+        ids = torch.tensor(draft_ids, dtype=torch.int64).to(logits.device)
+        packed = self.rejection_sampler.verify(logits, ids, metadata)
+        runs = self.rejection_sampler.accepted_runs(
+            packed.cpu().tolist(),
+            [len(d) for d in plan.drafts.values()],
+            [batch.seqs[s].params.logprobs for s in plan.drafts],
+        )
+        for seq_id, run in zip(plan.drafts, runs, strict=True):
+            out.seq_ids.append(seq_id)
+            out.sampled_token_ids.append(run.token_ids)
+            out.chosen_logprobs.append(run.chosen_logprobs)
+            out.logprobs.append(run.logprobs)
+            out.num_draft_tokens[seq_id] = run.num_drafts
