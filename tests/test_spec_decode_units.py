@@ -47,8 +47,12 @@ def test_ngram_proposer_caps_at_max_drafts():
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, "unknown key 'k'"),
         (
-            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
-             "prompt_lookup_max": 2},
+            {
+                "method": "ngram",
+                "num_speculative_tokens": 2,
+                "prompt_lookup_min": 4,
+                "prompt_lookup_max": 2,
+            },
             "prompt_lookup_max",
         ),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
@@ -62,7 +66,11 @@ def test_config_errors_name_the_key(values, message):
 
 def test_config_defaults():
     spec = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3})
-    assert (spec.prompt_lookup_min, spec.prompt_lookup_max, spec.disable_by_batch_size) == (1, 5, 32)
+    assert (spec.prompt_lookup_min, spec.prompt_lookup_max, spec.disable_by_batch_size) == (
+        1,
+        5,
+        32,
+    )
 
 
 def _metadata(params, generators=None):
@@ -90,7 +98,9 @@ def test_greedy_accepts_while_equal():
     assert runs[0].token_ids == [3, 4, 5]  # two accepted, then the argmax of row 2
     assert runs[1].token_ids == [2, 0, 4]  # all accepted, plus the bonus
     lp = logits.log_softmax(-1)
-    assert runs[0].chosen_logprobs == pytest.approx([float(lp[0, 3]), float(lp[1, 4]), float(lp[2, 5])])
+    assert runs[0].chosen_logprobs == pytest.approx(
+        [float(lp[0, 3]), float(lp[1, 4]), float(lp[2, 5])]
+    )
     assert set(runs[0].logprobs[2]) == {5}
     assert runs[1].logprobs == [None, None, None]
 
@@ -120,7 +130,9 @@ def test_rejection_sampling_keeps_the_target_distribution():
             sampler.verify(logits, drafts, metadata).tolist(), [1] * num_seqs, [None] * num_seqs
         )
         first = np.bincount([r.token_ids[0] for r in runs], minlength=vocab)
-        second = np.bincount([r.token_ids[1] for r in runs if len(r.token_ids) == 2], minlength=vocab)
+        second = np.bincount(
+            [r.token_ids[1] for r in runs if len(r.token_ids) == 2], minlength=vocab
+        )
         target = _metadata([params] * 2)
         probs = target_probs(base, target).numpy().astype(np.float64)
         assert _chi_square(first, probs[0]) < 20.5

@@ -32,8 +32,8 @@ from pydaemon.outputs import RequestMetrics
 from pydaemon.sampling_params import SamplingParams
 from pydaemon.worker.model_runner import ModelRunner
 
-
 logger = logging.getLogger(__name__)
+
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:

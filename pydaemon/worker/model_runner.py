@@ -25,7 +25,7 @@ from pydaemon.worker.cuda_graphs import CUDAGraphRunner, capture_all, measure_gr
 from pydaemon.worker.input_batch import InputBatch, StepInput
 from pydaemon.worker.kv_cache import GiB, KVCacheSpec
 from pydaemon.worker.kv_scale_calibration import KVScales
-from pydaemon.worker.spec.spec_decoder import SpecDecoder
+from pydaemon.worker.spec_decoder import SpecDecoder
 from pydaemon.worker.step_sampler import StepSampler
 
 logger = logging.getLogger(__name__)

@@ -190,7 +190,9 @@ class SeqUpdater:
                 if is_run:
                     break  # the run's later tokens are dropped with the sequence
 
-    def _accept_drafts(self, scheduled: ScheduledSeq, token_ids: list[int], num_drafts: int) -> None:
+    def _accept_drafts(
+        self, scheduled: ScheduledSeq, token_ids: list[int], num_drafts: int
+    ) -> None:
         """A verify step's result: ``token_ids`` is the accepted drafts, then one sampled token.
         The accepted drafts keep their slots and count as computed (their K/V was written);
         the other draft slots are dropped with the blocks only they used."""

@@ -4,7 +4,7 @@ A proposer runs in the model runner at the start of a step, before the target's 
 pass, for every decode the scheduler reserved draft slots for (``SchedulerOutput.
 num_draft_tokens``). It sees each sequence's tokens (prompt + output so far, all real: steps
 with speculation are synchronous) and returns at most ``max_drafts`` token ids per
-sequence; the runner verifies them in the same forward (pydaemon.worker.spec.spec_decoder).
+sequence; the runner verifies them in the same forward (pydaemon.worker.spec_decoder).
 
 Methods that need the GPU hook the runner's step through the optional calls below:
 
