@@ -15,9 +15,14 @@ from pydaemon.worker.spec.proposer import DraftRequest, Proposer
 
 class OracleProposer(Proposer):
     def __init__(
-        self, references: list[list[int]], corrupt_every: int = 0, vocab_size: int = 256
+        self,
+        references: list[list[int]],
+        corrupt_every: int = 0,
+        vocab_size: int = 256,
+        max_drafts: int | None = None,
     ) -> None:
         self.vocab_size = vocab_size
+        self.max_drafts = max_drafts  # at most this many per step (below the slots reserved)
         self.references = [np.asarray(r, dtype=np.int64) for r in references]
         self.corrupt_every = corrupt_every
         self.num_proposed = 0
@@ -28,9 +33,10 @@ class OracleProposer(Proposer):
             tokens = request.token_ids
             n = len(tokens)
             found: list[int] = []
+            k = min(request.max_drafts, self.max_drafts or request.max_drafts)
             for ref in self.references:
                 if len(ref) > n and np.array_equal(ref[:n], tokens):
-                    found = ref[n : n + request.max_drafts].tolist()
+                    found = ref[n : n + k].tolist()
                     break
             if self.corrupt_every:
                 for j in range(len(found)):

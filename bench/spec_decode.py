@@ -1,0 +1,260 @@
+"""Speculative decoding: time per output token with and without drafts.
+
+Two workloads:
+
+- ``oracle`` (the mechanism's ceiling): the Llama-3-8B shape with dummy weights, bf16; a plain
+  engine (CUDA graphs) decodes ``--batches`` requests greedily and its tokens become the
+  references of an OracleProposer (benchmark-only: it drafts the tokens greedy decoding will
+  produce), which a second engine with speculation verifies, for each k in ``--ks``. Drafts
+  are exact up to bf16 near-ties between the plain (decode kernel) and verify (prefill
+  kernel) paths: the acceptance rate is reported, not assumed.
+- ``ngram``: the default model (real SmolLM2-135M-Instruct weights) on a copy-heavy workload
+  (prompts that ask to repeat or lightly edit a passage they quote), n-gram drafts against
+  no speculation, batch 1 and 32: acceptance rate and speed-up.
+
+Per configuration and batch: one warm-up, then ``--runs`` runs, alternating engines; each
+run submits the whole batch at once and steps the in-process engine. TPOT per request =
+(latency - TTFT) / (output tokens - 1), as bench/tpot_batch1.py; reported: the median over
+requests and runs, output tokens/s, the spec-decode counters, and TPOT ratios against the
+plain engine measured in the same call.
+
+    PYTHONPATH=. python bench/spec_decode.py --workload oracle \\
+        --out bench/results/spec_decode_oracle_h200_<date>.json
+    PYTHONPATH=. python bench/spec_decode.py --workload ngram --batches 1,32 \\
+        --out bench/results/spec_decode_ngram_h200_<date>.json
+    PYTHONPATH=. python bench/spec_decode.py --workload oracle --model demo --device cpu \\
+        --dtype float32 --batches 1,2 --ks 2 --output-len 8 --prompt-len 16 --runs 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.loadgen_env import environment, write_json  # noqa: E402
+from bench.throughput_models import write_model_config  # noqa: E402
+
+PASSAGES = (
+    "The committee met on Tuesday to review the budget for the coming year. After a long "
+    "discussion, the members agreed to increase funding for the public library by ten "
+    "percent, to repair the bridge on Mill Street before winter, and to postpone the new "
+    "community centre until the next fiscal year.",
+    "To install the package, download the archive, unpack it into a folder of your choice, "
+    "and run the setup script from that folder. The script checks your Python version, "
+    "installs the dependencies, and writes a configuration file to your home directory.",
+    "Photosynthesis is the process by which green plants use sunlight to turn water and "
+    "carbon dioxide into glucose and oxygen. It takes place mainly in the leaves, inside "
+    "small structures called chloroplasts, which contain the green pigment chlorophyll.",
+    "Dear customer, thank you for your order. Your parcel left our warehouse this morning "
+    "and should arrive within three to five working days. You can follow its progress with "
+    "the tracking number printed on your receipt.",
+)
+INSTRUCTIONS = (
+    "Repeat the following text exactly, word for word.",
+    "Copy the text below, replacing every full stop with an exclamation mark.",
+    "Rewrite the following text without changing any word.",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="spec_decode", description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", choices=("oracle", "ngram"), default="oracle")
+    p.add_argument("--model", default=None,
+                   help="oracle: default a temp dir with the llama3-8b config (dummy weights); "
+                        "ngram: default the SmolLM2 default model")  # fmt: skip
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--batches", default="1,8,64", help="comma-separated batch sizes")
+    p.add_argument("--ks", default="2,4,8", help="comma-separated num_speculative_tokens")
+    p.add_argument("--prompt-len", type=int, default=1024, help="oracle workload")
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--num-kv-blocks", type=int, default=6144, help="per engine")
+    p.add_argument("--out", default=None, help="JSON file to write")
+    return p
+
+
+def run_batch(llm, prompts: list[list[int]], output_len: int, device: str) -> dict:
+    import torch
+
+    from pydaemon import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    engine = llm.engine
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", list(prompt), params)
+    times: dict[str, list[float]] = {f"r{i}": [] for i in range(len(prompts))}
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            new = list(out.outputs[0].token_ids) if out.outputs else []
+            tokens[out.request_id].extend(new)
+            times[out.request_id].extend([now] * len(new))
+    end = time.perf_counter()
+    tpots = [(t[-1] - t[0]) / max(1, len(t) - 1) * 1e3 for t in times.values() if len(t) > 1]
+    total = sum(len(t) for t in tokens.values())
+    return {
+        "tpot_ms": statistics.median(tpots),
+        "ttft_ms": statistics.median(t[0] - start for t in times.values()) * 1e3,
+        "output_tokens_per_s": total / (end - start),
+        "tokens": [tokens[f"r{i}"] for i in range(len(prompts))],
+    }
+
+
+def _spec_counters(llm) -> dict:
+    stats = llm.engine.core.get_stats().spec_decode
+    return {
+        "num_drafts": stats.num_drafts,
+        "num_draft_tokens": stats.num_draft_tokens,
+        "num_accepted_tokens": stats.num_accepted_tokens,
+        "accepted_per_position": list(stats.accepted_per_position),
+    }
+
+
+def _delta(after: dict, before: dict) -> dict:
+    out = {
+        k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    }
+    out["acceptance_rate"] = out["num_accepted_tokens"] / max(1, out["num_draft_tokens"])
+    out["mean_accepted_per_step"] = out["num_accepted_tokens"] / max(1, out["num_drafts"])
+    return out
+
+
+def _prompts(args, llm, batch: int) -> list[list[int]]:
+    if args.workload == "oracle":
+        vocab = llm.engine.model_config.vocab_size
+        rng = random.Random(batch)
+        return [[rng.randrange(100, min(30000, vocab)) for _ in range(args.prompt_len)]
+                for _ in range(batch)]  # fmt: skip
+    tokenizer = llm.tokenizer
+    prompts = []
+    for i in range(batch):
+        instruction = INSTRUCTIONS[i % len(INSTRUCTIONS)]
+        passage = PASSAGES[(i // len(INSTRUCTIONS)) % len(PASSAGES)]
+        text = f"{instruction}\n\nText: {passage}\n\nResult: "
+        prompts.append(tokenizer.encode(text))
+    return prompts
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    ks = [int(k) for k in args.ks.split(",")]
+    from pydaemon import LLM
+    from pydaemon.worker.spec.oracle_proposer import OracleProposer
+
+    common = dict(device=args.device, dtype=args.dtype, num_kv_blocks=args.num_kv_blocks,
+                  max_num_seqs=max(batches), enable_prefix_caching=False, swap_space=0.5,
+                  seed=0)  # fmt: skip
+    if args.workload == "oracle":
+        if args.model is None:
+            args.model = str(write_model_config("llama3-8b"))
+        if args.model != "demo":
+            common["load_format"] = "dummy"
+    elif args.model is None:
+        from pydaemon.config.engine import DEFAULT_MODEL
+
+        args.model = DEFAULT_MODEL
+    max_k = max(ks)
+    spec = {"method": "ngram", "num_speculative_tokens": max_k,
+            "disable_by_batch_size": max(batches)}  # fmt: skip
+    plain = LLM(args.model, **common)
+    engines = {"plain": plain}
+    if args.workload == "oracle":
+        engines["spec"] = LLM(args.model, speculative_config=spec, **common)
+    else:
+        for k in ks:
+            engines[f"ngram_k{k}"] = LLM(args.model, speculative_config={**spec, "num_speculative_tokens": k}, **common)  # fmt: skip
+    results: dict = {}
+    for batch in batches:
+        prompts = _prompts(args, plain, batch)
+        reference = run_batch(plain, prompts, args.output_len, args.device)  # also a warm-up
+        full = [p + t for p, t in zip(prompts, reference["tokens"], strict=True)]
+        configs = [("plain", "plain", None)]
+        if args.workload == "oracle":
+            configs += [(f"oracle_k{k}", "spec", k) for k in ks]
+        else:
+            configs += [(f"ngram_k{k}", f"ngram_k{k}", None) for k in ks]
+        runs: dict[str, list[dict]] = {name: [] for name, _, _ in configs}
+        for _, engine_name, k in configs:  # warm-up of every configuration
+            llm = engines[engine_name]
+            if k is not None:
+                llm.engine.core.runner.spec_decoder.proposer = OracleProposer(full, max_drafts=k)
+            run_batch(llm, prompts, min(8, args.output_len), args.device)
+        for _ in range(args.runs):
+            for name, engine_name, k in configs:
+                llm = engines[engine_name]
+                if k is not None:
+                    llm.engine.core.runner.spec_decoder.proposer = OracleProposer(
+                        full, max_drafts=k
+                    )
+                before = _spec_counters(llm) if engine_name != "plain" else None
+                run = run_batch(llm, prompts, args.output_len, args.device)
+                if before is not None:
+                    run["spec"] = _delta(_spec_counters(llm), before)
+                    run["same_tokens_fraction"] = (
+                        sum(a == b for a, b in zip(run["tokens"], reference["tokens"], strict=True))
+                        / batch
+                    )
+                runs[name].append({key: v for key, v in run.items() if key != "tokens"})
+        row = {}
+        for name, name_runs in runs.items():
+            med = {key: statistics.median(r[key] for r in name_runs)
+                   for key in ("tpot_ms", "ttft_ms", "output_tokens_per_s")}  # fmt: skip
+            if name != "plain":
+                med["acceptance_rate"] = statistics.median(
+                    r["spec"]["acceptance_rate"] for r in name_runs
+                )
+                med["mean_accepted_per_step"] = statistics.median(
+                    r["spec"]["mean_accepted_per_step"] for r in name_runs
+                )
+            row[name] = {**med, "runs": name_runs}
+        for name in row:
+            row[name]["speedup_tpot_vs_plain"] = row["plain"]["tpot_ms"] / row[name]["tpot_ms"]
+        results[str(batch)] = row
+        print(f"batch {batch}")
+        print(f"  {'config':12} {'TPOT ms':>9} {'speed-up':>9} {'accept':>7} {'tok/s':>9}")
+        for name, r in row.items():
+            accept = r.get("acceptance_rate")
+            accept_s = "-" if accept is None else f"{accept:.2f}"
+            print(f"  {name:12} {r['tpot_ms']:9.3f} {r['speedup_tpot_vs_plain']:8.2f}x "
+                  f"{accept_s:>7} {r['output_tokens_per_s']:9.1f}")  # fmt: skip
+    report = {
+        "meta": {
+            **environment(["bench/spec_decode.py", *(argv or sys.argv[1:])]),
+            "benchmark": "spec_decode",
+        },  # fmt: skip
+        "workload": {
+            "kind": args.workload,
+            "model": args.model,
+            "dtype": args.dtype,
+            "batches": batches,
+            "ks": ks,
+            "prompt_tokens": args.prompt_len if args.workload == "oracle" else "copy prompts",
+            "output_tokens": args.output_len,
+            "runs": args.runs,
+            "notes": "verify steps run eagerly (no CUDA graph for steps with prefill rows); "
+            "speculation turns async scheduling off; the plain engine uses both",
+        },
+        "results": results,
+    }
+    if args.out:
+        write_json(Path(args.out), report)
+        print(f"wrote {args.out}", file=sys.stderr)
+    for llm in engines.values():
+        llm.engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
