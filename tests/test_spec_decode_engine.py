@@ -213,3 +213,30 @@ class _ConstantProposer(OracleProposer):
 
     def propose(self, requests):
         return [self.drafts[: r.max_drafts] for r in requests]
+
+
+def test_draft_model_greedy_matches_plain(model, tmp_path):
+    """The target as its own draft (every draft right) and another random model of the same
+    vocabulary (most drafts wrong), through preemption in a small cache."""
+    other, _ = make_hf_model(tmp_path / "draft", vocab_size=VOCAB, num_layers=1, seed=9)
+    prompts = random_prompts(4, VOCAB, 20, 40, seed=11)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    kwargs = dict(block_size=8, num_kv_blocks=22)
+    plain = _tokens(
+        _llm(model, **kwargs).generate(prompt_token_ids=prompts, sampling_params=params)
+    )
+    for draft, min_rate in ((model, 0.9), (other, 0.0)):
+        spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+        llm = _llm(model, spec, **kwargs)
+        assert _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=params)) == plain
+        stats = _stats(llm)
+        assert stats.num_draft_tokens > 0 and stats.acceptance_rate >= min_rate
+        assert _is_free(llm)
+    assert llm.engine.core.scheduler.stats.num_preemptions > 0
+
+
+def test_draft_model_needs_the_same_vocabulary(model, tmp_path):
+    other, _ = make_hf_model(tmp_path / "draft", vocab_size=128, num_layers=1)
+    spec = {"method": "draft_model", "model": str(other), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="vocabulary"):
+        _llm(model, spec)

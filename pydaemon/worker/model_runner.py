@@ -22,6 +22,7 @@ from pydaemon.model_loader.loader import load_model
 from pydaemon.quantization.kv_cache_fp8 import is_fp8, resolve_kv_cache_dtype
 from pydaemon.worker.cuda_graph_inputs import cuda_graph_plan
 from pydaemon.worker.cuda_graphs import CUDAGraphRunner, capture_all, measure_graph_memory
+from pydaemon.worker.draft_model import DraftModelProposer
 from pydaemon.worker.input_batch import InputBatch, StepInput
 from pydaemon.worker.kv_cache import GiB, KVCacheSpec
 from pydaemon.worker.kv_scale_calibration import KVScales
@@ -83,7 +84,14 @@ class ModelRunner:
         if is_fp8(self.spec.dtype):
             model_dir = None if config.load_format == "dummy" else config.model
             self.kv_scales = KVScales(self.model, model_dir, config.calculate_kv_scales)
+        self.draft: DraftModelProposer | None = None  # speculative decoding's draft model
+        spec = config.speculative
+        if spec is not None and spec.method == "draft_model":  # its weights before sizing
+            self.draft = DraftModelProposer(config, self.device, self.vocab_size)
         self.num_gpu_blocks = config.num_kv_blocks or self._profile_num_blocks()
+        if self.draft is not None and not config.num_kv_blocks:  # its cache takes a share
+            target_bytes, draft_bytes = self.spec.block_bytes, self.draft.kv_spec.block_bytes
+            self.num_gpu_blocks = self.num_gpu_blocks * target_bytes // (target_bytes + draft_bytes)
         # Tensor parallel: one block manager drives every rank, so all hold as many blocks.
         self.num_gpu_blocks = ps.min_across_ranks(self.num_gpu_blocks)
         max_useful = config.max_num_seqs * math.ceil(self.max_model_len / config.block_size) + 1
@@ -97,8 +105,11 @@ class ModelRunner:
         )
         self.input_batch = InputBatch(config.max_num_seqs, self.max_model_len, config.block_size)
         self.step_sampler = StepSampler(self.input_batch, self.device)
-        spec = config.speculative
-        self.spec_decoder = spec and SpecDecoder(spec, self.input_batch, self.step_sampler)
+        self.spec_decoder = None
+        if spec is not None:
+            if self.draft is not None:
+                self.draft.allocate_cache(self.num_gpu_blocks)
+            self.spec_decoder = SpecDecoder(spec, self.input_batch, self.step_sampler, self.draft)
         self._last_output: AsyncModelRunnerOutput | None = None  # the previous step's
         self.swap_stream = None
         if uses_kernels(self.kv_cache):
@@ -200,6 +211,8 @@ class ModelRunner:
         last = self._last_output
         self.input_batch.update(out, None if last is None else last.get_output)
         self.step_sampler.forget(out.finished_request_ids)
+        if self.spec_decoder is not None:
+            self.spec_decoder.forget(out.finished_seq_ids)
         self._move_blocks(out)
         is_driver = ps.get_tp_rank() == 0
         if out.num_seqs == 0:

@@ -40,25 +40,27 @@ class VerifyPlan:
     first: int  # batch index of the first sequence with drafts
 
 
-def make_proposer(spec: SpeculativeConfig) -> Proposer:
-    if spec.method == "ngram":
-        return NgramProposer(
-            spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
-        )
-    raise ValueError(
-        f"speculative_config.method {spec.method!r} is not available in this build (ngram is)"
-    )
-
-
 class SpecDecoder:
     def __init__(
-        self, spec: SpeculativeConfig, input_batch: InputBatch, step_sampler: StepSampler
+        self,
+        spec: SpeculativeConfig,
+        input_batch: InputBatch,
+        step_sampler: StepSampler,
+        proposer: Proposer | None = None,
     ) -> None:
+        """``proposer``: the draft model's (draft_model.py); None makes the n-gram one."""
         self.spec = spec
         self.input_batch = input_batch
         self.step_sampler = step_sampler
-        self.proposer: Proposer = make_proposer(spec)
+        self.proposer: Proposer = proposer or NgramProposer(
+            spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+        )
         self.rejection_sampler = RejectionSampler()
+
+    def forget(self, seq_ids: list[int]) -> None:
+        """The runner dropped these sequences (every step's ``finished_seq_ids``)."""
+        if seq_ids:
+            self.proposer.forget(seq_ids)
 
     # ---- before the forward -----------------------------------------------------------------
     def propose(self, out: SchedulerOutput) -> VerifyPlan | None:
@@ -68,7 +70,8 @@ class SpecDecoder:
         for seq_id, k in out.num_draft_tokens.items():
             row = batch.seqs[seq_id].row
             tokens = batch.token_ids[row, : batch.num_tokens[row]]
-            requests.append(DraftRequest(seq_id, tokens, k))
+            blocks = batch.block_table[row, : batch.num_blocks[row]]
+            requests.append(DraftRequest(seq_id, tokens, k, blocks))
         proposed = self.proposer.propose(requests)
         drafts = {
             r.seq_id: list(d[: r.max_drafts])

@@ -8,9 +8,10 @@ sequence; the runner verifies them in the same forward (pydaemon.worker.spec_dec
 
 Methods that need the GPU hook the runner's step through the optional calls below:
 
-- ``draft_model`` (a second model with the same vocabulary) keeps its own paged KV cache
-  under the target's block ids (same slots): ``propose`` first catches its cache up on the
-  tokens it has not seen, then decodes ``max_drafts`` tokens greedily.
+- ``draft_model`` (pydaemon/worker/draft_model.py: a second model with the same vocabulary)
+  keeps its own paged KV cache under the target's block ids (same slots): ``propose`` first
+  catches its cache up on the tokens it has not seen, then decodes ``max_drafts`` tokens
+  greedily.
 - EAGLE / EAGLE-3 heads would set ``needs_target_hidden_states`` and receive the target's
   hidden states of the verified positions in ``observe_target`` after each forward (EAGLE-3:
   three layers' states, so the model would have to return auxiliary hidden states); they
@@ -31,6 +32,7 @@ class DraftRequest:
     seq_id: int
     token_ids: np.ndarray  # [num_tokens] int32: prompt + output so far (a view: do not keep)
     max_drafts: int  # slots the scheduler reserved: at most this many drafts
+    block_table: np.ndarray | None = None  # [num_blocks] int32: its blocks (draft models)
 
 
 class Proposer:
