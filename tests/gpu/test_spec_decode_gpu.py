@@ -104,3 +104,23 @@ def test_seeded_sampling_repeats_on_the_device(model):
         )
         assert _all_free(llm)
     assert runs[0] == runs[1]
+
+
+def test_draft_model_on_gpu_follows_fp32_argmax(model):
+    """The target as its own draft: drafts mostly right (fp16 decode vs prefill kernels may
+    flip near-ties); the output stays on float32's argmax; its KV share leaves no leak."""
+    path, hf = model
+    prompts = random_prompts(4, 512, 10, 120, seed=5)
+    spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
+    llm = _llm(path, spec)
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    hf32 = hf.to("cuda", torch.float32)
+    gaps = torch.cat(
+        [
+            gaps_to_fp32_argmax(hf32, p, o.outputs[0].token_ids)
+            for p, o in zip(prompts, outputs, strict=True)
+        ]
+    )
+    assert float(gaps.max()) < 0.05, f"largest gap {float(gaps.max()):.3f} logit std"
+    assert llm.engine.core.get_stats().spec_decode.acceptance_rate > 0.8
+    assert _all_free(llm)

@@ -6,7 +6,7 @@ num_draft_tokens``). It sees each sequence's tokens (prompt + output so far, all
 with speculation are synchronous) and returns at most ``max_drafts`` token ids per
 sequence; the runner verifies them in the same forward (pydaemon.worker.spec_decoder).
 
-Methods that need the GPU hook the runner's step through the optional calls below:
+Methods that need the GPU:
 
 - ``draft_model`` (pydaemon/worker/draft_model.py: a second model with the same vocabulary)
   keeps its own paged KV cache under the target's block ids (same slots): ``propose`` first
@@ -16,8 +16,9 @@ Methods that need the GPU hook the runner's step through the optional calls belo
   hidden states of the verified positions in ``observe_target`` after each forward (EAGLE-3:
   three layers' states, so the model would have to return auxiliary hidden states); they
   draft from those on the next step. Not built: no EAGLE checkpoint loader (its weights
-  name ``fc``/``midlayer`` tensors no pagedd model has) and the model's forward does not
-  return intermediate layers.
+  name ``fc``/``midlayer`` tensors no pagedd model has), the model's forward does not
+  return intermediate layers, and the runner does not call ``observe_target`` yet (the
+  last layer's hidden states of a verify step are at hand in ``ModelRunner._forward``).
 """
 
 from __future__ import annotations
