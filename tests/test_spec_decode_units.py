@@ -150,3 +150,28 @@ def test_seeded_rows_repeat():
         packed = RejectionSampler().verify(logits, drafts, _metadata(params, [gen] * 4))
         results.append(packed.tolist())
     assert results[0] == results[1]
+
+
+def test_counters_reach_metrics_and_status():
+    from pydaemon.core.stats import SpecDecodeStats
+    from pydaemon.entrypoints.common.metrics import spec_decode_lines
+    from pydaemon.entrypoints.grpc.admin import _plain_fields
+    from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
+
+    warmup, now = SpecDecodeStats(), SpecDecodeStats()
+    warmup.record(3, 1)
+    for drafts, accepted in ((3, 1), (4, 3), (2, 0), (0, 0)):
+        now.record(drafts, accepted)
+    assert (now.num_drafts, now.num_draft_tokens, now.num_accepted_tokens) == (3, 9, 4)
+    assert now.accepted_per_position == [2, 1, 1, 0]
+    lines = spec_decode_lines(now, warmup)  # less the warm-up's
+    assert "pagedd_spec_decode_draft_tokens_total 6" in lines
+    assert "pagedd_spec_decode_accepted_tokens_total 3" in lines
+    assert 'pagedd_spec_decode_accepted_tokens_per_pos_total{position="0"} 1' in lines
+    status = pb.ServerStatus(
+        spec_decode=pb.SpecDecodeStatus(
+            num_drafts=3, num_draft_tokens=9, num_accepted_tokens=4, accepted_per_position=[2, 1]
+        )
+    )
+    assert _plain_fields(status)["spec_decode"]["accepted_per_position"] == [2, 1]
+    assert "spec_decode" not in _plain_fields(pb.ServerStatus())  # off: not printed

@@ -26,6 +26,22 @@ class OracleProposer(Proposer):
         self.references = [np.asarray(r, dtype=np.int64) for r in references]
         self.corrupt_every = corrupt_every
         self.num_proposed = 0
+        self._matched: dict[int, int] = {}  # seq_id -> index of its reference
+
+    def _reference_of(self, seq_id: int, tokens: np.ndarray) -> np.ndarray | None:
+        """The reference ``tokens`` is a prefix of: the one this sequence matched before if
+        it still does (its last 16 tokens checked: cheap at batch 64), else a full search."""
+        n = len(tokens)
+        index = self._matched.get(seq_id)
+        if index is not None:
+            ref = self.references[index]
+            if len(ref) > n and np.array_equal(ref[max(0, n - 16) : n], tokens[-16:]):
+                return ref
+        for index, ref in enumerate(self.references):
+            if len(ref) > n and np.array_equal(ref[:n], tokens):
+                self._matched[seq_id] = index
+                return ref
+        return None
 
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
         drafts = []
@@ -34,10 +50,9 @@ class OracleProposer(Proposer):
             n = len(tokens)
             found: list[int] = []
             k = min(request.max_drafts, self.max_drafts or request.max_drafts)
-            for ref in self.references:
-                if len(ref) > n and np.array_equal(ref[:n], tokens):
-                    found = ref[n : n + k].tolist()
-                    break
+            ref = self._reference_of(request.seq_id, tokens)
+            if ref is not None:
+                found = ref[n : n + k].tolist()
             if self.corrupt_every:
                 for j in range(len(found)):
                     self.num_proposed += 1
