@@ -7,6 +7,7 @@ void bind_block_manager(nb::module_& m);
 #ifdef PAGEDD_WITH_CUDA
 void bind_cuda_ops(nb::module_& m);
 void bind_layer_ops(nb::module_& m);
+void bind_moe_ops(nb::module_& m);
 #endif
 
 NB_MODULE(_core, m) {
@@ -16,6 +17,7 @@ NB_MODULE(_core, m) {
   m.attr("has_cuda") = true;
   bind_cuda_ops(m);
   bind_layer_ops(m);
+  bind_moe_ops(m);
 #else
   m.attr("has_cuda") = false;
 #endif

@@ -4,7 +4,9 @@ Supported architectures: ``LlamaForCausalLM``, ``MistralForCausalLM`` (sliding w
 layer when ``sliding_window`` is set), ``Qwen2ForCausalLM`` (q/k/v projections always carry a
 bias; sliding window with ``use_sliding_window`` on the layers ``layer_types`` names, or on
 layers >= ``max_window_layers``), ``Qwen3ForCausalLM`` (dense; RMSNorm of q and k per head;
-sliding window as Qwen2). Both the old (``rope_theta`` + ``rope_scaling``) and the
+sliding window as Qwen2); the mixture-of-experts ``MixtralForCausalLM`` (attention as
+Mistral), ``Qwen2MoeForCausalLM`` (as Qwen2, biases per ``qkv_bias``) and
+``Qwen3MoeForCausalLM`` (as Qwen3), whose expert settings config/moe.py reads. Both the old (``rope_theta`` + ``rope_scaling``) and the
 transformers 5.x (``rope_parameters``) ways of writing RoPE settings are accepted.
 Every unsupported architecture or option is a ``ValueError`` naming it.
 """
@@ -24,20 +26,28 @@ from pydaemon.config.checkpoint_format import (
     parse_quantization_config,
 )
 from pydaemon.config.json_files import normalize_token_ids
+from pydaemon.config.moe import MOE_ARCHITECTURES, MoeConfig, parse_moe_config
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    *MOE_ARCHITECTURES,
 )
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
-_QWEN_ARCHS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_QWEN_ARCHS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+_QWEN2_ARCHS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")  # q/k/v biases, none elsewhere
+_QK_NORM_ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_MISTRAL_ARCHS = ("MistralForCausalLM", "MixtralForCausalLM")  # a window on every layer
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 # config.json's torch_dtype names -> torch dtype names (torch is imported only to resolve them:
 # the daemon's front end reads configs without loading torch).
@@ -88,6 +98,7 @@ class ModelConfig:
     layer_sliding_windows: list[int | None] = field(default_factory=list)
     # How the checkpoint's linear weights are quantized (config.json quantization_config).
     quantization: CheckpointQuantization | None = None
+    moe: MoeConfig | None = None  # mixture-of-experts settings (config/moe.py)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -140,8 +151,10 @@ class ModelConfig:
         if cfg.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError(f"unsupported partial_rotary_factor {cfg['partial_rotary_factor']}")
         rope_theta, rope_scaling = _rope(cfg, max_pos)
-        is_qwen2 = arch == "Qwen2ForCausalLM"  # Qwen3 takes attention_bias from the config
-        attention_bias = True if is_qwen2 else bool(cfg.get("attention_bias", False))
+        is_qwen2 = arch in _QWEN2_ARCHS  # Qwen3 takes attention_bias from the config
+        attention_bias = bool(
+            cfg.get("qkv_bias", True) if is_qwen2 else cfg.get("attention_bias", False)
+        )
         eos = cfg.get("eos_token_id")
         return cls(
             architecture=arch,
@@ -163,9 +176,10 @@ class ModelConfig:
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=normalize_token_ids(eos, "config.json eos_token_id"),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in _QK_NORM_ARCHS,
             layer_sliding_windows=windows,
             quantization=parse_quantization_config(cfg.get("quantization_config")),
+            moe=parse_moe_config(arch, cfg, num_layers),
             raw=dict(cfg),
         )
 
@@ -215,7 +229,7 @@ def _layer_sliding_windows(
     window = cfg.get("sliding_window")
     if arch in _QWEN_ARCHS and not cfg.get("use_sliding_window", False):
         window = None
-    if arch not in ("MistralForCausalLM", *_QWEN_ARCHS) or window is None:
+    if arch not in (*_MISTRAL_ARCHS, *_QWEN_ARCHS) or window is None:
         return [None] * num_layers
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise ValueError(f"sliding_window must be a positive integer, got {window!r}")

@@ -38,7 +38,6 @@ from torch import nn
 from pydaemon.config.model import ModelConfig, resolve_dtype
 from pydaemon.gguf import GGUFFile, is_gguf_file, load_gguf_config
 from pydaemon.gguf.weights import iter_gguf_weights
-from pydaemon.layers.parallel_linear import LinearBase
 from pydaemon.layers.rotary_embedding import RotaryEmbedding
 from pydaemon.model_loader.fp8_loading import Fp8Target
 from pydaemon.model_loader.ignored_layers import skip_ignored_layers
@@ -116,7 +115,8 @@ def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> 
     """Replace meta parameters by uninitialised ones on ``device`` in ``dtype`` (those of a
     quantization method in their own dtype: FP8 weights, float32 scales)."""
     for module in model.modules():
-        quant = module.quant_method if isinstance(module, LinearBase) else None
+        # A quantized linear or MoE layer: its method's parameters keep their own dtype.
+        quant = getattr(module, "quant_method", None)
         own_dtype = quant.own_dtype_params if quant is not None else ()
         for name, param in list(module._parameters.items()):
             if param is None:

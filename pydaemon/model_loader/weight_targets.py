@@ -3,7 +3,9 @@
 Checkpoints keep q_proj / k_proj / v_proj and gate_proj / up_proj apart; the model packs them
 into one GEMM each (``qkv_proj``, ``gate_up_proj``: MergedColumnParallelLinear). This is vLLM's
 stacked_params_mapping, at the level of names: ``model.layers.3.self_attn.k_proj.weight`` goes
-to the k rows of ``model.layers.3.self_attn.qkv_proj.weight``. Under tensor parallelism each
+to the k rows of ``model.layers.3.self_attn.qkv_proj.weight``. Mixture-of-experts checkpoints
+keep one tensor per expert (``mlp.experts.5.up_proj.weight``): each goes to its expert's rows
+of the stacked ``w13_weight`` / ``w2_weight`` of the FusedMoE layer (layers/moe/layer.py). Under tensor parallelism each
 destination also says which slice of the checkpoint tensor this rank reads.
 
 Every source of HF-named tensors (safetensors files, dummy weights, GGUF after its name
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pydaemon.layers.moe import FusedMoE
 from pydaemon.layers.parallel_linear import LinearBase, MergedColumnParallelLinear, shard_range
 from pydaemon.model_loader.fp8_loading import FP8_DTYPES, Fp8Target, fp8_targets
 
@@ -96,6 +99,9 @@ def weight_targets(model: nn.Module) -> dict[str, WeightTarget | Fp8Target]:
     targets: dict[str, WeightTarget | Fp8Target] = {}
     for module_name, module in model.named_modules():
         params = list(module.named_parameters(recurse=False))
+        if isinstance(module, FusedMoE):
+            targets.update(_expert_targets(module_name, module))
+            continue
         quant = module.quant_method if isinstance(module, LinearBase) else None
         if quant is not None:  # the quantized weight loads through its own targets
             params = [(local, param) for local, param in params if local == "bias"]
@@ -120,7 +126,27 @@ def weight_targets(model: nn.Module) -> dict[str, WeightTarget | Fp8Target]:
         for local, param in params:
             name = f"{module_name}.{local}" if module_name else local
             targets[name] = WeightTarget(param.data, shard_range(module, local))
+    renames = getattr(model, "checkpoint_module_renames", None)
+    if renames:  # the checkpoint's names for some modules (Mixtral's block_sparse_moe)
+        targets = {_rename(name, renames): target for name, target in targets.items()}
     return targets
+
+
+def _expert_targets(module_name: str, module: FusedMoE) -> dict[str, WeightTarget | Fp8Target]:
+    """The checkpoint's per-expert tensors -> their rows of the stacked expert weights."""
+    targets: dict[str, WeightTarget | Fp8Target] = {}
+    quant = module.quant_method
+    for part, weight, scale, shard in module.checkpoint_parts():
+        prefix = f"{module_name}.{part}"
+        if quant is None:
+            targets[f"{prefix}.weight"] = WeightTarget(weight, shard)
+        else:
+            targets.update(fp8_targets(prefix, weight, scale, shard, quant.checkpoint))
+    return targets
+
+
+def _rename(name: str, renames: dict[str, str]) -> str:
+    return ".".join(renames.get(part, part) for part in name.split("."))
 
 
 class WeightLoader:

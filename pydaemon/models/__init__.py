@@ -5,12 +5,16 @@ from __future__ import annotations
 from torch import nn
 
 from pydaemon.models.llama import LlamaForCausalLM
+from pydaemon.models.moe import MoeForCausalLM
 
 _MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MoeForCausalLM,
+    "Qwen2MoeForCausalLM": MoeForCausalLM,
+    "Qwen3MoeForCausalLM": MoeForCausalLM,
 }
 
 
@@ -24,4 +28,4 @@ def get_model_class(architecture: str) -> type[nn.Module]:
         ) from None
 
 
-__all__ = ["LlamaForCausalLM", "get_model_class"]
+__all__ = ["LlamaForCausalLM", "MoeForCausalLM", "get_model_class"]

@@ -18,6 +18,7 @@ gate_up_proj and down_proj quantized layers; the embedding and the LM head stay 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -111,11 +112,17 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_idx: int, quant_config: Fp8Config | None = None
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        quant_config: Fp8Config | None = None,
+        mlp: nn.Module | None = None,
     ) -> None:
+        """``mlp``: the feed-forward block (a MoE block: pydaemon/models/moe.py), None for
+        the dense SwiGLU MLP."""
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, quant_config)
-        self.mlp = LlamaMLP(config, quant_config)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config, quant_config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -142,17 +149,31 @@ class LlamaDecoderLayer(nn.Module):
             hidden_states, cos, sin, key_cache, value_cache, attn_metadata
         )
         hidden_states, residual = self.post_attention_layernorm(
-            hidden_states, residual, fp8_out=takes_fp8_input(self.mlp.gate_up_proj)
+            hidden_states,
+            residual,
+            fp8_out=takes_fp8_input(getattr(self.mlp, "gate_up_proj", None)),
         )
         return self.mlp(hidden_states), residual
 
 
+# layer index -> that layer's feed-forward block, or None for the dense MLP.
+MlpFactory = Callable[[int], nn.Module | None]
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, quant_config: Fp8Config | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        quant_config: Fp8Config | None = None,
+        make_mlp: MlpFactory | None = None,
+    ) -> None:
         super().__init__()
         self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config, i, quant_config) for i in range(config.num_hidden_layers)]
+            [
+                LlamaDecoderLayer(config, i, quant_config, make_mlp(i) if make_mlp else None)
+                for i in range(config.num_hidden_layers)
+            ]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
@@ -182,10 +203,15 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, quant_config: Fp8Config | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        quant_config: Fp8Config | None = None,
+        make_mlp: MlpFactory | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, quant_config)
+        self.model = LlamaModel(config, quant_config, make_mlp)
         # Tied: the logits reuse model.embed_tokens.weight, there is no lm_head parameter.
         self.lm_head = (
             None if config.tie_word_embeddings else lm_head(config.hidden_size, config.vocab_size)

@@ -14,6 +14,9 @@
         ops.rotary_embedding_and_cache(q, k, v, key_cache, value_cache, slot_mapping, cos, sin)
         xq, x_scale = ops.per_token_fp8_quant(x)  # FP8 e4m3, one scale per token
         xq, x_scale = ops.silu_and_mul_fp8_quant(gate_up)  # the two above in one kernel
+        weights, ids = ops.topk_route(router_logits, top_k, softmax, renormalize)  # MoE
+        sorted_token_ids, inverse, expert_offsets = ops.moe_align(ids, num_experts)
+        out = ops.moe_combine(expert_out, inverse, weights)
 
 ``is_available()`` is False (and ``unavailable_reason()`` says why) when ``_core`` was built
 without CUDA kernels or no CUDA device is visible; every wrapper then raises RuntimeError.
@@ -28,6 +31,7 @@ from pydaemon.ops.fp8_quant import (
     silu_and_mul_fp8_quant,
 )
 from pydaemon.ops.layernorm import fused_add_rms_norm, rms_norm
+from pydaemon.ops.moe import moe_align, moe_combine, moe_kernels_available, topk_route
 from pydaemon.ops.paged_attention import (
     PARTITION_SIZE,
     num_partitions,
@@ -53,6 +57,9 @@ __all__ = [
     "decode_tc_partition_size",
     "fused_add_rms_norm",
     "is_available",
+    "moe_align",
+    "moe_combine",
+    "moe_kernels_available",
     "num_partitions",
     "paged_attention_decode",
     "paged_attention_decode_tc",
@@ -66,5 +73,6 @@ __all__ = [
     "silu_and_mul",
     "silu_and_mul_fp8_quant",
     "swap_blocks",
+    "topk_route",
     "unavailable_reason",
 ]

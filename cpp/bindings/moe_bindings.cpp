@@ -1,0 +1,198 @@
+// Validating binding of the mixture-of-experts kernels in cpp/cuda/moe_kernels.h: top-k
+// routing, moe_align, the weighted combine. Same conventions as layer_bindings.cpp: every
+// tensor is checked (a bad one raises TypeError / ValueError naming it), written tensors are
+// .noconvert(), the stream is passed in, the GIL is released around the launch.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "array_checks.h"
+#include "moe_kernels.h"
+
+namespace nb = nanobind;
+using namespace pagedd::bindings;  // Array and the argument checks
+
+namespace {
+
+constexpr int64_t kMaxInt = std::numeric_limits<int>::max();
+
+DType moe_dtype(const Array& a, const char* name) {
+  if (is_dtype(a, kFloat, 16)) return DType::kFloat16;
+  if (is_dtype(a, kBfloat, 16)) return DType::kBFloat16;
+  if (is_dtype(a, kFloat, 32)) return DType::kFloat32;
+  throw nb::type_error((std::string(name) + " must be float16, bfloat16 or float32, got " +
+                        dtype_name(a.dtype()))
+                           .c_str());
+}
+
+// a: a contiguous [rows, cols] tensor on the device (written by the kernel, or read densely).
+void check_dense(const Array& a, const char* name, int64_t rows, int64_t cols, int dev) {
+  check_cuda(a, name, dev);
+  check_ndim(a, name, 2);
+  check_dim(a, name, 0, rows, "num_tokens");
+  check_dim(a, name, 1, cols, "top_k");
+  check_contiguous_from(a, name, 0);
+}
+
+void check_vector(const Array& a, const char* name, int64_t size, const char* what, int dev) {
+  check_cuda(a, name, dev);
+  check_dtype(a, name, kInt, 32, "int32");
+  check_ndim(a, name, 1);
+  check_dim(a, name, 0, size, what);
+  check_contiguous_from(a, name, 0);
+}
+
+void check_top_k(int64_t top_k, int64_t num_experts) {
+  if (num_experts < 1 || num_experts > pagedd::cuda::kMoeMaxExperts)
+    throw nb::value_error(("num_experts must be in [1, " +
+                           std::to_string(pagedd::cuda::kMoeMaxExperts) + "], got " +
+                           std::to_string(num_experts))
+                              .c_str());
+  if (top_k < 1 || top_k > pagedd::cuda::kMoeMaxTopK || top_k > num_experts)
+    throw nb::value_error(("top_k must be in [1, min(num_experts, " +
+                           std::to_string(pagedd::cuda::kMoeMaxTopK) + ")], got " +
+                           std::to_string(top_k))
+                              .c_str());
+}
+
+void topk_route(Array topk_weights, Array topk_ids, Array logits, bool softmax,
+                bool renormalize, uintptr_t stream) {
+  const int dev = current_device();
+  const DType dtype = moe_dtype(logits, "logits");
+  check_cuda(logits, "logits", dev);
+  check_ndim(logits, "logits", 2);
+  const int64_t num_tokens = logits.shape(0), num_experts = logits.shape(1);
+  if (num_experts > 1 && logits.stride(1) != 1)
+    throw nb::value_error("logits' last dim must be contiguous");
+  if (num_tokens > kMaxInt) throw nb::value_error("at most 2^31 - 1 tokens per call");
+  check_ndim(topk_ids, "topk_ids", 2);
+  const int64_t top_k = topk_ids.shape(1);
+  check_top_k(top_k, num_experts);
+  check_dtype(topk_weights, "topk_weights", kFloat, 32, "float32");
+  check_dtype(topk_ids, "topk_ids", kInt, 32, "int32");
+  check_dense(topk_weights, "topk_weights", num_tokens, top_k, dev);
+  check_dense(topk_ids, "topk_ids", num_tokens, top_k, dev);
+
+  pagedd::cuda::TopkRouteParams p{};
+  p.topk_weights = static_cast<float*>(topk_weights.data());
+  p.topk_ids = static_cast<int32_t*>(topk_ids.data());
+  p.logits = logits.data();
+  p.logits_stride = logits.stride(0);
+  p.num_tokens = (int)num_tokens;
+  p.num_experts = (int)num_experts;
+  p.top_k = (int)top_k;
+  p.softmax = softmax;
+  p.renormalize = renormalize;
+  p.dtype = dtype;
+  cudaError_t err;
+  {
+    nb::gil_scoped_release release;
+    err = pagedd::cuda::topk_route(p, as_stream(stream));
+  }
+  check_cuda_error(err, "topk_route");
+}
+
+void moe_align(Array sorted_token_ids, Array inverse, Array expert_offsets, Array topk_ids,
+               uintptr_t stream) {
+  const int dev = current_device();
+  check_dtype(topk_ids, "topk_ids", kInt, 32, "int32");
+  check_cuda(topk_ids, "topk_ids", dev);
+  check_ndim(topk_ids, "topk_ids", 2);
+  const int64_t num_tokens = topk_ids.shape(0), top_k = topk_ids.shape(1);
+  const int64_t num_experts = expert_offsets.ndim() == 1 ? expert_offsets.shape(0) : 0;
+  check_top_k(top_k, num_experts);
+  check_contiguous_from(topk_ids, "topk_ids", 0);
+  if (num_tokens * top_k > kMaxInt) throw nb::value_error("at most 2^31 - 1 slots per call");
+  const int64_t num_slots = num_tokens * top_k;
+  check_vector(sorted_token_ids, "sorted_token_ids", num_slots, "num_tokens * top_k", dev);
+  check_vector(inverse, "inverse", num_slots, "num_tokens * top_k", dev);
+  check_vector(expert_offsets, "expert_offsets", num_experts, "num_experts", dev);
+
+  pagedd::cuda::MoeAlignParams p{};
+  p.sorted_token_ids = static_cast<int32_t*>(sorted_token_ids.data());
+  p.inverse = static_cast<int32_t*>(inverse.data());
+  p.expert_offsets = static_cast<int32_t*>(expert_offsets.data());
+  p.topk_ids = static_cast<const int32_t*>(topk_ids.data());
+  p.num_tokens = (int)num_tokens;
+  p.top_k = (int)top_k;
+  p.num_experts = (int)num_experts;
+  cudaError_t err;
+  {
+    nb::gil_scoped_release release;
+    err = pagedd::cuda::moe_align(p, as_stream(stream));
+  }
+  check_cuda_error(err, "moe_align");
+}
+
+void moe_combine(Array out, Array expert_out, Array inverse, Array topk_weights,
+                 uintptr_t stream) {
+  const int dev = current_device();
+  const DType dtype = moe_dtype(expert_out, "expert_out");
+  check_same_dtype(out, "out", expert_out, "expert_out");
+  check_dtype(topk_weights, "topk_weights", kFloat, 32, "float32");
+  check_cuda(topk_weights, "topk_weights", dev);
+  check_ndim(topk_weights, "topk_weights", 2);
+  const int64_t num_tokens = topk_weights.shape(0), top_k = topk_weights.shape(1);
+  check_dense(topk_weights, "topk_weights", num_tokens, top_k, dev);
+  if (top_k < 1 || num_tokens * top_k > kMaxInt)
+    throw nb::value_error("topk_weights must be [num_tokens, top_k], top_k >= 1, < 2^31 slots");
+  for (const Array* a : {&out, &expert_out}) {
+    const char* name = a == &out ? "out" : "expert_out";
+    check_cuda(*a, name, dev);
+    check_ndim(*a, name, 2);
+  }
+  const int64_t hidden = out.shape(1);
+  if (hidden < 1 || hidden > kMaxInt) throw nb::value_error("hidden size must be in [1, 2^31)");
+  check_dim(out, "out", 0, num_tokens, "num_tokens");
+  check_dim(expert_out, "expert_out", 0, num_tokens * top_k, "num_tokens * top_k");
+  check_dim(expert_out, "expert_out", 1, hidden, "hidden size");
+  for (const Array* a : {&out, &expert_out}) {
+    const char* name = a == &out ? "out" : "expert_out";
+    if (hidden > 1 && a->stride(1) != 1)
+      throw nb::value_error((std::string(name) + "'s last dim must be contiguous").c_str());
+  }
+  if (num_tokens > 1 && out.stride(0) < hidden) throw nb::value_error("out's rows overlap");
+  check_vector(inverse, "inverse", num_tokens * top_k, "num_tokens * top_k", dev);
+
+  pagedd::cuda::MoeCombineParams p{};
+  p.out = out.data();
+  p.expert_out = expert_out.data();
+  p.inverse = static_cast<const int32_t*>(inverse.data());
+  p.topk_weights = static_cast<const float*>(topk_weights.data());
+  p.out_stride = out.stride(0);
+  p.expert_out_stride = expert_out.stride(0);
+  p.num_tokens = (int)num_tokens;
+  p.top_k = (int)top_k;
+  p.hidden = (int)hidden;
+  p.dtype = dtype;
+  cudaError_t err;
+  {
+    nb::gil_scoped_release release;
+    err = pagedd::cuda::moe_combine(p, as_stream(stream));
+  }
+  check_cuda_error(err, "moe_combine");
+}
+
+}  // namespace
+
+void bind_moe_ops(nb::module_& m) {
+  m.def("topk_route", &topk_route, nb::arg("topk_weights").noconvert(),
+        nb::arg("topk_ids").noconvert(), nb::arg("logits"), nb::arg("softmax"),
+        nb::arg("renormalize"), nb::arg("stream"),
+        "Top-k experts per token of logits [num_tokens, num_experts] (float16, bfloat16 or\n"
+        "float32): topk_ids [num_tokens, top_k] int32 (ties to the lower id), topk_weights\n"
+        "[num_tokens, top_k] float32 (softmax or sigmoid scores, renormalised if asked).");
+  m.def("moe_align", &moe_align, nb::arg("sorted_token_ids").noconvert(),
+        nb::arg("inverse").noconvert(), nb::arg("expert_offsets").noconvert(),
+        nb::arg("topk_ids"), nb::arg("stream"),
+        "Groups the num_tokens * top_k slots of topk_ids [num_tokens, top_k] int32 by expert:\n"
+        "sorted_token_ids and inverse [num_tokens * top_k] int32, expert_offsets [num_experts]\n"
+        "int32 (cumulative ends).");
+  m.def("moe_combine", &moe_combine, nb::arg("out").noconvert(), nb::arg("expert_out"),
+        nb::arg("inverse"), nb::arg("topk_weights"), nb::arg("stream"),
+        "out[t] = sum_j topk_weights[t, j] * expert_out[inverse[t * top_k + j]] (float32 sum).\n"
+        "out [num_tokens, hidden], expert_out [num_tokens * top_k, hidden]: one dtype.");
+}

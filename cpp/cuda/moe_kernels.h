@@ -1,0 +1,70 @@
+// Entry points of pagedd's mixture-of-experts kernels: top-k routing, grouping the (token,
+// expert) slots by expert, and the weighted un-permute + sum of the experts' outputs. The
+// expert GEMMs themselves are torch's grouped GEMMs (pydaemon/layers/moe/experts.py).
+// Framework-free like layer_kernels.h: raw device pointers, element strides, a cudaStream_t;
+// cudaErrorInvalidValue for a bad size. The validating binding is cpp/bindings/moe_bindings.cpp.
+// Nothing here reads a value back to the host: the three kernels can be captured in a CUDA
+// graph and replayed with any routing.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "pagedd_cuda.h"
+
+namespace pagedd::cuda {
+
+constexpr int kMoeMaxExperts = 1024;  // moe_align keeps one counter per expert in shared memory
+constexpr int kMoeMaxTopK = 32;
+
+struct TopkRouteParams {
+  float* topk_weights;    // [num_tokens, top_k] float32, contiguous
+  int32_t* topk_ids;      // [num_tokens, top_k] int32, contiguous
+  const void* logits;     // [num_tokens, num_experts], last dim contiguous
+  int64_t logits_stride;  // elements between rows
+  int num_tokens;
+  int num_experts;        // <= kMoeMaxExperts
+  int top_k;              // in [1, min(num_experts, kMoeMaxTopK)]
+  bool softmax;           // scores: softmax over the experts (true) or sigmoid of each logit
+  bool renormalize;       // divide the top-k scores by their sum
+  DType dtype;            // of logits: kFloat16, kBFloat16 or kFloat32
+};
+
+// Per token, in float32: the top_k experts by score (ties to the lower expert id), in
+// descending order, and their scores (softmax: exp(l - max) / sum over all experts; sigmoid:
+// 1 / (1 + exp(-l))), renormalised to sum 1 when asked. One warp per token.
+cudaError_t topk_route(const TopkRouteParams& p, cudaStream_t stream);
+
+struct MoeAlignParams {
+  int32_t* sorted_token_ids;  // [num_tokens * top_k]: token of each expert-ordered row
+  int32_t* inverse;           // [num_tokens * top_k]: row of slot t * top_k + j
+  int32_t* expert_offsets;    // [num_experts]: cumulative end of each expert's rows
+  const int32_t* topk_ids;    // [num_tokens * top_k], contiguous, each in [0, num_experts)
+  int num_tokens;
+  int top_k;
+  int num_experts;            // <= kMoeMaxExperts
+};
+
+// Groups the slots by expert: expert e's rows are [expert_offsets[e - 1], expert_offsets[e])
+// (from 0 for e = 0); the order of the rows within an expert is unspecified. One block.
+cudaError_t moe_align(const MoeAlignParams& p, cudaStream_t stream);
+
+struct MoeCombineParams {
+  void* out;                    // [num_tokens, hidden], last dim contiguous
+  const void* expert_out;       // [num_tokens * top_k, hidden], last dim contiguous
+  const int32_t* inverse;       // [num_tokens * top_k]
+  const float* topk_weights;    // [num_tokens, top_k] float32, contiguous
+  int64_t out_stride;           // elements between rows
+  int64_t expert_out_stride;    // elements between rows
+  int num_tokens;
+  int top_k;
+  int hidden;
+  DType dtype;                  // of out and expert_out: kFloat16, kBFloat16 or kFloat32
+};
+
+// out[t] = round(sum_j topk_weights[t, j] * expert_out[inverse[t * top_k + j]]), the sum in
+// float32 over j in order. One block per token.
+cudaError_t moe_combine(const MoeCombineParams& p, cudaStream_t stream);
+
+}  // namespace pagedd::cuda

@@ -1,0 +1,80 @@
+"""Mixture-of-experts settings of a Hugging Face ``config.json``.
+
+- ``MixtralForCausalLM``: ``num_local_experts`` experts of ``intermediate_size``, top
+  ``num_experts_per_tok``, softmax scores always renormalised over the chosen experts; every
+  layer is sparse; checkpoint expert names w1 (gate), w3 (up), w2 (down).
+- ``Qwen3MoeForCausalLM``: ``num_experts`` (transformers 5 also writes
+  ``num_local_experts``) of ``moe_intermediate_size``, renormalised when ``norm_topk_prob``;
+  layer i is sparse unless it is in ``mlp_only_layers`` or (i + 1) is not a multiple of
+  ``decoder_sparse_step`` (those are dense MLPs of ``intermediate_size``).
+- ``Qwen2MoeForCausalLM``: as Qwen3-MoE, plus a shared expert of
+  ``shared_expert_intermediate_size`` on every sparse layer, scaled by a sigmoid gate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one routed expert
+    renormalize: bool  # the top-k weights divided by their sum
+    sparse_layers: tuple[bool, ...]  # per layer: a MoE block (True) or a dense MLP
+    scoring: str = "softmax"
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+
+
+def _positive_int(cfg: dict[str, Any], key: str) -> int:
+    value = cfg.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"config.json's {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def parse_moe_config(arch: str, cfg: dict[str, Any], num_layers: int) -> MoeConfig | None:
+    """-> the MoE settings of ``arch`` (None for a dense architecture); ValueError naming a
+    missing or bad field."""
+    if arch not in MOE_ARCHITECTURES:
+        return None
+    if cfg.get("scoring_func", "softmax") != "softmax":
+        raise ValueError(f"unsupported scoring_func {cfg['scoring_func']!r} (only 'softmax')")
+    top_k = _positive_int(cfg, "num_experts_per_tok")
+    if arch == "MixtralForCausalLM":
+        num_experts = _positive_int(cfg, "num_local_experts")
+        if top_k > num_experts:
+            raise ValueError(f"num_experts_per_tok ({top_k}) > num_local_experts ({num_experts})")
+        return MoeConfig(
+            num_experts=num_experts,
+            top_k=top_k,
+            intermediate_size=_positive_int(cfg, "intermediate_size"),
+            renormalize=True,
+            sparse_layers=(True,) * num_layers,
+            expert_names=("w1", "w3", "w2"),
+        )
+    key = "num_experts" if "num_experts" in cfg else "num_local_experts"
+    num_experts = _positive_int(cfg, key)
+    if top_k > num_experts:
+        raise ValueError(f"num_experts_per_tok ({top_k}) > {key} ({num_experts})")
+    step = _positive_int(cfg, "decoder_sparse_step") if "decoder_sparse_step" in cfg else 1
+    dense = cfg.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
+        raise ValueError(f"mlp_only_layers must be a list of layer indices, got {dense!r}")
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    shared = 0
+    if arch == "Qwen2MoeForCausalLM":
+        shared = _positive_int(cfg, "shared_expert_intermediate_size")
+    return MoeConfig(
+        num_experts=num_experts,
+        top_k=top_k,
+        intermediate_size=_positive_int(cfg, "moe_intermediate_size"),
+        renormalize=bool(cfg.get("norm_topk_prob", False)),
+        sparse_layers=sparse,
+        shared_expert_intermediate_size=shared,
+    )

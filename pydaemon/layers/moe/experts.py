@@ -1,0 +1,88 @@
+"""The experts' computation of a MoE layer, given the routing (unquantized weights):
+
+    rows   = x[sorted_token_ids]                       (tokens grouped by expert: align.py)
+    h      = rows @ w13[e].T      per expert group      [T * k, 2 * I]  (gate and up at once)
+    a      = silu(h[:, :I]) * h[:, I:]                  [T * k, I]
+    y      = a @ w2[e].T          per expert group      [T * k, H]
+    out[t] = sum_j weight[t, j] * y[inverse[t * k + j]]  (float32 sum, rounded once)
+
+The two per-group products are grouped GEMMs: ``torch._grouped_mm`` (CUTLASS on Hopper
+tensor cores, no host sync: graph-capturable) for bfloat16 CUDA tensors; elsewhere (the CPU,
+other dtypes) one ``F.linear`` per expert that has rows, which reads the group sizes on the
+host. The last line is one kernel on CUDA with pagedd's kernels (``ops.moe_combine``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from pydaemon import ops
+from pydaemon.layers.activation import SiluAndMul
+
+_act = SiluAndMul()
+
+
+@functools.cache
+def _grouped_mm_device(device_index: int) -> bool:
+    """torch._grouped_mm's CUTLASS kernels exist for compute capability 9.x (Hopper)."""
+    return hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+def use_grouped_mm(a: torch.Tensor) -> bool:
+    return (
+        a.is_cuda
+        and a.dtype == torch.bfloat16
+        and _grouped_mm_device(a.device.index if a.device.index is not None else 0)
+    )
+
+
+def grouped_mm(
+    a: torch.Tensor,  # [M, K] rows grouped by expert
+    w: torch.Tensor,  # [E, N, K]
+    expert_offsets: torch.Tensor,  # [E] int32, cumulative ends of the groups
+) -> torch.Tensor:  # [M, N]: rows of group e times w[e].T
+    if use_grouped_mm(a):
+        return torch._grouped_mm(a, w.transpose(1, 2), offs=expert_offsets)
+    out = a.new_empty(a.shape[0], w.shape[1])
+    start = 0
+    for e, end in enumerate(expert_offsets.tolist()):
+        if end > start:
+            out[start:end] = F.linear(a[start:end], w[e])
+        start = end
+    return out
+
+
+def moe_combine(
+    y: torch.Tensor,  # [T * k, H] expert outputs, rows grouped by expert
+    inverse: torch.Tensor,  # [T * k] int32: row of slot t * k + j
+    topk_weights: torch.Tensor,  # [T, k] float32
+) -> torch.Tensor:  # [T, H], y's dtype
+    if y.is_cuda and ops.moe_kernels_available():
+        return ops.moe_combine(y, inverse, topk_weights)
+    return moe_combine_native(y, inverse, topk_weights)
+
+
+def moe_combine_native(
+    y: torch.Tensor, inverse: torch.Tensor, topk_weights: torch.Tensor
+) -> torch.Tensor:
+    t, k = topk_weights.shape
+    rows = y.index_select(0, inverse.long()).view(t, k, -1).float()
+    return (rows * topk_weights[..., None]).sum(dim=1).to(y.dtype)
+
+
+def fused_experts(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2 * I, H]
+    w2: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # [T, k] float32
+    sorted_token_ids: torch.Tensor,  # [T * k] int32
+    inverse: torch.Tensor,  # [T * k] int32
+    expert_offsets: torch.Tensor,  # [E] int32
+) -> torch.Tensor:  # [T, H]
+    rows = x.index_select(0, sorted_token_ids.long())  # [T * k, H]
+    h = grouped_mm(rows, w13, expert_offsets)  # [T * k, 2 * I]
+    y = grouped_mm(_act(h), w2, expert_offsets)  # [T * k, H]
+    return moe_combine(y, inverse, topk_weights)

@@ -1,0 +1,120 @@
+"""FusedMoE: the routed experts of a mixture-of-experts layer (vLLM's FusedMoE).
+
+Parameters (this tensor-parallel rank's): ``w13_weight`` [E, 2 * I / tp, H], each expert's
+gate rows then its up rows (this rank's slice of each, as MergedColumnParallelLinear), and
+``w2_weight`` [E, H, I / tp] (this rank's columns, as RowParallelLinear). Every rank holds a
+slice of every expert (vLLM's default); the output is this rank's partial sum, all-reduced
+once per layer by the caller (the block adds its shared expert's partial sum first). Expert
+parallelism later keeps this interface: a rank would hold ``num_local_experts`` whole experts
+and map global ids to local ones before the align step.
+
+Loading: the checkpoint keeps one tensor per expert and projection (``experts.{e}.gate_proj``
+or Mixtral's ``experts.{e}.w1`` ...); ``checkpoint_parts`` says where each goes (the loader,
+pydaemon/model_loader/weight_targets.py, stacks them). Quantized (``quant_config``): FP8
+weights and per-channel scales (fp8.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from pydaemon.distributed import parallel_state as ps
+from pydaemon.layers.moe.align import moe_align
+from pydaemon.layers.moe.experts import fused_experts
+from pydaemon.layers.moe.fp8 import Fp8MoEMethod
+from pydaemon.layers.moe.router import SCORING_FUNCS, select_experts
+
+if TYPE_CHECKING:
+    from pydaemon.quantization.config import Fp8Config
+
+# Checkpoint names of (gate, up, down) in an expert.
+QWEN_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+MIXTRAL_EXPERT_NAMES = ("w1", "w3", "w2")
+
+
+class FusedMoE(nn.Module):
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        renormalize: bool,
+        scoring: str = "softmax",
+        expert_names: tuple[str, str, str] = QWEN_EXPERT_NAMES,
+        reduce_results: bool = True,
+        quant_config: Fp8Config | None = None,
+    ) -> None:
+        super().__init__()
+        if scoring not in SCORING_FUNCS:
+            raise ValueError(f"unsupported scoring {scoring!r}: expected one of {SCORING_FUNCS}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok ({top_k}) must be in [1, {num_experts}]")
+        tp = ps.get_tp_world_size()
+        if intermediate_size % tp:
+            raise ValueError(
+                f"moe_intermediate_size ({intermediate_size}) is not divisible by "
+                f"tensor_parallel_size ({tp})"
+            )
+        self.num_experts, self.top_k = num_experts, top_k
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.intermediate_per_rank = intermediate_size // tp
+        self.renormalize, self.scoring = renormalize, scoring
+        self.expert_names = expert_names
+        self.reduce_results = reduce_results
+        self.quant_method: Fp8MoEMethod | None = None
+        e, h, i = num_experts, hidden_size, self.intermediate_per_rank
+        if quant_config is None:
+            self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
+            self.w2_weight = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
+        else:
+            self.quant_method = Fp8MoEMethod(quant_config.emulate, quant_config.checkpoint)
+            self.quant_method.create_weights(self, e, h, i)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        router_logits: torch.Tensor,  # [T, E]
+    ) -> torch.Tensor:  # [T, H]; this rank's partial sum unless reduce_results
+        topk_weights, topk_ids = select_experts(
+            router_logits, self.top_k, self.scoring, self.renormalize
+        )
+        sorted_token_ids, inverse, offsets = moe_align(topk_ids, self.num_experts)
+        if self.quant_method is None:
+            out = fused_experts(
+                x, self.w13_weight, self.w2_weight, topk_weights, sorted_token_ids, inverse, offsets
+            )
+        else:
+            out = self.quant_method.apply(self, x, topk_weights, sorted_token_ids, inverse, offsets)
+        return ps.all_reduce(out) if self.reduce_results else out
+
+    def checkpoint_parts(
+        self,
+    ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None, tuple[int, int, int, int]]]:
+        """-> (checkpoint module under this one, e.g. ``3.gate_proj``; the weight rows it fills
+        [rows, cols]; their scales [rows] (FP8) or None; the slice (dim, start, stop,
+        full_size) of the checkpoint tensor this rank reads), expert by expert, gate, up,
+        down: the order dummy weights are drawn in."""
+        i, full = self.intermediate_per_rank, self.intermediate_size
+        start = ps.get_tp_rank() * i
+        gate, up, down = self.expert_names
+        fp8 = self.quant_method is not None
+        for e in range(self.num_experts):
+            for name, offset in ((gate, 0), (up, i)):
+                weight = self.w13_weight.data[e].narrow(0, offset, i)
+                scale = self.w13_weight_scale.data[e].narrow(0, offset, i) if fp8 else None
+                yield f"{e}.{name}", weight, scale, (0, start, start + i, full)
+            scale = self.w2_weight_scale.data[e] if fp8 else None
+            yield f"{e}.{down}", self.w2_weight.data[e], scale, (1, start, start + i, full)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
+            f"intermediate={self.intermediate_per_rank}, scoring={self.scoring}, "
+            f"renormalize={self.renormalize}, fp8={self.quant_method is not None}"
+        )
