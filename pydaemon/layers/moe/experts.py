@@ -69,7 +69,7 @@ def moe_combine_native(
     y: torch.Tensor, inverse: torch.Tensor, topk_weights: torch.Tensor
 ) -> torch.Tensor:
     t, k = topk_weights.shape
-    rows = y.index_select(0, inverse.long()).view(t, k, -1).float()
+    rows = y.index_select(0, inverse).view(t, k, -1).float()
     return (rows * topk_weights[..., None]).sum(dim=1).to(y.dtype)
 
 
@@ -82,7 +82,7 @@ def fused_experts(
     inverse: torch.Tensor,  # [T * k] int32
     expert_offsets: torch.Tensor,  # [E] int32
 ) -> torch.Tensor:  # [T, H]
-    rows = x.index_select(0, sorted_token_ids.long())  # [T * k, H]
+    rows = x.index_select(0, sorted_token_ids)  # [T * k, H]
     h = grouped_mm(rows, w13, expert_offsets)  # [T * k, 2 * I]
     y = grouped_mm(_act(h), w2, expert_offsets)  # [T * k, H]
     return moe_combine(y, inverse, topk_weights)

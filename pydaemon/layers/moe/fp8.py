@@ -78,8 +78,9 @@ class Fp8MoEMethod:
         expert_offsets: torch.Tensor,  # [E] int32
     ) -> torch.Tensor:  # [T, H], x's dtype
         xq, x_scale = quantize_per_token(x)  # [T, H] fp8, [T, 1]
-        index = sorted_token_ids.long()
-        rows = Fp8Activation(xq.index_select(0, index), x_scale.index_select(0, index), x.dtype)
+        index = sorted_token_ids
+        rows_q = xq.view(torch.uint8).index_select(0, index).view(FP8_DTYPE)  # [T * k, H]
+        rows = Fp8Activation(rows_q, x_scale.index_select(0, index), x.dtype)
         h = self._mm(rows, layer.w13_weight, layer.w13_weight_scale, expert_offsets)
         a = _act(h, fp8_out=True)  # quantized per row
         y = self._mm(a, layer.w2_weight, layer.w2_weight_scale, expert_offsets)
