@@ -36,7 +36,64 @@ LLAMA3_8B = {
 # --workload fixed --input-len 16384 --num-requests 64); plain RoPE, random weights anyway.
 LLAMA3_8B_32K = {**LLAMA3_8B, "max_position_embeddings": 32768}
 
-MODEL_CONFIGS = {"llama3-8b": LLAMA3_8B, "llama3-8b-32k": LLAMA3_8B_32K}
+# Mixture-of-experts shapes (issue 29): Qwen3-30B-A3B (48 layers, 128 experts of 768, top-8
+# renormalised, GQA 32/4, head 128) and Mixtral-8x7B (32 layers, 8 experts of 14336, top-2).
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "attention_bias": False,
+    "use_sliding_window": False,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "vocab_size": 151936,
+}
+MIXTRAL_8X7B = {
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": "mixtral",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 1000000.0,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "vocab_size": 32000,
+}
+
+MODEL_CONFIGS = {
+    "llama3-8b": LLAMA3_8B,
+    "llama3-8b-32k": LLAMA3_8B_32K,
+    "qwen3-30b-a3b": QWEN3_30B_A3B,
+    "mixtral-8x7b": MIXTRAL_8X7B,
+}
 
 
 def write_model_config(name: str, directory: str | Path | None = None) -> Path:
