@@ -19,6 +19,13 @@ GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+}
+_MOE_KEYS = {  # {arch}.<key> -> config.json key, for mixtures of experts
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
 }
 
 # {arch}.<key> -> config.json key
@@ -45,6 +52,7 @@ def gguf_config_dict(f: GGUFFile) -> dict[str, Any]:
             f"(supported: {', '.join(GGUF_ARCHITECTURES)})"
         )
     cfg: dict[str, Any] = {"architectures": [GGUF_ARCHITECTURES[arch]], "model_type": arch}
+    cfg.update(_moe(f, arch))  # Mixtral: a llama with experts
     for key, name in _KEYS.items():
         value = f.get(f"{arch}.{key}")
         if value is not None:
@@ -68,6 +76,33 @@ def gguf_config_dict(f: GGUFFile) -> dict[str, Any]:
         value = f.get(f"tokenizer.ggml.{key}")
         if value is not None:
             cfg[name] = int(value)
+    return cfg
+
+
+def _moe(f: GGUFFile, arch: str) -> dict[str, Any]:
+    """The experts' settings: ``llama`` with ``llama.expert_count`` is Mixtral; ``qwen2moe``
+    and ``qwen3moe`` name their expert size. llama.cpp renormalises the top-k weights of
+    Mixtral and Qwen3-MoE, not of Qwen2-MoE (unless ``{arch}.expert_weights_norm`` says); a
+    layer without a router (``blk.N.ffn_gate_inp``) is dense."""
+    num_experts = f.get(f"{arch}.expert_count")
+    if not num_experts:
+        return {}
+    cfg: dict[str, Any] = {
+        key: f.get(f"{arch}.{gguf_key}")
+        for gguf_key, key in _MOE_KEYS.items()
+        if f.get(f"{arch}.{gguf_key}") is not None
+    }
+    if arch == "llama":
+        cfg["architectures"] = ["MixtralForCausalLM"]
+        cfg["num_local_experts"] = num_experts
+        return cfg
+    cfg["num_experts"] = num_experts
+    cfg["norm_topk_prob"] = bool(f.get(f"{arch}.expert_weights_norm", arch == "qwen3moe"))
+    layers = int(f.require(f"{arch}.block_count"))
+    cfg["mlp_only_layers"] = [
+        i for i in range(layers) if not f.has_tensor(f"blk.{i}.ffn_gate_inp.weight")
+    ]
+    cfg["qkv_bias"] = f.has_tensor("blk.0.attn_q.bias")
     return cfg
 
 

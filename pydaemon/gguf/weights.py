@@ -4,7 +4,9 @@ llama.cpp's converter permutes the rows of the query and key projections of ``ll
 models (weights and biases) so that rotary pairs are interleaved, GPT-J style; this undoes it
 exactly as transformers' GGUF loader does (``LlamaTensorProcessor._reverse_permute_weights``)
 so the rotate-half RoPE of the model sees the original layout. ``qwen2`` and ``qwen3`` are
-stored unpermuted.
+stored unpermuted. Mixtures of experts keep each projection of all experts in one tensor
+(``blk.N.ffn_gate_exps`` [E, I, H] ...): it is split into the per-expert names of a Hugging
+Face checkpoint, which the loader stacks again.
 """
 
 from __future__ import annotations
@@ -34,7 +36,15 @@ _LAYER_NAMES = {
     "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+    # Mixtures of experts: the router, the shared expert and its gate (Qwen2-MoE).
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# Merged expert tensors [E, rows, cols] -> (gate, up, down) index of the per-expert name.
+_EXPERT_TENSORS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 _PERMUTED_ARCHITECTURES = ("llama",)
 
@@ -44,6 +54,8 @@ def hf_name(gguf_name: str) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match is not None and match.group(2) in _EXPERT_TENSORS:
+        return f"model.layers.{match.group(1)}.mlp.experts"
     if match is None or match.group(2) not in _LAYER_NAMES:
         return None
     layer, part, kind = match.groups()
@@ -66,6 +78,7 @@ def iter_gguf_weights(
     time, so at most one dequantized tensor is alive beside the model."""
     f.check_tensor_types()
     permuted = f.architecture in _PERMUTED_ARCHITECTURES
+    mixtral = config.architecture == "MixtralForCausalLM"
     for name in f.tensors:
         param_name = hf_name(name)
         if param_name is None:
@@ -76,4 +89,19 @@ def iter_gguf_weights(
             tensor = unpermute_rotary(tensor, config.num_attention_heads)
         elif permuted and ".attn_k." in name:
             tensor = unpermute_rotary(tensor, config.num_key_value_heads)
+        if mixtral:  # Mixtral's checkpoints call the MoE block block_sparse_moe
+            param_name = param_name.replace(".mlp.", ".block_sparse_moe.")
+        if param_name.endswith(".experts"):  # [E, rows, cols]: one tensor per expert
+            part = _EXPERT_TENSORS[_LAYER_TENSOR.fullmatch(name).group(2)]
+            for e in range(tensor.shape[0]):
+                yield expert_name(param_name, e, part, config), tensor[e].to(dtype)
+            continue
+        if param_name.endswith("shared_expert_gate.weight") and tensor.dim() == 1:
+            tensor = tensor[None]  # llama.cpp stores the [1, H] gate as [H]
         yield param_name, tensor.to(dtype)
+
+
+def expert_name(prefix: str, expert: int, part: int, config: ModelConfig) -> str:
+    """-> the checkpoint name of expert ``expert``'s gate (0), up (1) or down (2) weight."""
+    assert config.moe is not None
+    return f"{prefix}.{expert}.{config.moe.expert_names[part]}.weight"
