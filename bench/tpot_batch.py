@@ -107,7 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     vocab = min(30000, cfg.vocab_size)
     results = {}
     for n in sizes:
-        prompts = [[rng.randrange(min(100, vocab // 2), vocab) for _ in range(args.prompt_len)] for _ in range(n)]
+        prompts = [
+            [rng.randrange(min(100, vocab // 2), vocab) for _ in range(args.prompt_len)]
+            for _ in range(n)
+        ]
         run_batch(llm, prompts[:1], 8, args.device)  # warm-up
         runs = [run_batch(llm, prompts, args.output_len, args.device) for _ in range(args.runs)]
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
