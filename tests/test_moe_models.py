@@ -107,3 +107,26 @@ def test_config_errors_name_the_field():
         ModelConfig.from_dict({k: v for k, v in base.items() if k != "moe_intermediate_size"})
     with pytest.raises(ValueError, match="mlp_only_layers"):
         ModelConfig.from_dict({**base, "mlp_only_layers": "all"})
+
+
+@pytest.mark.parametrize("async_scheduling", [True])
+def test_engine_features_with_moe(moe_model, async_scheduling):
+    """Through the engine: prefix caching (a shared prefix), chunked prefill (16-token
+    budget), recompute preemption (9 blocks of 8 tokens for all), sync and async scheduling:
+    greedy tokens equal transformers'."""
+    from pydaemon.entrypoints.llm import LLM
+    from pydaemon.sampling_params import SamplingParams
+
+    model_dir, _, _ = moe_model("qwen3_moe")
+    prompts = [PROMPTS[3], PROMPTS[3][:20] + [9, 8, 7], PROMPTS[1], PROMPTS[2]]
+    ref = hf_greedy(model_dir, prompts, 10)
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", block_size=8, num_kv_blocks=9,
+              max_num_seqs=4, max_num_batched_tokens=16, preemption_mode="recompute",
+              enable_prefix_caching=True, async_scheduling=async_scheduling)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    stats = llm.engine.get_stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hit_tokens > 0
+    assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
+    llm.engine.shutdown()

@@ -8,13 +8,14 @@
 
 The two per-group products are grouped GEMMs: ``torch._grouped_mm`` (CUTLASS on Hopper
 tensor cores, no host sync: graph-capturable) for bfloat16 CUDA tensors; elsewhere (the CPU,
-other dtypes) one ``F.linear`` per expert that has rows, which reads the group sizes on the
-host. The last line is one kernel on CUDA with pagedd's kernels (``ops.moe_combine``).
+other dtypes and GPUs) one ``F.linear`` per expert that has rows, which reads the group
+sizes on the host (while a CUDA graph is captured: every expert on all rows, masked). The last line is one kernel on CUDA with pagedd's kernels (``ops.moe_combine``).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -47,10 +48,32 @@ def grouped_mm(
     if use_grouped_mm(a):
         return torch._grouped_mm(a, w.transpose(1, 2), offs=expert_offsets)
     out = a.new_empty(a.shape[0], w.shape[1])
+    return per_expert(out, expert_offsets, lambda rows, e: F.linear(a[rows], w[e]))
+
+
+def _no_host_reads(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def per_expert(
+    out: torch.Tensor,  # [M, N]
+    expert_offsets: torch.Tensor,  # [E] int32
+    fn: Callable[[slice, int], torch.Tensor],  # (rows, expert) -> [rows, N]
+) -> torch.Tensor:
+    """out with the rows of each expert's group set to ``fn(rows, e)``: one call per expert
+    that has rows (their bounds read on the host), or, while a CUDA graph is being captured
+    (no host read allowed), every expert on all rows, each row keeping its own expert's
+    result: graph-safe but E times the work (decode-sized steps only)."""
+    if _no_host_reads(out):
+        rows = torch.arange(out.shape[0], device=out.device, dtype=torch.int32)
+        expert_of_row = torch.searchsorted(expert_offsets, rows, right=True)[:, None]
+        for e in range(expert_offsets.shape[0]):
+            out = torch.where(expert_of_row == e, fn(slice(None), e).to(out.dtype), out)
+        return out
     start = 0
     for e, end in enumerate(expert_offsets.tolist()):
         if end > start:
-            out[start:end] = F.linear(a[start:end], w[e])
+            out[start:end] = fn(slice(start, end), e)
         start = end
     return out
 

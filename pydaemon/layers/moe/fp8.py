@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from pydaemon.layers.activation import SiluAndMul
-from pydaemon.layers.moe.experts import _grouped_mm_device, moe_combine
+from pydaemon.layers.moe.experts import _grouped_mm_device, moe_combine, per_expert
 from pydaemon.quantization.fp8 import (
     FP8_DTYPE,
     Fp8Activation,
@@ -103,10 +103,8 @@ class Fp8MoEMethod:
                 out_dtype=torch.bfloat16,
             ).to(a.dtype)
         out = torch.empty(a.xq.shape[0], wq.shape[1], dtype=a.dtype, device=a.xq.device)
-        start = 0
-        for e, end in enumerate(offsets.tolist()):
-            if end > start:
-                rows = slice(start, end)
-                out[rows] = emulated_scaled_mm(a.xq[rows], a.scale[rows], wq[e], w_scale[e])
-            start = end
-        return out
+
+        def expert(rows: slice, e: int) -> torch.Tensor:
+            return emulated_scaled_mm(a.xq[rows], a.scale[rows], wq[e], w_scale[e])
+
+        return per_expert(out, offsets, expert)
