@@ -62,12 +62,15 @@ __global__ void topk_route_kernel(TopkRouteParams p) {
   float score[kMoeMaxTopK];
   float chosen_sum = 0.f;
   for (int j = 0; j < K; ++j) {
-    float best_v = -FLT_MAX;
-    int best_i = E;  // none yet
+    // Sentinel (-inf, E): every expert beats it, so a valid id comes out even for -inf or
+    // NaN logits (a NaN counts as -inf).
+    float best_v = -INFINITY;
+    int best_i = E;
     for (int e = lane; e < E; e += 32) {
       bool taken = false;
       for (int c = 0; c < j; ++c) taken |= chosen[c] == e;
-      const float v = to_float(logits[e]);
+      float v = to_float(logits[e]);
+      if (isnan(v)) v = -INFINITY;
       if (!taken && beats(v, e, best_v, best_i)) best_v = v, best_i = e;
     }
     for (int o = 16; o > 0; o /= 2) {
@@ -101,7 +104,11 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_kernel(MoeAlignParams
   const int num_slots = p.num_tokens * p.top_k;
   for (int e = tid; e < p.num_experts; e += kAlignThreads) count[e] = 0;
   __syncthreads();
-  for (int s = tid; s < num_slots; s += kAlignThreads) atomicAdd(&count[p.topk_ids[s]], 1);
+  // Ids are in [0, num_experts) (the router's); clamped so that a bad one cannot write
+  // outside the counters.
+  const int last = p.num_experts - 1;
+  for (int s = tid; s < num_slots; s += kAlignThreads)
+    atomicAdd(&count[min(max(p.topk_ids[s], 0), last)], 1);
   __syncthreads();
   // kMoeMaxExperts == kAlignThreads: one expert per thread.
   const int c = tid < p.num_experts ? count[tid] : 0;
@@ -114,7 +121,7 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_kernel(MoeAlignParams
   }
   __syncthreads();
   for (int s = tid; s < num_slots; s += kAlignThreads) {
-    const int row = atomicAdd(&count[p.topk_ids[s]], 1);
+    const int row = atomicAdd(&count[min(max(p.topk_ids[s], 0), last)], 1);
     p.sorted_token_ids[row] = s / p.top_k;
     p.inverse[s] = row;
   }

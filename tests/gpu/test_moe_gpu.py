@@ -63,6 +63,17 @@ def test_topk_route_ties_go_to_the_lower_id():
     assert torch.equal(weights[:, 1], weights[:, 3])
 
 
+def test_topk_route_masked_logits_give_valid_ids():
+    """-inf (masked) and NaN logits never yield an out-of-range id."""
+    logits = torch.full((3, 8), float("-inf"), device="cuda")
+    logits[0, 5] = 1.0
+    logits[2] = float("nan")
+    _, ids = ops.topk_route(logits, 2, False, False)
+    assert ids[0, 0].item() == 5
+    assert bool(((ids >= 0) & (ids < 8)).all())
+    assert torch.equal(ids[:, 0].unique().sort().values, ids[:, 0].unique().sort().values)
+
+
 @pytest.mark.parametrize("t,k,e", [(1, 8, 128), (5, 2, 8), (64, 8, 128), (3000, 8, 128),
                                    (100, 4, 1024), (0, 2, 8)])  # fmt: skip
 def test_moe_align_groups_slots(t, k, e):
