@@ -71,7 +71,7 @@ def test_topk_route_masked_logits_give_valid_ids():
     _, ids = ops.topk_route(logits, 2, False, False)
     assert ids[0, 0].item() == 5
     assert bool(((ids >= 0) & (ids < 8)).all())
-    assert torch.equal(ids[:, 0].unique().sort().values, ids[:, 0].unique().sort().values)
+    assert bool((ids[:, 0] != ids[:, 1]).all())  # two distinct experts per token
 
 
 @pytest.mark.parametrize("t,k,e", [(1, 8, 128), (5, 2, 8), (64, 8, 128), (3000, 8, 128),
