@@ -5,7 +5,7 @@ prompts, steps until every prompt is prefilled, then times ``--steps`` decode st
 
 - host phases with ``time.perf_counter``: ``schedule()``, ``execute_model()`` (input building,
   launches, sampling and its one device-to-host copy) and ``update_from_output()``;
-- device work with ``torch.profiler``: CUDA kernel time per step grouped by kind (GEMM,
+- device work with ``torch.profiler``: CUDA kernel time per step grouped by kind (MoE, GEMM,
   attention, norm, rotary (or rotary+cache, the fused kernel), activation, sampling, copies,
   other), and the share of the step's wall time the GPU was busy.
 
@@ -29,6 +29,9 @@ import statistics
 import time
 
 KINDS = (  # first match wins: the specific kinds before the broad ones
+    # MoE: pagedd's routing / align / combine kernels and the experts' grouped GEMMs (CUTLASS
+    # grouped kernels name their GroupProblemShape); the experts' SiLU counts as activation.
+    ("moe", re.compile(r"topk_route|moe_align|moe_combine|GroupProblemShape|grouped", re.I)),
     ("gemm", re.compile(r"gemm|cutlass|sm90_xmma|nvjet|cublas|matmul", re.I)),
     ("norm", re.compile(r"rms_norm|layer_norm", re.I)),
     ("activation", re.compile(r"silu|act_and_mul|gelu", re.I)),
