@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     t = p.add_argument_group("TPOT at batch 1 and GPU profile (pagedd and vllm)")
     t.add_argument("--tpot-batch1", type=int, default=0, metavar="RUNS",
                    help="after the workload, TPOT at batch 1 on the same engine (0: not)")  # fmt: skip
+    t.add_argument("--tpot-batch", type=int, default=0, metavar="RUNS",
+                   help="after the workload, TPOT at batch --tpot-batch-size (0: not)")  # fmt: skip
+    t.add_argument("--tpot-batch-size", type=int, default=64)
     t.add_argument("--tpot-prompt-len", type=int, default=1024)
     t.add_argument("--tpot-output-len", type=int, default=128)
     t.add_argument("--profile", action="store_true",
@@ -210,6 +213,10 @@ def table(results: list[dict], compare: bool) -> str:
         if tpot:
             lines.append(f"  {r['backend']}: TPOT at batch 1 {tpot['tpot_ms']:.3f} ms, "
                          f"TTFT {tpot['ttft_ms']:.1f} ms ({tpot['prompt_len']}-token prompt)")  # fmt: skip
+        tpot = r.get("tpot_batch")
+        if tpot:
+            lines.append(f"  {r['backend']}: TPOT at batch {tpot['batch_size']} "
+                         f"{tpot['tpot_ms']:.3f} ms ({tpot['prompt_len']}-token prompts)")  # fmt: skip
         gpu = r.get("gpu_breakdown")
         if gpu:
             kinds = ", ".join(f"{k} {v:.0f}" for k, v in gpu["ms_by_kind"].items())

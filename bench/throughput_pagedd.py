@@ -109,6 +109,8 @@ def run_pagedd(
     }
     if tpot is not None:
         figures["tpot_batch1"] = tpot
+    if getattr(args, "tpot_batch", 0):
+        figures["tpot_batch"] = _tpot_batch(llm, args)
     if profiled.result is not None:
         figures["gpu_breakdown"] = profiled.result
     return figures
@@ -128,4 +130,21 @@ def _tpot_batch1(llm, args, vocab_size: int | None) -> dict:
     return measure_tpot_batch1(
         generate_one, args.tpot_batch1, prompt_len=args.tpot_prompt_len,
         output_len=args.tpot_output_len, token_range=token_range_for(vocab_size),
+    )  # fmt: skip
+
+
+def _tpot_batch(llm, args) -> dict:
+    """TPOT at batch --tpot-batch-size on this engine (bench/tpot_generate.py)."""
+    from bench.tpot_generate import measure_tpot_batch, token_range_for
+    from pydaemon import SamplingParams
+
+    def generate_batch(prompts: list[list[int]], max_tokens: int) -> list[int]:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [len(o.outputs[0].token_ids) for o in outs]
+
+    return measure_tpot_batch(
+        generate_batch, args.tpot_batch, args.tpot_batch_size, prompt_len=args.tpot_prompt_len,
+        output_len=args.tpot_output_len,
+        token_range=token_range_for(llm.engine.model_config.vocab_size),
     )  # fmt: skip

@@ -145,4 +145,17 @@ def run_vllm(
             generate_one, args.tpot_batch1, prompt_len=args.tpot_prompt_len,
             output_len=args.tpot_output_len, token_range=token_range_for(vocab_size),
         )  # fmt: skip
+    if getattr(args, "tpot_batch", 0):
+        from bench.tpot_generate import measure_tpot_batch, token_range_for
+
+        def generate_batch(prompts: list[list[int]], max_tokens: int) -> list[int]:
+            inputs = [{"prompt_token_ids": ids} for ids in prompts]
+            outs = llm.generate(inputs, _sampling(max_tokens), use_tqdm=False)
+            return [len(o.outputs[0].token_ids) for o in outs]
+
+        figures["tpot_batch"] = measure_tpot_batch(
+            generate_batch, args.tpot_batch, args.tpot_batch_size,
+            prompt_len=args.tpot_prompt_len, output_len=args.tpot_output_len,
+            token_range=token_range_for(vocab_size),
+        )  # fmt: skip
     return figures

@@ -71,9 +71,48 @@ def measure_tpot_batch1(
         )
     return {
         "method": "difference of generate() calls: (t_n - t_1) / (n - 1)",
+        "batch_size": 1,
         "prompt_len": prompt_len,
         "output_len": output_len,
         "runs": per_run,
         "tpot_ms": statistics.median(r["tpot_ms"] for r in per_run),
         "ttft_ms": statistics.median(r["one_token_ms"] for r in per_run),
     }
+
+
+# generate_batch(prompts, max_tokens) -> the tokens each request returned (greedy, EOS ignored)
+GenerateBatch = Callable[[list[list[int]], int], list[int]]
+
+
+def measure_tpot_batch(
+    generate_batch: GenerateBatch,
+    runs: int,
+    batch_size: int,
+    *,
+    prompt_len: int = 1024,
+    output_len: int = 128,
+    token_range: tuple[int, int] = (100, 30000),
+    seed: int = 2,
+) -> dict:
+    """TPOT at batch ``batch_size``, by the same difference as measure_tpot_batch1: one call
+    of ``batch_size`` fresh prompts making ``output_len`` tokens each, one making one token
+    each; the requests decode in lockstep, so (t_n - t_1) / (n - 1) is each one's TPOT (and
+    the decode step's time)."""
+    if batch_size < 1:
+        raise ValueError(f"tpot batch size must be >= 1, got {batch_size}")
+    low, high = token_range
+    rng = random.Random(f"batch-{seed}")  # the other prompts: not the first one's stream
+
+    def generate_one(prompt: list[int], max_tokens: int) -> int:
+        prompts = [prompt] + [
+            [rng.randrange(low, high) for _ in range(prompt_len)] for _ in range(batch_size - 1)
+        ]
+        counts = generate_batch(prompts, max_tokens)
+        return max_tokens if all(n == max_tokens for n in counts) else min(counts)
+
+    result = measure_tpot_batch1(
+        generate_one, runs, prompt_len=prompt_len, output_len=output_len,
+        token_range=token_range, seed=seed,
+    )  # fmt: skip
+    result["batch_size"] = batch_size
+    return result

@@ -157,6 +157,26 @@ def test_tpot_by_difference_on_a_fake_clock(monkeypatch):
     assert tpot_generate.token_range_for(128) == (0, 128)
 
 
+def test_tpot_at_a_batch_size_by_difference(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(tpot_generate.time, "perf_counter", lambda: clock[0])
+    batches: list[list[list[int]]] = []
+
+    def generate_batch(prompts: list[list[int]], n: int) -> list[int]:
+        batches.append(prompts)
+        clock[0] += 0.050 + 0.008 * (n - 1)  # a 50 ms batched prefill, then 8 ms a step
+        return [n] * len(prompts)
+
+    r = tpot_generate.measure_tpot_batch(generate_batch, 2, 64, prompt_len=16, output_len=5)
+    assert r["tpot_ms"] == pytest.approx(8.0) and r["batch_size"] == 64
+    assert len(batches) == 1 + 2 * 2 and all(len(b) == 64 for b in batches)
+    assert all(len(p) == 16 for b in batches for p in b)
+    assert len({tuple(p) for b in batches for p in b}) == 64 * len(batches)  # all fresh
+    with pytest.raises(RuntimeError, match=r"asked for \d+ tokens, the engine returned 1"):
+        tpot_generate.measure_tpot_batch(lambda ps, n: [n] * (len(ps) - 1) + [1], 1, 4,
+                                         output_len=5)  # fmt: skip
+
+
 def test_pagedd_tpot_batch1_on_the_demo_model(tmp_path):
     r = _run(["--backend", "pagedd", "--model", "demo", "--device", "cpu", "--workload", "fixed",
               "--input-len", "8", "--output-len", "4", "--num-requests", "2",
