@@ -42,7 +42,7 @@ def test_greedy_matches_hf_batched(moe_model, arch):
     assert len(set(map(tuple, ours))) > 1
 
 
-@pytest.mark.parametrize("arch", list(MOE_ARCHS))
+@pytest.mark.parametrize("arch", ["qwen2_moe"])  # the engine test chunks Qwen3-MoE
 def test_chunked_prefill_mixed_with_decodes(moe_model, arch):
     """A prompt prefilled in two chunks, the second next to a decode."""
     _, model, ref = moe_model(arch)

@@ -217,7 +217,10 @@ def test_tiny_models_greedy_match_hf_on_cuda(tmp_path, arch):
 def test_graphs_follow_eager_bf16(tmp_path, arch):
     """bf16 through torch._grouped_mm: decode steps from CUDA graphs against eager ones; all
     but at most one sequence token for token (a last-ulp near-tie may flip one)."""
-    model_dir = save_hf_moe_model(tmp_path, arch, hidden_size=256, moe_intermediate_size=128)
+    # head_dim 64: a size the CUDA attention kernels (and so the decode graphs) serve.
+    model_dir = save_hf_moe_model(
+        tmp_path, arch, hidden_size=256, head_dim=64, moe_intermediate_size=128
+    )
     prompts = [[(7 * j + i) % 250 + 3 for j in range(10 + 3 * i)] for i in range(12)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outs = {}
