@@ -27,9 +27,13 @@ _act = SiluAndMul()
 
 
 @functools.cache
+def _capability_major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
 def _grouped_mm_device(device_index: int) -> bool:
-    """torch._grouped_mm's CUTLASS kernels exist for compute capability 9.x (Hopper)."""
-    return hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(device_index)[0] == 9
+    """torch._grouped_mm's CUTLASS kernels: Hopper (9.x) and datacenter Blackwell (10.x)."""
+    return hasattr(torch, "_grouped_mm") and _capability_major(device_index) in (9, 10)
 
 
 def use_grouped_mm(a: torch.Tensor) -> bool:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from pydaemon.layers.activation import SiluAndMul
-from pydaemon.layers.moe.experts import _grouped_mm_device, moe_combine, per_expert
+from pydaemon.layers.moe.experts import _capability_major, moe_combine, per_expert
 from pydaemon.quantization.fp8 import (
     FP8_DTYPE,
     Fp8Activation,
@@ -33,10 +33,11 @@ _act = SiluAndMul()
 
 
 def _scaled_grouped_mm_ok(x: torch.Tensor) -> bool:
+    """torch._scaled_grouped_mm with row-wise float32 scales: Hopper (9.x)."""
     return (
         x.is_cuda
         and hasattr(torch, "_scaled_grouped_mm")
-        and _grouped_mm_device(x.device.index if x.device.index is not None else 0)
+        and _capability_major(x.device.index if x.device.index is not None else 0) == 9
     )
 
 
