@@ -130,3 +130,24 @@ def test_engine_features_with_moe(moe_model, async_scheduling):
     assert stats.num_preemptions > 0 and stats.prefix_cache_hit_tokens > 0
     assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
     llm.engine.shutdown()
+
+
+def test_benchmark_shapes():
+    """bench/throughput_models.py's MoE shapes are the models the issue names."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench.throughput_models import MODEL_CONFIGS
+
+    qwen = ModelConfig.from_dict(MODEL_CONFIGS["qwen3-30b-a3b"])
+    assert (qwen.num_hidden_layers, qwen.hidden_size, qwen.head_dim) == (48, 2048, 128)
+    assert (qwen.num_attention_heads, qwen.num_key_value_heads, qwen.qk_norm) == (32, 4, True)
+    assert (qwen.moe.num_experts, qwen.moe.top_k, qwen.moe.intermediate_size) == (128, 8, 768)
+    assert qwen.moe.renormalize and all(qwen.moe.sparse_layers)
+    mixtral = ModelConfig.from_dict(MODEL_CONFIGS["mixtral-8x7b"])
+    assert (mixtral.moe.num_experts, mixtral.moe.top_k, mixtral.moe.intermediate_size) == (
+        8,
+        2,
+        14336,
+    )
