@@ -180,7 +180,9 @@ def test_layer_replays_from_a_cuda_graph_with_another_routing():
         x.copy_(torch.randn(t, h, device="cuda").bfloat16())
         graph.replay()
         eager = layer(x, logits)
-    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    # Rows may sit elsewhere within their expert's group (moe_align's atomics): bf16 ulps at
+    # most; a replay with the captured routing would be off by O(1).
+    torch.testing.assert_close(out, eager)
 
 
 def test_float16_layer_captured_through_the_masked_path():
@@ -200,7 +202,7 @@ def test_float16_layer_captured_through_the_masked_path():
         logits.copy_(_distinct_logits(t, e, torch.float16, seed=4))
         graph.replay()
         eager = layer(x, logits)
-    torch.testing.assert_close(out, eager, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(out, eager, rtol=1e-2, atol=1e-3)
 
 
 @pytest.mark.parametrize("arch", list(MOE_ARCHS))
