@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from pydaemon.ops._core_ext import core, is_available, stream_handle
+from pydaemon.ops._core_ext import arg, core, is_available, stream_handle
 
 
 def moe_kernels_available() -> bool:
@@ -21,7 +21,9 @@ def topk_route(
     t = logits.shape[0]
     weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(t, top_k, dtype=torch.int32, device=logits.device)
-    core().topk_route(weights, ids, logits, softmax, renormalize, stream_handle(logits.device))
+    core().topk_route(
+        arg(weights), arg(ids), arg(logits), softmax, renormalize, stream_handle(logits.device)
+    )
     return weights, ids
 
 
@@ -35,7 +37,9 @@ def moe_align(
     sorted_token_ids = torch.empty(n, dtype=torch.int32, device=device)
     inverse = torch.empty(n, dtype=torch.int32, device=device)
     offsets = torch.empty(num_experts, dtype=torch.int32, device=device)
-    core().moe_align(sorted_token_ids, inverse, offsets, topk_ids, stream_handle(device))
+    core().moe_align(
+        arg(sorted_token_ids), arg(inverse), arg(offsets), arg(topk_ids), stream_handle(device)
+    )
     return sorted_token_ids, inverse, offsets
 
 
@@ -46,5 +50,7 @@ def moe_combine(
     out = torch.empty(
         topk_weights.shape[0], expert_out.shape[1], dtype=expert_out.dtype, device=expert_out.device
     )
-    core().moe_combine(out, expert_out, inverse, topk_weights, stream_handle(out.device))
+    core().moe_combine(
+        arg(out), arg(expert_out), arg(inverse), arg(topk_weights), stream_handle(out.device)
+    )
     return out
