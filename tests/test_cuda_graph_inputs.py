@@ -23,9 +23,9 @@ from pydaemon.worker.cuda_graph_inputs import (  # noqa: E402
     capture_batch_sizes,
     capture_seq_len_tiers,
     cuda_graph_plan,
-    decode_input_views,
+    graph_input_views,
     make_graph_plan,
-    pack_decode_inputs,
+    pack_graph_inputs,
 )
 from pydaemon.worker.cuda_graphs import CUDAGraphRunner  # noqa: E402
 
@@ -95,9 +95,9 @@ def _decode_batch():
 def test_pack_pads_a_batch_of_5_to_bucket_8():
     input_ids, positions, slots, tables, seq_lens = _decode_batch()
     key = GraphKey(batch_size=8, max_seq_len=32, block_table_width=2)
-    words = pack_decode_inputs(input_ids, positions, slots, tables, seq_lens, key)
+    words = pack_graph_inputs(input_ids, positions, slots, tables, seq_lens, key)
     assert words.dtype == np.int64 and words.size == buffer_words(8, 2)
-    views = decode_input_views(torch.from_numpy(words), key)
+    views = graph_input_views(torch.from_numpy(words), key)
     assert views["input_ids"].tolist() == [11, 12, 13, 14, 15, 0, 0, 0]
     assert views["positions"].tolist() == [2, 16, 0, 31, 19, 0, 0, 0]
     assert views["slot_mapping"].tolist() == [7 * 16 + 2, 9 * 16, 4 * 16, 6 * 16 + 15,
@@ -110,25 +110,25 @@ def test_pack_pads_a_batch_of_5_to_bucket_8():
     assert views["query_start_loc"].tolist() == list(range(9))
     # A wider graph keeps every column and zero-fills the rest.
     wide = GraphKey(8, 64, 4)
-    views = decode_input_views(
-        torch.from_numpy(pack_decode_inputs(input_ids, positions, slots, tables, seq_lens, wide)),
+    views = graph_input_views(
+        torch.from_numpy(pack_graph_inputs(input_ids, positions, slots, tables, seq_lens, wide)),
         wide,
     )
     assert views["block_tables"][4].tolist() == [1, 3, 8, 0]
     with pytest.raises(ValueError, match="5 sequences do not fit"):
-        pack_decode_inputs(input_ids, positions, slots, tables, seq_lens, GraphKey(4, 32, 2))
+        pack_graph_inputs(input_ids, positions, slots, tables, seq_lens, GraphKey(4, 32, 2))
 
 
 def test_views_are_one_buffer_shared_by_every_graph():
     buffer = torch.zeros(buffer_words(16, 8), dtype=torch.int64)
     small, big = GraphKey(2, 16, 1), GraphKey(16, 128, 8)
-    views = decode_input_views(buffer, small)
+    views = graph_input_views(buffer, small)
     for view in views.values():
         assert view.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
-    host = pack_decode_inputs(*(a[:2] for a in _decode_batch()), small)
+    host = pack_graph_inputs(*(a[:2] for a in _decode_batch()), small)
     buffer[: host.size].copy_(torch.from_numpy(host))  # what a replay does
     assert views["seq_lens"].tolist() == [3, 17]
-    assert decode_input_views(buffer, big)["block_tables"].shape == (16, 8)
+    assert graph_input_views(buffer, big)["block_tables"].shape == (16, 8)
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,10 @@
-"""Which decode steps a CUDA graph serves, and the static input buffer the graphs read.
+"""Which decode and verify steps a CUDA graph serves, and the static input buffer the graphs read.
 
 A graph freezes every launch's grid and every pointer, so a decode step is padded to a
 captured shape: its batch up to a **batch bucket**, its longest context up to a **seq-len
-tier**.
+tier**. A **verify step** of speculative decoding (every sequence a decode plus k drafts:
+query length q = k + 1 over a cached prefix) has graphs of its own, keyed by the query
+length too (``GraphKey.query_len``; decode graphs have 1), for the configured k only.
 
 Batch buckets: 1, 2, 4, 8, then steps of max(8, a quarter of the largest power of two below
 the size): 8, 16, ..., 64, 80, ..., 128, 160, ..., 256, 320, ... and ``max_num_seqs`` last.
@@ -21,17 +23,27 @@ as eager does. Batch buckets whose tensor-core decode (up to 16 query heads a kv
 each read just their sequence's keys whatever the tier. Longer contexts run eagerly, as in
 vLLM.
 
+Verify graphs: every row of a verify step is a prefill row of q tokens, so the step runs the
+paged prefill kernel, whose grid is (kv heads, ceil(q * group / tile rows), sequences): the
+bucket and q only, never the context (no split-KV; ``max_query_len`` = q is a host int of the
+key). One graph per batch bucket at the last seq-len tier therefore serves every context (the
+tier only sets the block-table width). Buckets stop at the first one holding
+``disable_by_batch_size`` sequences (or ``max_num_seqs``): above it the scheduler reserves no
+draft slots.
+
 Padding rows are no-ops for everything the step keeps: token 0 at position 0, slot -1 (the
 cache-write kernel and the torch path skip negative slots), context length 1 over block 0
 (the runner zeroes block 0 at start; afterwards it only ever holds finite K/V), query length
-1. Their attention output is finite, so nothing downstream (norms, a dynamic activation
-scale) can be poisoned by a NaN; their hidden rows are dropped before the LM head.
+1 (verify: q tokens at position 0, context length q, so that no query row is past its
+context, which the prefill kernel fills with NaN). Their attention output is finite, so
+nothing downstream (norms, a dynamic activation scale) can be poisoned by a NaN; their hidden
+rows are dropped before the LM head.
 
-Static buffer layout for a graph of bucket ``b`` and block-table width ``w``: one int64
-device tensor, so that a step costs one host-to-device copy:
+Static buffer layout for a graph of bucket ``b``, query length ``q`` (T = b * q tokens) and
+block-table width ``w``: one int64 device tensor, so that a step costs one host-to-device copy:
 
-    int64 words  [0, b)        input_ids        [b, 2b)   positions     [2b, 3b) slot_mapping
-    int32 words  [6b, 6b+b*w)  block_tables [b, w]        then seq_lens [b], query_start_loc [b+1]
+    int64 words  [0, T)        input_ids        [T, 2T)   positions     [2T, 3T) slot_mapping
+    int32 words  [6T, 6T+b*w)  block_tables [b, w]        then seq_lens [b], query_start_loc [b+1]
 """
 
 from __future__ import annotations
@@ -85,6 +97,11 @@ class GraphKey:
     batch_size: int  # padded batch (a bucket)
     max_seq_len: int  # the tier: the longest context the graph serves
     block_table_width: int  # columns of its block_tables: ceil(max_seq_len / block_size)
+    query_len: int = 1  # tokens per sequence: 1 for decode, k + 1 for a verify step
+
+    @property
+    def num_tokens(self) -> int:
+        return self.batch_size * self.query_len
 
 
 @dataclass(frozen=True)
@@ -93,26 +110,42 @@ class GraphPlan:
 
     ``tiered``: the batch buckets that get one graph per seq-len tier (their decode kernel's
     partition count follows the context); every other bucket gets one graph at the last tier.
+    ``verify_query_lens``: q = k + 1 of the verify graphs (empty without speculation), one
+    per bucket of ``verify_batch_sizes``, at the last tier.
     """
 
     batch_sizes: tuple[int, ...]
     seq_len_tiers: tuple[int, ...]
     block_size: int
     tiered: frozenset[int]
+    verify_batch_sizes: tuple[int, ...] = ()
+    verify_query_lens: tuple[int, ...] = ()
 
     def keys(self) -> list[GraphKey]:
-        """Every graph, largest first (so that smaller ones reuse the shared memory pool)."""
+        """Every graph, most tokens first (so that smaller ones reuse the shared memory
+        pool); decode graphs of one size by tier, longest first."""
         keys = []
-        for b in sorted(self.batch_sizes, reverse=True):
+        for b in self.batch_sizes:
             tiers = self.seq_len_tiers if b in self.tiered else self.seq_len_tiers[-1:]
-            keys.extend(self._key(b, t) for t in sorted(tiers, reverse=True))
-        return keys
+            keys.extend(self._key(b, t) for t in tiers)
+        last = self.seq_len_tiers[-1]
+        for q in self.verify_query_lens:
+            keys.extend(self._key(b, last, q) for b in self.verify_batch_sizes)
+        return sorted(keys, key=lambda k: (k.num_tokens, k.max_seq_len), reverse=True)
 
-    def key_for(self, num_seqs: int, max_seq_len: int) -> GraphKey | None:
-        """The graph for a decode step, or None when it must run eagerly (too many sequences
-        or a context longer than the last tier)."""
+    def key_for(self, num_seqs: int, max_seq_len: int, query_len: int = 1) -> GraphKey | None:
+        """The graph for a decode step (query_len 1) or a verify step (query_len k + 1 for
+        every sequence), or None when it must run eagerly (too many sequences, a context
+        longer than the last tier, a query length without graphs)."""
+        if max_seq_len > self.seq_len_tiers[-1]:
+            return None
+        if query_len != 1:
+            if query_len not in self.verify_query_lens:
+                return None
+            b = next((s for s in self.verify_batch_sizes if s >= num_seqs), None)
+            return None if b is None else self._key(b, self.seq_len_tiers[-1], query_len)
         b = next((s for s in self.batch_sizes if s >= num_seqs), None)
-        if b is None or max_seq_len > self.seq_len_tiers[-1]:
+        if b is None:
             return None
         if b not in self.tiered:
             return self._key(b, self.seq_len_tiers[-1])
@@ -120,22 +153,26 @@ class GraphPlan:
 
     @property
     def max_buffer_words(self) -> int:
-        return max(buffer_words(k.batch_size, k.block_table_width) for k in self.keys())
+        return max(
+            buffer_words(k.batch_size, k.block_table_width, k.query_len) for k in self.keys()
+        )
 
-    def _key(self, batch_size: int, tier: int) -> GraphKey:
-        return GraphKey(batch_size, tier, -(-tier // self.block_size))
+    def _key(self, batch_size: int, tier: int, query_len: int = 1) -> GraphKey:
+        return GraphKey(batch_size, tier, -(-tier // self.block_size), query_len)
 
 
 def cuda_graph_plan(
     config: EngineConfig, model_config: ModelConfig, kv_cache: torch.Tensor, max_model_len: int
 ) -> GraphPlan | None:
-    """The decode graphs this runner captures, or None when every step runs eagerly:
+    """The decode graphs this runner captures (and verify graphs for the configured k under
+    speculative decoding), or None when every step runs eagerly:
     ``enforce_eager``, a cache not served by the CUDA kernels (CPU, float32, a build without
     kernels, PAGEDD_ATTENTION_BACKEND=torch), or a sliding-window model (its windowed layers
     attend on the torch path, whose Python control flow a graph would freeze)."""
     if config.enforce_eager or not uses_kernels(kv_cache) or model_config.has_sliding_window:
         return None
     tp = config.tensor_parallel_size
+    spec = config.speculative
     return make_graph_plan(
         config.max_num_seqs,
         min(config.max_seq_len_to_capture, max_model_len),
@@ -144,6 +181,8 @@ def cuda_graph_plan(
         model_config.num_attention_heads // tp,
         model_config.head_dim,
         fp8_cache=is_fp8(kv_cache.dtype),
+        num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
+        max_verify_seqs=0 if spec is None else spec.disable_by_batch_size,
     )
 
 
@@ -155,11 +194,15 @@ def make_graph_plan(
     num_q_heads: int,  # this rank's
     head_dim: int = 128,
     fp8_cache: bool = False,
+    num_speculative_tokens: int = 0,
+    max_verify_seqs: int = 0,
 ) -> GraphPlan:
     """The buckets and tiers (cuda_graph_inputs.py); a bucket needs one graph per tier unless
     its decode runs on tensor cores with one partition at every tier (then the graph of the
     longest tier serves every context with one partition, as eager does). fp8_cache: the KV
-    cache is float8_e4m3fn, which splits up to more sequences (decode_tc_partition_size)."""
+    cache is float8_e4m3fn, which splits up to more sequences (decode_tc_partition_size).
+    num_speculative_tokens (k > 0): verify graphs of query length k + 1 for the buckets up to
+    the first holding ``max_verify_seqs`` sequences (speculation's disable_by_batch_size)."""
     batch_sizes = capture_batch_sizes(max_num_seqs)
     tiers = capture_seq_len_tiers(max_seq_len_to_capture)
 
@@ -169,57 +212,72 @@ def make_graph_plan(
         return all(decode_tc_partition_size(b, num_kv_heads, t, fp8_cache) >= t for t in tiers)
 
     tiered = frozenset(b for b in batch_sizes if not one_graph(b))
-    return GraphPlan(tuple(batch_sizes), tuple(tiers), block_size, tiered)
+    verify_sizes: list[int] = []
+    if num_speculative_tokens > 0 and max_verify_seqs > 0:
+        for b in batch_sizes:
+            verify_sizes.append(b)
+            if b >= max_verify_seqs:
+                break
+    verify_lens = (num_speculative_tokens + 1,) if verify_sizes else ()
+    return GraphPlan(
+        tuple(batch_sizes), tuple(tiers), block_size, tiered, tuple(verify_sizes), verify_lens
+    )
 
 
-def buffer_words(batch_size: int, width: int) -> int:
-    """int64 words of the static buffer of a graph of this bucket and block-table width."""
-    b = batch_size
-    return 3 * b + -(-(b * width + 2 * b + 1) // 2)
+def buffer_words(batch_size: int, width: int, query_len: int = 1) -> int:
+    """int64 words of the static buffer of a graph of this bucket, block-table width and
+    query length."""
+    b, t = batch_size, batch_size * query_len
+    return 3 * t + -(-(b * width + 2 * b + 1) // 2)
 
 
-def pack_decode_inputs(
-    input_ids: np.ndarray,  # [n] int64
-    positions: np.ndarray,  # [n] int64
-    slot_mapping: np.ndarray,  # [n] int64
+def pack_graph_inputs(
+    input_ids: np.ndarray,  # [n * q] int64
+    positions: np.ndarray,  # [n * q] int64
+    slot_mapping: np.ndarray,  # [n * q] int64
     block_tables: np.ndarray,  # [n, any width] int32
     seq_lens: np.ndarray,  # [n] int32
     key: GraphKey,
 ) -> np.ndarray:
-    """-> [buffer_words(b, w)] int64: the step's decode inputs padded to ``key``'s bucket.
+    """-> [buffer_words(b, w, q)] int64: the step's n sequences of q = key.query_len tokens
+    each, padded to ``key``'s bucket.
 
     Block-table columns past ``w`` are dropped: no sequence of the step reaches them, since
     every context is at most the tier (a step may hold a block allocated ahead).
     """
-    n, b, w = len(input_ids), key.batch_size, key.block_table_width
+    n, b, w, q = len(seq_lens), key.batch_size, key.block_table_width, key.query_len
     if n > b:
         raise ValueError(f"{n} sequences do not fit a graph of batch size {b}")
-    words = np.zeros(buffer_words(b, w), dtype=np.int64)
-    words[:n] = input_ids
-    words[b : b + n] = positions
-    words[2 * b : 2 * b + n] = slot_mapping
-    words[2 * b + n : 3 * b] = PAD_SLOT_ID
+    if len(input_ids) != n * q:
+        raise ValueError(f"{len(input_ids)} tokens are not {n} sequences of {q} tokens")
+    t, nt = b * q, n * q
+    words = np.zeros(buffer_words(b, w, q), dtype=np.int64)
+    words[:nt] = input_ids
+    words[t : t + nt] = positions
+    words[2 * t : 2 * t + nt] = slot_mapping
+    words[2 * t + nt : 3 * t] = PAD_SLOT_ID
     ints = words.view(np.int32)
-    bt, lens, qsl = _int32_fields(ints[6 * b :], b, w)
+    bt, lens, qsl = _int32_fields(ints[6 * t :], b, w)
     cols = min(w, block_tables.shape[1])
     bt[:n, :cols] = block_tables[:, :cols]  # padding rows stay block 0
     lens[:n] = seq_lens
-    lens[n:] = 1
-    qsl[:] = np.arange(b + 1, dtype=np.int32)  # every row is one query token
+    lens[n:] = q  # a padding row's queries are its whole context: none past it
+    qsl[:] = np.arange(0, (b + 1) * q, q, dtype=np.int32)  # every row is q query tokens
     return words
 
 
-def decode_input_views(buffer: torch.Tensor, key: GraphKey) -> dict[str, torch.Tensor]:
-    """Views of the static buffer (int64, contiguous) in ``pack_decode_inputs``' layout:
-    input_ids [b] int64, positions [b] int64, slot_mapping [b] int64, block_tables [b, w]
-    int32, seq_lens [b] int32, query_start_loc [b + 1] int32."""
-    b, w = key.batch_size, key.block_table_width
-    ints = buffer[: buffer_words(b, w)].view(torch.int32)
-    block_tables, seq_lens, query_start_loc = _int32_fields(ints[6 * b :], b, w)
+def graph_input_views(buffer: torch.Tensor, key: GraphKey) -> dict[str, torch.Tensor]:
+    """Views of the static buffer (int64, contiguous) in ``pack_graph_inputs``' layout, T =
+    b * q: input_ids [T] int64, positions [T] int64, slot_mapping [T] int64, block_tables
+    [b, w] int32, seq_lens [b] int32, query_start_loc [b + 1] int32."""
+    b, w, q = key.batch_size, key.block_table_width, key.query_len
+    t = b * q
+    ints = buffer[: buffer_words(b, w, q)].view(torch.int32)
+    block_tables, seq_lens, query_start_loc = _int32_fields(ints[6 * t :], b, w)
     return {
-        "input_ids": buffer[:b],
-        "positions": buffer[b : 2 * b],
-        "slot_mapping": buffer[2 * b : 3 * b],
+        "input_ids": buffer[:t],
+        "positions": buffer[t : 2 * t],
+        "slot_mapping": buffer[2 * t : 3 * t],
         "block_tables": block_tables,
         "seq_lens": seq_lens,
         "query_start_loc": query_start_loc,

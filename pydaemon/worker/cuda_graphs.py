@@ -1,11 +1,15 @@
-"""CUDA graphs for decode steps: capture once per padded shape, replay every decode step.
+"""CUDA graphs for decode and verify steps: capture once per padded shape, replay each step.
 
 A decode step of 8B-class models launches ~15 kernels per layer; launched one by one from
 Python that is milliseconds of host time per token at batch 1. A graph replays the whole
 forward pass (embedding to final norm, every layer's kernels and, under tensor parallelism,
 its NCCL all-reduces) with one launch.
 
-- Shapes (batch buckets, seq-len tiers) and the static input buffer: cuda_graph_inputs.py.
+- Shapes (batch buckets, seq-len tiers, verify query lengths) and the static input buffer:
+  cuda_graph_inputs.py. A verify step (speculative decoding: each sequence's last token and
+  its k drafts, q = k + 1 rows over the cached context) runs the same forward with every row
+  a prefill row of q tokens; its logits rows, like decode's, are computed outside the graph
+  and the rejection sampler runs after it.
 - Capture: after the KV cache exists (the graphs hold its pointers), largest shape first,
   all graphs sharing one memory pool (they never run at once, so the pool is about the
   largest graph's activations). Each capture is preceded by one eager run of the same shape
@@ -36,8 +40,8 @@ from pydaemon.layers.attention_metadata import AttentionMetadata
 from pydaemon.worker.cuda_graph_inputs import (
     GraphKey,
     GraphPlan,
-    decode_input_views,
-    pack_decode_inputs,
+    graph_input_views,
+    pack_graph_inputs,
 )
 from pydaemon.worker.input_batch import StepInput
 from pydaemon.worker.kv_cache import GiB
@@ -48,11 +52,11 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    hidden: torch.Tensor  # [batch_size, hidden_size]: the graph's output, rewritten by replay
+    hidden: torch.Tensor  # [num_tokens, hidden_size]: the graph's output, rewritten by replay
 
 
 class CUDAGraphRunner:
-    """Holds the captured decode graphs of one model and one KV cache (one TP rank)."""
+    """Holds the captured decode and verify graphs of one model and one KV cache (one TP rank)."""
 
     def __init__(self, model: nn.Module, kv_cache: torch.Tensor, plan: GraphPlan) -> None:
         self.model = model
@@ -103,16 +107,16 @@ class CUDAGraphRunner:
 
     def load_inputs(
         self,
-        input_ids: np.ndarray,  # [n] int64
-        positions: np.ndarray,  # [n] int64
-        slot_mapping: np.ndarray,  # [n] int64
+        input_ids: np.ndarray,  # [n * q] int64
+        positions: np.ndarray,  # [n * q] int64
+        slot_mapping: np.ndarray,  # [n * q] int64
         block_tables: np.ndarray,  # [n, any width] int32
         seq_lens: np.ndarray,  # [n] int32
         key: GraphKey,
     ) -> None:
-        """Writes a decode batch, padded to ``key``, into the static buffer (one copy)."""
+        """Writes a decode or verify batch, padded to ``key``, into the static buffer (one copy)."""
         host = torch.from_numpy(
-            pack_decode_inputs(input_ids, positions, slot_mapping, block_tables, seq_lens, key)
+            pack_graph_inputs(input_ids, positions, slot_mapping, block_tables, seq_lens, key)
         )
         if self.device.type == "cuda":
             # Pinned through the caching host allocator, which keeps the page until the copy
@@ -123,35 +127,50 @@ class CUDAGraphRunner:
 
     def forward(self, key: GraphKey) -> torch.Tensor:
         """The model on the static buffer's views for ``key``: what a graph captures.
-        -> hidden [key.batch_size, hidden_size]."""
-        views = decode_input_views(self.buffer, key)
-        b = key.batch_size
+        -> hidden [key.num_tokens, hidden_size].
+
+        A verify key (query_len q > 1): every row is a prefill row of q tokens, so attention is
+        one paged-prefill launch whose grid depends on b and q only (max_query_len = q)."""
+        views = graph_input_views(self.buffer, key)
+        b, q = key.batch_size, key.query_len
+        is_verify = q > 1
         meta = AttentionMetadata(
-            num_prefills=0,
-            num_prefill_tokens=0,
-            num_decode_tokens=b,
+            num_prefills=b if is_verify else 0,
+            num_prefill_tokens=b * q if is_verify else 0,
+            num_decode_tokens=0 if is_verify else b,
             slot_mapping=views["slot_mapping"],
             block_tables=views["block_tables"],
             seq_lens=views["seq_lens"],
             query_start_loc=views["query_start_loc"],
             max_seq_len=key.max_seq_len,  # the tier: sizes the split-KV grid for any step in it
-            max_query_len=1,
+            max_query_len=q,
             # Bounds, not the step's values. Only the torch attention path reads them, and
             # never in a graph (cuda_graph_plan in cuda_graph_inputs.py); its decode sizes a gather with them and masks
             # with the device seq_lens, so this forward is also exact on a CPU cache.
             seq_lens_cpu=[key.max_seq_len] * b,
-            query_lens_cpu=[1] * b,
+            query_lens_cpu=[q] * b,
         )
         return self.model(views["input_ids"], views["positions"], self.kv_cache, meta)
 
     # ---- replay -----------------------------------------------------------------------------
     def key_for(self, step: StepInput) -> GraphKey | None:
         """The graph serving this step, or None when it must run eagerly (prefill work, more
-        sequences than the largest bucket, or a context past the last tier)."""
+        sequences than the largest bucket, or a context past the last tier). A step whose
+        rows all have q tokens (a verify step: every sequence a decode with k = q - 1
+        drafts, all of them prefill rows) is served by a verify graph of that q."""
         num_seqs = len(step.seq_ids)
-        if step.num_prefills != 0 or len(step.input_ids) != num_seqs or num_seqs == 0:
+        if num_seqs == 0:
             return None
-        key = self.plan.key_for(num_seqs, int(step.seq_lens.max()))
+        query_len = 1
+        if step.num_prefills != 0:
+            query_len = int(step.query_lens[0])
+            if step.num_prefills != num_seqs or query_len == 1:
+                return None
+            if not (step.query_lens == query_len).all():
+                return None
+        if len(step.input_ids) != num_seqs * query_len:
+            return None
+        key = self.plan.key_for(num_seqs, int(step.seq_lens.max()), query_len)
         return key if key in self.graphs else None
 
     def run(
@@ -160,7 +179,7 @@ class CUDAGraphRunner:
         key: GraphKey,
         fill_input_ids: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
-        """-> hidden [num_seqs, hidden_size]: a view of the graph's output buffer, valid until
+        """-> hidden [num_tokens, hidden_size]: a view of the graph's output buffer, valid until
         the next replay (stream order makes the caller's LM head read it first).
 
         The logits stay outside the graph: under tensor parallelism they are gathered to
@@ -172,11 +191,11 @@ class CUDAGraphRunner:
             step.input_ids, step.positions, step.slot_mapping, step.block_tables, step.seq_lens, key
         )
         if fill_input_ids is not None:  # async scheduling: placeholders filled on the device
-            fill_input_ids(decode_input_views(self.buffer, key)["input_ids"])
+            fill_input_ids(graph_input_views(self.buffer, key)["input_ids"])
         entry = self.graphs[key]
         entry.graph.replay()
         self.num_replays += 1
-        return entry.hidden[: len(step.seq_ids)]
+        return entry.hidden[: len(step.input_ids)]
 
     def release(self) -> None:
         """Drops the graphs and their pool (empty_cache returns the memory afterwards)."""
@@ -209,14 +228,16 @@ def capture_all(runner: CUDAGraphRunner) -> CUDAGraphRunner | None:
     torch.cuda.empty_cache()  # the warm-ups' blocks, cached on the capture stream
     used = free_before - torch.cuda.mem_get_info(device)[0]
     logger.info(
-        "CUDA graphs: captured %d decode graphs in %.1f s, %.3f GiB (batch sizes %s; seq-len "
-        "tiers %s for batch sizes %s)",
+        "CUDA graphs: captured %d graphs in %.1f s, %.3f GiB (batch sizes %s; seq-len "
+        "tiers %s for batch sizes %s; verify query lengths %s for batch sizes %s)",
         len(runner.graphs),
         time.perf_counter() - start,
         used / GiB,
         ",".join(map(str, plan.batch_sizes)),
         ",".join(map(str, plan.seq_len_tiers)),
         ",".join(map(str, sorted(plan.tiered))) or "none",
+        ",".join(map(str, plan.verify_query_lens)) or "none",
+        ",".join(map(str, plan.verify_batch_sizes)) or "none",
     )
     return runner
 
@@ -254,7 +275,7 @@ def measure_graph_memory(model: nn.Module, kv_cache: torch.Tensor, plan: GraphPl
     del probe
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
-    outputs = sum(k.batch_size for k in keys[1:]) * row_bytes
+    outputs = sum(k.num_tokens for k in keys[1:]) * row_bytes
     total = max(0, free0 - free1) + each * (len(keys) - 1) + outputs
     logger.info(
         "CUDA graphs: %d to capture; measured %.3f GiB for the largest, %.1f MiB for the "

@@ -116,7 +116,7 @@ class ModelRunner:
             from pydaemon.ops import SwapStream
 
             self.swap_stream = SwapStream(self.kv_cache, self.cpu_kv_cache)
-        # Decode graphs hold the real cache's pointers: captured after it exists (their memory
+        # Decode (and verify) graphs hold the real cache's pointers: captured after it exists (their memory
         # was kept out of the cache's budget by _profile_num_blocks).
         self.cuda_graphs: CUDAGraphRunner | None = None
         self._graphs_to_capture: CUDAGraphRunner | None = None  # after the KV scales' step
@@ -266,9 +266,9 @@ class ModelRunner:
         key = None if graphs is None else graphs.key_for(step)
         if key is None:
             return self._forward_eager(step)
-        # hidden: [num_seqs, hidden_size], a view of the graph's output
+        # hidden: [num_tokens, hidden_size], a view of the graph's output
         hidden = graphs.run(step, key, lambda ids: self._fill_placeholders(ids, step))
-        if len(step.sample_index) == len(step.seq_ids):  # every row, in order: no gather
+        if len(step.sample_index) == len(step.input_ids):  # every row, in order: no gather
             return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[_to(step.sample_index, self.device)])
 

@@ -7,8 +7,9 @@ short prefill of m + 1 tokens (the paged prefill path attends over the cached co
 the new tokens), moved into the step's prefill group. Every verified position's logits are
 sampled: the other sequences through the StepSampler as usual, the verified ones through the
 RejectionSampler, whose accepted run (drafts, then one sampled token) becomes the sequence's
-``sampled_token_ids`` entry. Verify steps run eagerly (a step with prefill rows has no CUDA
-graph) and synchronously (the scheduler must see the accepted run before planning the next
+``sampled_token_ids`` entry. A verify step where every sequence has exactly k drafts (no
+plain decode, no prefill beside them) replays a verify CUDA graph (cuda_graphs.py); other
+verify steps run eagerly. Verify steps run synchronously (the scheduler must see the accepted run before planning the next
 step: speculation turns async scheduling off).
 """
 
