@@ -4,15 +4,22 @@ Two workloads:
 
 - ``oracle`` (the mechanism's ceiling): the Llama-3-8B shape with dummy weights, bf16; a plain
   engine (CUDA graphs) decodes ``--batches`` requests greedily and its tokens become the
-  references of an OracleProposer (benchmark-only: it drafts the tokens greedy decoding will
-  produce), which a second engine with speculation verifies, for each k in ``--ks``. Drafts
-  are exact up to bf16 near-ties between the plain (decode kernel) and verify (prefill
-  kernel) paths: the acceptance rate is reported, not assumed.
+  references of the drafts an engine with speculation verifies (one engine per k in
+  ``--ks``: verify CUDA graphs are captured for the configured k). By default
+  (``--oracle-accept-all``) every step drafts k tokens and verification keeps them all
+  (bench/spec_forced.py: benchmark-only hooks no configuration can select), so every step
+  has exactly a perfect oracle's shape, k + 1 tokens verified and kept per sequence; the
+  steps, drafts and verify-graph replays are reported so that this can be checked. With
+  ``--no-oracle-accept-all`` an OracleProposer drafts the reference and the real rejection
+  sampler decides: random weights make near-ties that the decode and prefill kernels round
+  differently, so the outputs part after a few tokens and drafting stops (the honest
+  acceptance is reported, not assumed).
 - ``ngram``: the default model (real SmolLM2-135M-Instruct weights) on a copy-heavy workload
   (prompts that ask to repeat or lightly edit a passage they quote), n-gram drafts against
   no speculation, batch 1 and 32: acceptance rate and speed-up.
 
-Per configuration and batch: one warm-up, then ``--runs`` runs, alternating engines; each
+Per configuration and batch: one warm-up, then ``--runs`` runs, alternating with the plain
+engine (whose TPOT is the median over all of its runs); each
 run submits the whole batch at once and steps the in-process engine. TPOT per request =
 (latency - TTFT) / (output tokens - 1), as bench/tpot_batch1.py; reported: the median over
 requests and runs, output tokens/s, the spec-decode counters, and TPOT ratios against the
@@ -37,6 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.loadgen_env import environment, write_json  # noqa: E402
+from bench.spec_forced import AcceptAllRejectionSampler, ForcedOracleProposer  # noqa: E402
 from bench.throughput_models import write_model_config  # noqa: E402
 
 PASSAGES = (
@@ -75,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--num-kv-blocks", type=int, default=6144, help="per engine")
+    p.add_argument("--oracle-accept-all", action=argparse.BooleanOptionalAction, default=None,
+                   help="oracle workload (default on there): every step drafts k tokens and "
+                        "verification keeps them all (bench/spec_forced.py), so each step has "
+                        "a perfect oracle's shape; off: the OracleProposer and the real "
+                        "acceptance, which random weights make diverge")  # fmt: skip
     p.add_argument("--out", default=None, help="JSON file to write")
     return p
 
@@ -93,8 +106,10 @@ def run_batch(llm, prompts: list[list[int]], output_len: int, device: str) -> di
         engine.add_request(f"r{i}", list(prompt), params)
     times: dict[str, list[float]] = {f"r{i}": [] for i in range(len(prompts))}
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    num_steps = 0
     while engine.has_unfinished_requests():
         outputs = engine.step()
+        num_steps += 1
         now = time.perf_counter()
         for out in outputs:
             new = list(out.outputs[0].token_ids) if out.outputs else []
@@ -107,6 +122,7 @@ def run_batch(llm, prompts: list[list[int]], output_len: int, device: str) -> di
         "tpot_ms": statistics.median(tpots),
         "ttft_ms": statistics.median(t[0] - start for t in times.values()) * 1e3,
         "output_tokens_per_s": total / (end - start),
+        "num_steps": num_steps,
         "tokens": [tokens[f"r{i}"] for i in range(len(prompts))],
     }
 
@@ -146,12 +162,48 @@ def _prompts(args, llm, batch: int) -> list[list[int]]:
     return prompts
 
 
+def _install(llm, args, prompts, reference, k: int) -> None:
+    """The oracle workload's drafting on a spec engine's runner (benchmark-only hooks)."""
+    from pydaemon.worker.spec.oracle_proposer import OracleProposer
+    from pydaemon.worker.spec.rejection_sampler import RejectionSampler
+
+    decoder = llm.engine.core.runner.spec_decoder
+    if args.oracle_accept_all:
+        decoder.proposer = ForcedOracleProposer(prompts, reference["tokens"], max_drafts=k)
+        decoder.rejection_sampler = AcceptAllRejectionSampler()
+    else:
+        full = [p + t for p, t in zip(prompts, reference["tokens"], strict=True)]
+        decoder.proposer = OracleProposer(full, max_drafts=k)
+        decoder.rejection_sampler = RejectionSampler()
+
+
+def _graph_replays(llm) -> tuple[int, int]:
+    """(replays, of which verify graphs) so far; (0, 0) without graphs."""
+    graphs = llm.engine.core.runner.cuda_graphs
+    return (0, 0) if graphs is None else (graphs.num_replays, graphs.num_verify_replays)
+
+
+def _shutdown(llm) -> None:
+    import gc
+
+    import torch
+
+    llm.engine.shutdown()
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.oracle_accept_all is None:
+        args.oracle_accept_all = args.workload == "oracle"
+    if args.oracle_accept_all and args.workload != "oracle":
+        raise SystemExit("--oracle-accept-all is for the oracle workload")
     batches = [int(b) for b in args.batches.split(",")]
     ks = [int(k) for k in args.ks.split(",")]
     from pydaemon import LLM
-    from pydaemon.worker.spec.oracle_proposer import OracleProposer
 
     common = dict(device=args.device, dtype=args.dtype, num_kv_blocks=args.num_kv_blocks,
                   max_num_seqs=max(batches), enable_prefix_caching=False, swap_space=0.5,
@@ -165,70 +217,42 @@ def main(argv: list[str] | None = None) -> int:
         from pydaemon.config.engine import DEFAULT_MODEL
 
         args.model = DEFAULT_MODEL
-    max_k = max(ks)
-    spec = {"method": "ngram", "num_speculative_tokens": max_k,
-            "disable_by_batch_size": max(batches)}  # fmt: skip
     plain = LLM(args.model, **common)
-    engines = {"plain": plain}
-    if args.workload == "oracle":
-        engines["spec"] = LLM(args.model, speculative_config=spec, **common)
-    else:
-        for k in ks:
-            engines[f"ngram_k{k}"] = LLM(args.model, speculative_config={**spec, "num_speculative_tokens": k}, **common)  # fmt: skip
-    results: dict = {}
-    for batch in batches:
+    inputs = {}
+    for batch in batches:  # the references (greedy outputs), also a warm-up of plain
         prompts = _prompts(args, plain, batch)
-        reference = run_batch(plain, prompts, args.output_len, args.device)  # also a warm-up
-        full = [p + t for p, t in zip(prompts, reference["tokens"], strict=True)]
-        configs = [("plain", "plain", None)]
-        if args.workload == "oracle":
-            configs += [(f"oracle_k{k}", "spec", k) for k in ks]
-        else:
-            configs += [(f"ngram_k{k}", f"ngram_k{k}", None) for k in ks]
-        runs: dict[str, list[dict]] = {name: [] for name, _, _ in configs}
-        for _, engine_name, k in configs:  # warm-up of every configuration
-            llm = engines[engine_name]
-            if k is not None:
-                llm.engine.core.runner.spec_decoder.proposer = OracleProposer(full, max_drafts=k)
-            run_batch(llm, prompts, min(8, args.output_len), args.device)
-        for _ in range(args.runs):
-            for name, engine_name, k in configs:
-                llm = engines[engine_name]
-                if k is not None:
-                    llm.engine.core.runner.spec_decoder.proposer = OracleProposer(
-                        full, max_drafts=k
-                    )
-                before = _spec_counters(llm) if engine_name != "plain" else None
+        inputs[batch] = (prompts, run_batch(plain, prompts, args.output_len, args.device))
+    prefix = "oracle" if args.workload == "oracle" else "ngram"
+    runs: dict[int, dict[str, list[dict]]] = {b: {"plain": []} for b in batches}
+    for k in ks:
+        # One engine per k: verify CUDA graphs are captured for the configured k only.
+        spec = {"method": "ngram", "num_speculative_tokens": k,
+                "disable_by_batch_size": max(batches)}  # fmt: skip
+        llm = LLM(args.model, speculative_config=spec, **common)
+        name = f"{prefix}_k{k}"
+        for batch in batches:
+            prompts, reference = inputs[batch]
+            runs[batch][name] = []
+            if args.workload == "oracle":
+                _install(llm, args, prompts, reference, k)
+            run_batch(llm, prompts, min(8, args.output_len), args.device)  # warm-up
+            for _ in range(args.runs):  # alternating engines
+                runs[batch]["plain"].append(
+                    _summary(run_batch(plain, prompts, args.output_len, args.device))
+                )
+                before, replays = _spec_counters(llm), _graph_replays(llm)
                 run = run_batch(llm, prompts, args.output_len, args.device)
-                if before is not None:
-                    run["spec"] = _delta(_spec_counters(llm), before)
-                    run["same_tokens_fraction"] = (
-                        sum(a == b for a, b in zip(run["tokens"], reference["tokens"], strict=True))
-                        / batch
-                    )
-                runs[name].append({key: v for key, v in run.items() if key != "tokens"})
-        row = {}
-        for name, name_runs in runs.items():
-            med = {key: statistics.median(r[key] for r in name_runs)
-                   for key in ("tpot_ms", "ttft_ms", "output_tokens_per_s")}  # fmt: skip
-            if name != "plain":
-                med["acceptance_rate"] = statistics.median(
-                    r["spec"]["acceptance_rate"] for r in name_runs
+                run["spec"] = _delta(_spec_counters(llm), before)
+                after = _graph_replays(llm)
+                run["graph_replays"] = after[0] - replays[0]
+                run["verify_graph_replays"] = after[1] - replays[1]
+                run["same_tokens_fraction"] = (
+                    sum(a == b for a, b in zip(run["tokens"], reference["tokens"], strict=True))
+                    / batch
                 )
-                med["mean_accepted_per_step"] = statistics.median(
-                    r["spec"]["mean_accepted_per_step"] for r in name_runs
-                )
-            row[name] = {**med, "runs": name_runs}
-        for name in row:
-            row[name]["speedup_tpot_vs_plain"] = row["plain"]["tpot_ms"] / row[name]["tpot_ms"]
-        results[str(batch)] = row
-        print(f"batch {batch}")
-        print(f"  {'config':12} {'TPOT ms':>9} {'speed-up':>9} {'accept':>7} {'tok/s':>9}")
-        for name, r in row.items():
-            accept = r.get("acceptance_rate")
-            accept_s = "-" if accept is None else f"{accept:.2f}"
-            print(f"  {name:12} {r['tpot_ms']:9.3f} {r['speedup_tpot_vs_plain']:8.2f}x "
-                  f"{accept_s:>7} {r['output_tokens_per_s']:9.1f}")  # fmt: skip
+                runs[batch][name].append(_summary(run))
+        _shutdown(llm)
+    results = {str(batch): _table(batch, runs[batch]) for batch in batches}
     report = {
         "meta": {
             **environment(["bench/spec_decode.py", *(argv or sys.argv[1:])]),
@@ -243,17 +267,54 @@ def main(argv: list[str] | None = None) -> int:
             "prompt_tokens": args.prompt_len if args.workload == "oracle" else "copy prompts",
             "output_tokens": args.output_len,
             "runs": args.runs,
-            "notes": "verify steps run eagerly (no CUDA graph for steps with prefill rows); "
-            "speculation turns async scheduling off; the plain engine uses both",
+            "oracle_accept_all": args.oracle_accept_all,
+            "notes": "one speculating engine per k (verify CUDA graphs are captured for the "
+            "configured k); oracle_accept_all: every step drafts k tokens and keeps them all "
+            "(bench/spec_forced.py), so acceptance is 1 by construction and the figures are "
+            "a perfect oracle's step shapes; speculation turns async scheduling off, the "
+            "plain engine uses it",
         },
         "results": results,
     }
     if args.out:
         write_json(Path(args.out), report)
         print(f"wrote {args.out}", file=sys.stderr)
-    for llm in engines.values():
-        llm.engine.shutdown()
+    _shutdown(plain)
     return 0
+
+
+def _summary(run: dict) -> dict:
+    """A run without its tokens, plus its step count."""
+    return {key: v for key, v in run.items() if key != "tokens"}
+
+
+def _table(batch: int, runs: dict[str, list[dict]]) -> dict:
+    """Medians per configuration, printed as a table; -> the batch's JSON row."""
+    row = {}
+    for name, name_runs in runs.items():
+        med = {key: statistics.median(r[key] for r in name_runs)
+               for key in ("tpot_ms", "ttft_ms", "output_tokens_per_s", "num_steps")}  # fmt: skip
+        if name != "plain":
+            for key in ("acceptance_rate", "mean_accepted_per_step", "num_drafts",
+                        "num_draft_tokens"):  # fmt: skip
+                med[key] = statistics.median(r["spec"][key] for r in name_runs)
+            for key in ("graph_replays", "verify_graph_replays"):
+                med[key] = statistics.median(r[key] for r in name_runs)
+        row[name] = {**med, "runs": name_runs}
+    for name in row:
+        row[name]["speedup_tpot_vs_plain"] = row["plain"]["tpot_ms"] / row[name]["tpot_ms"]
+    print(f"batch {batch}")
+    print(f"  {'config':12} {'TPOT ms':>9} {'speed-up':>9} {'accept':>7} {'tok/s':>9} "
+          f"{'steps':>6} {'drafts':>7} {'verify graphs':>13}")  # fmt: skip
+    for name, r in row.items():
+        accept = r.get("acceptance_rate")
+        accept_s = "-" if accept is None else f"{accept:.2f}"
+        drafts = r.get("num_drafts", "-")
+        graphs = r.get("verify_graph_replays", "-")
+        print(f"  {name:12} {r['tpot_ms']:9.3f} {r['speedup_tpot_vs_plain']:8.2f}x "
+              f"{accept_s:>7} {r['output_tokens_per_s']:9.1f} {r['num_steps']:>6} "
+              f"{drafts:>7} {graphs:>13}")  # fmt: skip
+    return row
 
 
 if __name__ == "__main__":

@@ -69,6 +69,7 @@ class CUDAGraphRunner:
         self.stream: torch.cuda.Stream | None = None  # the capture stream
         self.graphs: dict[GraphKey, _Graph] = {}
         self.num_replays = 0
+        self.num_verify_replays = 0  # of num_replays: verify graphs (query_len > 1)
         # Padding rows attend to block 0's first slot: it must hold finite values from the
         # start (torch.empty may hold NaN bit patterns); a real sequence only writes K/V there.
         kv_cache[0].zero_()
@@ -195,6 +196,7 @@ class CUDAGraphRunner:
         entry = self.graphs[key]
         entry.graph.replay()
         self.num_replays += 1
+        self.num_verify_replays += key.query_len > 1
         return entry.hidden[: len(step.input_ids)]
 
     def release(self) -> None:
