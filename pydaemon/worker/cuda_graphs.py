@@ -70,7 +70,7 @@ class CUDAGraphRunner:
         self.graphs: dict[GraphKey, _Graph] = {}
         self.num_replays = 0
         self.num_verify_replays = 0  # of num_replays: verify graphs (query_len > 1)
-        # Padding rows attend to block 0's first slot: it must hold finite values from the
+        # Padding rows attend to block 0's first slots: they must hold finite values from the
         # start (torch.empty may hold NaN bit patterns); a real sequence only writes K/V there.
         kv_cache[0].zero_()
 
