@@ -183,13 +183,13 @@ def _graph_replays(llm) -> tuple[int, int]:
     return (0, 0) if graphs is None else (graphs.num_replays, graphs.num_verify_replays)
 
 
-def _shutdown(llm) -> None:
+def _free_device_memory() -> None:
+    """After the last reference to a shut-down engine is gone: its weights, cache and graphs
+    back to the device before the next engine sizes itself."""
     import gc
 
     import torch
 
-    llm.engine.shutdown()
-    del llm
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -251,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
                     / batch
                 )
                 runs[batch][name].append(_summary(run))
-        _shutdown(llm)
+        llm.engine.shutdown()
+        del llm  # one speculating engine at a time beside the plain one
+        _free_device_memory()
     results = {str(batch): _table(batch, runs[batch]) for batch in batches}
     report = {
         "meta": {
@@ -279,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         write_json(Path(args.out), report)
         print(f"wrote {args.out}", file=sys.stderr)
-    _shutdown(plain)
+    plain.engine.shutdown()
     return 0
 
 
