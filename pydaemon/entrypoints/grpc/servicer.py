@@ -12,6 +12,7 @@ stream ends with UNAVAILABLE.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
@@ -24,6 +25,7 @@ from google.protobuf.message import DecodeError
 from pydaemon import __version__
 from pydaemon.engine.engine_client import EngineClient, EngineCoreDiedError, EngineDeadError
 from pydaemon.entrypoints.common.validation import (
+    EngineArgs,
     RequestInvalid,
     check_request_id,
     check_text_size,
@@ -213,24 +215,53 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def _start(self, stream: _Stream, start: pb.StartRequest) -> None:
         request_id = start.request_id
         try:
-            args = self._admit(start)
+            if start.WhichOneof("prompt") == "messages":
+                # Rendering and tokenizing take long for a big conversation: they run off the
+                # event loop, in the request's task; only the size is checked here.
+                self._check_chat(start)
+                args = None
+            else:
+                args = self._admit(start)
         except RequestInvalid as e:
             stream.out.put_nowait(error_frame(request_id, e.code, e.message))
             return
-        account = RequestAccount(request_id, num_sequences=args.params.n)
+        account = RequestAccount(request_id, num_sequences=args.params.n if args else 1)
         live = _Live(account, f"{next(self._ids)}-{request_id}")
         stream.live[request_id] = live
-        live.task = asyncio.create_task(self._run(stream, live, args))
+        live.task = asyncio.create_task(self._run(stream, live, args or start))
+        if args is not None:
+            self._arm_time_limit(live, args)
+
+    def _arm_time_limit(self, live: _Live, args: EngineArgs) -> None:
         if args.time_limit_s is not None:
             live.timer = asyncio.get_running_loop().call_later(
                 args.time_limit_s, self._cancel, live, pb.FINISH_REASON_TIME_LIMIT
             )
 
-    def _admit(self, start: pb.StartRequest):
+    def _check_serving(self) -> None:
         if not self.is_admitting or self.engine is None or not self.engine.is_alive:
             raise RequestInvalid(
                 grpc.StatusCode.UNAVAILABLE, "server is not serving (starting or draining)"
             )
+
+    def _check_chat(self, start: pb.StartRequest) -> None:
+        self._check_serving()
+        contents = [m.content for m in start.messages.messages]
+        check_text_size(contents, self.engine.model_info.max_model_len, "prompt messages")
+
+    async def _admit_chat(self, start: pb.StartRequest) -> EngineArgs:
+        """Renders the messages into token ids off the event loop, then admits."""
+        info = self.engine.model_info
+        start = await asyncio.get_running_loop().run_in_executor(
+            None,
+            functools.partial(
+                apply_model_prompt, start, self.engine.tokenizer, info.generation_defaults
+            ),
+        )
+        return self._admit(start)
+
+    def _admit(self, start: pb.StartRequest) -> EngineArgs:
+        self._check_serving()
         info = self.engine.model_info
         start = apply_model_prompt(start, self.engine.tokenizer, info.generation_defaults)
         args = to_engine_args(
@@ -253,10 +284,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if live.task is not None:
             live.task.cancel()
 
-    async def _run(self, stream: _Stream, live: _Live, args) -> None:
+    async def _run(self, stream: _Stream, live: _Live, args: EngineArgs | pb.StartRequest) -> None:
         account = live.account
         final: pb.GenerateResponse | None = None
         try:
+            if isinstance(args, pb.StartRequest):  # chat messages, not rendered yet
+                args = await self._admit_chat(args)
+                account.num_sequences = args.params.n
+                self._arm_time_limit(live, args)
             async for output in self.engine.generate(
                 live.engine_request_id, args.prompt, args.params, args.priority, args.cache_salt
             ):
@@ -266,6 +301,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     final = account.finished()
         except asyncio.CancelledError:
             final = account.finished(live.cancel_reason or pb.FINISH_REASON_CANCELLED)
+        except RequestInvalid as e:
+            final = error_frame(account.request_id, e.code, e.message)
         except ValueError as e:
             final = error_frame(account.request_id, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineCoreDiedError as e:

@@ -12,19 +12,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pydaemon.config.generation import GenerationDefaults
-from pydaemon.entrypoints.common.validation import MAX_CACHE_SALT_LEN
+from pydaemon.entrypoints.common.limits import MAX_CACHE_SALT_LEN, LimitError
 from pydaemon.sampling_params import SamplingParams
 
 MAX_STOP_STRINGS = 16
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default
 
 
-class InvalidParam(ValueError):
+class InvalidParam(LimitError):
     """A request field with a bad value; ``param`` names the field."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 class StreamOptions(BaseModel):

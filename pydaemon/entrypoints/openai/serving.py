@@ -7,17 +7,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydaemon.config.generation import GenerationDefaults
+from pydaemon.entrypoints.common.limits import (
+    check_text_size,
+    check_texts_size,
+    iter_strings,
+)
 from pydaemon.entrypoints.common.metrics import Metrics
 from pydaemon.entrypoints.openai.accumulator import Accumulator
 from pydaemon.entrypoints.openai.engine_stream import GenerateClient
 from pydaemon.entrypoints.openai.errors import ApiError, bad_request
 from pydaemon.entrypoints.openai.protocol import InvalidParam
+from pydaemon.tokenizer.loader import encode_chat
 
 
 @dataclass(frozen=True)
@@ -109,13 +116,33 @@ class OpenAIServing:
     # ---- prompts -----------------------------------------------------------------------
 
     async def encode(self, text: str, *, add_bos: bool, param: str) -> list[int]:
-        """Token ids of a prompt, tokenized off the event loop (a long prompt takes ms)."""
+        """Token ids of a prompt, tokenized off the event loop (a long prompt takes ms); a text
+        too long to fit is refused before tokenizing (it would take seconds)."""
         if self.tokenizer is None:
             raise bad_request("this model has no tokenizer: send the prompt as token ids", param)
         if not text:
             raise bad_request(f"{param} is empty", param)
+        check_text_size(text, self.model.max_model_len, param)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(None, self.tokenizer.encode, text, add_bos)
+
+    async def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list | None, **kwargs: Any
+    ) -> list[int]:
+        """Token ids of a conversation rendered by the chat template. Its size is checked first;
+        rendering and tokenizing run off the event loop (a big conversation takes seconds)."""
+        if self.tokenizer is None:
+            raise bad_request("this model has no tokenizer, so no chat template", "messages")
+        check_texts_size(
+            list(iter_strings((messages, tools))), self.model.max_model_len, "messages"
+        )
+        loop = asyncio.get_running_loop()
+        encode = functools.partial(encode_chat, self.tokenizer, messages, tools=tools, **kwargs)
+        try:
+            _, ids = await loop.run_in_executor(None, encode)
+        except ValueError as e:  # no template, or the template refused the messages
+            raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
+        return ids
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
