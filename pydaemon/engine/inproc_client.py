@@ -28,6 +28,7 @@ from pydaemon.engine.engine_client import (
     EngineDeadError,
     ServedModelInfo,
     merge_deltas,
+    num_sequences,
     stream_request,
 )
 from pydaemon.engine.prompt_input import first_eos_token_id
@@ -94,7 +95,7 @@ class InprocEngineClient(EngineClient):
         self.num_loop_iterations = 0
         self.last_progress_time = time.monotonic()
         self.latest_stats = engine.get_stats()  # refreshed by the engine thread
-        self.num_unscheduled = 0  # posted requests with no output yet (admission control)
+        self.num_unscheduled = 0  # posted sequences with no output yet (admission control)
 
     @classmethod
     def load(cls, engine_factory: Callable[[], Any]) -> InprocEngineClient:
@@ -149,11 +150,12 @@ class InprocEngineClient(EngineClient):
             raise EngineDeadError(f"engine failed: {self.error!r}")
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
         arrival = time.monotonic()
-        self.num_unscheduled += 1
+        num_seqs = num_sequences(params)
+        self.num_unscheduled += num_seqs
         self._post(("add", request_id, prompt, params, priority, cache_salt, arrival, sink))
 
         def scheduled() -> None:
-            self.num_unscheduled -= 1
+            self.num_unscheduled -= num_seqs
 
         async for output in stream_request(sink.queue, scheduled, lambda: self.abort(request_id)):
             yield output

@@ -113,3 +113,30 @@ def test_oversized_http_text_prompt_is_refused_before_tokenizing(start_server):
     assert r.status == 400 and r.json()["error"]["param"] == "prompt.1"
     assert "cannot fit in max_model_len 64" in r.json()["error"]["message"]
     assert engine.tokenizer.num_encoded_chars == 2  # "ok" only
+
+
+def _serving(**kw):
+    from pydaemon.entrypoints.grpc.servicer import ServingOptions
+
+    return ServingOptions(**kw)
+
+
+def test_queue_limit_counts_sequences_prompts_times_n(start_server):
+    """Finding 2: a batch of prompts with n > 1 counts as prompts x n sequences."""
+    engine = FakeEngine(num_gpu_blocks=4096, max_model_len=64, step_delay_s=0.002)
+    st = start_server(lambda: engine, http_port=0, serving=_serving(max_queued_requests=8))
+    body = {"model": "fake", "max_tokens": 2, "n": 2, "temperature": 1.0}
+    ok = post(st, "/v1/completions", {**body, "prompt": [[5]] * 4})  # 8 sequences
+    assert ok.status == 200, ok.text
+    r = post(st, "/v1/completions", {**body, "prompt": [[5]] * 5})  # 10 sequences
+    assert r.status == 429 and r.json()["error"]["code"] == "queue_full"
+    assert "adds 10" in r.json()["error"]["message"]
+    chat = {"model": "fake", "max_tokens": 2, "n": 9, "temperature": 1.0}
+    r = post(st, "/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "x"}]})
+    assert r.status == 429
+    client = BidiClient(st.stub())
+    sampling = pb.SamplingParams(max_tokens=2, n=3, best_of=9, temperature=1.0)
+    client.start("g", [5], sampling=sampling).close_send()
+    (err,) = client.collect()["g"]
+    assert err.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert st.wait_all_blocks_free().num_free_gpu_blocks == 4096

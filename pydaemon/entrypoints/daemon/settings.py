@@ -91,7 +91,12 @@ SERVER_FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
     ("--api-key-file", str, None, "read the API key from this file (first line)"),
     ("--tls-cert", str, None, "PEM certificate chain: serve TLS (with --tls-key)"),
     ("--tls-key", str, None, "PEM private key"),
-    ("--max-queued-requests", int, 1024, "beyond this many waiting requests: RESOURCE_EXHAUSTED"),
+    (
+        "--max-queued-requests",
+        int,
+        1024,
+        "beyond this many waiting sequences (prompts x n): RESOURCE_EXHAUSTED / 429",
+    ),
     (
         "--stall-timeout",
         float,

@@ -23,7 +23,12 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from pydaemon import __version__
-from pydaemon.engine.engine_client import EngineClient, EngineCoreDiedError, EngineDeadError
+from pydaemon.engine.engine_client import (
+    EngineClient,
+    EngineCoreDiedError,
+    EngineDeadError,
+    num_sequences,
+)
 from pydaemon.entrypoints.common.validation import (
     EngineArgs,
     RequestInvalid,
@@ -44,7 +49,7 @@ _MAX_FRAMES_PER_WRITE = 4096  # a GenerateBatched message stays far below 4 MiB
 
 @dataclass
 class ServingOptions:
-    max_queued_requests: int = 1024  # beyond this many unscheduled requests: RESOURCE_EXHAUSTED
+    max_queued_requests: int = 1024  # beyond this many unscheduled sequences: RESOURCE_EXHAUSTED
     stall_timeout_s: float = 30.0  # a client not reading this long has its requests aborted
 
 
@@ -270,11 +275,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             has_tokenizer=info.has_tokenizer,
             max_model_len=info.max_model_len,
         )
-        if self.engine.num_unscheduled >= self.options.max_queued_requests:
+        num_queued = self.engine.num_unscheduled
+        num_new = num_sequences(args.params)
+        if num_queued + num_new > self.options.max_queued_requests:
             raise RequestInvalid(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{self.engine.num_unscheduled} requests are already queued "
-                f"(--max-queued-requests {self.options.max_queued_requests}); retry later",
+                f"{num_queued} sequences are queued and this request adds {num_new}; "
+                f"--max-queued-requests is {self.options.max_queued_requests}: retry later",
             )
         return args
 

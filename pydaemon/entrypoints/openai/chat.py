@@ -34,7 +34,7 @@ async def create_chat_completion(
 ) -> web.StreamResponse:
     body = ChatCompletionRequest.model_validate_json(await request.read())
     body.check()
-    serving.admit(body.model)
+    serving.admit(body.model, body.n)
     prompt = EnginePrompt(
         await serving.encode_chat(
             [m.for_template() for m in body.messages],

@@ -45,7 +45,7 @@ class HttpOptions:
     metrics_auth: bool = True  # with api_key: /metrics requires it too
     tls_cert: str | None = None  # PEM files: serve HTTPS (the same pair as gRPC's TLS)
     tls_key: str | None = None
-    max_queued_requests: int = 1024  # beyond this many unscheduled requests: 429
+    max_queued_requests: int = 1024  # beyond this many unscheduled sequences: 429
     stall_timeout_s: float = 30.0  # a streaming client not reading this long is dropped
     max_body_bytes: int = 16 * 1024 * 1024
 
@@ -92,7 +92,8 @@ class OpenAIServing:
         self.engine = self.tokenizer = self.metrics = None
         self.num_queued = lambda: 0
 
-    def admit(self, model_name: str) -> None:
+    def admit(self, model_name: str, num_sequences: int = 1) -> None:
+        """``num_sequences``: what the request adds to the queue (prompts x best_of)."""
         if not self.is_serving:
             raise ApiError(
                 503, "the server is not serving (draining or failed)", code="not_serving"
@@ -105,11 +106,13 @@ class OpenAIServing:
                 code="model_not_found",
             )
         num_queued = self.num_queued()
-        if num_queued >= self.options.max_queued_requests:
+        limit = self.options.max_queued_requests
+        if num_queued + num_sequences > limit:
             raise ApiError(
                 429,
-                f"{num_queued} requests are already queued (--max-queued-requests "
-                f"{self.options.max_queued_requests}); retry later",
+                f"{num_queued} sequences are queued and this request adds {num_sequences} "
+                f"(prompts x n); --max-queued-requests is {limit}: retry later"
+                + ("" if num_sequences <= limit else ", with fewer prompts or a smaller n"),
                 code="queue_full",
             )
 
