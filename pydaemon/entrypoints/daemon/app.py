@@ -22,6 +22,7 @@ import grpc
 
 from pydaemon.engine.engine_client import EngineClient
 from pydaemon.entrypoints.common.metrics import Metrics
+from pydaemon.entrypoints.daemon.fd_limits import quiet_accept_errors, raise_fd_limit
 from pydaemon.entrypoints.daemon.metrics_http import MetricsServer
 from pydaemon.entrypoints.daemon.sd_notify import SdNotifier, watchdog_interval_s
 from pydaemon.entrypoints.grpc.auth import ApiKeyInterceptor
@@ -52,6 +53,7 @@ class ServerOptions:
     keepalive_time_s: float = 30.0
     keepalive_timeout_s: float = 10.0
     grace_period_s: float = 30.0
+    idle_timeout_s: float = 15.0  # HTTP: idle or half-sent connections are closed after this
     serving: ServingOptions = field(default_factory=ServingOptions)
 
     def __post_init__(self) -> None:
@@ -191,6 +193,7 @@ class PageddServer:
             tls_key=o.tls_key,
             max_queued_requests=o.serving.max_queued_requests,
             stall_timeout_s=o.serving.stall_timeout_s,
+            idle_timeout_s=o.idle_timeout_s,
             max_body_bytes=o.max_message_bytes,
         )
         async_engine = self.async_engine
@@ -268,6 +271,8 @@ async def serve(client_factory: Callable[[], EngineClient], options: ServerOptio
     """Runs the daemon until SIGTERM or SIGINT, then drains; returns the exit code."""
     server = PageddServer(options)
     loop = asyncio.get_running_loop()
+    raise_fd_limit()
+    quiet_accept_errors(loop)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)

@@ -2,8 +2,10 @@
 
 One request per connection (``Connection: close``), which is what Prometheus scrapes need.
 A client gets ``header_timeout_s`` to send its request head and at most ``max_connections``
-are open at once (beyond that a new one is closed at once), so idle sockets cost a file
-descriptor for a few seconds, never a thread. With an API key, the request must carry
+are open at once, so idle sockets cost a file descriptor for a few seconds, never a thread.
+At the cap, a new connection evicts the oldest one still waiting for its head (a scraper
+sends its head at once, so idle keyless sockets cannot starve authenticated scrapes); only
+when every open connection is being answered is the new one closed. With an API key, the request must carry
 ``Authorization: Bearer <key>`` (Prometheus: ``authorization: {credentials: ...}``).
 """
 
@@ -43,6 +45,8 @@ class MetricsServer:
         self.header_timeout_s = header_timeout_s
         self.max_connections = max_connections
         self.num_connections = 0
+        # connections still sending their request head, oldest first (dict: ordered set)
+        self._waiting: dict[asyncio.StreamWriter, None] = {}
         self._server: asyncio.Server | None = None
 
     async def start(self) -> None:
@@ -58,11 +62,17 @@ class MetricsServer:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self.num_connections >= self.max_connections:
-            writer.close()
-            return
+            if not self._waiting:
+                writer.close()
+                return
+            oldest = next(iter(self._waiting))
+            del self._waiting[oldest]
+            oldest.close()  # its handler ends (and is uncounted) on the next turn
         self.num_connections += 1
+        self._waiting[writer] = None
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.header_timeout_s)
+            self._waiting.pop(writer, None)
             status, body = self._respond(head)
             await self._write(writer, status, body)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
@@ -70,6 +80,7 @@ class MetricsServer:
         except (ConnectionError, OSError) as e:
             logger.debug("metrics connection failed: %r", e)
         finally:
+            self._waiting.pop(writer, None)
             self.num_connections -= 1
             writer.close()
 

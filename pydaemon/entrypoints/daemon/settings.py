@@ -104,6 +104,12 @@ SERVER_FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
         "abort the requests of a client not reading for this long (s)",
     ),
     ("--grace-period", float, 30.0, "on SIGTERM, let streams finish for this long (s)"),
+    (
+        "--idle-timeout",
+        float,
+        15.0,
+        "close an HTTP connection idle, or still sending its request, for this long (s)",
+    ),
     ("--max-message-bytes", int, 16 * 1024 * 1024, "largest gRPC message in either direction"),
     ("--keepalive-time", float, 30.0, "seconds between HTTP/2 keepalive pings"),
     ("--keepalive-timeout", float, 10.0, "seconds to wait for a keepalive ack"),
@@ -239,6 +245,7 @@ def resolve(args: argparse.Namespace) -> tuple[dict[str, Any], ServerOptions, st
         keepalive_time_s=values["keepalive_time"],
         keepalive_timeout_s=values["keepalive_timeout"],
         grace_period_s=values["grace_period"],
+        idle_timeout_s=values["idle_timeout"],
         serving=serving,
     )
     return engine_kwargs, options, values["log_level"]

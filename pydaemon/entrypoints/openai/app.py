@@ -125,6 +125,8 @@ class HttpServer:
             handler_cancellation=True,
             access_log=None,
             shutdown_timeout=1.0,
+            # Closes a connection idle (or still sending its request head) this long.
+            keepalive_timeout=self.options.idle_timeout_s,
         )
         await runner.setup()
         site = web.TCPSite(

@@ -32,7 +32,7 @@ from pydaemon.entrypoints.openai.serving import OpenAIServing
 async def create_chat_completion(
     serving: OpenAIServing, request: web.Request
 ) -> web.StreamResponse:
-    body = ChatCompletionRequest.model_validate_json(await request.read())
+    body = ChatCompletionRequest.model_validate_json(await serving.read_body(request))
     body.check()
     serving.admit(body.model, body.n)
     prompt = EnginePrompt(

@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from aiohttp import web
+
 from pydaemon.config.generation import GenerationDefaults
 from pydaemon.entrypoints.common.limits import (
     check_text_size,
@@ -47,6 +49,9 @@ class HttpOptions:
     tls_key: str | None = None
     max_queued_requests: int = 1024  # beyond this many unscheduled sequences: 429
     stall_timeout_s: float = 30.0  # a streaming client not reading this long is dropped
+    # An idle connection, or one whose request head or body stops arriving, is closed after
+    # this long (a slow-loris client must not hold a file descriptor for ever).
+    idle_timeout_s: float = 15.0
     max_body_bytes: int = 16 * 1024 * 1024
 
 
@@ -115,6 +120,17 @@ class OpenAIServing:
                 + ("" if num_sequences <= limit else ", with fewer prompts or a smaller n"),
                 code="queue_full",
             )
+
+    async def read_body(self, request: web.Request) -> bytes:
+        """The request body, which must arrive within the idle timeout (else 408, and the
+        connection is closed: aiohttp would otherwise linger reading the rest)."""
+        try:
+            return await asyncio.wait_for(request.read(), self.options.idle_timeout_s)
+        except asyncio.TimeoutError:
+            request.protocol.force_close()
+            raise ApiError(
+                408, f"the request body did not arrive within {self.options.idle_timeout_s} s"
+            ) from None
 
     # ---- prompts -----------------------------------------------------------------------
 
