@@ -11,7 +11,7 @@ from pydaemon.engine.llm_engine import LLMEngine
 from pydaemon.model_loader.default_model import DEFAULT_MODEL
 from pydaemon.outputs import CompletionOutput, RequestOutput
 from pydaemon.sampling_params import SamplingParams
-from pydaemon.tokenizer.loader import encode_chat
+from pydaemon.tokenizer.chat_encoding import encode_chat
 
 
 class LLM:
@@ -46,10 +46,12 @@ class LLM:
         tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
         use_tqdm: bool | None = None,
+        parse_special_tokens_in_content: bool = False,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or to
         several; each is rendered by the model's chat template. ``prompt`` of each output is
-        the rendered text."""
+        the rendered text. Special-token text inside messages is plain text unless
+        ``parse_special_tokens_in_content`` (the template's own markers are always tokens)."""
         if not messages:
             raise ValueError("messages is empty: give a conversation or a list of them")
         conversations = [messages] if isinstance(messages[0], dict) else messages
@@ -60,7 +62,8 @@ class LLM:
                 list(conversation),
                 add_generation_prompt,
                 tools,
-                **(chat_template_kwargs or {}),
+                chat_template_kwargs=chat_template_kwargs,
+                parse_special_tokens_in_content=parse_special_tokens_in_content,
             )
             texts.append(text)
             token_ids.append(ids)

@@ -194,6 +194,7 @@ class PageddServer:
             max_queued_requests=o.serving.max_queued_requests,
             stall_timeout_s=o.serving.stall_timeout_s,
             idle_timeout_s=o.idle_timeout_s,
+            parse_special_tokens_in_chat=o.serving.parse_special_tokens_in_chat,
             max_body_bytes=o.max_message_bytes,
         )
         async_engine = self.async_engine

@@ -71,7 +71,15 @@ ENGINE_BOOL_FLAGS = (
         "GPU, off on CPU and with tensor parallelism; --async-scheduling turns it on for both)",
     ),
 )
-SERVER_BOOL_FLAGS = (("--metrics-auth", True, "with an API key, /metrics requires it too"),)
+SERVER_BOOL_FLAGS = (
+    ("--metrics-auth", True, "with an API key, /metrics requires it too"),
+    (
+        "--parse-special-tokens-in-chat",
+        False,
+        "read special-token text in chat message content (<|im_start|>...) as control tokens, "
+        "as transformers does; off: it is plain text, so a message cannot open a new turn",
+    ),
+)
 
 # (flag, type, default, help). Keys map onto ServerOptions / ServingOptions.
 SERVER_FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
@@ -228,7 +236,9 @@ def resolve(args: argparse.Namespace) -> tuple[dict[str, Any], ServerOptions, st
     engine_keys = {_key(f[0]) for f in (*ENGINE_FLAGS, *ENGINE_BOOL_FLAGS)}
     engine_kwargs = {k: v for k, v in values.items() if k in engine_keys}
     serving = ServingOptions(
-        max_queued_requests=values["max_queued_requests"], stall_timeout_s=values["stall_timeout"]
+        max_queued_requests=values["max_queued_requests"],
+        stall_timeout_s=values["stall_timeout"],
+        parse_special_tokens_in_chat=values["parse_special_tokens_in_chat"],
     )
     options = ServerOptions(
         host=values["host"],

@@ -9,13 +9,19 @@ import grpc
 from pydaemon.config.generation import GenerationDefaults
 from pydaemon.entrypoints.common.validation import RequestInvalid
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
-from pydaemon.tokenizer.loader import AnyTokenizer, encode_chat
+from pydaemon.tokenizer.chat_encoding import encode_chat
+from pydaemon.tokenizer.loader import AnyTokenizer
 
 
 def apply_model_prompt(
-    start: pb.StartRequest, tokenizer: AnyTokenizer | None, defaults: GenerationDefaults
+    start: pb.StartRequest,
+    tokenizer: AnyTokenizer | None,
+    defaults: GenerationDefaults,
+    *,
+    parse_special_tokens_in_chat: bool = False,
 ) -> pb.StartRequest:
-    """-> ``start`` itself when nothing changes, else a changed copy."""
+    """-> ``start`` itself when nothing changes, else a changed copy. Special-token text in
+    message content stays plain text unless ``parse_special_tokens_in_chat``."""
     has_chat = start.WhichOneof("prompt") == "messages"
     unset = {
         name: value
@@ -34,7 +40,11 @@ def apply_model_prompt(
         if not messages:
             raise RequestInvalid(grpc.StatusCode.INVALID_ARGUMENT, "prompt messages is empty")
         try:
-            _, ids = encode_chat(tokenizer, messages)
+            _, ids = encode_chat(
+                tokenizer,
+                messages,
+                parse_special_tokens_in_content=parse_special_tokens_in_chat,
+            )
         except ValueError as e:
             raise RequestInvalid(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         start.token_ids.ids[:] = ids  # sets the oneof: messages is cleared

@@ -12,7 +12,6 @@ stream ends with UNAVAILABLE.
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import logging
 import time
@@ -23,21 +22,15 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from pydaemon import __version__
-from pydaemon.engine.engine_client import (
-    EngineClient,
-    EngineCoreDiedError,
-    EngineDeadError,
-    num_sequences,
-)
+from pydaemon.engine.engine_client import EngineClient, EngineCoreDiedError, EngineDeadError
 from pydaemon.entrypoints.common.validation import (
     EngineArgs,
     RequestInvalid,
     check_request_id,
     check_text_size,
-    to_engine_args,
 )
+from pydaemon.entrypoints.grpc.admission import admit, check_chat_size, render_chat
 from pydaemon.entrypoints.grpc.frames import RequestAccount, error_frame
-from pydaemon.entrypoints.grpc.model_prompt import apply_model_prompt
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 from pydaemon.proto.pagedd.v1 import generation_pb2_grpc as pb_grpc
 
@@ -51,6 +44,8 @@ _MAX_FRAMES_PER_WRITE = 4096  # a GenerateBatched message stays far below 4 MiB
 class ServingOptions:
     max_queued_requests: int = 1024  # beyond this many unscheduled sequences: RESOURCE_EXHAUSTED
     stall_timeout_s: float = 30.0  # a client not reading this long has its requests aborted
+    # Special-token text in chat messages parsed as control tokens (role injection): off.
+    parse_special_tokens_in_chat: bool = False
 
 
 @dataclass
@@ -223,7 +218,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if start.WhichOneof("prompt") == "messages":
                 # Rendering and tokenizing take long for a big conversation: they run off the
                 # event loop, in the request's task; only the size is checked here.
-                self._check_chat(start)
+                self._check_serving()
+                check_chat_size(start, self.engine)
                 args = None
             else:
                 args = self._admit(start)
@@ -249,41 +245,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 grpc.StatusCode.UNAVAILABLE, "server is not serving (starting or draining)"
             )
 
-    def _check_chat(self, start: pb.StartRequest) -> None:
-        self._check_serving()
-        contents = [m.content for m in start.messages.messages]
-        check_text_size(contents, self.engine.model_info.max_model_len, "prompt messages")
-
-    async def _admit_chat(self, start: pb.StartRequest) -> EngineArgs:
-        """Renders the messages into token ids off the event loop, then admits."""
-        info = self.engine.model_info
-        start = await asyncio.get_running_loop().run_in_executor(
-            None,
-            functools.partial(
-                apply_model_prompt, start, self.engine.tokenizer, info.generation_defaults
-            ),
-        )
-        return self._admit(start)
-
     def _admit(self, start: pb.StartRequest) -> EngineArgs:
         self._check_serving()
-        info = self.engine.model_info
-        start = apply_model_prompt(start, self.engine.tokenizer, info.generation_defaults)
-        args = to_engine_args(
-            start,
-            vocab_size=info.vocab_size,
-            has_tokenizer=info.has_tokenizer,
-            max_model_len=info.max_model_len,
-        )
-        num_queued = self.engine.num_unscheduled
-        num_new = num_sequences(args.params)
-        if num_queued + num_new > self.options.max_queued_requests:
-            raise RequestInvalid(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{num_queued} sequences are queued and this request adds {num_new}; "
-                f"--max-queued-requests is {self.options.max_queued_requests}: retry later",
-            )
-        return args
+        return admit(start, self.engine, self.options.max_queued_requests)
 
     def _cancel(self, live: _Live, reason: int) -> None:
         if live.cancel_reason is None:
@@ -296,7 +260,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         final: pb.GenerateResponse | None = None
         try:
             if isinstance(args, pb.StartRequest):  # chat messages, not rendered yet
-                args = await self._admit_chat(args)
+                opts = self.options
+                args = self._admit(
+                    await render_chat(args, self.engine, opts.parse_special_tokens_in_chat)
+                )
                 account.num_sequences = args.params.n
                 self._arm_time_limit(live, args)
             async for output in self.engine.generate(

@@ -39,8 +39,8 @@ async def create_chat_completion(
         await serving.encode_chat(
             [m.for_template() for m in body.messages],
             body.tools,
-            add_generation_prompt=body.add_generation_prompt,
-            **(body.chat_template_kwargs or {}),
+            body.add_generation_prompt,
+            body.chat_template_kwargs,
         )
     )
     max_tokens = serving.resolve_max_tokens(

@@ -26,7 +26,7 @@ from pydaemon.entrypoints.openai.accumulator import Accumulator
 from pydaemon.entrypoints.openai.engine_stream import GenerateClient
 from pydaemon.entrypoints.openai.errors import ApiError, bad_request
 from pydaemon.entrypoints.openai.protocol import InvalidParam
-from pydaemon.tokenizer.loader import encode_chat
+from pydaemon.tokenizer.chat_encoding import encode_chat
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,8 @@ class HttpOptions:
     # An idle connection, or one whose request head or body stops arriving, is closed after
     # this long (a slow-loris client must not hold a file descriptor for ever).
     idle_timeout_s: float = 15.0
+    # Special-token text in chat messages parsed as control tokens (role injection): off.
+    parse_special_tokens_in_chat: bool = False
     max_body_bytes: int = 16 * 1024 * 1024
 
 
@@ -146,7 +148,11 @@ class OpenAIServing:
         return await loop.run_in_executor(None, self.tokenizer.encode, text, add_bos)
 
     async def encode_chat(
-        self, messages: list[dict[str, Any]], tools: list | None, **kwargs: Any
+        self,
+        messages: list[dict[str, Any]],
+        tools: list | None,
+        add_generation_prompt: bool,
+        chat_template_kwargs: dict[str, Any] | None,
     ) -> list[int]:
         """Token ids of a conversation rendered by the chat template. Its size is checked first;
         rendering and tokenizing run off the event loop (a big conversation takes seconds)."""
@@ -156,7 +162,15 @@ class OpenAIServing:
             list(iter_strings((messages, tools))), self.model.max_model_len, "messages"
         )
         loop = asyncio.get_running_loop()
-        encode = functools.partial(encode_chat, self.tokenizer, messages, tools=tools, **kwargs)
+        encode = functools.partial(
+            encode_chat,
+            self.tokenizer,
+            messages,
+            add_generation_prompt,
+            tools,
+            chat_template_kwargs=chat_template_kwargs,
+            parse_special_tokens_in_content=self.options.parse_special_tokens_in_chat,
+        )
         try:
             _, ids = await loop.run_in_executor(None, encode)
         except ValueError as e:  # no template, or the template refused the messages
