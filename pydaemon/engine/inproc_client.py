@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -224,7 +225,8 @@ class InprocEngineClient(EngineClient):
                 sink = command[-1]
                 _send(sink, error)
             elif command[0] == "stats":
-                command[1].set_result(self.latest_stats)
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    command[1].set_result(self.latest_stats)
 
     def _check_engine_health(self) -> None:
         """While idle: a dead tensor-parallel worker fails the engine now, not at the next step."""
@@ -260,7 +262,9 @@ class InprocEngineClient(EngineClient):
         elif kind == "stats":
             stats = self.engine.get_stats()
             self.latest_stats = stats
-            command[1].set_result(stats)
+            # The caller's deadline may have passed (its future is cancelled).
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                command[1].set_result(stats)
         else:
             raise AssertionError(f"unknown command {kind!r}")
 

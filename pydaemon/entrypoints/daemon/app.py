@@ -23,6 +23,7 @@ import grpc
 from pydaemon.engine.engine_client import EngineClient
 from pydaemon.entrypoints.common.metrics import Metrics
 from pydaemon.entrypoints.daemon.fd_limits import quiet_accept_errors, raise_fd_limit
+from pydaemon.entrypoints.daemon.liveness import Liveness
 from pydaemon.entrypoints.daemon.metrics_http import MetricsServer
 from pydaemon.entrypoints.daemon.sd_notify import SdNotifier, watchdog_interval_s
 from pydaemon.entrypoints.grpc.auth import ApiKeyInterceptor
@@ -54,6 +55,8 @@ class ServerOptions:
     keepalive_timeout_s: float = 10.0
     grace_period_s: float = 30.0
     idle_timeout_s: float = 15.0  # HTTP: idle or half-sent connections are closed after this
+    # An engine core without a step or heartbeat this long is reported NOT_SERVING / 503.
+    engine_stall_timeout_s: float = 30.0
     serving: ServingOptions = field(default_factory=ServingOptions)
 
     def __post_init__(self) -> None:
@@ -68,9 +71,11 @@ class PageddServer:
         self.options = options
         self.notifier = notifier or SdNotifier()
         self.health = Health()
+        self.liveness = Liveness(self.health, options.engine_stall_timeout_s)
         self.async_engine: EngineClient | None = None  # the engine client, once started
         self.metrics = Metrics(self._stats)
         self.servicer = GenerationServicer(options.serving, self.metrics)
+        self.servicer.is_stalled = self.liveness.is_stalled
         self.metrics_server: MetricsServer | None = None
         self.http: HttpServer | None = None  # the OpenAI API, when http_port is set
         self.port: int | None = None
@@ -158,6 +163,7 @@ class PageddServer:
             await self._start_http(model, client.tokenizer)
         self.servicer.is_admitting = True
         await self.health.set_serving()
+        self.liveness.start(client)
         stats = self.async_engine.latest_stats
         where = f"{o.host}:{self.port}" + (" (TLS)" if o.tls_cert else "")
         metrics_where = (
@@ -205,6 +211,7 @@ class PageddServer:
             options,
             self.metrics,
             num_queued=lambda: async_engine.num_unscheduled,
+            is_stalled=self.liveness.is_stalled,
         )
         await self.http.start()
 
@@ -241,6 +248,7 @@ class PageddServer:
         self.servicer.is_admitting = False
         if self.http is not None:
             self.http.stop_admitting()
+        self.liveness.stop()
         await self.health.set_not_serving()
         num_live = self.num_live_requests
         logger.info("draining: %d live requests, grace period %.1f s", num_live, grace)

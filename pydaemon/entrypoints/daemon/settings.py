@@ -113,6 +113,13 @@ SERVER_FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
     ),
     ("--grace-period", float, 30.0, "on SIGTERM, let streams finish for this long (s)"),
     (
+        "--engine-stall-timeout",
+        float,
+        30.0,
+        "report NOT_SERVING (gRPC health, HTTP /health 503) while the engine core has made no "
+        "step or heartbeat for this long (s)",
+    ),
+    (
         "--idle-timeout",
         float,
         15.0,
@@ -256,6 +263,7 @@ def resolve(args: argparse.Namespace) -> tuple[dict[str, Any], ServerOptions, st
         keepalive_timeout_s=values["keepalive_timeout"],
         grace_period_s=values["grace_period"],
         idle_timeout_s=values["idle_timeout"],
+        engine_stall_timeout_s=values["engine_stall_timeout"],
         serving=serving,
     )
     return engine_kwargs, options, values["log_level"]

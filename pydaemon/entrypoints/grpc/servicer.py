@@ -15,7 +15,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -44,6 +44,7 @@ _MAX_FRAMES_PER_WRITE = 4096  # a GenerateBatched message stays far below 4 MiB
 class ServingOptions:
     max_queued_requests: int = 1024  # beyond this many unscheduled sequences: RESOURCE_EXHAUSTED
     stall_timeout_s: float = 30.0  # a client not reading this long has its requests aborted
+    status_timeout_s: float = 5.0  # GetServerStatus waits this long for the core's stats
     # Special-token text in chat messages parsed as control tokens (role injection): off.
     parse_special_tokens_in_chat: bool = False
 
@@ -81,6 +82,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self._ids = itertools.count()
         self._streams: set[_Stream] = set()
         self._started_at = time.monotonic()
+        self.is_stalled: Callable[[], bool] = lambda: False  # the core missed its heartbeat
 
     # ---- drain support -----------------------------------------------------------------
 
@@ -346,7 +348,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return await asyncio.get_running_loop().run_in_executor(None, tokenize)
 
     async def GetServerStatus(self, request, context) -> pb.ServerStatus:
-        s = await (await self._require_engine(context)).stats()
+        engine = await self._require_engine(context)
+        try:  # a stuck core never answers: its last stats, and is_serving false
+            s = await asyncio.wait_for(engine.stats(), self.options.status_timeout_s)
+            is_stuck = False
+        except asyncio.TimeoutError:
+            s, is_stuck = engine.latest_stats, True
         fields = {
             name: getattr(s, name)
             for name in pb.ServerStatus.DESCRIPTOR.fields_by_name
@@ -361,7 +368,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 accepted_per_position=spec.accepted_per_position,
             )
         return pb.ServerStatus(
-            is_serving=self.is_admitting and self.engine.is_alive,
+            is_serving=(
+                self.is_admitting and engine.is_alive and not is_stuck and not self.is_stalled()
+            ),
             uptime_s=time.monotonic() - self._started_at,
             **fields,
         )

@@ -65,9 +65,13 @@ def build_app(serving: OpenAIServing) -> web.Application:
         return await create_chat_completion(serving, request)
 
     async def health(request: web.Request) -> web.Response:
-        if serving.is_serving:
-            return web.Response(text="")
-        return error_response(503, "not serving (draining or failed)", code="not_serving")
+        if not serving.is_serving:
+            return error_response(503, "not serving (draining or failed)", code="not_serving")
+        if serving.is_stalled():
+            return error_response(
+                503, "the engine core has stopped making progress", code="engine_stalled"
+            )
+        return web.Response(text="")
 
     async def metrics(request: web.Request) -> web.Response:
         if serving.metrics is None:
@@ -100,9 +104,12 @@ class HttpServer:
         options: HttpOptions,
         metrics: Metrics | None = None,
         num_queued: Callable[[], int] | None = None,
+        is_stalled: Callable[[], bool] | None = None,
     ) -> None:
         self.options = options
-        self.serving = OpenAIServing(engine, tokenizer, model, options, metrics, num_queued)
+        self.serving = OpenAIServing(
+            engine, tokenizer, model, options, metrics, num_queued, is_stalled
+        )
         self.port: int | None = None
         self._runner: web.AppRunner | None = None
 

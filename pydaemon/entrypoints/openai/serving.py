@@ -68,7 +68,8 @@ class OpenAIServing:
     """``engine``: the engine client; ``tokenizer``: the model's (``encode``, ``decode``,
     ``apply_chat_template``), or None; ``metrics``: the daemon's Prometheus registry;
     ``num_queued``: requests posted to the engine and not yet scheduled (from every front
-    end), for admission control."""
+    end), for admission control; ``is_stalled``: the engine core has missed its heartbeat
+    (``/health`` answers 503)."""
 
     def __init__(
         self,
@@ -78,6 +79,7 @@ class OpenAIServing:
         options: HttpOptions,
         metrics: Metrics | None = None,
         num_queued: Callable[[], int] | None = None,
+        is_stalled: Callable[[], bool] | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -85,6 +87,7 @@ class OpenAIServing:
         self.options = options
         self.metrics = metrics
         self.num_queued = num_queued or (lambda: 0)
+        self.is_stalled = is_stalled or (lambda: False)  # the engine core missed its heartbeat
         self.is_admitting = True
         self.live: set[LiveRequest] = set()
 
