@@ -33,7 +33,7 @@ async def create_chat_completion(
     serving: OpenAIServing, request: web.Request
 ) -> web.StreamResponse:
     body = ChatCompletionRequest.model_validate_json(await serving.read_body(request))
-    body.check()
+    body.check(serving.model.vocab_size)
     serving.admit(body.model, body.n)
     prompt = EnginePrompt(
         await serving.encode_chat(

@@ -20,7 +20,7 @@ from pydaemon.entrypoints.openai.serving import OpenAIServing
 
 async def create_completion(serving: OpenAIServing, request: web.Request) -> web.StreamResponse:
     body = CompletionRequest.model_validate_json(await serving.read_body(request))
-    body.check()
+    body.check(serving.model.vocab_size)
     serving.admit(body.model, _num_prompts(body.prompt) * max(body.n, body.best_of or 1))
     prompts = await _prompts(serving, body.prompt, body.echo)
     max_tokens = min(

@@ -1,7 +1,9 @@
 """OpenAI request bodies (pydantic), with vLLM's extra sampling fields, and their conversion to
 SamplingParams. Value ranges are SamplingParams' own checks, so the two APIs cannot drift.
 
-Unknown fields are refused (400 naming them); fields that OpenAI clients commonly send but that
+Types are strict (``"stream": "yes"`` or ``"prompt": [true]`` is a 400, not a coercion); the
+limits on stop strings and token ids are entrypoints/common/limits.py's, as for gRPC. Unknown
+fields are refused (400 naming them); fields that OpenAI clients commonly send but that
 change nothing here (``user``, ``store``, ``metadata``...) are accepted and ignored.
 """
 
@@ -12,10 +14,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pydaemon.config.generation import GenerationDefaults
-from pydaemon.entrypoints.common.limits import MAX_CACHE_SALT_LEN, LimitError
+from pydaemon.entrypoints.common.limits import (
+    MAX_CACHE_SALT_LEN,
+    MAX_STOP_TOKEN_IDS,
+    LimitError,
+    check_stop,
+    check_token_ids,
+)
 from pydaemon.sampling_params import SamplingParams
 
-MAX_STOP_STRINGS = 16
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default
 
 
@@ -24,7 +31,7 @@ class InvalidParam(LimitError):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = False
 
@@ -32,7 +39,7 @@ class StreamOptions(BaseModel):
 class _SamplingRequest(BaseModel):
     """Fields that completions and chat completions share."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     n: int = 1
@@ -69,10 +76,12 @@ class _SamplingRequest(BaseModel):
             raise InvalidParam("stream_options is only allowed with stream: true", "stream_options")
         if self.logit_bias:
             raise InvalidParam("logit_bias is not supported", "logit_bias")
-        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
-            raise InvalidParam(
-                f"stop has {len(self.stop)} strings, at most {MAX_STOP_STRINGS}", "stop"
-            )
+
+    def _check_limits(self, vocab_size: int) -> None:
+        """The bounds gRPC enforces too (entrypoints/common/limits.py)."""
+        check_stop([self.stop] if isinstance(self.stop, str) else self.stop or [], "stop")
+        ids = self.stop_token_ids or []
+        check_token_ids(ids, vocab_size, "stop_token_ids", MAX_STOP_TOKEN_IDS)
 
     def sampling_params(
         self,
@@ -119,7 +128,8 @@ class CompletionRequest(_SamplingRequest):
     suffix: str | None = None
     return_token_ids: bool = False  # vLLM's extra: each choice (chunk) carries its token ids
 
-    def check(self) -> None:
+    def check(self, vocab_size: int) -> None:
+        self._check_limits(vocab_size)
         if self.suffix:
             raise InvalidParam("suffix is not supported", "suffix")
         if self.echo and self.logprobs is not None:
@@ -129,7 +139,7 @@ class CompletionRequest(_SamplingRequest):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["text"]
     text: str
@@ -138,7 +148,7 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     """One message; extra keys (e.g. ``reasoning_content``) pass through to the template."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -170,7 +180,15 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def check(self) -> None:
+    def check(self, vocab_size: int) -> None:
+        self._check_limits(vocab_size)
+        if self.tools and self.tool_choice in (None, "auto"):
+            # Until tool calls are parsed, "auto" would silently return them as plain text.
+            raise InvalidParam(
+                "tool calls are not parsed by this server: with tools, set tool_choice 'none' "
+                "(the tools are rendered into the prompt; the reply is plain text)",
+                "tool_choice",
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParam("top_logprobs needs logprobs: true", "top_logprobs")
         if self.tool_choice not in (None, "none", "auto"):

@@ -128,7 +128,12 @@ class OpenAIServing:
 
     async def read_body(self, request: web.Request) -> bytes:
         """The request body, which must arrive within the idle timeout (else 408, and the
-        connection is closed: aiohttp would otherwise linger reading the rest)."""
+        connection is closed: aiohttp would otherwise linger reading the rest); it must be JSON,
+        by its Content-Type when it has one (415 otherwise)."""
+        content_type = request.content_type
+        is_json = content_type == "application/json" or content_type.endswith("+json")
+        if "Content-Type" in request.headers and not is_json:
+            raise ApiError(415, f"Content-Type must be application/json (got {content_type!r})")
         try:
             return await asyncio.wait_for(request.read(), self.options.idle_timeout_s)
         except asyncio.TimeoutError:

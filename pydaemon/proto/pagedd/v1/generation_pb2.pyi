@@ -189,18 +189,20 @@ class Timings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., time_to_first_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class Finished(_message.Message):
-    __slots__ = ("finish_reason", "sequence_finish_reasons", "usage", "timings", "stop_reason")
+    __slots__ = ("finish_reason", "sequence_finish_reasons", "usage", "timings", "stop_reason", "abort_reason")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FINISH_REASONS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    ABORT_REASON_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     sequence_finish_reasons: _containers.RepeatedScalarFieldContainer[FinishReason]
     usage: Usage
     timings: Timings
     stop_reason: str
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., sequence_finish_reasons: _Optional[_Iterable[_Union[FinishReason, str]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., stop_reason: _Optional[str] = ...) -> None: ...
+    abort_reason: str
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., sequence_finish_reasons: _Optional[_Iterable[_Union[FinishReason, str]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., stop_reason: _Optional[str] = ..., abort_reason: _Optional[str] = ...) -> None: ...
 
 class RequestError(_message.Message):
     __slots__ = ("code", "message")
