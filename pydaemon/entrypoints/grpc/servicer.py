@@ -38,6 +38,10 @@ logger = logging.getLogger(__name__)
 
 _READER_DONE = object()  # the client half-closed its side
 _MAX_FRAMES_PER_WRITE = 4096  # a GenerateBatched message stays far below 4 MiB
+# Frames a stream may hold for a client that reads slowly. Past this, its requests wait for
+# the writer, and the engine client merges their deltas meanwhile (one growing delta per
+# request, bounded by max_tokens) instead of this queue growing by a frame per token.
+_MAX_BUFFERED_FRAMES = 2 * _MAX_FRAMES_PER_WRITE
 
 
 @dataclass
@@ -71,6 +75,7 @@ class _Stream:
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     live: dict[str, _Live] = field(default_factory=dict)  # client request_id -> request
     is_open: bool = True
+    has_room: asyncio.Event = field(default_factory=asyncio.Event)  # out is below its bound
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -114,6 +119,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         """The writer of one call: takes every item ready in the stream's queue at once (the
         frames of one engine step, typically) and hands the frames to ``write``."""
         stream = _Stream()
+        stream.has_room.set()
         self._streams.add(stream)
         reader = asyncio.create_task(self._read(stream, request_iterator))
         reader_done = False
@@ -122,6 +128,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 items = [await stream.out.get()]
                 while not stream.out.empty() and len(items) < _MAX_FRAMES_PER_WRITE:
                     items.append(stream.out.get_nowait())
+                if stream.out.qsize() < _MAX_BUFFERED_FRAMES:
+                    stream.has_room.set()
                 frames: list[pb.GenerateResponse] = []
                 for item in items:
                     if item is _READER_DONE:
@@ -273,6 +281,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             ):
                 for frame in account.frames(output):
                     stream.out.put_nowait(frame)
+                if stream.out.qsize() >= _MAX_BUFFERED_FRAMES:
+                    stream.has_room.clear()
+                    await stream.has_room.wait()  # backpressure: see _MAX_BUFFERED_FRAMES
                 if output.finished:
                     final = account.finished()
         except asyncio.CancelledError:
