@@ -153,6 +153,7 @@ class PageddServer:
                 o.metrics_host,
                 o.metrics_port,
                 api_key=o.api_key if o.metrics_auth else None,
+                tls=(o.tls_cert, o.tls_key) if o.tls_cert else None,
             )
             await self.metrics_server.start()
         if o.http_port is not None:
@@ -283,7 +284,8 @@ async def serve(client_factory: Callable[[], EngineClient], options: ServerOptio
     raise_fd_limit()
     quiet_accept_errors(loop)
     stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    # SIGHUP (the terminal closed, or a reload by habit) drains too rather than killing.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(sig, stop.set)
     start = asyncio.create_task(server.start(client_factory))
     stopped = asyncio.create_task(stop.wait())

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import ssl
 from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,10 @@ class MetricsServer:
         api_key: str | None = None,
         header_timeout_s: float = 5.0,
         max_connections: int = 64,
+        tls: tuple[str, str] | None = None,
     ) -> None:
+        """``tls``: (certificate chain, private key) PEM files: serve HTTPS, so the API key
+        is not sent in clear text."""
         self._render = render
         self.host = host
         self.port = port  # the bound port once started (0 asks for any free port)
@@ -48,10 +52,19 @@ class MetricsServer:
         # connections still sending their request head, oldest first (dict: ordered set)
         self._waiting: dict[asyncio.StreamWriter, None] = {}
         self._server: asyncio.Server | None = None
+        self._ssl: ssl.SSLContext | None = None
+        if tls is not None:
+            self._ssl = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            self._ssl.load_cert_chain(*tls)
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(
-            self._handle, self.host, self.port, limit=MAX_HEAD_BYTES
+            self._handle,
+            self.host,
+            self.port,
+            limit=MAX_HEAD_BYTES,
+            ssl=self._ssl,
+            ssl_handshake_timeout=self.header_timeout_s if self._ssl else None,
         )
         self.port = self._server.sockets[0].getsockname()[1]
 

@@ -8,6 +8,7 @@ are the flag names without the leading dashes, with ``-`` or ``_`` (``max_num_se
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import sys
@@ -73,6 +74,11 @@ ENGINE_BOOL_FLAGS = (
 )
 SERVER_BOOL_FLAGS = (
     ("--metrics-auth", True, "with an API key, /metrics requires it too"),
+    (
+        "--allow-unauthenticated",
+        False,
+        "listen on a non-loopback address without an API key (refused otherwise)",
+    ),
     (
         "--parse-special-tokens-in-chat",
         False,
@@ -240,6 +246,7 @@ def resolve(args: argparse.Namespace) -> tuple[dict[str, Any], ServerOptions, st
         values["api_key"] = _read_key_file(values["api_key_file"])
     if not values.get("api_key"):
         values["api_key"] = os.environ.get(API_KEY_ENV) or None
+    _check_exposure(values)
     engine_keys = {_key(f[0]) for f in (*ENGINE_FLAGS, *ENGINE_BOOL_FLAGS)}
     engine_kwargs = {k: v for k, v in values.items() if k in engine_keys}
     serving = ServingOptions(
@@ -267,6 +274,31 @@ def resolve(args: argparse.Namespace) -> tuple[dict[str, Any], ServerOptions, st
         serving=serving,
     )
     return engine_kwargs, options, values["log_level"]
+
+
+def _check_exposure(values: dict[str, Any]) -> None:
+    """A port open beyond this machine needs an API key, unless the operator says otherwise."""
+    if values.get("api_key") or values.get("allow_unauthenticated"):
+        return
+    ports = [("host", "port"), ("http_host", "http_port"), ("metrics_host", "metrics_port")]
+    for host_key, port_key in ports:
+        host = values.get(host_key)
+        if values.get(port_key) is not None and host and not is_loopback(host):
+            flag = "--" + host_key.replace("_", "-")
+            raise ValueError(
+                f"{flag} {host} takes requests from other machines without an API key: set "
+                f"--api-key-file or ${API_KEY_ENV} (and --tls-cert), or pass "
+                "--allow-unauthenticated to serve it open"
+            )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
 
 
 def _read_key_file(path: str) -> str:

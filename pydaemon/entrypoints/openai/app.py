@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from pydaemon.entrypoints.common.metrics import Metrics
 from pydaemon.entrypoints.openai.auth import api_key_middleware
@@ -24,6 +25,22 @@ from pydaemon.entrypoints.openai.responses import ModelCard, ModelList
 from pydaemon.entrypoints.openai.serving import HttpOptions, OpenAIServing, ServedModel
 
 logger = logging.getLogger(__name__)
+# aiohttp's connection-level log: a malformed request would log an ERROR traceback each time.
+_server_logger = logging.getLogger(__name__ + ".connections")
+
+
+class _QuietMalformedRequests(logging.Filter):
+    """A request that does not parse is the client's problem: one debug line, no traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, HttpProcessingError):
+            _server_logger.debug("malformed HTTP request: %s", error)
+            return False
+        return True
+
+
+_server_logger.addFilter(_QuietMalformedRequests())
 
 
 def build_app(serving: OpenAIServing) -> web.Application:
@@ -134,6 +151,7 @@ class HttpServer:
             shutdown_timeout=1.0,
             # Closes a connection idle (or still sending its request head) this long.
             keepalive_timeout=self.options.idle_timeout_s,
+            logger=_server_logger,
         )
         await runner.setup()
         site = web.TCPSite(
