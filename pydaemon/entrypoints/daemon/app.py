@@ -145,6 +145,7 @@ class PageddServer:
         client.start()
         self.async_engine = client
         self.metrics.set_baseline(client.latest_stats)  # the warm-up is not a served request
+        self.metrics.model_name = client.model_info.model_name
         self.servicer.engine = client
         o = self.options
         if o.metrics_port is not None:
