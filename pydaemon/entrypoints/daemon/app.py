@@ -117,14 +117,20 @@ class PageddServer:
             server,
         )
         address = f"{o.host}:{o.port}"
-        if o.tls_cert:
-            with open(o.tls_key, "rb") as f_key, open(o.tls_cert, "rb") as f_cert:
-                credentials = grpc.ssl_server_credentials([(f_key.read(), f_cert.read())])
-            self.port = server.add_secure_port(address, credentials)
-        else:
-            self.port = server.add_insecure_port(address)
+        try:  # grpc raises RuntimeError("Failed to bind") where older versions returned 0
+            if o.tls_cert:
+                with open(o.tls_key, "rb") as f_key, open(o.tls_cert, "rb") as f_cert:
+                    credentials = grpc.ssl_server_credentials([(f_key.read(), f_cert.read())])
+                self.port = server.add_secure_port(address, credentials)
+            else:
+                self.port = server.add_insecure_port(address)
+        except RuntimeError:
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot listen on {address}")
+            raise OSError(
+                f"cannot listen on {address}: the port is in use (another daemon?) or the "
+                "address is not one of this machine's"
+            )
         await server.start()
         self._server = server
         self._watchdog_task = asyncio.create_task(self._watchdog())
@@ -253,7 +259,8 @@ class PageddServer:
         self.liveness.stop()
         await self.health.set_not_serving()
         num_live = self.num_live_requests
-        logger.info("draining: %d live requests, grace period %.1f s", num_live, grace)
+        if self.async_engine is not None:  # (nothing to drain when start-up failed)
+            logger.info("draining: %d live requests, grace period %.1f s", num_live, grace)
         self.notifier.stopping(f"draining {num_live} requests")
         deadline = time.monotonic() + grace
         while self.num_live_requests and time.monotonic() < deadline:
@@ -274,7 +281,8 @@ class PageddServer:
             await self.async_engine.shutdown()
         if self.metrics_server is not None:
             await self.metrics_server.stop()
-        logger.info("drained; exiting")
+        if self.async_engine is not None:
+            logger.info("drained; exiting")
         self.is_drained.set()
 
 
@@ -293,11 +301,11 @@ async def serve(client_factory: Callable[[], EngineClient], options: ServerOptio
     await asyncio.wait({start, stopped}, return_when=asyncio.FIRST_COMPLETED)
     if start.done() and start.exception() is not None:
         error = start.exception()
-        # A bad setting (ValueError) is the operator's to fix: its message is enough. Otherwise
-        # the traceback of the error itself (exc_info=True would log "NoneType: None" here).
-        logger.error(
-            "start-up failed: %s", error, exc_info=None if isinstance(error, ValueError) else error
-        )
+        # A bad setting (ValueError) or a port in use, a missing file (OSError) is the
+        # operator's to fix: its message is enough. Otherwise the traceback of the error itself
+        # (exc_info=True would log "NoneType: None" here).
+        is_operators = isinstance(error, (ValueError, OSError))
+        logger.error("start-up failed: %s", error, exc_info=None if is_operators else error)
         server.notifier.status(f"start-up failed: {error}")
         await server.drain()
         return 1

@@ -353,7 +353,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         def tokenize() -> pb.TokenizeResponse:
             # Tokenizers are read-only after loading, so encoding here races with nothing.
             ids = tokenizer.encode(request.text, add_bos=request.add_bos)
-            return pb.TokenizeResponse(token_ids=ids, pieces=[tokenizer.decode([t]) for t in ids])
+            bos = tokenizer.bos_token_id
+            added_bos = (
+                request.add_bos
+                and bos is not None
+                and ids[:1] == [bos]
+                and len(ids) > len(tokenizer.encode(request.text, add_bos=False))
+            )
+            return pb.TokenizeResponse(
+                token_ids=ids, pieces=[tokenizer.decode([t]) for t in ids], added_bos=added_bos
+            )
 
         # Off the event loop: a long text must not stall every other stream.
         return await asyncio.get_running_loop().run_in_executor(None, tokenize)

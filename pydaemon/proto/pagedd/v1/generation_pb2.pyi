@@ -269,12 +269,14 @@ class TokenizeRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., add_bos: _Optional[bool] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
-    __slots__ = ("token_ids", "pieces")
+    __slots__ = ("token_ids", "pieces", "added_bos")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PIECES_FIELD_NUMBER: _ClassVar[int]
+    ADDED_BOS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     pieces: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., pieces: _Optional[_Iterable[str]] = ...) -> None: ...
+    added_bos: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., pieces: _Optional[_Iterable[str]] = ..., added_bos: _Optional[bool] = ...) -> None: ...
 
 class GetServerStatusRequest(_message.Message):
     __slots__ = ()
