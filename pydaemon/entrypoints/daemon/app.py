@@ -23,6 +23,7 @@ import grpc
 from pydaemon.engine.engine_client import EngineClient
 from pydaemon.entrypoints.common.metrics import Metrics
 from pydaemon.entrypoints.daemon.fd_limits import quiet_accept_errors, raise_fd_limit
+from pydaemon.entrypoints.daemon.heap_trim import HeapTrimmer
 from pydaemon.entrypoints.daemon.liveness import Liveness
 from pydaemon.entrypoints.daemon.metrics_http import MetricsServer
 from pydaemon.entrypoints.daemon.sd_notify import SdNotifier, watchdog_interval_s
@@ -57,6 +58,7 @@ class ServerOptions:
     idle_timeout_s: float = 15.0  # HTTP: idle or half-sent connections are closed after this
     # An engine core without a step or heartbeat this long is reported NOT_SERVING / 503.
     engine_stall_timeout_s: float = 30.0
+    heap_trim_interval_s: float = 10.0  # freed heap given back to the OS this often
     serving: ServingOptions = field(default_factory=ServingOptions)
 
     def __post_init__(self) -> None:
@@ -72,6 +74,7 @@ class PageddServer:
         self.notifier = notifier or SdNotifier()
         self.health = Health()
         self.liveness = Liveness(self.health, options.engine_stall_timeout_s)
+        self.heap_trimmer = HeapTrimmer(options.heap_trim_interval_s)
         self.async_engine: EngineClient | None = None  # the engine client, once started
         self.metrics = Metrics(self._stats)
         self.servicer = GenerationServicer(options.serving, self.metrics)
@@ -172,6 +175,7 @@ class PageddServer:
         self.servicer.is_admitting = True
         await self.health.set_serving()
         self.liveness.start(client)
+        self.heap_trimmer.start()
         stats = self.async_engine.latest_stats
         where = f"{o.host}:{self.port}" + (" (TLS)" if o.tls_cert else "")
         metrics_where = (
@@ -257,6 +261,7 @@ class PageddServer:
         if self.http is not None:
             self.http.stop_admitting()
         self.liveness.stop()
+        self.heap_trimmer.stop()
         await self.health.set_not_serving()
         num_live = self.num_live_requests
         if self.async_engine is not None:  # (nothing to drain when start-up failed)
