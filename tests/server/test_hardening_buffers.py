@@ -90,3 +90,35 @@ def test_memory_of_a_burst_of_big_bodies_is_given_back():
     before, peak, after = map(int, out.stdout.split()[-3:])
     assert peak - before > 100, (before, peak, after)  # the burst did cost memory
     assert after - before < 0.3 * (peak - before), (before, peak, after)
+
+
+def test_http_batch_stream_holds_a_bounded_number_of_deltas(monkeypatch):
+    """The HTTP side of finding 7: a batch's per-prompt pumps wait for a slow reader."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from pydaemon.entrypoints.openai import engine_stream
+
+    monkeypatch.setattr(engine_stream, "MAX_BUFFERED_DELTAS", 16, raising=False)
+    produced = 0
+
+    class EndlessClient:
+        is_alive = True
+
+        async def generate(self, request_id, prompt, params, priority=0, cache_salt=None):
+            nonlocal produced
+            while True:
+                produced += 1
+                yield SimpleNamespace(error=None)
+                await asyncio.sleep(0)
+
+    async def main() -> int:
+        prompts = [engine_stream.EnginePrompt([1]) for _ in range(4)]
+        outputs = engine_stream.generate_all(EndlessClient(), "r", prompts, None)
+        await outputs.__anext__()
+        await asyncio.sleep(0.2)  # a reader that stopped reading
+        held = produced - 1
+        await outputs.aclose()
+        return held
+
+    assert asyncio.run(main()) <= 16 + 4
