@@ -31,6 +31,7 @@ from pydaemon.entrypoints.common.validation import (
 )
 from pydaemon.entrypoints.grpc.admission import admit, check_chat_size, render_chat
 from pydaemon.entrypoints.grpc.frames import RequestAccount, error_frame
+from pydaemon.entrypoints.grpc.tokenize import tokenize
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 from pydaemon.proto.pagedd.v1 import generation_pb2_grpc as pb_grpc
 
@@ -350,22 +351,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except RequestInvalid as e:
             await context.abort(e.code, e.message)
 
-        def tokenize() -> pb.TokenizeResponse:
-            # Tokenizers are read-only after loading, so encoding here races with nothing.
-            ids = tokenizer.encode(request.text, add_bos=request.add_bos)
-            bos = tokenizer.bos_token_id
-            added_bos = (
-                request.add_bos
-                and bos is not None
-                and ids[:1] == [bos]
-                and len(ids) > len(tokenizer.encode(request.text, add_bos=False))
-            )
-            return pb.TokenizeResponse(
-                token_ids=ids, pieces=[tokenizer.decode([t]) for t in ids], added_bos=added_bos
-            )
-
         # Off the event loop: a long text must not stall every other stream.
-        return await asyncio.get_running_loop().run_in_executor(None, tokenize)
+        return await asyncio.get_running_loop().run_in_executor(None, tokenize, tokenizer, request)
 
     async def GetServerStatus(self, request, context) -> pb.ServerStatus:
         engine = await self._require_engine(context)
