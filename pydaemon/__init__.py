@@ -4,10 +4,18 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from pydaemon.lora_request import LoRARequest  # noqa: E402
 from pydaemon.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from pydaemon.sampling_params import SamplingParams  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = [
+    "LLM",
+    "LoRARequest",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "__version__",
+]
 
 
 def __getattr__(name: str):

@@ -14,6 +14,7 @@ PREEMPTION_MODES = ("auto", "recompute", "swap")
 LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = (None, "fp8", "fp8_emulated")
 BLOCK_SIZES = (8, 16, 32)
+MAX_LORA_RANK = 512
 KV_CACHE_DTYPES = (
     "auto",
     "fp8",
@@ -45,6 +46,9 @@ class EngineConfig:
     measured over NCCL.
     ``quantization``: None (as the checkpoint is), "fp8" (FP8 weights, CUDA sm_89+) or
     "fp8_emulated" (the same, emulated: any device).
+    ``enable_lora`` serves LoRA adapters (pydaemon/worker/lora_manager.py): ``max_loras``
+    device slots (the most distinct adapters in one batch), ranks up to ``max_lora_rank``, and
+    ``max_cpu_loras`` adapters kept in host memory (None: ``max_loras``).
     """
 
     model: str = DEFAULT_MODEL
@@ -72,6 +76,10 @@ class EngineConfig:
     calculate_kv_scales: bool = False
     # vLLM's speculative_config dict (config/speculative.py); None: no speculation.
     speculative_config: dict | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -130,6 +138,7 @@ class EngineConfig:
             )
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)  # raises naming the key
+        self._check_lora(bad)
         if self.async_scheduling not in (None, True, False):
             raise bad("async_scheduling", "must be true, false or None (auto)")
         if not self.model:
@@ -143,6 +152,24 @@ class EngineConfig:
         if self.speculative_config is None:
             return None
         return SpeculativeConfig.from_dict(self.speculative_config)
+
+    def _check_lora(self, bad) -> None:
+        if not isinstance(self.enable_lora, bool):
+            raise bad("enable_lora", "must be true or false")
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise bad(name, "must be a positive integer")
+        if self.max_lora_rank > MAX_LORA_RANK:
+            raise bad("max_lora_rank", f"must be at most {MAX_LORA_RANK}")
+        if self.max_cpu_loras is not None and (
+            not isinstance(self.max_cpu_loras, int) or self.max_cpu_loras < self.max_loras
+        ):
+            raise bad("max_cpu_loras", "must be an integer >= max_loras, or None")
+
+    @property
+    def num_cpu_loras(self) -> int:
+        return self.max_cpu_loras or self.max_loras
 
     @classmethod
     def field_names(cls) -> list[str]:

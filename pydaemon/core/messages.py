@@ -18,6 +18,7 @@ import msgspec
 
 from pydaemon.core.model_info import ModelInfo
 from pydaemon.core.stats import EngineStats
+from pydaemon.lora_request import LoRARequest
 from pydaemon.outputs import RequestMetrics, TokenLogprobs
 from pydaemon.sampling_params import SamplingParams
 
@@ -31,6 +32,7 @@ class EngineCoreRequest:
     arrival_time: float
     priority: int = 0
     cache_salt: str = ""
+    lora_request: LoRARequest | None = None  # None: the base model
 
 
 class SeqOutput(msgspec.Struct, array_like=True):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from pydaemon.core.beam_search import BeamSearchState
 from pydaemon.core.stop_checker import StopChecker
+from pydaemon.lora_request import LoRARequest
 from pydaemon.outputs import RequestMetrics
 from pydaemon.sampling_params import SamplingParams
 
@@ -85,7 +86,8 @@ class Request:
     params: SamplingParams
     eos_token_ids: set[int]
     priority: int = 0
-    cache_salt: str = ""
+    cache_salt: str = ""  # the prefix cache's salt (the adapter's id included)
+    lora_request: LoRARequest | None = None  # None: the base model
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
     status: RequestStatus = RequestStatus.WAITING
     seqs: list[Sequence] = field(default_factory=list)  # live sequences (running or swapped)

@@ -24,6 +24,9 @@ class EngineStats:
     num_prompt_tokens: int
     num_generation_tokens: int
     spec_decode: SpecDecodeStats | None = None  # None: speculative decoding is off
+    # LoRA: adapter name -> (running, waiting) requests, for adapters with live requests
+    lora_requests: dict[str, tuple[int, int]] = field(default_factory=dict)
+    max_loras: int = 0  # 0: LoRA is off
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -7,7 +7,8 @@ stepped by a thread of this process: tests, embedding). A server imports this mo
 Surface (InprocEngineClient's, so code written against it moves over unchanged):
 
 - ``start()``: bind to the running event loop and begin serving (call once, on the loop).
-- ``async generate(request_id, prompt, params, priority=0, cache_salt=None)``: an async
+- ``async generate(request_id, prompt, params, priority=0, cache_salt=None,
+  lora_request=None)``: an async
   iterator of RequestOutput deltas until the finished one. Raises ValueError for bad input
   and EngineDeadError once the engine is gone; leaving the iteration early aborts.
 - ``abort(request_id)``: the request's blocks are freed before the engine's next step.
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pydaemon.config.generation import GenerationDefaults
+from pydaemon.lora_request import LoRARequest
 from pydaemon.outputs import RequestOutput
 from pydaemon.sampling_params import SamplingParams
 
@@ -77,6 +79,7 @@ class EngineClient(abc.ABC):
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
 
     @abc.abstractmethod

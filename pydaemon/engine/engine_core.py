@@ -17,17 +17,20 @@ import math
 import time
 
 from pydaemon.config.engine import EngineConfig
+from pydaemon.config.lora import check_lora_fits_model, read_lora_config
 from pydaemon.config.model import ModelConfig
 from pydaemon.core.beam_search import BeamSearchState
 from pydaemon.core.messages import EngineCoreOutputs, EngineCoreRequest
 from pydaemon.core.model_info import ModelInfo
 from pydaemon.core.request import Request, Sequence
 from pydaemon.core.sched.async_stepper import AsyncStepper
+from pydaemon.core.sched.lora_budget import LoRABudget
 from pydaemon.core.sched.scheduler import Scheduler
 from pydaemon.core.sched.scheduler_output import WARMUP_REQUEST_ID
 from pydaemon.core.stats import EngineStats
 from pydaemon.core.stop_checker import StopChecker
 from pydaemon.engine.prompt_input import eos_token_ids
+from pydaemon.lora_request import LoRARequest, prefix_cache_salt
 from pydaemon.outputs import RequestMetrics
 from pydaemon.sampling_params import SamplingParams
 from pydaemon.worker.model_runner import ModelRunner
@@ -67,6 +70,7 @@ class EngineCore:
             preemption_mode=config.preemption_mode,
             enable_prefix_caching=config.enable_prefix_caching,
             speculative=config.speculative,
+            max_loras=config.max_loras if config.enable_lora else None,
         )
         use_async = config.async_scheduling
         if use_async is None:  # auto: with one GPU to overlap with (TP: not measured on NCCL yet)
@@ -76,6 +80,7 @@ class EngineCore:
             logger.info("speculative decoding: steps run synchronously (no async scheduling)")
             use_async = False
         self.async_stepper = AsyncStepper(self.scheduler, self.executor) if use_async else None
+        self._checked_lora_ids: set[int] = set()
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, r: EngineCoreRequest) -> None:
@@ -88,7 +93,8 @@ class EngineCore:
             params=params,
             eos_token_ids=set(r.eos_token_ids),
             priority=r.priority,
-            cache_salt=r.cache_salt,
+            cache_salt=prefix_cache_salt(r.cache_salt, r.lora_request),
+            lora_request=r.lora_request,
             metrics=RequestMetrics(arrival_time=r.arrival_time),
         )
         request.stop_checker = StopChecker(params, request.eos_token_ids)
@@ -128,12 +134,26 @@ class EngineCore:
             raise ValueError(
                 f"prompt needs {needed} KV blocks but the whole cache has {usable} usable blocks"
             )
+        if r.lora_request is not None:
+            self._check_lora(r.lora_request)
         params = r.params
         num_seqs = params.beam_width if params.is_beam_search else params.best_of
         if num_seqs > self.config.max_num_seqs:
             raise ValueError(
                 f"the request needs {num_seqs} sequences; max_num_seqs is {self.config.max_num_seqs}"
             )
+
+    def _check_lora(self, lora: LoRARequest) -> None:
+        """The adapter's files fit this model (read once per adapter id: its header only)."""
+        if not self.config.enable_lora:
+            raise ValueError(
+                f"the request asks for LoRA adapter {lora.lora_name!r} but LoRA is not enabled "
+                "(EngineConfig.enable_lora)"
+            )
+        if lora.lora_int_id not in self._checked_lora_ids:
+            adapter = read_lora_config(lora.lora_path, self.config.max_lora_rank)
+            check_lora_fits_model(adapter, self.model_config)
+            self._checked_lora_ids.add(lora.lora_int_id)
 
     def abort_request(self, request_id: str) -> bool:
         """Stops a request and frees its KV blocks now. False if unknown or finished."""
@@ -236,4 +256,8 @@ class EngineCore:
             num_prompt_tokens=sched.updater.num_prompt_tokens,
             num_generation_tokens=sched.updater.num_generation_tokens,
             spec_decode=sched.updater.spec_stats.snapshot() if sched.drafts else None,
+            lora_requests=LoRABudget.count_by_adapter(sched.running, sched.waiting + sched.swapped)
+            if sched.loras.max_loras
+            else {},
+            max_loras=sched.loras.max_loras or 0,
         )

@@ -33,6 +33,7 @@ from pydaemon.engine.engine_client import (
     stream_request,
 )
 from pydaemon.engine.prompt_input import first_eos_token_id
+from pydaemon.lora_request import LoRARequest
 from pydaemon.outputs import RequestOutput
 from pydaemon.sampling_params import SamplingParams
 
@@ -141,6 +142,7 @@ class InprocEngineClient(EngineClient):
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's RequestOutput deltas until the finished one.
 
@@ -153,7 +155,9 @@ class InprocEngineClient(EngineClient):
         arrival = time.monotonic()
         num_seqs = num_sequences(params)
         self.num_unscheduled += num_seqs
-        self._post(("add", request_id, prompt, params, priority, cache_salt, arrival, sink))
+        self._post(
+            ("add", request_id, prompt, params, priority, cache_salt, lora_request, arrival, sink)
+        )
 
         def scheduled() -> None:
             self.num_unscheduled -= num_seqs
@@ -241,7 +245,7 @@ class InprocEngineClient(EngineClient):
     def _apply(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
-            _, request_id, prompt, params, priority, cache_salt, arrival, sink = command
+            _, request_id, prompt, params, priority, cache_salt, lora, arrival, sink = command
             try:
                 self.engine.add_request(
                     request_id,
@@ -249,6 +253,7 @@ class InprocEngineClient(EngineClient):
                     params,
                     priority=priority,
                     cache_salt=cache_salt,
+                    lora_request=lora,
                     arrival_time=arrival,
                 )
             except ValueError as e:

@@ -19,6 +19,7 @@ from pydaemon.engine.engine_core import EngineCore
 from pydaemon.engine.output_processor import OutputProcessor
 from pydaemon.engine.prompt_input import tokenize_prompt
 from pydaemon.engine.startup import prepare_front_end
+from pydaemon.lora_request import LoRARequest
 from pydaemon.outputs import RequestMetrics, RequestOutput
 from pydaemon.sampling_params import SamplingParams
 
@@ -82,6 +83,7 @@ class LLMEngine:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
         arrival_time: float | None = None,
     ) -> None:
         if not isinstance(params, SamplingParams):
@@ -97,6 +99,7 @@ class LLMEngine:
             arrival_time=arrival_time or time.monotonic(),
             priority=priority,
             cache_salt=cache_salt or "",
+            lora_request=lora_request,
         )
         self.core.add_request(request)
         self.output_processor.add_request(

@@ -42,6 +42,7 @@ from pydaemon.engine.engine_client import (
 from pydaemon.engine.output_processor import OutputProcessor
 from pydaemon.engine.prompt_input import first_eos_token_id, tokenize_prompt
 from pydaemon.engine.startup import prepare_front_end
+from pydaemon.lora_request import LoRARequest
 from pydaemon.outputs import RequestMetrics, RequestOutput
 from pydaemon.sampling_params import SamplingParams
 
@@ -115,6 +116,7 @@ class MPEngineClient(EngineClient):
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if self.error is not None:
             raise self.error
@@ -152,6 +154,7 @@ class MPEngineClient(EngineClient):
                 arrival_time=arrival,
                 priority=priority,
                 cache_salt=cache_salt or "",
+                lora_request=lora_request,
             )
         )
 

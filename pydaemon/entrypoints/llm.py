@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from pydaemon.config.engine import EngineConfig
 from pydaemon.engine.llm_engine import LLMEngine
+from pydaemon.lora_request import LoRARequest
 from pydaemon.model_loader.default_model import DEFAULT_MODEL
 from pydaemon.outputs import CompletionOutput, RequestOutput
 from pydaemon.sampling_params import SamplingParams
@@ -83,8 +84,11 @@ class LLM:
         use_tqdm: bool | None = None,
         priority: Sequence[int] | None = None,
         cache_salt: str | Sequence[str | None] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the order of the prompts."""
+        """Run every prompt to completion; outputs come back in the order of the prompts.
+        ``lora_request``: the LoRA adapter of every prompt, or one per prompt (None: the base
+        model); the engine needs ``enable_lora``."""
         if prompts is not None and prompt_token_ids is not None:
             raise ValueError("pass prompts or prompt_token_ids, not both")
         items: list[str | list[int]]
@@ -101,11 +105,16 @@ class LLM:
         )
         priorities = _per_prompt(priority if priority is not None else 0, len(items), "priority")
         salts = _per_prompt(cache_salt, len(items), "cache_salt")
+        loras = _per_prompt(lora_request, len(items), "lora_request")
         ids = []
-        for item, params, prio, salt in zip(items, params_list, priorities, salts, strict=True):
+        for item, params, prio, salt, lora in zip(
+            items, params_list, priorities, salts, loras, strict=True
+        ):
             request_id = str(self._counter)
             self._counter += 1
-            self.engine.add_request(request_id, item, params, priority=prio, cache_salt=salt)
+            self.engine.add_request(
+                request_id, item, params, priority=prio, cache_salt=salt, lora_request=lora
+            )
             ids.append(request_id)
         results = self._run(ids, use_tqdm if use_tqdm is not None else len(ids) >= 32)
         return [results[i] for i in ids]

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pydaemon.core.sched.scheduler_output import SchedulerOutput
+from pydaemon.lora_request import LoRARequest
 from pydaemon.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ class CachedSeqState:
     params: SamplingParams
     min_tokens_stop_ids: list[int]
     row: int
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -122,7 +124,13 @@ class InputBatch:
                 self._allocate(2 * self.capacity)
             row = self._free_rows.pop()
             self.seqs[new.seq_id] = CachedSeqState(
-                new.seq_id, new.request_id, new.index, new.params, new.min_tokens_stop_ids, row
+                new.seq_id,
+                new.request_id,
+                new.index,
+                new.params,
+                new.min_tokens_stop_ids,
+                row,
+                new.lora_request,
             )
             n = len(new.token_ids)
             self.token_ids[row, :n] = new.token_ids

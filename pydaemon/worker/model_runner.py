@@ -26,6 +26,7 @@ from pydaemon.worker.draft_model import DraftModelProposer
 from pydaemon.worker.input_batch import InputBatch, StepInput
 from pydaemon.worker.kv_cache import GiB, KVCacheSpec
 from pydaemon.worker.kv_scale_calibration import KVScales
+from pydaemon.worker.lora_manager import make_lora_manager
 from pydaemon.worker.spec_decoder import SpecDecoder
 from pydaemon.worker.step_sampler import StepSampler
 
@@ -73,6 +74,8 @@ class ModelRunner:
         self.vocab_size = mc.vocab_size
         default_budget = max(4096 if self.device.type == "cuda" else 512, config.max_num_seqs)
         self.max_num_batched_tokens = config.max_num_batched_tokens or default_budget
+        # LoRA wrappers go in before the memory profile and the graphs, which include them.
+        self.lora_manager = make_lora_manager(self.model, config, self.max_num_batched_tokens)
         self.spec = KVCacheSpec(
             num_layers=mc.num_hidden_layers,
             num_kv_heads=mc.num_key_value_heads // config.tensor_parallel_size,  # this rank's
@@ -225,6 +228,10 @@ class ModelRunner:
                 step = self.input_batch.prepare(out)
             else:
                 step = self.spec_decoder.prepare(verify)
+            if self.lora_manager is not None:
+                seqs = self.input_batch.seqs
+                loras = [seqs[seq_id].lora_request for seq_id in step.seq_ids]
+                self.lora_manager.set_step(loras, step.query_lens)
             if len(step.placeholder_index) and ps.is_tensor_parallel():
                 self._share_sampled_ids(last)
             measures_kv_scales = self.kv_scales is not None and self.kv_scales.arm_for(out)

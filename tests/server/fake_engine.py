@@ -64,6 +64,8 @@ class FakeStats:
     num_swapped_in_blocks: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    lora_requests: dict[str, tuple[int, int]] = field(default_factory=dict)
+    max_loras: int = 0
 
 
 @dataclass
@@ -130,8 +132,11 @@ class FakeEngine:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request=None,  # LLMEngine's interface; the fake has no adapters
         arrival_time: float | None = None,
     ) -> None:
+        if lora_request is not None:
+            raise ValueError("the fake engine serves no LoRA adapters")
         if request_id in self._reqs:
             raise ValueError(f"request_id {request_id!r} is already live")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

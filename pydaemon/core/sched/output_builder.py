@@ -77,4 +77,5 @@ def _new_seq_data(request: Request, seq: Sequence, blocks: SeqBlocks) -> NewSeqD
         block_ids=blocks.block_ids(seq),
         num_computed_tokens=seq.num_computed_tokens,
         min_tokens_stop_ids=barred,
+        lora_request=request.lora_request,
     )

@@ -33,6 +33,7 @@ from pydaemon.config.speculative import SpeculativeConfig
 from pydaemon.core.messages import EngineCoreOutputs
 from pydaemon.core.request import Request, RequestStatus, Sequence
 from pydaemon.core.runner_output import ModelRunnerOutput
+from pydaemon.core.sched.lora_budget import LoRABudget
 from pydaemon.core.sched.output_builder import build_scheduler_output
 from pydaemon.core.sched.scheduler_output import SchedulerOutput
 from pydaemon.core.sched.seq_updates import SeqUpdater
@@ -61,6 +62,7 @@ class Scheduler:
         preemption_mode: str = "auto",
         enable_prefix_caching: bool = True,
         speculative: SpeculativeConfig | None = None,
+        max_loras: int | None = None,  # adapters in one batch; None: LoRA is off
     ) -> None:
         self.block_manager = _core.BlockManager(
             block_size, num_gpu_blocks, num_cpu_blocks, watermark, enable_prefix_caching
@@ -69,6 +71,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
+        self.loras = LoRABudget(max_loras)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -87,7 +90,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already running")
         self.requests[request.request_id] = request
-        if _is_sync_only(request):
+        if not request.has_one_seq:  # beam search or n > 1: never overlapped
             self._num_sync_only_requests += 1
         request.status = RequestStatus.WAITING
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
@@ -131,7 +134,7 @@ class Scheduler:
 
     def remove_request(self, request: Request) -> None:
         """Take a request out of every queue and free all its blocks at once."""
-        if self.requests.pop(request.request_id, None) is not None and _is_sync_only(request):
+        if self.requests.pop(request.request_id, None) is not None and not request.has_one_seq:
             self._num_sync_only_requests -= 1
         for queue in (self.waiting, self.running, self.swapped):
             if request in queue:
@@ -185,8 +188,7 @@ class Scheduler:
         # 4. Admit waiting requests.
         if not plan.preempted and not self.swapped:
             num_running_seqs = self.num_running_seqs()
-            while self.waiting and budget > 0:
-                request = self.waiting[0]
+            while budget > 0 and (request := self.loras.first_fitting(self.waiting, self.running)):
                 if num_running_seqs + request.num_expected_seqs > self.max_num_seqs:
                     break
                 admitted = self._admit(request, plan)
@@ -321,7 +323,7 @@ class Scheduler:
         """Allocate blocks for a waiting request. True: admitted; False: later; None: rejected."""
         statuses = [self.blocks.can_allocate(s, request.cache_salt) for s in request.seqs]
         if _core.AllocStatus.NEVER in statuses:
-            self.waiting.pop(0)
+            self.waiting.remove(request)
             plan.rejected.append((request, _needs_more_blocks(request)))
             return None
         if _core.AllocStatus.LATER in statuses:
@@ -339,7 +341,7 @@ class Scheduler:
             for seq in allocated:
                 self.blocks.free(seq)
             return False
-        self.waiting.pop(0)
+        self.waiting.remove(request)
         request.status = RequestStatus.RUNNING
         bisect.insort(self.running, request, key=lambda r: r.sort_key)
         return True
@@ -353,6 +355,8 @@ class Scheduler:
         if status != _core.AllocStatus.OK:
             return False
         if self.num_running_seqs() + len(request.seqs) > self.max_num_seqs:
+            return False
+        if not self.loras.fits(request, self.running):
             return False
         pairs = self.blocks.swap_in(request.seqs)
         plan.blocks_to_swap_in.extend(pairs)
@@ -386,10 +390,6 @@ class Scheduler:
             seq.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
-
-
-def _is_sync_only(request: Request) -> bool:
-    return request.params.is_beam_search or request.params.best_of > 1
 
 
 def _needs_more_blocks(request: Request) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pydaemon.lora_request import LoRARequest
 from pydaemon.sampling_params import SamplingParams
 
 # The request the engine runs once before serving (engine.py, engine_core_proc.py): a few
@@ -34,6 +35,7 @@ class NewSeqData:
     block_ids: list[int]  # the whole block table
     num_computed_tokens: int  # tokens whose K/V are in the cache before this step
     min_tokens_stop_ids: list[int]  # ids barred while output is shorter than min_tokens
+    lora_request: LoRARequest | None = None  # the adapter it runs with; None: the base model
 
 
 @dataclass

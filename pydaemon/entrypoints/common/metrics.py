@@ -159,6 +159,7 @@ class Metrics:
             lines += spec_decode_lines(spec, self._spec_baseline)
         if self.model_name is not None:
             lines += vllm_gauges(stats, self.model_name)
+        lines += _lora_lines(stats)
         with self._lock:
             lines += [
                 "# HELP pagedd_requests_finished_total Requests ended, by finish reason.",
@@ -193,3 +194,34 @@ def spec_decode_lines(spec, baseline) -> list[str]:
     for j, n in enumerate(spec.accepted_per_position):
         lines.append(f'{name}{{position="{j}"}} {n - (before[j] if j < len(before) else 0)}')
     return lines
+
+
+def _lora_lines(stats) -> list[str]:
+    """Requests per LoRA adapter, as pagedd gauges and as vLLM's ``vllm:lora_requests_info``
+    (the adapter lists as labels: what LoRA-aware routers read)."""
+    max_loras = getattr(stats, "max_loras", 0)
+    if not max_loras:
+        return []
+    loads = stats.lora_requests
+    lines = []
+    for column, state in ((0, "running"), (1, "waiting")):
+        name = f"pagedd_lora_requests_{state}"
+        lines += [
+            f"# HELP {name} Requests {state}, by LoRA adapter.",
+            f"# TYPE {name} gauge",
+        ]
+        for adapter, counts in sorted(loads.items()):
+            lines.append(f'{name}{{adapter="{_label(adapter)}"}} {counts[column]}')
+    running = ",".join(_label(a) for a, (r, _) in sorted(loads.items()) if r)
+    waiting = ",".join(_label(a) for a, (_, w) in sorted(loads.items()) if w)
+    lines += [
+        "# HELP vllm:lora_requests_info Running stats on lora requests.",
+        "# TYPE vllm:lora_requests_info gauge",
+        f'vllm:lora_requests_info{{max_lora="{max_loras}",running_lora_adapters="{running}",'
+        f'waiting_lora_adapters="{waiting}"}} 1.0',
+    ]
+    return lines
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

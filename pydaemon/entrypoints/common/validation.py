@@ -16,6 +16,7 @@ from pydaemon.entrypoints.common.limits import (
     check_texts_size,
     check_token_ids,
 )
+from pydaemon.lora_request import LoRARequest
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 from pydaemon.sampling_params import SamplingParams
 
@@ -63,6 +64,12 @@ class EngineArgs:
     priority: int
     cache_salt: str | None
     time_limit_s: float | None
+    lora_request: LoRARequest | None = None  # set by the servicer from StartRequest.adapter
+
+    @property
+    def generate_args(self) -> tuple:
+        """EngineClient.generate's arguments after the request id, in its order."""
+        return self.prompt, self.params, self.priority, self.cache_salt, self.lora_request
 
 
 def check_request_id(request_id: str) -> str | None:

@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 
 from pydaemon.engine.engine_client import EngineClient
+from pydaemon.entrypoints.common.lora_adapters import LoRAAdapters, LoRAOptions
 from pydaemon.entrypoints.common.metrics import Metrics
 from pydaemon.entrypoints.daemon.fd_limits import quiet_accept_errors, raise_fd_limit
 from pydaemon.entrypoints.daemon.heap_trim import HeapTrimmer
@@ -60,6 +61,7 @@ class ServerOptions:
     engine_stall_timeout_s: float = 30.0
     heap_trim_interval_s: float = 10.0  # freed heap given back to the OS this often
     serving: ServingOptions = field(default_factory=ServingOptions)
+    lora: LoRAOptions = field(default_factory=LoRAOptions)
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -157,6 +159,7 @@ class PageddServer:
         self.metrics.model_name = client.model_info.model_name
         self.servicer.engine = client
         o = self.options
+        self.servicer.adapters = LoRAAdapters.start(client.model_info.model_name, o.lora)
         if o.metrics_port is not None:
             self.metrics_server = MetricsServer(
                 self.metrics.render,
@@ -224,6 +227,7 @@ class PageddServer:
             self.metrics,
             num_queued=lambda: async_engine.num_unscheduled,
             is_stalled=self.liveness.is_stalled,
+            adapters=self.servicer.adapters,
         )
         await self.http.start()
 

@@ -14,6 +14,8 @@ import os
 import sys
 from typing import Any
 
+from pydaemon.config.engine import EngineConfig
+from pydaemon.entrypoints.common.lora_adapters import LoRAOptions, parse_lora_modules
 from pydaemon.entrypoints.daemon.app import ServerOptions
 from pydaemon.entrypoints.grpc.auth import API_KEY_ENV
 from pydaemon.entrypoints.grpc.servicer import ServingOptions
@@ -57,6 +59,9 @@ ENGINE_FLAGS: tuple[tuple[str, Any, str], ...] = (
         "fp8 (FP8 weights with per-channel scales, per-token FP8 activations: CUDA sm_89+) | "
         "fp8_emulated (the same emulated, any device, slow; default: as the checkpoint is)",
     ),
+    ("--max-loras", int, "LoRA: the most distinct adapters in one batch (device slots)"),
+    ("--max-lora-rank", int, "LoRA: the largest adapter rank served"),
+    ("--max-cpu-loras", int, "LoRA: adapters kept in host memory (default: --max-loras)"),
 )
 ENGINE_BOOL_FLAGS = (
     ("--enable-prefix-caching", "automatic prefix caching"),
@@ -66,6 +71,7 @@ ENGINE_BOOL_FLAGS = (
         "with --kv-cache-dtype fp8: measure the per-layer K/V scales the checkpoint lacks on "
         "the first prefill (amax / 200 for K, / 100 for V), then keep them",
     ),
+    ("--enable-lora", "serve LoRA adapters (implied by --lora-modules)"),
     (
         "--async-scheduling",
         "schedule each step while the previous one runs on the GPU (default: on with one CUDA "
@@ -178,6 +184,14 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
             default=None,
             help=_with_default(help_text, "on" if getattr(defaults, _key(flag)) else "off"),
         )
+    group.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) served under these names from the start; "
+        "requests name them in the OpenAI 'model' field or gRPC StartRequest.adapter",
+    )
     group = parser.add_argument_group("server")
     for flag, type_, default, help_text in SERVER_FLAGS:
         group.add_argument(flag, type=type_, default=None, help=_with_default(help_text, default))
@@ -216,7 +230,7 @@ def load_toml(path: str) -> dict[str, Any]:
         raise ValueError(f"--config {path}: not valid TOML: {e}") from None
     known = {
         _key(f[0]) for f in (*ENGINE_FLAGS, *ENGINE_BOOL_FLAGS, *SERVER_FLAGS, *SERVER_BOOL_FLAGS)
-    }
+    } | {"lora_modules"}
     out = {}
     for raw_key, value in data.items():
         key = raw_key.replace("-", "_")
@@ -227,7 +241,8 @@ def load_toml(path: str) -> dict[str, Any]:
                 value = json_object(value)
             except argparse.ArgumentTypeError as e:
                 raise ValueError(f"--config {path}: key {raw_key!r} {e}") from None
-        if isinstance(value, dict) and key not in JSON_KEYS:
+        # lora_modules may be a table: {name = path}
+        if isinstance(value, dict) and key not in JSON_KEYS and key != "lora_modules":
             raise ValueError(f"--config {path}: key {raw_key!r} must be a value, not a table")
         out[key] = value
     return out
@@ -249,6 +264,9 @@ def resolve(args: argparse.Namespace) -> tuple[dict[str, Any], ServerOptions, st
     _check_exposure(values)
     engine_keys = {_key(f[0]) for f in (*ENGINE_FLAGS, *ENGINE_BOOL_FLAGS)}
     engine_kwargs = {k: v for k, v in values.items() if k in engine_keys}
+    lora_modules = parse_lora_modules(values.get("lora_modules") or [])
+    if lora_modules:
+        engine_kwargs["enable_lora"] = True
     serving = ServingOptions(
         max_queued_requests=values["max_queued_requests"],
         stall_timeout_s=values["stall_timeout"],
@@ -272,6 +290,11 @@ def resolve(args: argparse.Namespace) -> tuple[dict[str, Any], ServerOptions, st
         idle_timeout_s=values["idle_timeout"],
         engine_stall_timeout_s=values["engine_stall_timeout"],
         serving=serving,
+        lora=LoRAOptions(
+            lora_modules,
+            is_enabled=bool(engine_kwargs.get("enable_lora")),
+            max_lora_rank=engine_kwargs.get("max_lora_rank") or EngineConfig.max_lora_rank,
+        ),
     )
     return engine_kwargs, options, values["log_level"]
 

@@ -29,6 +29,7 @@ from pydaemon.entrypoints.common.validation import (
     check_request_id,
     check_text_size,
 )
+from pydaemon.entrypoints.grpc.adapters import AdapterCalls
 from pydaemon.entrypoints.grpc.admission import admit, check_chat_size, render_chat
 from pydaemon.entrypoints.grpc.frames import RequestAccount, error_frame
 from pydaemon.entrypoints.grpc.tokenize import tokenize
@@ -79,7 +80,7 @@ class _Stream:
     has_room: asyncio.Event = field(default_factory=asyncio.Event)  # out is below its bound
 
 
-class GenerationServicer(pb_grpc.GenerationServicer):
+class GenerationServicer(AdapterCalls, pb_grpc.GenerationServicer):
     def __init__(self, options: ServingOptions, metrics=None) -> None:
         self.engine: EngineClient | None = None  # set once the model is loaded and warmed
         self.options = options
@@ -258,7 +259,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     def _admit(self, start: pb.StartRequest) -> EngineArgs:
         self._check_serving()
-        return admit(start, self.engine, self.options.max_queued_requests)
+        args = admit(start, self.engine, self.options.max_queued_requests)
+        args.lora_request = self.lora_request_for(start.adapter)
+        return args
 
     def _cancel(self, live: _Live, reason: int) -> None:
         if live.cancel_reason is None:
@@ -277,9 +280,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 )
                 account.num_sequences = args.params.n
                 self._arm_time_limit(live, args)
-            async for output in self.engine.generate(
-                live.engine_request_id, args.prompt, args.params, args.priority, args.cache_salt
-            ):
+            async for output in self.engine.generate(live.engine_request_id, *args.generate_args):
                 for frame in account.frames(output):
                     stream.out.put_nowait(frame)
                 if stream.out.qsize() >= _MAX_BUFFERED_FRAMES:
@@ -379,6 +380,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 self.is_admitting and engine.is_alive and not is_stuck and not self.is_stalled()
             ),
             uptime_s=time.monotonic() - self._started_at,
+            adapters=self.adapter_loads(s),
             **fields,
         )
 

@@ -2,7 +2,9 @@
 
 Routes: ``GET /v1/models``, ``GET /v1/models/{model}``, ``POST /v1/completions``,
 ``POST /v1/chat/completions``, ``GET /health`` (200 serving, 503 otherwise) and
-``GET /metrics`` (Prometheus, the same registry as the gRPC side's).
+``GET /metrics`` (Prometheus, the same registry as the gRPC side's); with LoRA, vLLM's
+``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter`` (pydaemon/entrypoints/
+openai/lora_routes.py). Adapters are listed as models whose ``parent`` is the base model.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from pydaemon.entrypoints.common.lora_adapters import AdapterNotFound, LoRAAdapters
 from pydaemon.entrypoints.common.metrics import Metrics
 from pydaemon.entrypoints.openai.auth import api_key_middleware
 from pydaemon.entrypoints.openai.chat import create_chat_completion
 from pydaemon.entrypoints.openai.completions import create_completion
 from pydaemon.entrypoints.openai.engine_stream import GenerateClient
 from pydaemon.entrypoints.openai.errors import ApiError, error_middleware, error_response
+from pydaemon.entrypoints.openai.lora_routes import add_lora_routes
 from pydaemon.entrypoints.openai.responses import ModelCard, ModelList
 from pydaemon.entrypoints.openai.serving import HttpOptions, OpenAIServing, ServedModel
 
@@ -51,8 +55,19 @@ def build_app(serving: OpenAIServing) -> web.Application:
         )
     app = web.Application(middlewares=middlewares, client_max_size=serving.options.max_body_bytes)
 
-    def card() -> ModelCard:
+    def card(name: str | None = None) -> ModelCard:
+        """The base model's card, or adapter ``name``'s (its parent the base model)."""
         m = serving.model
+        if name is not None and name != m.name:
+            served = serving.adapters.get(name)  # AdapterNotFound -> 404
+            return ModelCard(
+                id=name,
+                created=m.created,
+                root=served.lora_path,
+                parent=m.name,
+                max_model_len=m.max_model_len,
+                vocab_size=m.vocab_size,
+            )
         return ModelCard(
             id=m.name,
             created=m.created,
@@ -65,15 +80,17 @@ def build_app(serving: OpenAIServing) -> web.Application:
         return web.Response(text=model.model_dump_json(), content_type="application/json")
 
     async def list_models(request: web.Request) -> web.Response:
-        return as_json(ModelList(data=[card()]))
+        adapters = [card(a.request.lora_name) for a in serving.adapters.list()]
+        return as_json(ModelList(data=[card(), *adapters]))
 
     async def get_model(request: web.Request) -> web.Response:
         name = request.match_info["model"]
-        if name != serving.model.name:
+        try:
+            return as_json(card(name))
+        except AdapterNotFound:
             raise ApiError(
                 404, f"model {name!r} does not exist", param="model", code="model_not_found"
-            )
-        return as_json(card())
+            ) from None
 
     async def completions(request: web.Request) -> web.StreamResponse:
         return await create_completion(serving, request)
@@ -104,6 +121,7 @@ def build_app(serving: OpenAIServing) -> web.Application:
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    add_lora_routes(app, serving)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app
@@ -122,10 +140,11 @@ class HttpServer:
         metrics: Metrics | None = None,
         num_queued: Callable[[], int] | None = None,
         is_stalled: Callable[[], bool] | None = None,
+        adapters: LoRAAdapters | None = None,
     ) -> None:
         self.options = options
         self.serving = OpenAIServing(
-            engine, tokenizer, model, options, metrics, num_queued, is_stalled
+            engine, tokenizer, model, options, metrics, num_queued, is_stalled, adapters
         )
         self.port: int | None = None
         self._runner: web.AppRunner | None = None

@@ -34,7 +34,7 @@ async def create_chat_completion(
 ) -> web.StreamResponse:
     body = ChatCompletionRequest.model_validate_json(await serving.read_body(request))
     body.check(serving.model.vocab_size)
-    serving.admit(body.model, body.n)
+    lora_request = serving.admit(body.model, body.n)
     prompt = EnginePrompt(
         await serving.encode_chat(
             [m.for_template() for m in body.messages],
@@ -55,7 +55,11 @@ async def create_chat_completion(
         max_tokens, body.engine_logprobs, defaults=serving.model.generation_defaults
     )
     formatter = ChatFormatter(
-        f"chatcmpl-{uuid.uuid4().hex}", serving.model.name, serving.tokenizer, prompt, body
+        f"chatcmpl-{uuid.uuid4().hex}",
+        serving.model_name(lora_request),
+        serving.tokenizer,
+        prompt,
+        body,
     )
     return await respond(
         serving,
@@ -66,6 +70,7 @@ async def create_chat_completion(
         stream=body.stream,
         include_usage=body.include_usage,
         cache_salt=body.cache_salt,
+        lora_request=lora_request,
     )
 
 

@@ -21,7 +21,9 @@ from pydaemon.entrypoints.openai.serving import OpenAIServing
 async def create_completion(serving: OpenAIServing, request: web.Request) -> web.StreamResponse:
     body = CompletionRequest.model_validate_json(await serving.read_body(request))
     body.check(serving.model.vocab_size)
-    serving.admit(body.model, _num_prompts(body.prompt) * max(body.n, body.best_of or 1))
+    lora_request = serving.admit(
+        body.model, _num_prompts(body.prompt) * max(body.n, body.best_of or 1)
+    )
     prompts = await _prompts(serving, body.prompt, body.echo)
     max_tokens = min(
         serving.resolve_max_tokens(
@@ -33,7 +35,11 @@ async def create_completion(serving: OpenAIServing, request: web.Request) -> web
         max_tokens, body.logprobs, body.best_of, serving.model.generation_defaults
     )
     formatter = CompletionFormatter(
-        f"cmpl-{uuid.uuid4().hex}", serving.model.name, serving.tokenizer, prompts, body
+        f"cmpl-{uuid.uuid4().hex}",
+        serving.model_name(lora_request),
+        serving.tokenizer,
+        prompts,
+        body,
     )
     return await respond(
         serving,
@@ -44,6 +50,7 @@ async def create_completion(serving: OpenAIServing, request: web.Request) -> web
         stream=body.stream,
         include_usage=body.include_usage,
         cache_salt=body.cache_salt,
+        lora_request=lora_request,
     )
 
 

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from pydaemon.lora_request import LoRARequest
 from pydaemon.outputs import RequestOutput
 from pydaemon.sampling_params import SamplingParams
 
@@ -41,6 +42,7 @@ class GenerateClient(Protocol):
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
 
     @property
@@ -57,9 +59,10 @@ async def _one(
     prompt: EnginePrompt,
     params: SamplingParams,
     cache_salt: str | None,
+    lora_request: LoRARequest | None,
 ) -> AsyncIterator[RequestOutput]:
     async for output in engine.generate(
-        request_id, prompt.token_ids, params, cache_salt=cache_salt
+        request_id, prompt.token_ids, params, cache_salt=cache_salt, lora_request=lora_request
     ):
         if output.error is not None:
             raise EngineRequestFailed(output.error)
@@ -72,6 +75,7 @@ async def generate_all(
     prompts: list[EnginePrompt],
     params: SamplingParams,
     cache_salt: str | None = None,
+    lora_request: LoRARequest | None = None,
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Yields (prompt index, delta) until every prompt's request finished.
 
@@ -79,7 +83,7 @@ async def generate_all(
     """
     if len(prompts) == 1:
         async with contextlib.aclosing(
-            _one(engine, request_id, prompts[0], params, cache_salt)
+            _one(engine, request_id, prompts[0], params, cache_salt, lora_request)
         ) as outputs:
             async for output in outputs:
                 yield 0, output
@@ -90,7 +94,8 @@ async def generate_all(
 
     async def pump(i: int) -> None:
         try:
-            async for output in _one(engine, f"{request_id}-{i}", prompts[i], params, cache_salt):
+            sub_id = f"{request_id}-{i}"
+            async for output in _one(engine, sub_id, prompts[i], params, cache_salt, lora_request):
                 queue.put_nowait((i, output))
                 if queue.qsize() >= MAX_BUFFERED_DELTAS:
                     has_room.clear()

@@ -132,6 +132,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "pagedd"
     root: str
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
     max_model_len: int
     vocab_size: int  # pagedd's extra: the range of token-id prompts
 

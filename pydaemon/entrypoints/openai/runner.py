@@ -25,6 +25,7 @@ from pydaemon.entrypoints.openai.errors import ApiError, bad_request, error_even
 from pydaemon.entrypoints.openai.responses import Usage
 from pydaemon.entrypoints.openai.serving import LiveRequest, OpenAIServing
 from pydaemon.entrypoints.openai.sse import EventStream
+from pydaemon.lora_request import LoRARequest
 from pydaemon.outputs import RequestOutput
 from pydaemon.sampling_params import SamplingParams
 
@@ -53,10 +54,13 @@ async def respond(
     stream: bool,
     include_usage: bool,
     cache_salt: str | None = None,
+    lora_request: LoRARequest | None = None,
 ) -> web.StreamResponse:
     acc = Accumulator(prompts, params.n, serving.tokenizer)
     with serving.track() as live:
-        outputs = generate_all(serving.engine, formatter.request_id, prompts, params, cache_salt)
+        outputs = generate_all(
+            serving.engine, formatter.request_id, prompts, params, cache_salt, lora_request
+        )
         try:
             async with contextlib.aclosing(outputs):
                 try:

@@ -21,11 +21,13 @@ from pydaemon.entrypoints.common.limits import (
     check_texts_size,
     iter_strings,
 )
+from pydaemon.entrypoints.common.lora_adapters import AdapterNotFound, LoRAAdapters
 from pydaemon.entrypoints.common.metrics import Metrics
 from pydaemon.entrypoints.openai.accumulator import Accumulator
 from pydaemon.entrypoints.openai.engine_stream import GenerateClient
 from pydaemon.entrypoints.openai.errors import ApiError, bad_request
 from pydaemon.entrypoints.openai.protocol import InvalidParam
+from pydaemon.lora_request import LoRARequest
 from pydaemon.tokenizer.chat_encoding import encode_chat
 
 
@@ -80,6 +82,7 @@ class OpenAIServing:
         metrics: Metrics | None = None,
         num_queued: Callable[[], int] | None = None,
         is_stalled: Callable[[], bool] | None = None,
+        adapters: LoRAAdapters | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -88,6 +91,7 @@ class OpenAIServing:
         self.metrics = metrics
         self.num_queued = num_queued or (lambda: 0)
         self.is_stalled = is_stalled or (lambda: False)  # the engine core missed its heartbeat
+        self.adapters = adapters or LoRAAdapters(model.name, max_lora_rank=0, is_enabled=False)
         self.is_admitting = True
         self.live: set[LiveRequest] = set()
 
@@ -102,19 +106,26 @@ class OpenAIServing:
         self.engine = self.tokenizer = self.metrics = None
         self.num_queued = lambda: 0
 
-    def admit(self, model_name: str, num_sequences: int = 1) -> None:
-        """``num_sequences``: what the request adds to the queue (prompts x best_of)."""
+    def admit(self, model_name: str, num_sequences: int = 1) -> LoRARequest | None:
+        """Checks that the request may be served now -> the LoRA adapter its ``model`` names,
+        or None for the base model. ``num_sequences``: what the request adds to the queue
+        (prompts x best_of)."""
         if not self.is_serving:
             raise ApiError(
                 503, "the server is not serving (draining or failed)", code="not_serving"
             )
+        lora_request = None
         if model_name != self.model.name:
-            raise ApiError(
-                404,
-                f"model {model_name!r} does not exist; this server serves {self.model.name!r}",
-                param="model",
-                code="model_not_found",
-            )
+            try:
+                lora_request = self.adapters.get(model_name)
+            except AdapterNotFound:
+                raise ApiError(
+                    404,
+                    f"model {model_name!r} does not exist; this server serves "
+                    f"{self.model.name!r}" + self.adapters.names_hint(),
+                    param="model",
+                    code="model_not_found",
+                ) from None
         num_queued = self.num_queued()
         limit = self.options.max_queued_requests
         if num_queued + num_sequences > limit:
@@ -125,6 +136,11 @@ class OpenAIServing:
                 + ("" if num_sequences <= limit else ", with fewer prompts or a smaller n"),
                 code="queue_full",
             )
+        return lora_request
+
+    def model_name(self, lora_request: LoRARequest | None) -> str:
+        """The ``model`` a response names: the adapter's, or the base model's."""
+        return self.model.name if lora_request is None else lora_request.lora_name
 
     async def read_body(self, request: web.Request) -> bytes:
         """The request body, which must arrive within the idle timeout (else 408, and the

@@ -37,7 +37,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StartRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "messages", "sampling", "priority", "cache_salt", "time_limit_ms")
+    __slots__ = ("request_id", "text", "token_ids", "messages", "sampling", "priority", "cache_salt", "time_limit_ms", "adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class StartRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     TIME_LIMIT_MS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -54,7 +55,8 @@ class StartRequest(_message.Message):
     priority: int
     cache_salt: str
     time_limit_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., time_limit_ms: _Optional[int] = ...) -> None: ...
+    adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., time_limit_ms: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -283,7 +285,7 @@ class GetServerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStatus(_message.Message):
-    __slots__ = ("is_serving", "num_running", "num_waiting", "num_swapped", "num_gpu_blocks", "num_free_gpu_blocks", "num_cpu_blocks", "num_free_cpu_blocks", "kv_waste_slots", "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "num_preemptions", "num_swapped_out_blocks", "num_swapped_in_blocks", "num_prompt_tokens", "num_generation_tokens", "uptime_s", "spec_decode")
+    __slots__ = ("is_serving", "num_running", "num_waiting", "num_swapped", "num_gpu_blocks", "num_free_gpu_blocks", "num_cpu_blocks", "num_free_cpu_blocks", "kv_waste_slots", "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "num_preemptions", "num_swapped_out_blocks", "num_swapped_in_blocks", "num_prompt_tokens", "num_generation_tokens", "uptime_s", "spec_decode", "adapters", "max_loras")
     IS_SERVING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -302,6 +304,8 @@ class ServerStatus(_message.Message):
     NUM_GENERATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     is_serving: bool
     num_running: int
     num_waiting: int
@@ -320,7 +324,9 @@ class ServerStatus(_message.Message):
     num_generation_tokens: int
     uptime_s: float
     spec_decode: SpecDecodeStatus
-    def __init__(self, is_serving: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_free_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., num_free_cpu_blocks: _Optional[int] = ..., kv_waste_slots: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_swapped_out_blocks: _Optional[int] = ..., num_swapped_in_blocks: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generation_tokens: _Optional[int] = ..., uptime_s: _Optional[float] = ..., spec_decode: _Optional[_Union[SpecDecodeStatus, _Mapping]] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterLoad]
+    max_loras: int
+    def __init__(self, is_serving: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_free_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., num_free_cpu_blocks: _Optional[int] = ..., kv_waste_slots: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_swapped_out_blocks: _Optional[int] = ..., num_swapped_in_blocks: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generation_tokens: _Optional[int] = ..., uptime_s: _Optional[float] = ..., spec_decode: _Optional[_Union[SpecDecodeStatus, _Mapping]] = ..., adapters: _Optional[_Iterable[_Union[AdapterLoad, _Mapping]]] = ..., max_loras: _Optional[int] = ...) -> None: ...
 
 class SpecDecodeStatus(_message.Message):
     __slots__ = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position")
@@ -333,3 +339,55 @@ class SpecDecodeStatus(_message.Message):
     num_accepted_tokens: int
     accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AdapterLoad(_message.Message):
+    __slots__ = ("name", "num_running", "num_waiting")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    num_running: int
+    num_waiting: int
+    def __init__(self, name: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ...) -> None: ...
+
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class AdapterInfo(_message.Message):
+    __slots__ = ("name", "path", "rank", "target_modules", "base_model")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    rank: int
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    base_model: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ..., base_model: _Optional[str] = ...) -> None: ...
+
+class UnloadAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListAdaptersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListAdaptersResponse(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ...) -> None: ...

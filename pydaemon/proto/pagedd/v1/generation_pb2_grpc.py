@@ -60,6 +60,21 @@ class GenerationStub:
                 request_serializer=pagedd_dot_v1_dot_generation__pb2.GetServerStatusRequest.SerializeToString,
                 response_deserializer=pagedd_dot_v1_dot_generation__pb2.ServerStatus.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/pagedd.v1.Generation/LoadAdapter',
+                request_serializer=pagedd_dot_v1_dot_generation__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=pagedd_dot_v1_dot_generation__pb2.AdapterInfo.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/pagedd.v1.Generation/UnloadAdapter',
+                request_serializer=pagedd_dot_v1_dot_generation__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=pagedd_dot_v1_dot_generation__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListAdapters = channel.unary_unary(
+                '/pagedd.v1.Generation/ListAdapters',
+                request_serializer=pagedd_dot_v1_dot_generation__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=pagedd_dot_v1_dot_generation__pb2.ListAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -103,6 +118,31 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """LoRA adapters (the daemon started with --enable-lora or --lora-modules): registers the
+        PEFT adapter at a path on the server under a name that requests then give as
+        StartRequest.adapter. INVALID_ARGUMENT when the name is taken or the adapter cannot be
+        served (FAILED_PRECONDITION when LoRA is off).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Forgets an adapter: requests already running with it finish; new ones get NOT_FOUND.
+        NOT_FOUND when no adapter has that name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAdapters(self, request, context):
+        """The adapters requests may name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -130,6 +170,21 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetServerStatus,
                     request_deserializer=pagedd_dot_v1_dot_generation__pb2.GetServerStatusRequest.FromString,
                     response_serializer=pagedd_dot_v1_dot_generation__pb2.ServerStatus.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=pagedd_dot_v1_dot_generation__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=pagedd_dot_v1_dot_generation__pb2.AdapterInfo.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=pagedd_dot_v1_dot_generation__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=pagedd_dot_v1_dot_generation__pb2.UnloadAdapterResponse.SerializeToString,
+            ),
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=pagedd_dot_v1_dot_generation__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=pagedd_dot_v1_dot_generation__pb2.ListAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -268,6 +323,87 @@ class Generation:
             '/pagedd.v1.Generation/GetServerStatus',
             pagedd_dot_v1_dot_generation__pb2.GetServerStatusRequest.SerializeToString,
             pagedd_dot_v1_dot_generation__pb2.ServerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedd.v1.Generation/LoadAdapter',
+            pagedd_dot_v1_dot_generation__pb2.LoadAdapterRequest.SerializeToString,
+            pagedd_dot_v1_dot_generation__pb2.AdapterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedd.v1.Generation/UnloadAdapter',
+            pagedd_dot_v1_dot_generation__pb2.UnloadAdapterRequest.SerializeToString,
+            pagedd_dot_v1_dot_generation__pb2.UnloadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedd.v1.Generation/ListAdapters',
+            pagedd_dot_v1_dot_generation__pb2.ListAdaptersRequest.SerializeToString,
+            pagedd_dot_v1_dot_generation__pb2.ListAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

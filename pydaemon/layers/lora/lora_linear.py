@@ -1,0 +1,162 @@
+"""LoRA wrappers over the model's fused linear layers, and the step state they read.
+
+``wrap_lora_layers`` replaces, in each decoder layer, ``self_attn.qkv_proj`` and
+``mlp.gate_up_proj`` (column-parallel, several packed projections) and ``self_attn.o_proj``
+and ``mlp.down_proj`` (row-parallel) by a ``LoRALinear`` that runs the base layer and adds
+the LoRA delta of every token's adapter (pydaemon/layers/lora/punica_torch.py).
+
+Each wrapper holds ``max_loras`` device slots of fixed size (plus one zero slot) for every
+projection it packs: ``lora_a`` [S + 1, n * R, in] and one ``lora_b`` [S + 1, R, out_j] per
+part, R = ``max_lora_rank``. Sizes never change, so CUDA graphs captured once stay valid when
+adapters move in and out of slots (the copies are in place).
+
+Tensor parallel (as vLLM): a column-parallel layer keeps A whole and this rank's rows of
+each part's B; a row-parallel layer keeps this rank's input columns of A and B whole, and
+adds its partial delta before the all-reduce, which then sums the deltas with the products.
+
+``LoRASlots`` is what the model runner writes each step: ``token_slots`` [max_num_tokens]
+int64 on the device (each token's slot, -1 = no adapter), read by every layer as its first
+T entries; ``num_active_slots`` (slots are handed out lowest first) lets an eager step use only
+the slots below it, and skip the LoRA work when no token has an adapter (0). A captured graph
+always covers every slot: its shapes cannot depend on the step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pydaemon.distributed import parallel_state as ps
+from pydaemon.layers.lora.punica_torch import add_lora
+from pydaemon.layers.parallel_linear import MergedColumnParallelLinear, RowParallelLinear
+
+# Module name in a decoder layer -> the checkpoint (PEFT target) modules it packs.
+ROW_PARALLEL_TARGETS = {"o_proj": "self_attn", "down_proj": "mlp"}
+PACKED_TARGETS = {"qkv_proj": "self_attn", "gate_up_proj": "mlp"}
+
+
+class LoRASlots:
+    """The per-step adapter index of every token, shared by all LoRA layers."""
+
+    def __init__(
+        self, max_loras: int, max_lora_rank: int, max_num_tokens: int, device: torch.device
+    ) -> None:
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        self.token_slots = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=device)
+        # Eager steps: 1 + the highest slot this step uses (0: no adapter); set by the runner.
+        self.num_active_slots = max_loras
+
+    def for_tokens(self, num_tokens: int) -> torch.Tensor:  # -> [num_tokens] int64
+        if num_tokens > self.token_slots.shape[0]:
+            raise RuntimeError(
+                f"a step of {num_tokens} tokens exceeds the LoRA slot buffer "
+                f"({self.token_slots.shape[0]} tokens)"
+            )
+        return self.token_slots[:num_tokens]
+
+
+class LoRALinear(nn.Module):
+    """A base linear layer plus the LoRA deltas of ``max_loras`` adapter slots."""
+
+    def __init__(
+        self,
+        base_layer: nn.Module,
+        module_names: tuple[str, ...],  # PEFT target modules packed here, in output order
+        output_sizes: tuple[int, ...],  # this rank's output rows of each
+        slots: LoRASlots,
+        dtype: torch.dtype,  # the activations' (the base weight may be FP8)
+    ) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self.module_names = module_names
+        self.output_sizes = output_sizes
+        self.is_row_parallel = isinstance(base_layer, RowParallelLinear)
+        self.slots = slots
+        weight = base_layer.weight
+        num_slots, rank = slots.max_loras + 1, slots.max_lora_rank
+        self.in_features = weight.shape[1]  # this rank's
+        n = len(module_names)
+        device = weight.device
+        self.lora_a = torch.zeros(num_slots, n * rank, self.in_features, dtype=dtype, device=device)
+        self.lora_b = tuple(
+            torch.zeros(num_slots, rank, size, dtype=dtype, device=device) for size in output_sizes
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, sum(output_sizes)]
+        base = self.base_layer
+        if self.is_row_parallel:
+            out = base.matmul(x, None)
+            self._add_lora(out, x)
+            out = ps.all_reduce(out)
+            return out if base.bias is None else out + base.bias
+        out = base(x)
+        self._add_lora(out, x)
+        return out
+
+    def _add_lora(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        num_slots = self.slots.max_loras if _is_capturing(x) else self.slots.num_active_slots
+        if num_slots == 0:
+            return
+        token_slots = self.slots.for_tokens(x.shape[0])
+        add_lora(out, x.to(self.lora_a.dtype), token_slots, self.lora_a, self.lora_b, num_slots)
+
+    # ---- slots ------------------------------------------------------------------------------
+    def shard(
+        self, part: int, lora_a: torch.Tensor, lora_b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """lora_a: [r, in], lora_b: [out_part, r] as in the checkpoint -> this rank's slices."""
+        rank = ps.get_tp_rank()
+        if self.is_row_parallel:
+            n = self.in_features
+            return lora_a[:, rank * n : (rank + 1) * n], lora_b
+        n = self.output_sizes[part]
+        return lora_a, lora_b[rank * n : (rank + 1) * n]
+
+    def set_lora(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Fill ``slot`` with an adapter's parts: name -> (A [r, in_local], B [out_local, r]
+        already scaled); parts it does not target get zeros."""
+        rank = self.slots.max_lora_rank
+        self.lora_a[slot].zero_()
+        for j, name in enumerate(self.module_names):
+            b_slot = self.lora_b[j][slot]
+            b_slot.zero_()
+            if name not in weights:
+                continue
+            a, b = weights[name]
+            r = a.shape[0]
+            self.lora_a[slot, j * rank : j * rank + r].copy_(a, non_blocking=True)
+            b_slot[:r].copy_(b.T, non_blocking=True)
+
+    def reset_lora(self, slot: int) -> None:
+        self.set_lora(slot, {})
+
+
+def _is_capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def wrap_lora_layers(
+    model: nn.Module, slots: LoRASlots, dtype: torch.dtype
+) -> dict[tuple[int, str], tuple[LoRALinear, int]]:
+    """Replace the targetable linear layers of every decoder layer (``model.model.layers``)
+    by LoRA wrappers -> (layer index, PEFT module name) -> (wrapper, part index)."""
+    wrapped: dict[tuple[int, str], tuple[LoRALinear, int]] = {}
+    for layer_idx, layer in enumerate(model.model.layers):
+        for name, owner in {**PACKED_TARGETS, **ROW_PARALLEL_TARGETS}.items():
+            parent = getattr(layer, owner, None)
+            base = getattr(parent, name, None)
+            if base is None:
+                continue
+            if isinstance(base, MergedColumnParallelLinear):
+                names, sizes = base.packed_parts, base.output_sizes
+            elif isinstance(base, nn.Linear | RowParallelLinear) and name in ROW_PARALLEL_TARGETS:
+                names, sizes = (name,), (base.weight.shape[0],)
+            else:
+                kind = type(base).__name__
+                raise TypeError(f"layer {layer_idx} {owner}.{name}: no LoRA wrapper for {kind}")
+            wrapper = LoRALinear(base, tuple(names), tuple(sizes), slots, dtype)
+            setattr(parent, name, wrapper)
+            for part, packed in enumerate(names):
+                wrapped[(layer_idx, packed)] = (wrapper, part)
+    return wrapped

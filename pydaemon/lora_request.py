@@ -1,0 +1,38 @@
+"""LoRARequest: which LoRA adapter a request runs with (vLLM's name and fields).
+
+A plain, frozen value that travels with the request from the front end to every
+tensor-parallel worker: the worker loads the adapter from ``lora_path`` the first time it
+sees ``lora_int_id`` (pydaemon/worker/lora_manager.py). ``lora_int_id`` identifies the
+weights: two requests with the same id share the adapter's device slot and cached KV blocks;
+an adapter loaded again from other files must get a new id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    lora_name: str  # what clients call it: the OpenAI ``model`` field, gRPC ``adapter``
+    lora_int_id: int  # >= 1, unique per adapter weights
+    lora_path: str  # a PEFT directory: adapter_config.json + adapter_model.safetensors
+
+    def __post_init__(self) -> None:
+        if not self.lora_name:
+            raise ValueError("LoRARequest.lora_name must not be empty")
+        if not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
+            raise ValueError(
+                f"LoRARequest.lora_int_id must be an integer >= 1 (got {self.lora_int_id!r})"
+            )
+        if not self.lora_path:
+            raise ValueError("LoRARequest.lora_path must not be empty")
+
+
+def prefix_cache_salt(cache_salt: str, lora_request: LoRARequest | None) -> str:
+    """The salt the prefix cache hashes a request's blocks with: its ``cache_salt`` and its
+    adapter, so that KV computed under one adapter is never served to another (or to the
+    base model)."""
+    if lora_request is None:
+        return cache_salt
+    return f"{cache_salt}\x00lora:{lora_request.lora_int_id}"
