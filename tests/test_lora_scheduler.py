@@ -65,4 +65,4 @@ def test_without_lora_the_queue_is_first_come_first_served():
     for request_id in ("x", "y"):
         sched.add_request(_request(request_id, None))
     assert [n.request_id for n in sched.schedule().scheduled_new_seqs] == ["x", "y"]
-    assert LoRABudget(None, sched.running).first_fitting([]) is None
+    assert LoRABudget(None).first_fitting([], sched.running) is None

@@ -4,6 +4,8 @@ vllm:lora_requests_info."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pydaemon.core.stats import EngineStats
@@ -33,7 +35,8 @@ def test_lora_modules_flag_and_toml(tmp_path):
 
 
 def _stats(**kw) -> EngineStats:
-    zeros = {name: 0 for name in EngineStats.__dataclass_fields__ if name != "lora_requests"}
+    required = [f.name for f in dataclasses.fields(EngineStats) if f.default is dataclasses.MISSING]
+    zeros = {name: 0 for name in required if name != "lora_requests"}
     return EngineStats(**{**zeros, "num_gpu_blocks": 8, "num_free_gpu_blocks": 8, **kw})
 
 
