@@ -20,6 +20,8 @@ from model_utils import save_hf_model  # noqa: E402
 from pydaemon import LLM, LoRARequest, SamplingParams  # noqa: E402
 from pydaemon._core import Device  # noqa: E402
 
+pytest.importorskip("peft", reason="the reference is transformers + PEFT: pip install peft")
+
 MAX_NEW = 16
 ADAPTERS = [
     dict(rank=8, targets=ALL_TARGETS),
