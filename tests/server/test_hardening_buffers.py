@@ -105,7 +105,8 @@ def test_http_batch_stream_holds_a_bounded_number_of_deltas(monkeypatch):
     class EndlessClient:
         is_alive = True
 
-        async def generate(self, request_id, prompt, params, priority=0, cache_salt=None):
+        async def generate(self, request_id, prompt, params, priority=0, cache_salt=None,
+                           lora_request=None):  # fmt: skip
             nonlocal produced
             while True:
                 produced += 1
