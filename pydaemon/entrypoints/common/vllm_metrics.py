@@ -4,7 +4,7 @@ The Gateway API Inference Extension's endpoint picker and llm-d score a server b
 ``vllm:num_requests_waiting``, ``vllm:num_requests_running`` and ``vllm:kv_cache_usage_perc``
 (a fraction in [0, 1], despite the name; older versions read ``vllm:gpu_cache_usage_perc``),
 labelled with ``model_name``. The values are the same as the ``pagedd_*`` gauges'. LoRA info
-(``vllm:lora_requests_info``) will follow once adapters exist.
+(``vllm:lora_requests_info``) is rendered with the LoRA gauges in metrics.py.
 """
 
 from __future__ import annotations
