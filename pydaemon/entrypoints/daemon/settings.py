@@ -103,6 +103,13 @@ SERVER_FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
     ("--keepalive-time", float, 30.0, "seconds between HTTP/2 keepalive pings"),
     ("--keepalive-timeout", float, 10.0, "seconds to wait for a keepalive ack"),
     ("--log-level", str, "info", "debug | info | warning | error"),
+    (
+        "--tool-call-parser",
+        str,
+        None,
+        "how tool calls are read from chat outputs with tool_choice auto: hermes (also Qwen), "
+        "llama3_json, mistral (default: from the chat template's syntax)",
+    ),
 )
 
 
@@ -235,6 +242,7 @@ def resolve(args: argparse.Namespace) -> tuple[dict[str, Any], ServerOptions, st
         keepalive_timeout_s=values["keepalive_timeout"],
         grace_period_s=values["grace_period"],
         serving=serving,
+        tool_call_parser=values["tool_call_parser"],
     )
     return engine_kwargs, options, values["log_level"]
 

@@ -41,6 +41,7 @@ class HttpOptions:
     max_queued_requests: int = 1024  # beyond this many unscheduled requests: 429
     stall_timeout_s: float = 30.0  # a streaming client not reading this long is dropped
     max_body_bytes: int = 16 * 1024 * 1024
+    tool_call_parser: str | None = None  # vLLM's names; None: the chat template's syntax
 
 
 @dataclass(eq=False)
