@@ -217,7 +217,6 @@ class EngineCore:
         """Stops the tensor-parallel workers, if any (idempotent; also run at exit): after the
         step in flight (async scheduling), so that no rank frees graphs or its communicator
         under it. That step's outputs are dropped."""
-        self.structured_outputs.shutdown()
         if self.executor is not self.runner:
             stepper = self.async_stepper
             try:

@@ -96,7 +96,3 @@ class StructuredOutputManager:
             self.compiler, sampler.input_batch.output_token_ids, runner.device
         )
         return self.compiler
-
-    def shutdown(self) -> None:
-        if self.compiler is not None:
-            self.compiler.shutdown()

@@ -8,16 +8,21 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+from pathlib import Path
 from typing import Literal
 
 import jsonschema
 import pytest
 from http_helpers import MODEL, openai_client, post, start_http_server
 from pydantic import BaseModel, Field
-from tokenizer_utils import build_hf_tokenizer
 
-from pydaemon.config.engine import EngineConfig
-from pydaemon.engine.llm_engine import LLMEngine
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tiny models, tokenizers
+from model_utils import save_hf_model  # noqa: E402
+from tokenizer_utils import build_hf_tokenizer  # noqa: E402
+
+from pydaemon.config.engine import EngineConfig  # noqa: E402
+from pydaemon.engine.llm_engine import LLMEngine  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Describe a pet."}]
 WEATHER = {
@@ -163,15 +168,19 @@ def test_bad_constraints_are_400(server, body, param, match):
 
 @pytest.fixture(scope="module")
 def tool_client(tmp_path_factory):
-    from model_utils import save_hf_model
+    from pydaemon.tokenizer.hf import HFTokenizer
 
-    model_dir = save_hf_model(tmp_path_factory.mktemp("toolmodel"), vocab_size=512)
+    probe = build_hf_tokenizer(tmp_path_factory.mktemp("tok"), "qwen2")
+    vocab_size = HFTokenizer.from_dir(probe).vocab_size  # the model's: no id without text
+    model_dir = save_hf_model(
+        tmp_path_factory.mktemp("toolmodel"), vocab_size=vocab_size, max_position_embeddings=4096
+    )
     build_hf_tokenizer(model_dir, "qwen2")
     engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=256))
     from conftest import make_server_thread
 
     st = make_server_thread(lambda: engine, http_port=0)
-    yield openai_client(st), st
+    yield openai_client(st), st, model_dir.name
     st.close()
 
 
@@ -182,11 +191,11 @@ def _check_call(call, tools):
 
 
 def test_tool_choice_required_and_named(tool_client):
-    client, st = tool_client
+    client, st, model = tool_client
     tools = [WEATHER, CLOCK]
     for seed in range(3):
         r = client.chat.completions.create(
-            model=MODEL, messages=MESSAGES, tools=tools, tool_choice="required",
+            model=model, messages=MESSAGES, tools=tools, tool_choice="required",
             max_tokens=300, seed=seed,
         )  # fmt: skip
         choice = r.choices[0]
@@ -196,7 +205,7 @@ def test_tool_choice_required_and_named(tool_client):
             _check_call(call, tools)
     named = {"type": "function", "function": {"name": "get_time"}}
     r = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, tools=tools, tool_choice=named, max_tokens=100, n=2
+        model=model, messages=MESSAGES, tools=tools, tool_choice=named, max_tokens=100, n=2
     )
     for choice in r.choices:
         [call] = choice.message.tool_calls
@@ -206,11 +215,11 @@ def test_tool_choice_required_and_named(tool_client):
 
 
 def test_streamed_tool_calls_like_openai(tool_client):
-    client, _ = tool_client
+    client, _, model = tool_client
     calls: dict[int, dict] = {}
     finish = None
     for chunk in client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, tools=[WEATHER], stream=True, max_tokens=100,
+        model=model, messages=MESSAGES, tools=[WEATHER], stream=True, max_tokens=100,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
     ):  # fmt: skip
         choice = chunk.choices[0]
@@ -228,20 +237,20 @@ def test_streamed_tool_calls_like_openai(tool_client):
 
 
 def test_auto_none_and_a_second_turn_with_the_tool_result(tool_client):
-    client, _ = tool_client
+    client, _, model = tool_client
     r = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, tools=[WEATHER], tool_choice="auto", max_tokens=8,
+        model=model, messages=MESSAGES, tools=[WEATHER], tool_choice="auto", max_tokens=8,
         temperature=0, extra_body={"ignore_eos": True},
     )  # fmt: skip
     choice = r.choices[0]  # a random model writes no <tool_call>: plain content
     assert choice.message.tool_calls is None and choice.finish_reason == "length"
     none = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, tools=[WEATHER], tool_choice="none", max_tokens=8,
+        model=model, messages=MESSAGES, tools=[WEATHER], tool_choice="none", max_tokens=8,
         temperature=0, extra_body={"ignore_eos": True},
     )  # fmt: skip
     assert none.usage.prompt_tokens < r.usage.prompt_tokens  # tools not rendered
     first = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, tools=[WEATHER], tool_choice="required", max_tokens=300
+        model=model, messages=MESSAGES, tools=[WEATHER], tool_choice="required", max_tokens=300
     )
     call = first.choices[0].message.tool_calls[0]
     history = MESSAGES + [
@@ -249,7 +258,7 @@ def test_auto_none_and_a_second_turn_with_the_tool_result(tool_client):
         {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 21}'},
     ]
     second = client.chat.completions.create(
-        model=MODEL, messages=history, tools=[WEATHER], max_tokens=8, temperature=0,
+        model=model, messages=history, tools=[WEATHER], max_tokens=8, temperature=0,
         extra_body={"ignore_eos": True},
     )  # fmt: skip
     # The tool call and its result are in the prompt: it is longer than the first turn's.

@@ -86,8 +86,9 @@ def test_bad_constraint_is_invalid_argument_in_band(server, constraint, match):
     server.wait_all_blocks_free()
 
 
-def test_generate_cli_json_schema(server, tmp_path, capsys):
+def test_generate_cli_json_schema(server, tmp_path):
     import argparse
+    import io
 
     schema_file = tmp_path / "schema.json"
     schema_file.write_text(json.dumps(SCHEMA))
@@ -97,8 +98,9 @@ def test_generate_cli_json_schema(server, tmp_path, capsys):
         ["Hello", "--server", server.address, "--json-schema", str(schema_file),
          "--max-tokens", "150", "--seed", "2"]
     )  # fmt: skip
-    assert run_generate(args) == 0
-    out = capsys.readouterr().out
-    jsonschema.validate(json.loads(out.strip()), SCHEMA)
+    out, err = io.StringIO(), io.StringIO()
+    assert run_generate(args, out=out, err=err) == 0, err.getvalue()
+    jsonschema.validate(json.loads(out.getvalue()), SCHEMA)
     args = parser.parse_args(["Hello", "--server", server.address, "--json-schema", "/nope"])
-    assert run_generate(args) == 2
+    assert run_generate(args, out=out, err=err) == 2
+    assert "--json-schema: cannot read /nope" in err.getvalue()

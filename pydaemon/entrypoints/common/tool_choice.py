@@ -70,7 +70,7 @@ def tool_choice_constraint(
     named = check_tools(tools, tool_choice)
     if named is not None:
         tool = next(t for t in tools if t["function"]["name"] == named)
-        return StructuredOutputsParams(json=_parameters(tool))
+        return StructuredOutputsParams(json=_parameters(tool), disable_any_whitespace=True)
     if tool_choice != "required":
         return None
     one_call = {
@@ -87,7 +87,10 @@ def tool_choice_constraint(
             for t in tools
         ]
     }
-    return StructuredOutputsParams(json={"type": "array", "minItems": 1, "items": one_call})
+    # Compact JSON: the arguments are re-serialized anyway, and whitespace costs tokens.
+    return StructuredOutputsParams(
+        json={"type": "array", "minItems": 1, "items": one_call}, disable_any_whitespace=True
+    )
 
 
 def forced_tool_calls(text: str, tools: list[dict[str, Any]], tool_choice: Any) -> list[ToolCall]:

@@ -47,6 +47,8 @@ class GrammarCompiler:
         self._compiler = xgr.GrammarCompiler(
             self.tokenizer_info, max_threads=max_threads, cache_enabled=False
         )
+        # One thread, idle between compiles (an engine's shutdown leaves it: the engine may be
+        # served again, and an idle pool thread ends with the process).
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
         self._cache: OrderedDict[tuple[str, str], Future[xgr.CompiledGrammar]] = OrderedDict()
         self._cache_size = cache_size
@@ -78,6 +80,3 @@ class GrammarCompiler:
     @property
     def num_cached(self) -> int:
         return len(self._cache)
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
