@@ -8,21 +8,16 @@ from __future__ import annotations
 
 import json
 import re
-import sys
-from pathlib import Path
 from typing import Literal
 
 import jsonschema
 import pytest
 from http_helpers import MODEL, openai_client, post, start_http_server
 from pydantic import BaseModel, Field
+from tool_model import build_tool_model
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tiny models, tokenizers
-from model_utils import save_hf_model  # noqa: E402
-from tokenizer_utils import build_hf_tokenizer  # noqa: E402
-
-from pydaemon.config.engine import EngineConfig  # noqa: E402
-from pydaemon.engine.llm_engine import LLMEngine  # noqa: E402
+from pydaemon.config.engine import EngineConfig
+from pydaemon.engine.llm_engine import LLMEngine
 
 MESSAGES = [{"role": "user", "content": "Describe a pet."}]
 WEATHER = {
@@ -168,14 +163,7 @@ def test_bad_constraints_are_400(server, body, param, match):
 
 @pytest.fixture(scope="module")
 def tool_client(tmp_path_factory):
-    from pydaemon.tokenizer.hf import HFTokenizer
-
-    probe = build_hf_tokenizer(tmp_path_factory.mktemp("tok"), "qwen2")
-    vocab_size = HFTokenizer.from_dir(probe).vocab_size  # the model's: no id without text
-    model_dir = save_hf_model(
-        tmp_path_factory.mktemp("toolmodel"), vocab_size=vocab_size, max_position_embeddings=4096
-    )
-    build_hf_tokenizer(model_dir, "qwen2")
+    model_dir = build_tool_model(tmp_path_factory.mktemp("toolmodel"))
     engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=256))
     from conftest import make_server_thread
 

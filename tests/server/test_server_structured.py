@@ -104,3 +104,82 @@ def test_generate_cli_json_schema(server, tmp_path):
     args = parser.parse_args(["Hello", "--server", server.address, "--json-schema", "/nope"])
     assert run_generate(args, out=out, err=err) == 2
     assert "--json-schema: cannot read /nope" in err.getvalue()
+
+
+# ---- chat with tools over gRPC (a tiny model with Qwen's template, which renders tools) ----
+
+WEATHER = pb.Tool(
+    name="get_weather",
+    description="The weather in a city",
+    parameters_json=json.dumps(
+        {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 8},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        }
+    ),
+)
+
+
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory):
+    from tool_model import build_tool_model
+
+    from pydaemon.config.engine import EngineConfig
+    from pydaemon.engine.llm_engine import LLMEngine
+
+    model_dir = build_tool_model(tmp_path_factory.mktemp("grpc_tools"))
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=256))
+    st = make_server_thread(lambda: engine)
+    yield st
+    st.close()
+
+
+def _chat(server, messages, tool_choice, n=1, max_tokens=500):
+    chat = pb.ChatMessages(messages=messages, tools=[WEATHER], tool_choice=tool_choice)
+    sampling = pb.SamplingParams(max_tokens=max_tokens, n=n, seed=1)
+    client = BidiClient(server.stub())
+    client.send(pb.GenerateRequest(start=pb.StartRequest(request_id="c", messages=chat,
+                                                         sampling=sampling)))  # fmt: skip
+    return client.close_send().collect()["c"]
+
+
+def test_grpc_chat_tool_calls_and_a_second_turn(tool_server):
+    user = pb.ChatMessage(role="user", content="Weather in Oslo?")
+    for choice in ("required", "get_weather"):
+        frames = _chat(tool_server, [user], choice, n=2)
+        finished = frames[-1].finished
+        assert [c.index for c in finished.tool_calls] == [0, 1], frames[-1]
+        for seq in finished.tool_calls:
+            [call] = seq.calls if choice == "get_weather" else seq.calls[:1]
+            assert call.name == "get_weather" and call.id.startswith("call_")
+            jsonschema.validate(
+                json.loads(call.arguments_json), json.loads(WEATHER.parameters_json)
+            )
+    call = finished.tool_calls[0].calls[0]
+    history = [
+        user,
+        pb.ChatMessage(role="assistant", tool_calls=[call]),
+        pb.ChatMessage(role="tool", tool_call_id=call.id, content='{"temp_c": 21}'),
+    ]
+    frames = _chat(tool_server, history, "auto", max_tokens=4)
+    finished = frames[-1].finished
+    # The call and its result are in the prompt; a random model makes no call of its own.
+    assert finished.usage.prompt_tokens > 40 and not finished.tool_calls
+    tool_server.wait_all_blocks_free()
+
+
+def test_grpc_bad_tools_are_invalid_argument(tool_server):
+    user = pb.ChatMessage(role="user", content="Hi")
+    for tool_choice, match in (("nope", "'nope', which is not in tools"),):
+        [frame] = _chat(tool_server, [user], tool_choice)
+        assert frame.error.code == 3 and re.search(match, frame.error.message), frame
+    bad = pb.ChatMessages(messages=[user], tools=[pb.Tool(name="f", parameters_json="{")])
+    client = BidiClient(tool_server.stub())
+    client.send(pb.GenerateRequest(start=pb.StartRequest(request_id="b", messages=bad)))
+    [frame] = client.close_send().collect()["b"]
+    assert frame.error.code == 3 and "parameters_json is not JSON" in frame.error.message

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from pydaemon.entrypoints.common.tool_parsers import ToolParser
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 from pydaemon.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -62,6 +63,7 @@ class EngineArgs:
     priority: int
     cache_salt: str | None
     time_limit_s: float | None
+    tool_parser: ToolParser | None = None  # chat with tools: reads the calls of the output
 
 
 def check_request_id(request_id: str) -> str | None:

@@ -54,13 +54,12 @@ class ServerOptions:
     keepalive_timeout_s: float = 10.0
     grace_period_s: float = 30.0
     serving: ServingOptions = field(default_factory=ServingOptions)
-    tool_call_parser: str | None = None  # vLLM's names; None: from the chat template
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key must be given together")
-        if self.tool_call_parser is not None:
-            get_tool_parser(self.tool_call_parser)  # ValueError naming the known ones
+        if self.serving.tool_call_parser is not None:
+            get_tool_parser(self.serving.tool_call_parser)  # ValueError naming the known ones
         if self.grace_period_s < 0:
             raise ValueError(f"grace_period_s must be >= 0 (got {self.grace_period_s})")
 
@@ -196,7 +195,7 @@ class PageddServer:
             max_queued_requests=o.serving.max_queued_requests,
             stall_timeout_s=o.serving.stall_timeout_s,
             max_body_bytes=o.max_message_bytes,
-            tool_call_parser=o.tool_call_parser,
+            tool_call_parser=o.serving.tool_call_parser,
         )
         async_engine = self.async_engine
         self.http = HttpServer(

@@ -224,7 +224,9 @@ def resolve(args: argparse.Namespace) -> tuple[dict[str, Any], ServerOptions, st
     engine_keys = {_key(f[0]) for f in (*ENGINE_FLAGS, *ENGINE_BOOL_FLAGS)}
     engine_kwargs = {k: v for k, v in values.items() if k in engine_keys}
     serving = ServingOptions(
-        max_queued_requests=values["max_queued_requests"], stall_timeout_s=values["stall_timeout"]
+        max_queued_requests=values["max_queued_requests"],
+        stall_timeout_s=values["stall_timeout"],
+        tool_call_parser=values["tool_call_parser"],
     )
     options = ServerOptions(
         host=values["host"],
@@ -242,7 +244,6 @@ def resolve(args: argparse.Namespace) -> tuple[dict[str, Any], ServerOptions, st
         keepalive_timeout_s=values["keepalive_timeout"],
         grace_period_s=values["grace_period"],
         serving=serving,
-        tool_call_parser=values["tool_call_parser"],
     )
     return engine_kwargs, options, values["log_level"]
 

@@ -30,7 +30,7 @@ from pydaemon.entrypoints.common.validation import (
     to_engine_args,
 )
 from pydaemon.entrypoints.grpc.frames import RequestAccount, error_frame
-from pydaemon.entrypoints.grpc.model_prompt import apply_model_prompt
+from pydaemon.entrypoints.grpc.model_prompt import apply_model_prompt, chat_tools
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 from pydaemon.proto.pagedd.v1 import generation_pb2_grpc as pb_grpc
 
@@ -44,6 +44,7 @@ _MAX_FRAMES_PER_WRITE = 4096  # a GenerateBatched message stays far below 4 MiB
 class ServingOptions:
     max_queued_requests: int = 1024  # beyond this many unscheduled requests: RESOURCE_EXHAUSTED
     stall_timeout_s: float = 30.0  # a client not reading this long has its requests aborted
+    tool_call_parser: str | None = None  # vLLM's names; None: from the chat template
 
 
 @dataclass
@@ -217,7 +218,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except RequestInvalid as e:
             stream.out.put_nowait(error_frame(request_id, e.code, e.message))
             return
-        account = RequestAccount(request_id, num_sequences=args.params.n)
+        account = RequestAccount(
+            request_id, num_sequences=args.params.n, tool_parser=args.tool_parser
+        )
         live = _Live(account, f"{next(self._ids)}-{request_id}")
         stream.live[request_id] = live
         live.task = asyncio.create_task(self._run(stream, live, args))
@@ -232,13 +235,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 grpc.StatusCode.UNAVAILABLE, "server is not serving (starting or draining)"
             )
         info = self.engine.model_info
-        start = apply_model_prompt(start, self.engine.tokenizer, info.generation_defaults)
+        tokenizer = self.engine.tokenizer
+        tools, tool_choice, tool_parser = chat_tools(
+            start, tokenizer, self.options.tool_call_parser
+        )
+        start = apply_model_prompt(start, tokenizer, info.generation_defaults, tools, tool_choice)
         args = to_engine_args(
             start,
             vocab_size=info.vocab_size,
             has_tokenizer=info.has_tokenizer,
             max_model_len=info.max_model_len,
         )
+        args.tool_parser = tool_parser
         if self.engine.num_unscheduled >= self.options.max_queued_requests:
             raise RequestInvalid(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
