@@ -49,6 +49,12 @@ def _checks():
     return out
 
 
+def _few_checks():
+    """Two schemas, the regex, the choice and the grammar: for the heavier engine set-ups."""
+    checks = _checks()
+    return [checks[0], checks[3], *checks[-3:]]
+
+
 def _assert(ok, text):
     assert ok, text
 
@@ -78,13 +84,13 @@ def test_every_output_obeys_its_constraint(llm, temperature):
 
 
 def test_n_greater_than_one_each_sequence_obeys(llm):
-    checks = _checks()[:3] + _checks()[-3:]
+    checks = _few_checks()
     params = [
-        SamplingParams(n=4, temperature=1.0, max_tokens=120, structured_outputs=so)
+        SamplingParams(n=3, temperature=1.0, max_tokens=120, structured_outputs=so)
         for so, _ in checks
     ]
     outputs = llm.generate([PROMPTS[0]] * len(checks), params)
-    assert all(len(o.outputs) == 4 for o in outputs)
+    assert all(len(o.outputs) == 3 for o in outputs)
     _check_all(outputs, checks)
     _free_blocks_are_back(llm)
 
@@ -92,7 +98,7 @@ def test_n_greater_than_one_each_sequence_obeys(llm):
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_constraints_survive_preemption(mode):
     llm = _llm(num_kv_blocks=20, preemption_mode=mode, watermark=0.0, swap_space=0.01)
-    checks = _checks()
+    checks = _few_checks()
     params = [
         SamplingParams(
             n=2 if mode == "swap" else 1,
@@ -111,7 +117,7 @@ def test_constraints_survive_preemption(mode):
 
 def test_async_scheduling_and_prefix_caching():
     llm = _llm(async_scheduling=True)
-    checks = _checks()
+    checks = _few_checks()
     params = [
         SamplingParams(temperature=0.8, max_tokens=120, structured_outputs=so, seed=3)
         for so, _ in checks

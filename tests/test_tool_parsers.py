@@ -133,6 +133,10 @@ def test_required_and_named_constraints():
             ],
             {**required, "items": {"anyOf": required["items"]["anyOf"][:1]}},
         )
+    single = tool_choice_constraint([WEATHER, TIME], "required", parallel_tool_calls=False).json
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(output, single)  # two calls where one is allowed
+    jsonschema.validate(output[:1], single)
     calls = forced_tool_calls(json.dumps(output), [WEATHER, TIME], "required")
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_weather", {"city": "Oslo"}),

@@ -243,7 +243,7 @@ class EngineCore:
         kv = sched.kv_cache_stats()
         return EngineStats(
             num_running=len(sched.running),
-            num_waiting=len(sched.waiting),
+            num_waiting=len(sched.waiting) + self.structured_outputs.num_waiting,
             num_swapped=len(sched.swapped),
             num_gpu_blocks=kv.num_gpu_blocks,
             num_free_gpu_blocks=kv.num_free_gpu_blocks,

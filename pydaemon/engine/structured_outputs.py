@@ -43,6 +43,11 @@ class StructuredOutputManager:
     def has_waiting(self) -> bool:
         return bool(self._waiting)
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for their grammar (not yet in the scheduler's queues)."""
+        return len(self._waiting)
+
     def abort_request(self, request_id: str) -> bool:
         kept = [(r, f) for r, f in self._waiting if r.request_id != request_id]
         found = len(kept) < len(self._waiting)

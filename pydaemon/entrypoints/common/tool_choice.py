@@ -64,9 +64,10 @@ def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
 
 
 def tool_choice_constraint(
-    tools: list[dict[str, Any]], tool_choice: Any
+    tools: list[dict[str, Any]], tool_choice: Any, parallel_tool_calls: bool = True
 ) -> StructuredOutputsParams | None:
-    """The constraint that enforces ``tool_choice`` (None for auto / none)."""
+    """The constraint that enforces ``tool_choice`` (None for auto / none); "required" with
+    ``parallel_tool_calls`` False makes exactly one call."""
     named = check_tools(tools, tool_choice)
     if named is not None:
         tool = next(t for t in tools if t["function"]["name"] == named)
@@ -88,9 +89,10 @@ def tool_choice_constraint(
         ]
     }
     # Compact JSON: the arguments are re-serialized anyway, and whitespace costs tokens.
-    return StructuredOutputsParams(
-        json={"type": "array", "minItems": 1, "items": one_call}, disable_any_whitespace=True
-    )
+    calls = {"type": "array", "minItems": 1, "items": one_call}
+    if not parallel_tool_calls:
+        calls["maxItems"] = 1
+    return StructuredOutputsParams(json=calls, disable_any_whitespace=True)
 
 
 def forced_tool_calls(text: str, tools: list[dict[str, Any]], tool_choice: Any) -> list[ToolCall]:

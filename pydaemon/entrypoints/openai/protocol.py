@@ -251,7 +251,9 @@ class ChatCompletionRequest(_SamplingRequest):
     def constraint(self) -> StructuredOutputsParams | None:
         if self.forces_tool_call:
             try:
-                return tool_choice_constraint(self.tools, self.tool_choice)
+                return tool_choice_constraint(
+                    self.tools, self.tool_choice, self.parallel_tool_calls is not False
+                )
             except ValueError as e:
                 raise InvalidParam(str(e), "tools") from None
         return _response_format(self.response_format) or _structured_outputs(

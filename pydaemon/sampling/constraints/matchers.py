@@ -87,17 +87,16 @@ class GrammarMatchers:
         start = time.perf_counter()
         bitmask = self.fill_bitmask(rows)
         filled = time.perf_counter()
-        if self.device.type == "cuda":
+        is_cuda = self.device.type == "cuda"
+        index = None  # every row, in order: no gather
+        if len(rows) != logits.shape[0] or any(r.logits_row != i for i, r in enumerate(rows)):
+            index = torch.tensor([r.logits_row for r in rows], pin_memory=is_cuda)
+            index = index.to(self.device, non_blocking=True)
+        device_mask = bitmask
+        if is_cuda:  # from pinned memory, in stream order: no host sync
             device_mask = bitmask.to(self.device, non_blocking=True)
             self._copied = torch.cuda.Event()
             self._copied.record()
-            index = torch.tensor([r.logits_row for r in rows], device="cpu").pin_memory()
-            index = index.to(self.device, non_blocking=True)
-        else:
-            device_mask = bitmask
-            index = torch.tensor([r.logits_row for r in rows])
-        if len(rows) == logits.shape[0] and all(r.logits_row == i for i, r in enumerate(rows)):
-            index = None  # every row, in order: no gather
         apply_grammar_bitmask(logits, device_mask, index)
         stats = self.stats
         stats.num_steps += 1
