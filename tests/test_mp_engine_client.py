@@ -10,9 +10,9 @@ import re
 import pytest
 
 from pydaemon import LLM, SamplingParams
-from pydaemon.sampling_params import StructuredOutputsParams
 from pydaemon.config.engine import EngineConfig
 from pydaemon.engine.mp_client import MPEngineClient
+from pydaemon.sampling_params import StructuredOutputsParams
 
 CONFIG = dict(model="demo", device="cpu", num_kv_blocks=128, max_num_seqs=16)
 CASES = {
