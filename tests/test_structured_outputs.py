@@ -177,3 +177,32 @@ def test_json_object_and_ignore_eos_finish(llm):
     )[0].outputs[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 20
     assert out.text.startswith('"done"')
+
+
+def test_llm_chat_with_tools_required_and_named(llm):
+    """Offline LLM.chat: a forced tool choice constrains the reply to the call(s)."""
+    from pydaemon.entrypoints.common.tool_choice import forced_tool_calls, tool_choice_constraint
+
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 6}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    params = SamplingParams(max_tokens=150, seed=2)
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        [out] = llm.chat(
+            messages, params, tools=[weather], tool_choice=choice, parallel_tool_calls=False
+        )
+        text = out.outputs[0].text
+        schema = tool_choice_constraint([weather], choice, parallel_tool_calls=False).json
+        jsonschema.validate(json.loads(text), schema)
+        calls = forced_tool_calls(text, [weather], choice)
+        assert calls and all(c.name == "get_weather" for c in calls)

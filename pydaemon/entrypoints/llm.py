@@ -48,6 +48,7 @@ class LLM:
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         tool_choice: Any = "auto",
+        parallel_tool_calls: bool = True,
         chat_template_kwargs: dict | None = None,
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
@@ -56,11 +57,14 @@ class LLM:
         the rendered text. ``tools`` (OpenAI's format) are rendered by templates that take
         them; ``tool_choice`` "required" or ``{"type": "function", "function": {"name": ...}}``
         constrains the output to the call(s): a JSON list of ``{"name", "parameters"}``, or the
-        named function's arguments object (pydaemon.entrypoints.common.tool_choice)."""
+        named function's arguments object (pydaemon.entrypoints.common.tool_choice);
+        ``parallel_tool_calls=False``: one call at most."""
         if not messages:
             raise ValueError("messages is empty: give a conversation or a list of them")
         conversations = [messages] if isinstance(messages[0], dict) else messages
-        constraint = tool_choice_constraint(tools, tool_choice) if tools else None
+        constraint = None
+        if tools:
+            constraint = tool_choice_constraint(tools, tool_choice, parallel_tool_calls)
         if constraint is not None:
             params = sampling_params or self.get_default_sampling_params()
             sampling_params = [

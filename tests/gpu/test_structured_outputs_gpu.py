@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -15,16 +16,30 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine_utils import make_hf_model  # noqa: E402
 from test_constraints import SCHEMAS  # noqa: E402
 
 from pydaemon import LLM, SamplingParams  # noqa: E402
+from pydaemon.model_loader.demo_model import demo_model_dir  # noqa: E402
 from pydaemon.sampling.constraints.bitmask import apply_grammar_bitmask  # noqa: E402
 from pydaemon.sampling_params import StructuredOutputsParams  # noqa: E402
 
 
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """Head size 64 (the kernels' and graphs' sizes), the demo's SentencePiece tokenizer (its
+    vocabulary: 512 tokens, EOS 2)."""
+    path, _ = make_hf_model(
+        tmp_path_factory.mktemp("gpu_structured"),
+        hidden_size=512, num_heads=8, num_kv_heads=2, num_layers=2, vocab_size=512, seed=3,
+    )  # fmt: skip
+    shutil.copy(demo_model_dir() / "tokenizer.model", path / "tokenizer.model")
+    return path
+
+
 @pytest.mark.parametrize("is_async", [True, False])
-def test_constrained_outputs_with_graphs(is_async):
-    llm = LLM("demo", device="cuda", async_scheduling=is_async, num_kv_blocks=512, seed=0)
+def test_constrained_outputs_with_graphs(model, is_async):
+    llm = LLM(str(model), device="cuda", async_scheduling=is_async, num_kv_blocks=512, seed=0)
     assert llm.engine.core.runner.cuda_graphs is not None
     specs = [StructuredOutputsParams(json=s, disable_any_whitespace=True) for s in SCHEMAS]
     specs.append(StructuredOutputsParams(regex="[a-z]{2}-[0-9]{3}"))
