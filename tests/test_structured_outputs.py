@@ -101,7 +101,7 @@ def test_constraints_survive_preemption(mode):
     checks = _few_checks()
     params = [
         SamplingParams(
-            n=2 if mode == "swap" else 1,
+            n=2,
             temperature=1.0,
             max_tokens=120,
             structured_outputs=so,
