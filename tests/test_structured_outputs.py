@@ -206,3 +206,19 @@ def test_llm_chat_with_tools_required_and_named(llm):
         jsonschema.validate(json.loads(text), schema)
         calls = forced_tool_calls(text, [weather], choice)
         assert calls and all(c.name == "get_weather" for c in calls)
+
+
+def test_beside_speculative_decoding():
+    """With n-gram speculation on, constrained requests take no drafts (their matcher does not
+    roll back) and still obey; plain requests beside them speculate as before."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    llm = _llm(speculative_config=spec)
+    checks = _few_checks()
+    plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    params = [SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=so)
+              for so, _ in checks]  # fmt: skip
+    prompt = "the cat sat on the mat, the cat sat on the mat, the cat"
+    outputs = llm.generate([PROMPTS[0]] * len(checks) + [prompt], params + [plain])
+    _check_all(outputs[:-1], checks)
+    assert len(outputs[-1].outputs[0].token_ids) == 24
+    _free_blocks_are_back(llm)
