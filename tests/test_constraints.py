@@ -257,3 +257,19 @@ def test_rejected_token_only_lets_the_sequence_end(demo_compiler):
     logits = torch.zeros(1, 520)
     matchers.apply_grammar_bitmask(logits, [ConstrainedRow(0, 1, "r", SO(regex="ab"))])
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [2]
+
+
+def test_bounded_strings_refuse_control_characters_and_surrogates(demo_compiler):
+    """xgrammar 0.2.9 lets a maxLength string hold raw control characters and encoded UTF-16
+    surrogates (ED A0 80): neither is valid JSON text; the rewritten pattern refuses both."""
+    tok, compiler = demo_compiler
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 4}}}
+    matcher = xgr.GrammarMatcher(compiler.get(SO(json=schema, disable_any_whitespace=True)))
+
+    def byte(b: int) -> int:
+        return tok.sp.piece_to_id(f"<0x{b:02X}>")
+
+    assert all(matcher.accept_token(byte(b)) for b in b'{"s": "')
+    assert not matcher.accept_token(byte(0x1B))
+    assert matcher.accept_token(byte(0xED)) and not matcher.accept_token(byte(0xA0))
+    assert matcher.accept_token(byte(0x9F)) and matcher.accept_token(byte(0xBF))  # U+D7FF

@@ -93,14 +93,16 @@ def build_grammar(spec: StructuredOutputsParams) -> xgr.Grammar:
         raise ValueError(f"structured_outputs.{kind}: {what}: {_message(e)}") from None
 
 
-# A JSON string character: anything but '"', '\\' and control characters.
-_STRING_CHAR = r'[^"\\\x00-\x1f]'
+# A JSON string character: anything but '"', '\\', control characters and UTF-16 surrogates
+# (xgrammar 0.2.9 would let bytes ED A0..BF xx through: not UTF-8 any decoder accepts).
+_STRING_CHAR = r'[^"\\\x00-\x1f\ud800-\udfff]'
 
 
 def _plain_bounded_strings(schema):
     """The schema with every ``{"type": "string", "minLength"/"maxLength": ...}`` that has no
     pattern, format, enum or const rewritten as a pattern of plain JSON string characters:
-    xgrammar 0.2.9 lets such strings hold raw control characters (invalid JSON)."""
+    xgrammar 0.2.9 lets such strings hold raw control characters (invalid JSON) and encoded
+    surrogates (invalid UTF-8)."""
     if isinstance(schema, list):
         return [_plain_bounded_strings(s) for s in schema]
     if not isinstance(schema, dict):
