@@ -68,7 +68,9 @@ def parse_metrics(text: str) -> dict:
         ):  # fmt: skip
             values[name] = values.get(name, 0.0) + float(value)
     out = {field: 0 for field in STATUS_FIELDS}
-    if any(name.startswith("vllm:") for name in values):
+    # pagedd exports a few gauges under vLLM's names too: its own series win when present.
+    is_pagedd = any(name.startswith("pagedd_") for name in values)
+    if not is_pagedd and any(name.startswith("vllm:") for name in values):
         out.update({f: int(values.get(s, 0)) for s, f in _VLLM_METRICS.items()})
         out["num_gpu_blocks"] = blocks
         used = round(values.get("vllm:kv_cache_usage_perc", 0.0) * blocks)

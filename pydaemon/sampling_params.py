@@ -119,8 +119,8 @@ class SamplingParams:
                 raise bad(name, "must be in [-2, 2]")
         if not 0.0 < self.repetition_penalty <= 10.0:
             raise bad("repetition_penalty", "must be in (0, 10]")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise bad("seed", "must be a non-negative integer or None")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
+            raise bad("seed", "must be an integer in [0, 2**64) or None")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad("max_tokens", "must be a positive integer")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:

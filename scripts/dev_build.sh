@@ -8,7 +8,7 @@ PYTHON=${PYTHON:-python3}
 BUILD=${BUILD:-build/dev}
 cmake -S . -B "$BUILD" -G Ninja -DPAGEDD_BUILD_PYTHON=ON -DCMAKE_BUILD_TYPE=${BUILD_TYPE:-Release} \
   -DPython_EXECUTABLE="$("$PYTHON" -c 'import sys; print(sys.executable)')" \
-  -DPAGEDD_CUDA="${PAGEDD_CUDA:-AUTO}" ${CMAKE_ARGS:-} >/dev/null
+  -DPAGEDD_CUDA="$(bash scripts/cuda_choice.sh "${VENV:-.venv}")" ${CMAKE_ARGS:-} >/dev/null
 cmake --build "$BUILD"
 cp "$BUILD"/cpp/bindings/_core*.so pydaemon/
 cp "$BUILD"/cpp/bindings/_core.pyi pydaemon/ 2>/dev/null || true

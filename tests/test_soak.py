@@ -23,4 +23,12 @@ def test_short_soak_passes(tmp_path, capsys):
     for outcome in ("finished:length", "finished:cancelled", "finished:time_limit"):
         assert outcomes.get(outcome, 0) > 0, outcomes
     assert report["call_statuses"].get("CANCELLED", 0) > 0
-    assert set(report["request_kinds"]) == {"plain", "cancel", "time_limit", "n", "beam", "text"}
+    assert set(report["request_kinds"]) == {
+        "plain",
+        "cancel",
+        "time_limit",
+        "n",
+        "beam",
+        "text",
+        "chat",
+    }

@@ -14,7 +14,8 @@ Surface (InprocEngineClient's, so code written against it moves over unchanged):
 - ``async stats()`` -> a fresh EngineStats; ``latest_stats``: the last one seen.
 - ``is_alive``, ``seconds_since_progress()`` (for the watchdog), ``error``.
 - ``model_info`` (ServedModelInfo: the real device and dtype), ``tokenizer`` (or None).
-- ``num_unscheduled``: requests posted that have no output yet (admission control).
+- ``num_unscheduled``: sequences (``num_sequences`` of each request) posted that have no
+  output yet: what admission control counts, so one request of many sequences counts as many.
 - ``async shutdown()``: aborts what is live and stops the engine.
 """
 
@@ -93,6 +94,11 @@ class EngineClient(abc.ABC):
 
     @abc.abstractmethod
     async def shutdown(self) -> None: ...
+
+
+def num_sequences(params: SamplingParams) -> int:
+    """Sequences one request runs at once (best_of, or the beam width)."""
+    return params.beam_width if params.is_beam_search else params.best_of
 
 
 def merge_deltas(first: RequestOutput, later: RequestOutput) -> RequestOutput:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -28,6 +29,7 @@ from pydaemon.engine.engine_client import (
     EngineDeadError,
     ServedModelInfo,
     merge_deltas,
+    num_sequences,
     stream_request,
 )
 from pydaemon.engine.prompt_input import first_eos_token_id
@@ -94,7 +96,7 @@ class InprocEngineClient(EngineClient):
         self.num_loop_iterations = 0
         self.last_progress_time = time.monotonic()
         self.latest_stats = engine.get_stats()  # refreshed by the engine thread
-        self.num_unscheduled = 0  # posted requests with no output yet (admission control)
+        self.num_unscheduled = 0  # posted sequences with no output yet (admission control)
 
     @classmethod
     def load(cls, engine_factory: Callable[[], Any]) -> InprocEngineClient:
@@ -149,11 +151,12 @@ class InprocEngineClient(EngineClient):
             raise EngineDeadError(f"engine failed: {self.error!r}")
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
         arrival = time.monotonic()
-        self.num_unscheduled += 1
+        num_seqs = num_sequences(params)
+        self.num_unscheduled += num_seqs
         self._post(("add", request_id, prompt, params, priority, cache_salt, arrival, sink))
 
         def scheduled() -> None:
-            self.num_unscheduled -= 1
+            self.num_unscheduled -= num_seqs
 
         async for output in stream_request(sink.queue, scheduled, lambda: self.abort(request_id)):
             yield output
@@ -222,7 +225,8 @@ class InprocEngineClient(EngineClient):
                 sink = command[-1]
                 _send(sink, error)
             elif command[0] == "stats":
-                command[1].set_result(self.latest_stats)
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    command[1].set_result(self.latest_stats)
 
     def _check_engine_health(self) -> None:
         """While idle: a dead tensor-parallel worker fails the engine now, not at the next step."""
@@ -258,7 +262,9 @@ class InprocEngineClient(EngineClient):
         elif kind == "stats":
             stats = self.engine.get_stats()
             self.latest_stats = stats
-            command[1].set_result(stats)
+            # The caller's deadline may have passed (its future is cancelled).
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                command[1].set_result(stats)
         else:
             raise AssertionError(f"unknown command {kind!r}")
 

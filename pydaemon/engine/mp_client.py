@@ -36,6 +36,7 @@ from pydaemon.engine.engine_client import (
     EngineCoreDiedError,
     EngineDeadError,
     ServedModelInfo,
+    num_sequences,
     stream_request,
 )
 from pydaemon.engine.output_processor import OutputProcessor
@@ -140,7 +141,8 @@ class MPEngineClient(EngineClient):
             set(self._eos_token_ids),
             RequestMetrics(arrival_time=arrival),
         )
-        self.num_unscheduled += 1
+        num_seqs = num_sequences(params)
+        self.num_unscheduled += num_seqs
         self._post_add(
             EngineCoreRequest(
                 request_id=request_id,
@@ -154,7 +156,7 @@ class MPEngineClient(EngineClient):
         )
 
         def scheduled() -> None:
-            self.num_unscheduled -= 1
+            self.num_unscheduled -= num_seqs
 
         async for output in stream_request(queue, scheduled, lambda: self.abort(request_id)):
             yield output

@@ -14,7 +14,7 @@ from pydaemon.entrypoints.common.tool_choice import messages_for_template, tool_
 from pydaemon.model_loader.default_model import DEFAULT_MODEL
 from pydaemon.outputs import CompletionOutput, RequestOutput
 from pydaemon.sampling_params import SamplingParams
-from pydaemon.tokenizer.loader import encode_chat
+from pydaemon.tokenizer.chat_encoding import encode_chat
 
 
 class LLM:
@@ -51,6 +51,7 @@ class LLM:
         parallel_tool_calls: bool = True,
         chat_template_kwargs: dict | None = None,
         use_tqdm: bool | None = None,
+        parse_special_tokens_in_content: bool = False,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or to
         several; each is rendered by the model's chat template. ``prompt`` of each output is
@@ -58,7 +59,9 @@ class LLM:
         them; ``tool_choice`` "required" or ``{"type": "function", "function": {"name": ...}}``
         constrains the output to the call(s): a JSON list of ``{"name", "parameters"}``, or the
         named function's arguments object (pydaemon.entrypoints.common.tool_choice);
-        ``parallel_tool_calls=False``: one call at most."""
+        ``parallel_tool_calls=False``: one call at most. Special-token text inside messages is
+        plain text unless ``parse_special_tokens_in_content`` (the template's own markers are
+        always tokens)."""
         if not messages:
             raise ValueError("messages is empty: give a conversation or a list of them")
         conversations = [messages] if isinstance(messages[0], dict) else messages
@@ -80,7 +83,8 @@ class LLM:
                 messages_for_template(list(conversation)),
                 add_generation_prompt,
                 tools,
-                **(chat_template_kwargs or {}),
+                chat_template_kwargs=chat_template_kwargs,
+                parse_special_tokens_in_content=parse_special_tokens_in_content,
             )
             texts.append(text)
             token_ids.append(ids)

@@ -53,6 +53,7 @@ class HFTokenizer:
         self.name = name
         self.chat_template = chat_template
         self.special_tokens_map: dict[str, str] = named_special_tokens(config)
+        self._plain: tokenizers.Tokenizer | None = None  # see _plain_tokenizer
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
         self.bos_token_id = self._token_id("bos_token", config.get("bos_token_id"))
         eos_from_token = self._token_id("eos_token", None)
@@ -138,6 +139,30 @@ class HFTokenizer:
             return token_id
         ids = normalize_token_ids(fallback, f"{name}_id")
         return ids[0] if ids else None
+
+    @property
+    def special_token_texts(self) -> frozenset[str]:
+        """Texts that ``encode`` turns into a special token (``<|im_start|>``, ...)."""
+        return frozenset(
+            t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special
+        )
+
+    def encode_segments(self, segments: list[tuple[str, bool]]) -> list[int]:
+        """One text given in consecutive parts, each ``(text, parse_special_tokens)``: a part
+        with False is plain text even where it spells a special token. No BOS is added."""
+        ids: list[int] = []
+        for text, parse_special in segments:
+            tokenizer = self.tokenizer if parse_special else self._plain_tokenizer()
+            ids.extend(tokenizer.encode(text, add_special_tokens=False).ids)
+        return ids
+
+    def _plain_tokenizer(self) -> tokenizers.Tokenizer:
+        """A copy that reads special-token text as plain text (built once, on first use)."""
+        if self._plain is None:
+            plain = tokenizers.Tokenizer.from_str(self.tokenizer.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         """Token ids of ``text``; ``add_bos`` adds the model's special tokens (BOS) as

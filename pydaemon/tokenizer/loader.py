@@ -1,11 +1,10 @@
-"""``load_tokenizer``: the tokenizer of a model directory or .gguf file, whichever kind it has,
-and ``encode_chat``, a conversation rendered by its chat template and encoded."""
+"""``load_tokenizer``: the tokenizer of a model directory or .gguf file, whichever kind it has
+(``encode_chat``, a conversation rendered and encoded, is in ``chat_encoding``)."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 from pydaemon.gguf.reader import GGUFFile, is_gguf_file
 from pydaemon.tokenizer.gguf import load_gguf_tokenizer
@@ -15,21 +14,6 @@ from pydaemon.tokenizer.sentencepiece import TOKENIZER_FILE, SentencePieceTokeni
 logger = logging.getLogger(__name__)
 
 AnyTokenizer = SentencePieceTokenizer | HFTokenizer
-
-
-def encode_chat(
-    tokenizer: AnyTokenizer | None,
-    messages: list[dict],
-    add_generation_prompt: bool = True,
-    tools: list | None = None,
-    **kwargs: Any,
-) -> tuple[str, list[int]]:
-    """-> (prompt text, its token ids) of a conversation. The template writes the BOS itself,
-    so none is added (as transformers' ``apply_chat_template(tokenize=True)``)."""
-    if tokenizer is None:
-        raise ValueError("this model has no tokenizer: chat messages need tokenizer.json")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt, tools, **kwargs)
-    return text, tokenizer.encode(text, add_bos=False)
 
 
 def load_tokenizer(model_dir: str | Path) -> AnyTokenizer | None:

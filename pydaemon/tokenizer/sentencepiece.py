@@ -97,21 +97,44 @@ class SentencePieceTokenizer:
             out["unk_token"] = self.sp.id_to_piece(self.sp.unk_id())
         return out
 
+    @property
+    def special_token_texts(self) -> frozenset[str]:
+        """Texts that ``encode`` turns into a control token (``<s>``, ``</s>``)."""
+        return frozenset(self._special_text_ids)
+
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        parts = self._special_split.split(text) if self._special_split is not None else [text]
-        if len(parts) == 1:
-            ids = self.sp.encode(text)
-        else:  # [text, special, text, special, ..., text]
-            ids = []
-            for k, part in enumerate(parts):
-                if k % 2:
-                    ids.append(self._special_text_ids[part])
-                elif part:
-                    # legacy: a dummy prefix unless the part starts with a space already
-                    prefix = k == 0 or (self.legacy and not part.startswith(" "))
-                    ids.extend(self.sp.encode(part) if prefix else self._encode_no_prefix(part))
+        ids = self._encode_parsed(text, is_start=True)
         if add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
+        return ids
+
+    def encode_segments(self, segments: list[tuple[str, bool]]) -> list[int]:
+        """One text given in consecutive parts, each ``(text, parse_special_tokens)``: a part
+        with False is plain text even where it spells a special token. No BOS is added."""
+        ids: list[int] = []
+        for k, (text, parse_special) in enumerate(segments):
+            if parse_special:
+                ids.extend(self._encode_parsed(text, is_start=k == 0))
+            else:
+                ids.extend(self.sp.encode(text) if k == 0 else self._encode_no_prefix(text))
+        return ids
+
+    def _encode_parsed(self, text: str, is_start: bool) -> list[int]:
+        """Special-token text -> its id; ``is_start``: the text begins the prompt (it gets
+        SentencePiece's dummy prefix)."""
+        parts = self._special_split.split(text) if self._special_split is not None else [text]
+        if len(parts) == 1:
+            return self.sp.encode(text) if is_start else self._encode_no_prefix(text)
+        ids = []  # parts: [text, special, text, special, ..., text]
+        for k, part in enumerate(parts):
+            if k % 2:
+                ids.append(self._special_text_ids[part])
+            elif part:
+                # legacy: a dummy prefix unless the part starts with a space already
+                prefix = (k == 0 and is_start) or (
+                    k > 0 and self.legacy and not part.startswith(" ")
+                )
+                ids.extend(self.sp.encode(part) if prefix else self._encode_no_prefix(part))
         return ids
 
     def _encode_no_prefix(self, text: str) -> list[int]:

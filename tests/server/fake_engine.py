@@ -24,6 +24,7 @@ class FakeTokenizer:
     bos_token_id = 1
     vocab_size = 64
     chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<a>"
+    special_token_texts: frozenset[str] = frozenset()
 
     def apply_chat_template(
         self, messages, add_generation_prompt=True, tools=None, **kwargs

@@ -122,7 +122,7 @@ def test_full_queue_is_429():
     st = start_http_server(serving=_serving(max_queued_requests=0))
     try:
         error = _error(post(st, COMPLETIONS, {"model": MODEL, "prompt": "hi"}), 429)
-        assert error["code"] == "queue_full" and "--max-queued-requests 0" in error["message"]
+        assert error["code"] == "queue_full" and "--max-queued-requests is 0" in error["message"]
     finally:
         st.close()
 

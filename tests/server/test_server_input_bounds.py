@@ -11,7 +11,7 @@ import pytest
 from fake_engine import FakeEngine, FakeTokenizer
 from server_helpers import BidiClient, raw_generate
 
-from pydaemon.entrypoints.common.validation import MAX_PROMPT_BYTES_PER_TOKEN
+from pydaemon.entrypoints.common.limits import MAX_PROMPT_BYTES_PER_TOKEN
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 
 

@@ -305,3 +305,23 @@ def test_unexpected_exception_becomes_internal_with_a_log_line(start_server, cap
         for r in caplog.records
     )
     assert _health(st.channel) == SERVING
+
+
+def test_vllm_named_gauges_for_routers(start_server):
+    """Issue 32, finding 10: what the Gateway API Inference Extension and llm-d read."""
+
+    engine = FakeEngine(num_gpu_blocks=64, max_model_len=1024, step_delay_s=0.01)
+    st = start_server(lambda: engine, metrics_port=0)
+    client = BidiClient(st.stub())
+    client.start("a", [3, 4], sampling=pb.SamplingParams(max_tokens=200, ignore_eos=True))
+    client.close_send()
+    done = threading.Thread(target=client.collect)
+    done.start()
+    time.sleep(0.3)
+    samples = _scrape(st)
+    label = '{model_name="fake"}'
+    assert samples[f"vllm:num_requests_running{label}"] == 1
+    assert samples[f"vllm:num_requests_waiting{label}"] == 0
+    usage = samples[f"vllm:kv_cache_usage_perc{label}"]
+    assert usage == samples["pagedd_kv_cache_usage_ratio"] and 0 < usage < 1
+    done.join()

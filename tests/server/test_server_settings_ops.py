@@ -24,8 +24,9 @@ def _serve_help() -> str:
 def test_serve_help_shows_defaults_once():
     text = _serve_help()
     assert "(default: None)" not in text
-    # --metrics-port, --http-port, --enforce-eager, --calculate-kv-scales
-    assert text.count("(default: off)") == 4
+    # --metrics-port, --http-port, --enforce-eager, --calculate-kv-scales,
+    # --allow-unauthenticated, --parse-special-tokens-in-chat
+    assert text.count("(default: off)") == 6
     for expected in (
         "tokens per KV block (8, 16, 32) (default: 16)",
         "most sequences per step (default: 512)",

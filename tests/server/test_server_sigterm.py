@@ -42,7 +42,9 @@ def _wait_serving(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> g
     raise AssertionError("the daemon did not become SERVING")
 
 
-def _drain_with_stream_in_flight(cmd: list[str], port: int, max_tokens: int) -> None:
+def _drain_with_stream_in_flight(
+    cmd: list[str], port: int, max_tokens: int, sig: int = signal.SIGTERM
+) -> None:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -53,7 +55,7 @@ def _drain_with_stream_in_flight(cmd: list[str], port: int, max_tokens: int) -> 
         sampling = pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
         client.start("inflight", [3, 4, 5], sampling=sampling).close_send()
         assert client.next().HasField("delta")
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         frames = client.collect()["inflight"]
         assert frames[-1].finished.finish_reason == pb.FINISH_REASON_LENGTH
         assert frames[-1].finished.usage.completion_tokens == max_tokens
@@ -71,6 +73,13 @@ def test_sigterm_drain_fake_engine_daemon():
     port = _free_port()
     cmd = [sys.executable, str(Path(__file__).parent / "fake_daemon.py"), str(port), "20"]
     _drain_with_stream_in_flight(cmd, port, max_tokens=60)
+
+
+def test_sighup_drains_like_sigterm():
+    """Issue 32, finding 8: SIGHUP (a closed terminal) used to kill the daemon undrained."""
+    port = _free_port()
+    cmd = [sys.executable, str(Path(__file__).parent / "fake_daemon.py"), str(port), "20"]
+    _drain_with_stream_in_flight(cmd, port, max_tokens=60, sig=signal.SIGHUP)
 
 
 def test_sigterm_drain_pagedd_serve_demo():

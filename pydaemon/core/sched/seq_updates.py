@@ -59,7 +59,6 @@ class SeqUpdater:
         if plan.is_advanced:
             return
         plan.is_advanced = True
-        now = time.monotonic()
         block_size = self.blocks.block_size
         finished = RequestStatus.FINISHED
         by_seq_id = plan.by_seq_id
@@ -75,7 +74,7 @@ class SeqUpdater:
             if after // block_size > before // block_size:  # a block just filled up
                 self.blocks.mark_computed(seq)
             if request.metrics.first_scheduled_time is None:
-                request.metrics.first_scheduled_time = now
+                request.metrics.first_scheduled_time = plan.scheduled_time
             if placeholders and request.has_one_seq:
                 output_token_ids = seq.output_token_ids
                 if after == len(seq.prompt_token_ids) + len(output_token_ids):  # it samples

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from pydaemon.core.request import Request, Sequence
@@ -26,6 +27,9 @@ class StepPlan:
     rejected: list[tuple[Request, str]] = field(default_factory=list)  # can never run
     is_advanced: bool = False  # its tokens count as computed (SeqUpdater.advance)
     by_seq_id: dict[int, ScheduledSeq] = field(default_factory=dict)  # set by advance
+    # When the plan was made: a request's first_scheduled_time (its queue time ends here, not
+    # after the step's compute, which a synchronous step's advance comes after).
+    scheduled_time: float = field(default_factory=time.monotonic)
 
     @property
     def scheduled(self) -> list[ScheduledSeq]:

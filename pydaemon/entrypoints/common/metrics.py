@@ -10,6 +10,7 @@ import bisect
 import threading
 from collections.abc import Callable
 
+from pydaemon.entrypoints.common.vllm_metrics import vllm_gauges
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -82,6 +83,7 @@ class Metrics:
 
     def __init__(self, stats_fn: Callable[[], object]) -> None:
         self._stats_fn = stats_fn
+        self.model_name: str | None = None  # once serving: the vLLM-named gauges carry it
         self._lock = threading.Lock()
         self.ttft = Histogram(
             "pagedd_time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS_S
@@ -155,6 +157,8 @@ class Metrics:
         spec = getattr(stats, "spec_decode", None)
         if spec is not None:
             lines += spec_decode_lines(spec, self._spec_baseline)
+        if self.model_name is not None:
+            lines += vllm_gauges(stats, self.model_name)
         with self._lock:
             lines += [
                 "# HELP pagedd_requests_finished_total Requests ended, by finish reason.",

@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
 
+from pydaemon.entrypoints.common.limits import (
+    MAX_CACHE_SALT_LEN,
+    MAX_REQUEST_ID_LEN,
+    MAX_STOP_TOKEN_IDS,
+    LimitError,
+    check_stop,
+    check_texts_size,
+    check_token_ids,
+)
 from pydaemon.entrypoints.common.tool_parsers import ToolParser
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 from pydaemon.sampling_params import SamplingParams, StructuredOutputsParams
-
-MAX_REQUEST_ID_LEN = 256
-MAX_CACHE_SALT_LEN = 256
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 1024
-MAX_STOP_TOKEN_IDS = 1024
-# A text longer than max_model_len * this many UTF-8 bytes cannot fit in the context (no
-# real token is that long), so it is refused before anyone spends seconds tokenizing it.
-MAX_PROMPT_BYTES_PER_TOKEN = 64
 
 # proto field name -> SamplingParams field name (the same everywhere).
 _OPTIONAL_SAMPLING_FIELDS = (
@@ -84,23 +85,13 @@ def to_sampling_params(
         name: getattr(msg, name) for name in _OPTIONAL_SAMPLING_FIELDS if msg.HasField(name)
     }
     kwargs["structured_outputs"] = structured_outputs
-    if len(msg.stop) > MAX_STOP_STRINGS:
-        raise _invalid(f"sampling.stop has {len(msg.stop)} strings, at most {MAX_STOP_STRINGS}")
-    longest = max((len(s) for s in msg.stop), default=0)
-    if longest > MAX_STOP_STRING_CHARS:
-        raise _invalid(
-            f"sampling.stop has a string of {longest} characters, at most {MAX_STOP_STRING_CHARS}"
+    try:
+        check_stop(msg.stop, "sampling.stop")
+        check_token_ids(
+            msg.stop_token_ids, vocab_size, "sampling.stop_token_ids", MAX_STOP_TOKEN_IDS
         )
-    if len(msg.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise _invalid(
-            f"sampling.stop_token_ids has {len(msg.stop_token_ids)} ids, "
-            f"at most {MAX_STOP_TOKEN_IDS}"
-        )
-    bad_ids = [t for t in msg.stop_token_ids if t >= vocab_size]
-    if bad_ids:
-        raise _invalid(
-            f"sampling.stop_token_ids {bad_ids} are outside the vocabulary [0, {vocab_size})"
-        )
+    except LimitError as e:
+        raise _invalid(e.message) from None
     kwargs["stop"] = list(msg.stop)
     kwargs["stop_token_ids"] = list(msg.stop_token_ids)
     try:
@@ -124,14 +115,15 @@ def to_structured_outputs(msg: pb.StructuredOutput) -> StructuredOutputsParams:
     return StructuredOutputsParams(**kwargs)
 
 
-def check_text_size(text: str, max_model_len: int, what: str = "prompt text") -> None:
-    """Refuses a text too long for any prompt of this model, before tokenizing it."""
-    limit = max_model_len * MAX_PROMPT_BYTES_PER_TOKEN
-    if len(text) > limit or len(text.encode()) > limit:
-        raise _invalid(
-            f"{what} is {len(text.encode())} bytes: it cannot fit in max_model_len "
-            f"{max_model_len} tokens (at most {limit} bytes are accepted)"
-        )
+def check_text_size(
+    text: str | Sequence[str], max_model_len: int, what: str = "prompt text"
+) -> None:
+    """Refuses a text (or the texts of one prompt together, as chat messages) too long for any
+    prompt of this model, before rendering or tokenizing it."""
+    try:
+        check_texts_size((text,) if isinstance(text, str) else text, max_model_len, what)
+    except LimitError as e:
+        raise _invalid(e.message) from None
 
 
 def to_engine_args(

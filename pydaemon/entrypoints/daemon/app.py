@@ -23,6 +23,9 @@ import grpc
 from pydaemon.engine.engine_client import EngineClient
 from pydaemon.entrypoints.common.metrics import Metrics
 from pydaemon.entrypoints.common.tool_parsers import get_tool_parser
+from pydaemon.entrypoints.daemon.fd_limits import quiet_accept_errors, raise_fd_limit
+from pydaemon.entrypoints.daemon.heap_trim import HeapTrimmer
+from pydaemon.entrypoints.daemon.liveness import Liveness
 from pydaemon.entrypoints.daemon.metrics_http import MetricsServer
 from pydaemon.entrypoints.daemon.sd_notify import SdNotifier, watchdog_interval_s
 from pydaemon.entrypoints.grpc.auth import ApiKeyInterceptor
@@ -53,6 +56,10 @@ class ServerOptions:
     keepalive_time_s: float = 30.0
     keepalive_timeout_s: float = 10.0
     grace_period_s: float = 30.0
+    idle_timeout_s: float = 15.0  # HTTP: idle or half-sent connections are closed after this
+    # An engine core without a step or heartbeat this long is reported NOT_SERVING / 503.
+    engine_stall_timeout_s: float = 30.0
+    heap_trim_interval_s: float = 10.0  # freed heap given back to the OS this often
     serving: ServingOptions = field(default_factory=ServingOptions)
 
     def __post_init__(self) -> None:
@@ -69,9 +76,12 @@ class PageddServer:
         self.options = options
         self.notifier = notifier or SdNotifier()
         self.health = Health()
+        self.liveness = Liveness(self.health, options.engine_stall_timeout_s)
+        self.heap_trimmer = HeapTrimmer(options.heap_trim_interval_s)
         self.async_engine: EngineClient | None = None  # the engine client, once started
         self.metrics = Metrics(self._stats)
         self.servicer = GenerationServicer(options.serving, self.metrics)
+        self.servicer.is_stalled = self.liveness.is_stalled
         self.metrics_server: MetricsServer | None = None
         self.http: HttpServer | None = None  # the OpenAI API, when http_port is set
         self.port: int | None = None
@@ -113,14 +123,20 @@ class PageddServer:
             server,
         )
         address = f"{o.host}:{o.port}"
-        if o.tls_cert:
-            with open(o.tls_key, "rb") as f_key, open(o.tls_cert, "rb") as f_cert:
-                credentials = grpc.ssl_server_credentials([(f_key.read(), f_cert.read())])
-            self.port = server.add_secure_port(address, credentials)
-        else:
-            self.port = server.add_insecure_port(address)
+        try:  # grpc raises RuntimeError("Failed to bind") where older versions returned 0
+            if o.tls_cert:
+                with open(o.tls_key, "rb") as f_key, open(o.tls_cert, "rb") as f_cert:
+                    credentials = grpc.ssl_server_credentials([(f_key.read(), f_cert.read())])
+                self.port = server.add_secure_port(address, credentials)
+            else:
+                self.port = server.add_insecure_port(address)
+        except RuntimeError:
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot listen on {address}")
+            raise OSError(
+                f"cannot listen on {address}: the port is in use (another daemon?) or the "
+                "address is not one of this machine's"
+            )
         await server.start()
         self._server = server
         self._watchdog_task = asyncio.create_task(self._watchdog())
@@ -141,6 +157,7 @@ class PageddServer:
         client.start()
         self.async_engine = client
         self.metrics.set_baseline(client.latest_stats)  # the warm-up is not a served request
+        self.metrics.model_name = client.model_info.model_name
         self.servicer.engine = client
         o = self.options
         if o.metrics_port is not None:
@@ -149,6 +166,7 @@ class PageddServer:
                 o.metrics_host,
                 o.metrics_port,
                 api_key=o.api_key if o.metrics_auth else None,
+                tls=(o.tls_cert, o.tls_key) if o.tls_cert else None,
             )
             await self.metrics_server.start()
         if o.http_port is not None:
@@ -159,6 +177,8 @@ class PageddServer:
             await self._start_http(model, client.tokenizer)
         self.servicer.is_admitting = True
         await self.health.set_serving()
+        self.liveness.start(client)
+        self.heap_trimmer.start()
         stats = self.async_engine.latest_stats
         where = f"{o.host}:{self.port}" + (" (TLS)" if o.tls_cert else "")
         metrics_where = (
@@ -194,6 +214,8 @@ class PageddServer:
             tls_key=o.tls_key,
             max_queued_requests=o.serving.max_queued_requests,
             stall_timeout_s=o.serving.stall_timeout_s,
+            idle_timeout_s=o.idle_timeout_s,
+            parse_special_tokens_in_chat=o.serving.parse_special_tokens_in_chat,
             max_body_bytes=o.max_message_bytes,
             tool_call_parser=o.serving.tool_call_parser,
         )
@@ -205,6 +227,7 @@ class PageddServer:
             options,
             self.metrics,
             num_queued=lambda: async_engine.num_unscheduled,
+            is_stalled=self.liveness.is_stalled,
         )
         await self.http.start()
 
@@ -241,9 +264,12 @@ class PageddServer:
         self.servicer.is_admitting = False
         if self.http is not None:
             self.http.stop_admitting()
+        self.liveness.stop()
+        self.heap_trimmer.stop()
         await self.health.set_not_serving()
         num_live = self.num_live_requests
-        logger.info("draining: %d live requests, grace period %.1f s", num_live, grace)
+        if self.async_engine is not None:  # (nothing to drain when start-up failed)
+            logger.info("draining: %d live requests, grace period %.1f s", num_live, grace)
         self.notifier.stopping(f"draining {num_live} requests")
         deadline = time.monotonic() + grace
         while self.num_live_requests and time.monotonic() < deadline:
@@ -264,7 +290,8 @@ class PageddServer:
             await self.async_engine.shutdown()
         if self.metrics_server is not None:
             await self.metrics_server.stop()
-        logger.info("drained; exiting")
+        if self.async_engine is not None:
+            logger.info("drained; exiting")
         self.is_drained.set()
 
 
@@ -272,19 +299,22 @@ async def serve(client_factory: Callable[[], EngineClient], options: ServerOptio
     """Runs the daemon until SIGTERM or SIGINT, then drains; returns the exit code."""
     server = PageddServer(options)
     loop = asyncio.get_running_loop()
+    raise_fd_limit()
+    quiet_accept_errors(loop)
     stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    # SIGHUP (the terminal closed, or a reload by habit) drains too rather than killing.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(sig, stop.set)
     start = asyncio.create_task(server.start(client_factory))
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait({start, stopped}, return_when=asyncio.FIRST_COMPLETED)
     if start.done() and start.exception() is not None:
         error = start.exception()
-        # A bad setting (ValueError) is the operator's to fix: its message is enough. Otherwise
-        # the traceback of the error itself (exc_info=True would log "NoneType: None" here).
-        logger.error(
-            "start-up failed: %s", error, exc_info=None if isinstance(error, ValueError) else error
-        )
+        # A bad setting (ValueError) or a port in use, a missing file (OSError) is the
+        # operator's to fix: its message is enough. Otherwise the traceback of the error itself
+        # (exc_info=True would log "NoneType: None" here).
+        is_operators = isinstance(error, (ValueError, OSError))
+        logger.error("start-up failed: %s", error, exc_info=None if is_operators else error)
         server.notifier.status(f"start-up failed: {error}")
         await server.drain()
         return 1

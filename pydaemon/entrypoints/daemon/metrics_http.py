@@ -2,8 +2,10 @@
 
 One request per connection (``Connection: close``), which is what Prometheus scrapes need.
 A client gets ``header_timeout_s`` to send its request head and at most ``max_connections``
-are open at once (beyond that a new one is closed at once), so idle sockets cost a file
-descriptor for a few seconds, never a thread. With an API key, the request must carry
+are open at once, so idle sockets cost a file descriptor for a few seconds, never a thread.
+At the cap, a new connection evicts the oldest one still waiting for its head (a scraper
+sends its head at once, so idle keyless sockets cannot starve authenticated scrapes); only
+when every open connection is being answered is the new one closed. With an API key, the request must carry
 ``Authorization: Bearer <key>`` (Prometheus: ``authorization: {credentials: ...}``).
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import ssl
 from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
@@ -35,7 +38,10 @@ class MetricsServer:
         api_key: str | None = None,
         header_timeout_s: float = 5.0,
         max_connections: int = 64,
+        tls: tuple[str, str] | None = None,
     ) -> None:
+        """``tls``: (certificate chain, private key) PEM files: serve HTTPS, so the API key
+        is not sent in clear text."""
         self._render = render
         self.host = host
         self.port = port  # the bound port once started (0 asks for any free port)
@@ -43,11 +49,22 @@ class MetricsServer:
         self.header_timeout_s = header_timeout_s
         self.max_connections = max_connections
         self.num_connections = 0
+        # connections still sending their request head, oldest first (dict: ordered set)
+        self._waiting: dict[asyncio.StreamWriter, None] = {}
         self._server: asyncio.Server | None = None
+        self._ssl: ssl.SSLContext | None = None
+        if tls is not None:
+            self._ssl = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            self._ssl.load_cert_chain(*tls)
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(
-            self._handle, self.host, self.port, limit=MAX_HEAD_BYTES
+            self._handle,
+            self.host,
+            self.port,
+            limit=MAX_HEAD_BYTES,
+            ssl=self._ssl,
+            ssl_handshake_timeout=self.header_timeout_s if self._ssl else None,
         )
         self.port = self._server.sockets[0].getsockname()[1]
 
@@ -58,11 +75,17 @@ class MetricsServer:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self.num_connections >= self.max_connections:
-            writer.close()
-            return
+            if not self._waiting:
+                writer.close()
+                return
+            oldest = next(iter(self._waiting))
+            del self._waiting[oldest]
+            oldest.close()  # its handler ends (and is uncounted) on the next turn
         self.num_connections += 1
+        self._waiting[writer] = None
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.header_timeout_s)
+            self._waiting.pop(writer, None)
             status, body = self._respond(head)
             await self._write(writer, status, body)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
@@ -70,6 +93,7 @@ class MetricsServer:
         except (ConnectionError, OSError) as e:
             logger.debug("metrics connection failed: %r", e)
         finally:
+            self._waiting.pop(writer, None)
             self.num_connections -= 1
             writer.close()
 

@@ -8,6 +8,7 @@ are the flag names without the leading dashes, with ``-`` or ``_`` (``max_num_se
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import sys
@@ -71,7 +72,20 @@ ENGINE_BOOL_FLAGS = (
         "GPU, off on CPU and with tensor parallelism; --async-scheduling turns it on for both)",
     ),
 )
-SERVER_BOOL_FLAGS = (("--metrics-auth", True, "with an API key, /metrics requires it too"),)
+SERVER_BOOL_FLAGS = (
+    ("--metrics-auth", True, "with an API key, /metrics requires it too"),
+    (
+        "--allow-unauthenticated",
+        False,
+        "listen on a non-loopback address without an API key (refused otherwise)",
+    ),
+    (
+        "--parse-special-tokens-in-chat",
+        False,
+        "read special-token text in chat message content (<|im_start|>...) as control tokens, "
+        "as transformers does; off: it is plain text, so a message cannot open a new turn",
+    ),
+)
 
 # (flag, type, default, help). Keys map onto ServerOptions / ServingOptions.
 SERVER_FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
@@ -91,7 +105,12 @@ SERVER_FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
     ("--api-key-file", str, None, "read the API key from this file (first line)"),
     ("--tls-cert", str, None, "PEM certificate chain: serve TLS (with --tls-key)"),
     ("--tls-key", str, None, "PEM private key"),
-    ("--max-queued-requests", int, 1024, "beyond this many waiting requests: RESOURCE_EXHAUSTED"),
+    (
+        "--max-queued-requests",
+        int,
+        1024,
+        "beyond this many waiting sequences (prompts x n): RESOURCE_EXHAUSTED / 429",
+    ),
     (
         "--stall-timeout",
         float,
@@ -99,6 +118,19 @@ SERVER_FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
         "abort the requests of a client not reading for this long (s)",
     ),
     ("--grace-period", float, 30.0, "on SIGTERM, let streams finish for this long (s)"),
+    (
+        "--engine-stall-timeout",
+        float,
+        30.0,
+        "report NOT_SERVING (gRPC health, HTTP /health 503) while the engine core has made no "
+        "step or heartbeat for this long (s)",
+    ),
+    (
+        "--idle-timeout",
+        float,
+        15.0,
+        "close an HTTP connection idle, or still sending its request, for this long (s)",
+    ),
     ("--max-message-bytes", int, 16 * 1024 * 1024, "largest gRPC message in either direction"),
     ("--keepalive-time", float, 30.0, "seconds between HTTP/2 keepalive pings"),
     ("--keepalive-timeout", float, 10.0, "seconds to wait for a keepalive ack"),
@@ -221,12 +253,14 @@ def resolve(args: argparse.Namespace) -> tuple[dict[str, Any], ServerOptions, st
         values["api_key"] = _read_key_file(values["api_key_file"])
     if not values.get("api_key"):
         values["api_key"] = os.environ.get(API_KEY_ENV) or None
+    _check_exposure(values)
     engine_keys = {_key(f[0]) for f in (*ENGINE_FLAGS, *ENGINE_BOOL_FLAGS)}
     engine_kwargs = {k: v for k, v in values.items() if k in engine_keys}
     serving = ServingOptions(
         max_queued_requests=values["max_queued_requests"],
         stall_timeout_s=values["stall_timeout"],
         tool_call_parser=values["tool_call_parser"],
+        parse_special_tokens_in_chat=values["parse_special_tokens_in_chat"],
     )
     options = ServerOptions(
         host=values["host"],
@@ -243,9 +277,36 @@ def resolve(args: argparse.Namespace) -> tuple[dict[str, Any], ServerOptions, st
         keepalive_time_s=values["keepalive_time"],
         keepalive_timeout_s=values["keepalive_timeout"],
         grace_period_s=values["grace_period"],
+        idle_timeout_s=values["idle_timeout"],
+        engine_stall_timeout_s=values["engine_stall_timeout"],
         serving=serving,
     )
     return engine_kwargs, options, values["log_level"]
+
+
+def _check_exposure(values: dict[str, Any]) -> None:
+    """A port open beyond this machine needs an API key, unless the operator says otherwise."""
+    if values.get("api_key") or values.get("allow_unauthenticated"):
+        return
+    ports = [("host", "port"), ("http_host", "http_port"), ("metrics_host", "metrics_port")]
+    for host_key, port_key in ports:
+        host = values.get(host_key)
+        if values.get(port_key) is not None and host and not is_loopback(host):
+            flag = "--" + host_key.replace("_", "-")
+            raise ValueError(
+                f"{flag} {host} takes requests from other machines without an API key: set "
+                f"--api-key-file or ${API_KEY_ENV} (and --tls-cert), or pass "
+                "--allow-unauthenticated to serve it open"
+            )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
 
 
 def _read_key_file(path: str) -> str:

@@ -1,4 +1,5 @@
-"""Turns unexpected exceptions of any handler into INTERNAL, with a log line."""
+"""Turns unexpected exceptions of any handler into INTERNAL, with a log line, and a unary
+request message that does not decode into INVALID_ARGUMENT (grpc would answer UNKNOWN)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,39 @@ import inspect
 import logging
 
 import grpc
+from google.protobuf.message import DecodeError
 
 logger = logging.getLogger(__name__)
 
 
+class _Undecodable:
+    """Stands for a unary request whose bytes did not decode; the handler is not called."""
+
+    def __init__(self, error: DecodeError) -> None:
+        self.error = error
+
+
+def _tolerant(deserializer):
+    def deserialize(data: bytes):
+        try:
+            return deserializer(data)
+        except DecodeError as e:
+            return _Undecodable(e)
+
+    return deserialize
+
+
+async def _refuse_undecodable(request, context) -> None:
+    if isinstance(request, _Undecodable):
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the request message could not be decoded: {request.error}",
+        )
+
+
 def _wrap_coroutine(behavior, method: str):
     async def wrapper(request_or_iterator, context):
+        await _refuse_undecodable(request_or_iterator, context)
         try:
             return await behavior(request_or_iterator, context)
         except (asyncio.CancelledError, grpc.aio.AbortError):
@@ -26,6 +54,7 @@ def _wrap_coroutine(behavior, method: str):
 
 def _wrap_generator(behavior, method: str):
     async def wrapper(request_or_iterator, context):
+        await _refuse_undecodable(request_or_iterator, context)
         try:
             async for response in behavior(request_or_iterator, context):
                 yield response
@@ -56,9 +85,12 @@ class ExceptionInterceptor(grpc.aio.ServerInterceptor):
             if behavior is None:
                 continue
             wrap = _wrap_generator if inspect.isasyncgenfunction(behavior) else _wrap_coroutine
+            deserializer = handler.request_deserializer
+            if kind.startswith("unary_") and deserializer is not None:
+                deserializer = _tolerant(deserializer)
             return make(
                 wrap(behavior, handler_call_details.method),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=deserializer,
                 response_serializer=handler.response_serializer,
             )
         return handler

@@ -29,6 +29,7 @@ class RequestAccount:
     num_tokens_by_index: dict[int, int] = field(default_factory=dict)
     finish_reasons: dict[int, int] = field(default_factory=dict)  # index -> FinishReason
     stop_reason: str = ""
+    abort_reason: str = ""  # the engine's message when it ended the request with an error
     metrics: RequestMetrics | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     # Chat with tools: reads each sequence's calls out of its text at the end.
@@ -38,6 +39,8 @@ class RequestAccount:
     def frames(self, output: RequestOutput) -> list[pb.GenerateResponse]:
         """TokenDelta frames of one engine output; records counts and finish reasons."""
         self.num_prompt_tokens = len(output.prompt_token_ids)
+        if output.error:
+            self.abort_reason = output.error
         if output.metrics is not None:
             self.metrics = output.metrics
         frames = []
@@ -95,6 +98,7 @@ class RequestAccount:
                 timings=pb.Timings(**self.timings_ms()),
                 stop_reason=self.stop_reason if reason == pb.FINISH_REASON_STOP else "",
                 tool_calls=self._tool_calls(),
+                abort_reason=self.abort_reason if reason == pb.FINISH_REASON_ABORTED else "",
             ),
         )
 

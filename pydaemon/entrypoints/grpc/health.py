@@ -1,4 +1,5 @@
-"""grpc.health.v1: NOT_SERVING until the model is loaded and warmed, and again when draining."""
+"""grpc.health.v1: NOT_SERVING until the model is loaded and warmed, while the engine core
+makes no progress (see daemon/liveness.py), and for good when draining."""
 
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ class Health:
         for service in _SERVICES:
             await self.servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
 
-    async def set_serving(self) -> None:
+    async def set_serving(self, is_serving: bool = True) -> None:
+        """No effect once draining (set_not_serving is final)."""
+        status = health_pb2.HealthCheckResponse
         for service in _SERVICES:
-            await self.servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+            await self.servicer.set(service, status.SERVING if is_serving else status.NOT_SERVING)
 
     async def set_not_serving(self) -> None:
         """Permanent: used when draining."""

@@ -19,7 +19,8 @@ from pydaemon.entrypoints.common.tool_choice import (
 from pydaemon.entrypoints.common.tool_parsers import ToolParser, detect_tool_call_parser
 from pydaemon.entrypoints.common.validation import RequestInvalid
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
-from pydaemon.tokenizer.loader import AnyTokenizer, encode_chat
+from pydaemon.tokenizer.chat_encoding import encode_chat
+from pydaemon.tokenizer.loader import AnyTokenizer
 
 
 def _invalid(message: str) -> RequestInvalid:
@@ -60,9 +61,12 @@ def apply_model_prompt(
     defaults: GenerationDefaults,
     tools: list[dict[str, Any]] | None = None,
     tool_choice: Any = None,
+    *,
+    parse_special_tokens_in_chat: bool = False,
 ) -> pb.StartRequest:
     """-> ``start`` itself when nothing changes, else a changed copy. ``tools`` and
-    ``tool_choice``: ``chat_tools``' reading of its messages."""
+    ``tool_choice``: ``chat_tools``' reading of its messages. Special-token text in message
+    content stays plain text unless ``parse_special_tokens_in_chat``."""
     has_chat = start.WhichOneof("prompt") == "messages"
     unset = {
         name: value
@@ -83,7 +87,13 @@ def apply_model_prompt(
         try:
             constraint = tool_choice_constraint(tools, tool_choice) if tools else None
             rendered = None if tool_choice == "none" else tools
-            _, ids = encode_chat(tokenizer, messages_for_template(messages), True, rendered)
+            _, ids = encode_chat(
+                tokenizer,
+                messages_for_template(messages),
+                True,
+                rendered,
+                parse_special_tokens_in_content=parse_special_tokens_in_chat,
+            )
         except ValueError as e:
             raise RequestInvalid(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         if constraint is not None:

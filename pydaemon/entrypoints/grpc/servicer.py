@@ -15,7 +15,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -24,13 +24,14 @@ from google.protobuf.message import DecodeError
 from pydaemon import __version__
 from pydaemon.engine.engine_client import EngineClient, EngineCoreDiedError, EngineDeadError
 from pydaemon.entrypoints.common.validation import (
+    EngineArgs,
     RequestInvalid,
     check_request_id,
     check_text_size,
-    to_engine_args,
 )
+from pydaemon.entrypoints.grpc.admission import admit, check_chat_size, render_chat
 from pydaemon.entrypoints.grpc.frames import RequestAccount, error_frame
-from pydaemon.entrypoints.grpc.model_prompt import apply_model_prompt, chat_tools
+from pydaemon.entrypoints.grpc.tokenize import tokenize
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 from pydaemon.proto.pagedd.v1 import generation_pb2_grpc as pb_grpc
 
@@ -38,13 +39,20 @@ logger = logging.getLogger(__name__)
 
 _READER_DONE = object()  # the client half-closed its side
 _MAX_FRAMES_PER_WRITE = 4096  # a GenerateBatched message stays far below 4 MiB
+# Frames a stream may hold for a client that reads slowly. Past this, its requests wait for
+# the writer, and the engine client merges their deltas meanwhile (one growing delta per
+# request, bounded by max_tokens) instead of this queue growing by a frame per token.
+_MAX_BUFFERED_FRAMES = 2 * _MAX_FRAMES_PER_WRITE
 
 
 @dataclass
 class ServingOptions:
-    max_queued_requests: int = 1024  # beyond this many unscheduled requests: RESOURCE_EXHAUSTED
+    max_queued_requests: int = 1024  # beyond this many unscheduled sequences: RESOURCE_EXHAUSTED
     stall_timeout_s: float = 30.0  # a client not reading this long has its requests aborted
     tool_call_parser: str | None = None  # vLLM's names; None: from the chat template
+    status_timeout_s: float = 5.0  # GetServerStatus waits this long for the core's stats
+    # Special-token text in chat messages parsed as control tokens (role injection): off.
+    parse_special_tokens_in_chat: bool = False
 
 
 @dataclass
@@ -69,6 +77,7 @@ class _Stream:
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     live: dict[str, _Live] = field(default_factory=dict)  # client request_id -> request
     is_open: bool = True
+    has_room: asyncio.Event = field(default_factory=asyncio.Event)  # out is below its bound
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -80,6 +89,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self._ids = itertools.count()
         self._streams: set[_Stream] = set()
         self._started_at = time.monotonic()
+        self.is_stalled: Callable[[], bool] = lambda: False  # the core missed its heartbeat
 
     # ---- drain support -----------------------------------------------------------------
 
@@ -111,6 +121,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         """The writer of one call: takes every item ready in the stream's queue at once (the
         frames of one engine step, typically) and hands the frames to ``write``."""
         stream = _Stream()
+        stream.has_room.set()
         self._streams.add(stream)
         reader = asyncio.create_task(self._read(stream, request_iterator))
         reader_done = False
@@ -119,6 +130,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 items = [await stream.out.get()]
                 while not stream.out.empty() and len(items) < _MAX_FRAMES_PER_WRITE:
                     items.append(stream.out.get_nowait())
+                if stream.out.qsize() < _MAX_BUFFERED_FRAMES:
+                    stream.has_room.set()
                 frames: list[pb.GenerateResponse] = []
                 for item in items:
                     if item is _READER_DONE:
@@ -214,46 +227,39 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def _start(self, stream: _Stream, start: pb.StartRequest) -> None:
         request_id = start.request_id
         try:
-            args = self._admit(start)
+            if start.WhichOneof("prompt") == "messages":
+                # Rendering and tokenizing take long for a big conversation: they run off the
+                # event loop, in the request's task; only the size is checked here.
+                self._check_serving()
+                check_chat_size(start, self.engine)
+                args = None
+            else:
+                args = self._admit(start)
         except RequestInvalid as e:
             stream.out.put_nowait(error_frame(request_id, e.code, e.message))
             return
-        account = RequestAccount(
-            request_id, num_sequences=args.params.n, tool_parser=args.tool_parser
-        )
+        account = RequestAccount(request_id, num_sequences=args.params.n if args else 1)
         live = _Live(account, f"{next(self._ids)}-{request_id}")
         stream.live[request_id] = live
-        live.task = asyncio.create_task(self._run(stream, live, args))
+        live.task = asyncio.create_task(self._run(stream, live, args or start))
+        if args is not None:
+            self._arm_time_limit(live, args)
+
+    def _arm_time_limit(self, live: _Live, args: EngineArgs) -> None:
         if args.time_limit_s is not None:
             live.timer = asyncio.get_running_loop().call_later(
                 args.time_limit_s, self._cancel, live, pb.FINISH_REASON_TIME_LIMIT
             )
 
-    def _admit(self, start: pb.StartRequest):
+    def _check_serving(self) -> None:
         if not self.is_admitting or self.engine is None or not self.engine.is_alive:
             raise RequestInvalid(
                 grpc.StatusCode.UNAVAILABLE, "server is not serving (starting or draining)"
             )
-        info = self.engine.model_info
-        tokenizer = self.engine.tokenizer
-        tools, tool_choice, tool_parser = chat_tools(
-            start, tokenizer, self.options.tool_call_parser
-        )
-        start = apply_model_prompt(start, tokenizer, info.generation_defaults, tools, tool_choice)
-        args = to_engine_args(
-            start,
-            vocab_size=info.vocab_size,
-            has_tokenizer=info.has_tokenizer,
-            max_model_len=info.max_model_len,
-        )
-        args.tool_parser = tool_parser
-        if self.engine.num_unscheduled >= self.options.max_queued_requests:
-            raise RequestInvalid(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{self.engine.num_unscheduled} requests are already queued "
-                f"(--max-queued-requests {self.options.max_queued_requests}); retry later",
-            )
-        return args
+
+    def _admit(self, start: pb.StartRequest) -> EngineArgs:
+        self._check_serving()
+        return admit(start, self.engine, self.options.max_queued_requests)
 
     def _cancel(self, live: _Live, reason: int) -> None:
         if live.cancel_reason is None:
@@ -261,19 +267,33 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if live.task is not None:
             live.task.cancel()
 
-    async def _run(self, stream: _Stream, live: _Live, args) -> None:
+    async def _run(self, stream: _Stream, live: _Live, args: EngineArgs | pb.StartRequest) -> None:
         account = live.account
         final: pb.GenerateResponse | None = None
         try:
+            if isinstance(args, pb.StartRequest):  # chat messages, not rendered yet
+                opts = self.options
+                rendered, tool_parser = await render_chat(
+                    args, self.engine, opts.parse_special_tokens_in_chat, opts.tool_call_parser
+                )
+                args = self._admit(rendered)
+                args.tool_parser = account.tool_parser = tool_parser
+                account.num_sequences = args.params.n
+                self._arm_time_limit(live, args)
             async for output in self.engine.generate(
                 live.engine_request_id, args.prompt, args.params, args.priority, args.cache_salt
             ):
                 for frame in account.frames(output):
                     stream.out.put_nowait(frame)
+                if stream.out.qsize() >= _MAX_BUFFERED_FRAMES:
+                    stream.has_room.clear()
+                    await stream.has_room.wait()  # backpressure: see _MAX_BUFFERED_FRAMES
                 if output.finished:
                     final = account.finished()
         except asyncio.CancelledError:
             final = account.finished(live.cancel_reason or pb.FINISH_REASON_CANCELLED)
+        except RequestInvalid as e:
+            final = error_frame(account.request_id, e.code, e.message)
         except ValueError as e:
             final = error_frame(account.request_id, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineCoreDiedError as e:
@@ -334,16 +354,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except RequestInvalid as e:
             await context.abort(e.code, e.message)
 
-        def tokenize() -> pb.TokenizeResponse:
-            # Tokenizers are read-only after loading, so encoding here races with nothing.
-            ids = tokenizer.encode(request.text, add_bos=request.add_bos)
-            return pb.TokenizeResponse(token_ids=ids, pieces=[tokenizer.decode([t]) for t in ids])
-
         # Off the event loop: a long text must not stall every other stream.
-        return await asyncio.get_running_loop().run_in_executor(None, tokenize)
+        return await asyncio.get_running_loop().run_in_executor(None, tokenize, tokenizer, request)
 
     async def GetServerStatus(self, request, context) -> pb.ServerStatus:
-        s = await (await self._require_engine(context)).stats()
+        engine = await self._require_engine(context)
+        try:  # a stuck core never answers: its last stats, and is_serving false
+            s = await asyncio.wait_for(engine.stats(), self.options.status_timeout_s)
+            is_stuck = False
+        except asyncio.TimeoutError:
+            s, is_stuck = engine.latest_stats, True
         fields = {
             name: getattr(s, name)
             for name in pb.ServerStatus.DESCRIPTOR.fields_by_name
@@ -358,7 +378,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 accepted_per_position=spec.accepted_per_position,
             )
         return pb.ServerStatus(
-            is_serving=self.is_admitting and self.engine.is_alive,
+            is_serving=(
+                self.is_admitting and engine.is_alive and not is_stuck and not self.is_stalled()
+            ),
             uptime_s=time.monotonic() - self._started_at,
             **fields,
         )

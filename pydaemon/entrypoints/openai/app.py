@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from pydaemon.entrypoints.common.metrics import Metrics
 from pydaemon.entrypoints.openai.auth import api_key_middleware
@@ -24,6 +25,22 @@ from pydaemon.entrypoints.openai.responses import ModelCard, ModelList
 from pydaemon.entrypoints.openai.serving import HttpOptions, OpenAIServing, ServedModel
 
 logger = logging.getLogger(__name__)
+# aiohttp's connection-level log: a malformed request would log an ERROR traceback each time.
+_server_logger = logging.getLogger(__name__ + ".connections")
+
+
+class _QuietMalformedRequests(logging.Filter):
+    """A request that does not parse is the client's problem: one debug line, no traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, HttpProcessingError):
+            _server_logger.debug("malformed HTTP request: %s", error)
+            return False
+        return True
+
+
+_server_logger.addFilter(_QuietMalformedRequests())
 
 
 def build_app(serving: OpenAIServing) -> web.Application:
@@ -65,9 +82,13 @@ def build_app(serving: OpenAIServing) -> web.Application:
         return await create_chat_completion(serving, request)
 
     async def health(request: web.Request) -> web.Response:
-        if serving.is_serving:
-            return web.Response(text="")
-        return error_response(503, "not serving (draining or failed)", code="not_serving")
+        if not serving.is_serving:
+            return error_response(503, "not serving (draining or failed)", code="not_serving")
+        if serving.is_stalled():
+            return error_response(
+                503, "the engine core has stopped making progress", code="engine_stalled"
+            )
+        return web.Response(text="")
 
     async def metrics(request: web.Request) -> web.Response:
         if serving.metrics is None:
@@ -100,9 +121,12 @@ class HttpServer:
         options: HttpOptions,
         metrics: Metrics | None = None,
         num_queued: Callable[[], int] | None = None,
+        is_stalled: Callable[[], bool] | None = None,
     ) -> None:
         self.options = options
-        self.serving = OpenAIServing(engine, tokenizer, model, options, metrics, num_queued)
+        self.serving = OpenAIServing(
+            engine, tokenizer, model, options, metrics, num_queued, is_stalled
+        )
         self.port: int | None = None
         self._runner: web.AppRunner | None = None
 
@@ -125,6 +149,9 @@ class HttpServer:
             handler_cancellation=True,
             access_log=None,
             shutdown_timeout=1.0,
+            # Closes a connection idle (or still sending its request head) this long.
+            keepalive_timeout=self.options.idle_timeout_s,
+            logger=_server_logger,
         )
         await runner.setup()
         site = web.TCPSite(

@@ -25,7 +25,6 @@ from pydaemon.entrypoints.common.tool_parsers import (
 from pydaemon.entrypoints.openai.accumulator import Accumulator, ChoiceDelta, ChoiceState
 from pydaemon.entrypoints.openai.chunk_template import TEXT_MARKER, ChunkTemplate
 from pydaemon.entrypoints.openai.engine_stream import EnginePrompt
-from pydaemon.entrypoints.openai.errors import bad_request
 from pydaemon.entrypoints.openai.logprobs import TokenTexts, chat_logprobs
 from pydaemon.entrypoints.openai.protocol import ChatCompletionRequest
 from pydaemon.entrypoints.openai.responses import (
@@ -44,11 +43,17 @@ from pydaemon.entrypoints.openai.serving import OpenAIServing
 async def create_chat_completion(
     serving: OpenAIServing, request: web.Request
 ) -> web.StreamResponse:
-    body = ChatCompletionRequest.model_validate_json(await request.read())
-    body.check()
-    serving.admit(body.model)
-    rendered = _render(serving, body)
-    prompt = EnginePrompt(await serving.encode(rendered, add_bos=False, param="messages"))
+    body = ChatCompletionRequest.model_validate_json(await serving.read_body(request))
+    body.check(serving.model.vocab_size)
+    serving.admit(body.model, body.n)
+    prompt = EnginePrompt(
+        await serving.encode_chat(
+            messages_for_template([m.for_template() for m in body.messages]),
+            body.template_tools,
+            body.add_generation_prompt,
+            body.chat_template_kwargs,
+        )
+    )
     max_tokens = serving.resolve_max_tokens(
         len(prompt.token_ids),
         body.requested_max_tokens,
@@ -81,20 +86,6 @@ async def create_chat_completion(
         include_usage=body.include_usage,
         cache_salt=body.cache_salt,
     )
-
-
-def _render(serving: OpenAIServing, body: ChatCompletionRequest) -> str:
-    if serving.tokenizer is None:
-        raise bad_request("this model has no tokenizer, so no chat template", "messages")
-    try:
-        return serving.tokenizer.apply_chat_template(
-            messages_for_template([m.for_template() for m in body.messages]),
-            add_generation_prompt=body.add_generation_prompt,
-            tools=body.template_tools,
-            **(body.chat_template_kwargs or {}),
-        )
-    except ValueError as e:  # no template, or the template refused the messages
-        raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
 
 
 class ChatFormatter:

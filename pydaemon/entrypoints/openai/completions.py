@@ -19,9 +19,9 @@ from pydaemon.entrypoints.openai.serving import OpenAIServing
 
 
 async def create_completion(serving: OpenAIServing, request: web.Request) -> web.StreamResponse:
-    body = CompletionRequest.model_validate_json(await request.read())
-    body.check()
-    serving.admit(body.model)
+    body = CompletionRequest.model_validate_json(await serving.read_body(request))
+    body.check(serving.model.vocab_size)
+    serving.admit(body.model, _num_prompts(body.prompt) * max(body.n, body.best_of or 1))
     prompts = await _prompts(serving, body.prompt, body.echo)
     max_tokens = min(
         serving.resolve_max_tokens(
@@ -45,6 +45,13 @@ async def create_completion(serving: OpenAIServing, request: web.Request) -> web
         include_usage=body.include_usage,
         cache_salt=body.cache_salt,
     )
+
+
+def _num_prompts(prompt) -> int:
+    """Counted before anything is tokenized: a list of strings or of token lists is a batch."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return 1
+    return len(prompt)
 
 
 async def _prompts(serving: OpenAIServing, prompt, echo: bool) -> list[EnginePrompt]:

@@ -18,6 +18,9 @@ from pydaemon.outputs import RequestOutput
 from pydaemon.sampling_params import SamplingParams
 
 _DONE = object()
+# Deltas a batch may hold for a slow reader; past this its prompts wait, and the engine client
+# merges their deltas meanwhile (one growing delta per prompt, bounded by max_tokens).
+MAX_BUFFERED_DELTAS = 1024
 
 
 @dataclass
@@ -82,11 +85,16 @@ async def generate_all(
                 yield 0, output
         return
     queue: asyncio.Queue = asyncio.Queue()
+    has_room = asyncio.Event()
+    has_room.set()
 
     async def pump(i: int) -> None:
         try:
             async for output in _one(engine, f"{request_id}-{i}", prompts[i], params, cache_salt):
                 queue.put_nowait((i, output))
+                if queue.qsize() >= MAX_BUFFERED_DELTAS:
+                    has_room.clear()
+                    await has_room.wait()
         except Exception as e:  # noqa: BLE001 - re-raised in the consumer
             queue.put_nowait(e)
         finally:
@@ -97,6 +105,8 @@ async def generate_all(
         num_running = len(tasks)
         while num_running:
             item = await queue.get()
+            if queue.qsize() < MAX_BUFFERED_DELTAS:
+                has_room.set()
             if item is _DONE:
                 num_running -= 1
             elif isinstance(item, Exception):

@@ -12,7 +12,7 @@ import logging
 from aiohttp import web
 from pydantic import ValidationError
 
-from pydaemon.entrypoints.openai.protocol import InvalidParam
+from pydaemon.entrypoints.common.limits import LimitError
 from pydaemon.entrypoints.openai.responses import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -21,6 +21,8 @@ _TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
     404: "invalid_request_error",
+    408: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_error",
     503: "service_unavailable",
@@ -85,8 +87,8 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         return await handler(request)
     except ApiError as e:
         return error_response(e.status, e.message, param=e.param, code=e.code)
-    except InvalidParam as e:
-        return error_response(400, str(e), param=e.param)
+    except LimitError as e:  # InvalidParam too
+        return error_response(400, e.message, param=e.param)
     except ValidationError as e:
         message, param = _validation_message(e)
         return error_response(400, message, param=param)

@@ -60,8 +60,19 @@ def completion_logprobs(
         out.tokens.append(names[token_id])
         out.token_logprobs.append(position.get(token_id))
         out.text_offset.append(text_offset)
-        out.top_logprobs.append({names[t]: lp for t, lp in _top(position, None)})
+        out.top_logprobs.append(_by_text(names, _top(position, None)))
         text_offset += len(names[token_id])
+    return out
+
+
+def _by_text(names: dict[int, str], ranked: list[tuple[int, float]]) -> dict[str, float]:
+    """OpenAI's completions format keys alternatives by text; tokens that read the same (byte
+    pieces of one character, say) would collapse into one key and lose alternatives, so a
+    repeated text is keyed ``token_id:<id>`` instead."""
+    out: dict[str, float] = {}
+    for token_id, lp in ranked:
+        key = names[token_id]
+        out[key if key not in out else f"token_id:{token_id}"] = lp
     return out
 
 

@@ -1,7 +1,9 @@
 """OpenAI request bodies (pydantic), with vLLM's extra sampling fields, and their conversion to
 SamplingParams. Value ranges are SamplingParams' own checks, so the two APIs cannot drift.
 
-Unknown fields are refused (400 naming them); fields that OpenAI clients commonly send but that
+Types are strict (``"stream": "yes"`` or ``"prompt": [true]`` is a 400, not a coercion); the
+limits on stop strings and token ids are entrypoints/common/limits.py's, as for gRPC. Unknown
+fields are refused (400 naming them); fields that OpenAI clients commonly send but that
 change nothing here (``user``, ``store``, ``metadata``...) are accepted and ignored.
 """
 
@@ -12,24 +14,25 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pydaemon.config.generation import GenerationDefaults
+from pydaemon.entrypoints.common.limits import (
+    MAX_CACHE_SALT_LEN,
+    MAX_STOP_TOKEN_IDS,
+    LimitError,
+    check_stop,
+    check_token_ids,
+)
 from pydaemon.entrypoints.common.tool_choice import check_tools, tool_choice_constraint
-from pydaemon.entrypoints.common.validation import MAX_CACHE_SALT_LEN
 from pydaemon.sampling_params import SamplingParams, StructuredOutputsParams
 
-MAX_STOP_STRINGS = 16
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default
 
 
-class InvalidParam(ValueError):
+class InvalidParam(LimitError):
     """A request field with a bad value; ``param`` names the field."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = False
 
@@ -37,7 +40,7 @@ class StreamOptions(BaseModel):
 class _SamplingRequest(BaseModel):
     """Fields that completions and chat completions share."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     n: int = 1
@@ -76,10 +79,12 @@ class _SamplingRequest(BaseModel):
             raise InvalidParam("stream_options is only allowed with stream: true", "stream_options")
         if self.logit_bias:
             raise InvalidParam("logit_bias is not supported", "logit_bias")
-        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
-            raise InvalidParam(
-                f"stop has {len(self.stop)} strings, at most {MAX_STOP_STRINGS}", "stop"
-            )
+
+    def _check_limits(self, vocab_size: int) -> None:
+        """The bounds gRPC enforces too (entrypoints/common/limits.py)."""
+        check_stop([self.stop] if isinstance(self.stop, str) else self.stop or [], "stop")
+        ids = self.stop_token_ids or []
+        check_token_ids(ids, vocab_size, "stop_token_ids", MAX_STOP_TOKEN_IDS)
 
     def sampling_params(
         self,
@@ -167,7 +172,8 @@ class CompletionRequest(_SamplingRequest):
     suffix: str | None = None
     return_token_ids: bool = False  # vLLM's extra: each choice (chunk) carries its token ids
 
-    def check(self) -> None:
+    def check(self, vocab_size: int) -> None:
+        self._check_limits(vocab_size)
         if self.suffix:
             raise InvalidParam("suffix is not supported", "suffix")
         if self.echo and self.logprobs is not None:
@@ -177,7 +183,7 @@ class CompletionRequest(_SamplingRequest):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["text"]
     text: str
@@ -186,7 +192,7 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     """One message; extra keys (e.g. ``reasoning_content``) pass through to the template."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -218,7 +224,8 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def check(self) -> None:
+    def check(self, vocab_size: int) -> None:
+        self._check_limits(vocab_size)
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParam("top_logprobs needs logprobs: true", "top_logprobs")
         try:

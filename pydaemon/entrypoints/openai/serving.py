@@ -7,17 +7,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from aiohttp import web
+
 from pydaemon.config.generation import GenerationDefaults
+from pydaemon.entrypoints.common.limits import (
+    check_text_size,
+    check_texts_size,
+    iter_strings,
+)
 from pydaemon.entrypoints.common.metrics import Metrics
 from pydaemon.entrypoints.openai.accumulator import Accumulator
 from pydaemon.entrypoints.openai.engine_stream import GenerateClient
 from pydaemon.entrypoints.openai.errors import ApiError, bad_request
 from pydaemon.entrypoints.openai.protocol import InvalidParam
+from pydaemon.tokenizer.chat_encoding import encode_chat
 
 
 @dataclass(frozen=True)
@@ -38,8 +47,13 @@ class HttpOptions:
     metrics_auth: bool = True  # with api_key: /metrics requires it too
     tls_cert: str | None = None  # PEM files: serve HTTPS (the same pair as gRPC's TLS)
     tls_key: str | None = None
-    max_queued_requests: int = 1024  # beyond this many unscheduled requests: 429
+    max_queued_requests: int = 1024  # beyond this many unscheduled sequences: 429
     stall_timeout_s: float = 30.0  # a streaming client not reading this long is dropped
+    # An idle connection, or one whose request head or body stops arriving, is closed after
+    # this long (a slow-loris client must not hold a file descriptor for ever).
+    idle_timeout_s: float = 15.0
+    # Special-token text in chat messages parsed as control tokens (role injection): off.
+    parse_special_tokens_in_chat: bool = False
     max_body_bytes: int = 16 * 1024 * 1024
     tool_call_parser: str | None = None  # vLLM's names; None: the chat template's syntax
 
@@ -55,7 +69,8 @@ class OpenAIServing:
     """``engine``: the engine client; ``tokenizer``: the model's (``encode``, ``decode``,
     ``apply_chat_template``), or None; ``metrics``: the daemon's Prometheus registry;
     ``num_queued``: requests posted to the engine and not yet scheduled (from every front
-    end), for admission control."""
+    end), for admission control; ``is_stalled``: the engine core has missed its heartbeat
+    (``/health`` answers 503)."""
 
     def __init__(
         self,
@@ -65,6 +80,7 @@ class OpenAIServing:
         options: HttpOptions,
         metrics: Metrics | None = None,
         num_queued: Callable[[], int] | None = None,
+        is_stalled: Callable[[], bool] | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -72,6 +88,7 @@ class OpenAIServing:
         self.options = options
         self.metrics = metrics
         self.num_queued = num_queued or (lambda: 0)
+        self.is_stalled = is_stalled or (lambda: False)  # the engine core missed its heartbeat
         self.is_admitting = True
         self.live: set[LiveRequest] = set()
 
@@ -86,7 +103,8 @@ class OpenAIServing:
         self.engine = self.tokenizer = self.metrics = None
         self.num_queued = lambda: 0
 
-    def admit(self, model_name: str) -> None:
+    def admit(self, model_name: str, num_sequences: int = 1) -> None:
+        """``num_sequences``: what the request adds to the queue (prompts x best_of)."""
         if not self.is_serving:
             raise ApiError(
                 503, "the server is not serving (draining or failed)", code="not_serving"
@@ -99,24 +117,74 @@ class OpenAIServing:
                 code="model_not_found",
             )
         num_queued = self.num_queued()
-        if num_queued >= self.options.max_queued_requests:
+        limit = self.options.max_queued_requests
+        if num_queued + num_sequences > limit:
             raise ApiError(
                 429,
-                f"{num_queued} requests are already queued (--max-queued-requests "
-                f"{self.options.max_queued_requests}); retry later",
+                f"{num_queued} sequences are queued and this request adds {num_sequences} "
+                f"(prompts x n); --max-queued-requests is {limit}: retry later"
+                + ("" if num_sequences <= limit else ", with fewer prompts or a smaller n"),
                 code="queue_full",
             )
+
+    async def read_body(self, request: web.Request) -> bytes:
+        """The request body, which must arrive within the idle timeout (else 408, and the
+        connection is closed: aiohttp would otherwise linger reading the rest); it must be JSON,
+        by its Content-Type when it has one (415 otherwise)."""
+        content_type = request.content_type
+        is_json = content_type == "application/json" or content_type.endswith("+json")
+        if "Content-Type" in request.headers and not is_json:
+            raise ApiError(415, f"Content-Type must be application/json (got {content_type!r})")
+        try:
+            return await asyncio.wait_for(request.read(), self.options.idle_timeout_s)
+        except asyncio.TimeoutError:
+            request.protocol.force_close()
+            raise ApiError(
+                408, f"the request body did not arrive within {self.options.idle_timeout_s} s"
+            ) from None
 
     # ---- prompts -----------------------------------------------------------------------
 
     async def encode(self, text: str, *, add_bos: bool, param: str) -> list[int]:
-        """Token ids of a prompt, tokenized off the event loop (a long prompt takes ms)."""
+        """Token ids of a prompt, tokenized off the event loop (a long prompt takes ms); a text
+        too long to fit is refused before tokenizing (it would take seconds)."""
         if self.tokenizer is None:
             raise bad_request("this model has no tokenizer: send the prompt as token ids", param)
         if not text:
             raise bad_request(f"{param} is empty", param)
+        check_text_size(text, self.model.max_model_len, param)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(None, self.tokenizer.encode, text, add_bos)
+
+    async def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list | None,
+        add_generation_prompt: bool,
+        chat_template_kwargs: dict[str, Any] | None,
+    ) -> list[int]:
+        """Token ids of a conversation rendered by the chat template. Its size is checked first;
+        rendering and tokenizing run off the event loop (a big conversation takes seconds)."""
+        if self.tokenizer is None:
+            raise bad_request("this model has no tokenizer, so no chat template", "messages")
+        check_texts_size(
+            list(iter_strings((messages, tools))), self.model.max_model_len, "messages"
+        )
+        loop = asyncio.get_running_loop()
+        encode = functools.partial(
+            encode_chat,
+            self.tokenizer,
+            messages,
+            add_generation_prompt,
+            tools,
+            chat_template_kwargs=chat_template_kwargs,
+            parse_special_tokens_in_content=self.options.parse_special_tokens_in_chat,
+        )
+        try:
+            _, ids = await loop.run_in_executor(None, encode)
+        except ValueError as e:  # no template, or the template refused the messages
+            raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
+        return ids
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""

@@ -249,20 +249,22 @@ class Timings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., time_to_first_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class Finished(_message.Message):
-    __slots__ = ("finish_reason", "sequence_finish_reasons", "usage", "timings", "stop_reason", "tool_calls")
+    __slots__ = ("finish_reason", "sequence_finish_reasons", "usage", "timings", "stop_reason", "abort_reason", "tool_calls")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FINISH_REASONS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    ABORT_REASON_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     sequence_finish_reasons: _containers.RepeatedScalarFieldContainer[FinishReason]
     usage: Usage
     timings: Timings
     stop_reason: str
+    abort_reason: str
     tool_calls: _containers.RepeatedCompositeFieldContainer[SequenceToolCalls]
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., sequence_finish_reasons: _Optional[_Iterable[_Union[FinishReason, str]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., stop_reason: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[SequenceToolCalls, _Mapping]]] = ...) -> None: ...
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., sequence_finish_reasons: _Optional[_Iterable[_Union[FinishReason, str]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., stop_reason: _Optional[str] = ..., abort_reason: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[SequenceToolCalls, _Mapping]]] = ...) -> None: ...
 
 class RequestError(_message.Message):
     __slots__ = ("code", "message")
@@ -329,12 +331,14 @@ class TokenizeRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., add_bos: _Optional[bool] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
-    __slots__ = ("token_ids", "pieces")
+    __slots__ = ("token_ids", "pieces", "added_bos")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PIECES_FIELD_NUMBER: _ClassVar[int]
+    ADDED_BOS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     pieces: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., pieces: _Optional[_Iterable[str]] = ...) -> None: ...
+    added_bos: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., pieces: _Optional[_Iterable[str]] = ..., added_bos: _Optional[bool] = ...) -> None: ...
 
 class GetServerStatusRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,62 @@
+"""Health that follows the engine core's progress, not only its process.
+
+The core reports after every step and, while idle, every ``IDLE_HEARTBEAT_S``; a core that is
+stopped (SIGSTOP), deadlocked or stuck in one step misses those reports although its process
+is alive. Past ``stall_timeout_s`` without one, the daemon says so: gRPC health NOT_SERVING,
+HTTP ``/health`` 503, ``GetServerStatus.is_serving`` false; a load balancer then routes
+around it. When the core reports again, health goes back to SERVING (unless draining).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from pydaemon.engine.engine_client import EngineClient
+from pydaemon.entrypoints.grpc.health import Health
+
+logger = logging.getLogger(__name__)
+
+
+class Liveness:
+    def __init__(self, health: Health, stall_timeout_s: float) -> None:
+        self.health = health
+        self.stall_timeout_s = stall_timeout_s
+        self.engine: EngineClient | None = None  # set once serving
+        self._task: asyncio.Task | None = None
+
+    def is_stalled(self) -> bool:
+        """The started engine is alive but has missed its heartbeat for the stall timeout."""
+        engine = self.engine
+        return (
+            engine is not None
+            and engine.is_alive
+            and engine.seconds_since_progress() > self.stall_timeout_s
+        )
+
+    def start(self, engine: EngineClient) -> None:
+        """Call once serving: gRPC health then follows ``is_stalled``."""
+        self.engine = engine
+        self._task = asyncio.create_task(self._follow())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _follow(self) -> None:
+        poll_s = min(1.0, self.stall_timeout_s / 4)
+        was_stalled = False
+        while True:
+            await asyncio.sleep(poll_s)
+            is_stalled = self.is_stalled()
+            if is_stalled == was_stalled:
+                continue
+            was_stalled = is_stalled
+            if is_stalled:
+                logger.error(
+                    "the engine core has made no progress for %.0f s: health NOT_SERVING",
+                    self.engine.seconds_since_progress(),
+                )
+            else:
+                logger.warning("the engine core is making progress again: health SERVING")
+            await self.health.set_serving(not is_stalled)

@@ -1,0 +1,108 @@
+"""Connections that hold file descriptors (issue 32, finding 3): idle and half-sent HTTP
+connections are closed after the idle timeout; on the metrics port, keyless idle connections
+cannot starve an authenticated scrape; a failed accept() logs one line, not thousands."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from fake_engine import FakeEngine
+
+from pydaemon.entrypoints.daemon.metrics_http import MetricsServer
+
+IDLE_S = 0.5
+
+
+def _is_closed_within(sock: socket.socket, timeout_s: float) -> bool:
+    """True when the server closes ``sock`` (EOF or reset) within ``timeout_s``."""
+    sock.settimeout(timeout_s)
+    try:
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [
+        b"",  # connected, never sends
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n",  # half a head
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{",  # half a body
+    ],
+)
+def test_idle_and_half_sent_http_connections_are_closed(start_server, sent):
+    engine = FakeEngine(num_gpu_blocks=64)
+    st = start_server(lambda: engine, http_port=0, idle_timeout_s=IDLE_S)
+    sock = socket.create_connection(("127.0.0.1", st.server.http.port))
+    try:
+        sock.sendall(sent)
+        t0 = time.monotonic()
+        assert _is_closed_within(sock, 10 * IDLE_S)
+        assert time.monotonic() - t0 < 10 * IDLE_S
+    finally:
+        sock.close()
+
+
+def test_keyless_idle_connections_do_not_starve_metrics_scrapes():
+    async def main():
+        server = MetricsServer(lambda: "up 1\n", "127.0.0.1", 0, api_key="k", max_connections=4)
+        await server.start()
+        idle = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(8)]
+        await asyncio.sleep(0.05)
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"GET /metrics HTTP/1.1\r\nAuthorization: Bearer k\r\n\r\n")
+        reply = await asyncio.wait_for(reader.read(), 2.0)
+        for _, w in idle:
+            w.close()
+        writer.close()
+        await server.stop()
+        return reply
+
+    reply = asyncio.run(main())
+    assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(b"up 1\n")
+
+
+_EMFILE_SCRIPT = textwrap.dedent(
+    """
+    import asyncio, logging, resource, sys
+    from pydaemon.entrypoints.daemon.fd_limits import quiet_accept_errors
+    logging.basicConfig(level=logging.INFO)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (48, hard))
+
+    async def main():
+        quiet_accept_errors(asyncio.get_running_loop())
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        print(server.sockets[0].getsockname()[1], flush=True)
+        await asyncio.sleep(2.0)
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_accept_out_of_descriptors_logs_one_line_not_a_storm(tmp_path):
+    err = tmp_path / "stderr"
+    with open(err, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _EMFILE_SCRIPT], stdout=subprocess.PIPE, stderr=f, text=True
+        )
+        port = int(proc.stdout.readline())
+        socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(80)]
+        proc.wait(timeout=30)
+        for s in socks:
+            s.close()
+    text = err.read_text()
+    assert "cannot accept connections" in text
+    assert text.count("Too many open files") <= 2, text[:2000]

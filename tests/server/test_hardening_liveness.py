@@ -1,0 +1,65 @@
+"""A stuck engine core must not look healthy (issue 32, finding 5): past the stall timeout
+without a step or heartbeat, gRPC health is NOT_SERVING and HTTP /health 503, and
+GetServerStatus answers within its deadline; when the core moves again, health recovers."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+from fake_engine import FakeEngine
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from http_helpers import request
+from server_helpers import BidiClient
+
+from pydaemon.entrypoints.grpc.servicer import ServingOptions
+from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
+
+STALL_S = 0.5
+STEP_S = 3.0  # one step this long: the core misses its heartbeat
+
+
+def _grpc_health(st) -> int:
+    with grpc.insecure_channel(st.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+
+
+def _wait_for(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_stuck_engine_core_is_not_serving_then_recovers(start_server):
+    engine = FakeEngine(num_gpu_blocks=256, step_delay_s=0.002)
+    st = start_server(
+        lambda: engine,
+        http_port=0,
+        engine_stall_timeout_s=STALL_S,
+        serving=ServingOptions(status_timeout_s=0.3),
+    )
+    serving = health_pb2.HealthCheckResponse.SERVING
+    assert _grpc_health(st) == serving and request(st, "GET", "/health").status == 200
+    client = BidiClient(st.stub())
+    client.start("r", [3], sampling=pb.SamplingParams(max_tokens=8))
+    client.close_send()
+    engine.step_delay_s = STEP_S
+    frames: dict = {}
+    threading.Thread(target=lambda: frames.update(client.collect())).start()
+    t0 = time.monotonic()
+    assert _wait_for(lambda: request(st, "GET", "/health").status == 503, STEP_S / 2)
+    assert _wait_for(lambda: _grpc_health(st) != serving, STEP_S / 2)
+    assert request(st, "GET", "/health").json()["error"]["code"] == "engine_stalled"
+    status = st.stub().GetServerStatus(pb.GetServerStatusRequest(), timeout=STEP_S / 2)
+    assert not status.is_serving
+    assert time.monotonic() - t0 < STEP_S  # all of it while the step was still running
+    engine.step_delay_s = 0.002
+    assert _wait_for(lambda: _grpc_health(st) == serving, 3 * STEP_S)
+    assert request(st, "GET", "/health").status == 200
+    assert _wait_for(lambda: "r" in frames, 5.0)
+    assert frames["r"][-1].finished.usage.completion_tokens == 8
