@@ -86,8 +86,8 @@ def test_every_output_obeys_its_constraint(llm, temperature):
 def test_n_greater_than_one_each_sequence_obeys(llm):
     checks = _few_checks()
     params = [
-        SamplingParams(n=3, temperature=1.0, max_tokens=120, structured_outputs=so)
-        for so, _ in checks
+        SamplingParams(n=3, temperature=1.0, max_tokens=120, structured_outputs=so, seed=i)
+        for i, (so, _) in enumerate(checks)
     ]
     outputs = llm.generate([PROMPTS[0]] * len(checks), params)
     assert all(len(o.outputs) == 3 for o in outputs)
