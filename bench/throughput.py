@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap each step's host work with the GPU (default: on for CUDA)")  # fmt: skip
+    e.add_argument("--json-schema-workload", action="store_true",
+                   help="every request carries a JSON schema (structured outputs; a synthetic "
+                   "tokenizer is written for a model without one); compile cache warmed first")  # fmt: skip
     e.add_argument("--quantization", choices=("fp8", "fp8_emulated"), default=None,
                    help="FP8 weights (fp8: CUDA sm_89+); default: as the checkpoint is")  # fmt: skip
     h = p.add_argument_group("transformers peers")
@@ -117,6 +120,14 @@ def _resolve_model(args: argparse.Namespace) -> None:
     args.model = args.model or "demo"
     if args.model != "demo" and not (Path(args.model) / "config.json").is_file():
         raise ValueError(f"--model {args.model}: no config.json there")
+    has_tokenizer = any(
+        (Path(args.model) / f).is_file() for f in ("tokenizer.json", "tokenizer.model")
+    )
+    if getattr(args, "json_schema_workload", False) and args.model != "demo" and not has_tokenizer:
+        from bench.synthetic_tokenizer import write_tokenizer
+
+        vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+        write_tokenizer(args.model, vocab)  # structured outputs spell grammars with it
 
 
 def run_backend(backend: str, args: argparse.Namespace) -> dict:

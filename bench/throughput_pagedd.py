@@ -3,10 +3,28 @@ on request, TPOT at batch 1 on the same engine and a GPU profile of the run)."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
 from bench.workloads import WorkloadRequest
+
+# --json-schema-workload: a list of records with free-text fields, so that 256 greedy tokens
+# of a dummy model stay inside the grammar (a finished grammar leaves the row unconstrained).
+WORKLOAD_SCHEMA = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer"},
+            "name": {"type": "string"},
+            "tags": {"type": "array", "items": {"type": "string"}},
+            "active": {"type": "boolean"},
+        },
+        "required": ["id", "name", "tags", "active"],
+        "additionalProperties": False,
+    },
+}
 
 
 class StepStats:
@@ -62,9 +80,24 @@ def run_pagedd(
     engine = llm.engine
     engine.warmup()  # as the daemon does before serving; not timed
     load_s = time.perf_counter() - t_load
+    constraint = None
+    if getattr(args, "json_schema_workload", False):
+        from pydaemon.sampling_params import StructuredOutputsParams
+
+        constraint = StructuredOutputsParams(json=WORKLOAD_SCHEMA)
+        warm = SamplingParams(max_tokens=2, structured_outputs=constraint)
+        llm.generate([requests[0].prompt], warm, use_tqdm=False)  # compile cache warm
     params = [
-        SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=r.output_len,
+            ignore_eos=True,
+            structured_outputs=constraint,
+        )
+        for r in requests
     ]
+    matchers = engine.core.runner.step_sampler.grammar_matchers
+    mask_before = None if matchers is None else dataclasses.replace(matchers.stats)
     stats = StepStats(engine)
     before = engine.get_stats()
     with Profiled(getattr(args, "profile", False)) as profiled:
@@ -107,6 +140,8 @@ def run_pagedd(
             **{k: v for k, v in engine.config.__dict__.items() if k != "model"},
         },  # fmt: skip
     }
+    if mask_before is not None:
+        figures["structured_outputs"] = _mask_figures(mask_before, matchers.stats)
     if tpot is not None:
         figures["tpot_batch1"] = tpot
     if getattr(args, "tpot_batch", 0):
@@ -114,6 +149,18 @@ def run_pagedd(
     if profiled.result is not None:
         figures["gpu_breakdown"] = profiled.result
     return figures
+
+
+def _mask_figures(before, after) -> dict:
+    """Host time of the grammar masks per step (the device part is a few batched ops)."""
+    num_steps = max(1, after.num_steps - before.num_steps)
+    return {
+        "schema": WORKLOAD_SCHEMA,
+        "num_masked_steps": after.num_steps - before.num_steps,
+        "mean_constrained_rows_per_step": (after.num_rows - before.num_rows) / num_steps,
+        "fill_ms_per_step": (after.fill_s - before.fill_s) * 1e3 / num_steps,
+        "apply_host_ms_per_step": (after.apply_s - before.apply_s) * 1e3 / num_steps,
+    }
 
 
 def _tpot_batch1(llm, args, vocab_size: int | None) -> dict:

@@ -9,6 +9,50 @@ MAX_N = 256
 # Beam scores divide by length ** length_penalty; beyond this the scores carry no information.
 MAX_ABS_LENGTH_PENALTY = 10.0
 
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the text a request generates (vLLM's name and fields); exactly one of
+    ``json`` (a JSON schema, as a dict or its JSON text), ``regex``, ``choice`` (the output is
+    one of these strings), ``grammar`` (EBNF as xgrammar and GBNF write it, or Lark) or
+    ``json_object`` (any JSON object). ``disable_any_whitespace``: JSON with no whitespace
+    besides what the schema's strings hold (small models otherwise may write spaces forever).
+    Syntax errors (a bad schema, regex or grammar) are found by the engine before the request
+    takes any KV block: pydaemon.sampling.constraints.grammar_spec."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            self.choice = list(self.choice)
+        kinds = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError(
+                "StructuredOutputsParams needs exactly one of json, regex, choice, grammar, "
+                f"json_object (got {kinds or 'none'})"
+            )
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError("StructuredOutputsParams.json must be a JSON schema (dict or str)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"StructuredOutputsParams.{name} must be a non-empty string")
+        if self.choice is not None and (
+            not self.choice or any(not isinstance(c, str) or not c for c in self.choice)
+        ):
+            raise ValueError("StructuredOutputsParams.choice must be a list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
 
 @dataclass
 class SamplingParams:
@@ -38,6 +82,8 @@ class SamplingParams:
     beam_width: int = 1
     length_penalty: float = 1.0
     early_stopping: bool = False
+    # Constrained decoding (JSON schema, regex, choice, grammar): pydaemon.sampling.constraints
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -48,6 +94,8 @@ class SamplingParams:
             self.top_k = 0
         if self.best_of is None:
             self.best_of = self.n
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:
@@ -96,6 +144,16 @@ class SamplingParams:
                 "length_penalty",
                 f"must be a finite number in [-{MAX_ABS_LENGTH_PENALTY:g}, "
                 f"{MAX_ABS_LENGTH_PENALTY:g}]",
+            )
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams (or its dict)")
+        if so is not None and self.is_beam_search:
+            raise bad("structured_outputs", "cannot be combined with beam search (beam_width > 1)")
+        if so is not None and self.min_tokens > 0:
+            raise bad(
+                "min_tokens",
+                "must be 0 with structured_outputs (the grammar decides where the output ends)",
             )
         if self.best_of > self.n and self.temperature == 0.0 and not self.is_beam_search:
             raise bad("best_of", "greater than n needs sampling (temperature > 0)")

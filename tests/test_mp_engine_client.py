@@ -5,12 +5,14 @@ ValueError, frees the blocks of an abandoned request, and stops its process clea
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
 from pydaemon import LLM, SamplingParams
 from pydaemon.config.engine import EngineConfig
 from pydaemon.engine.mp_client import MPEngineClient
+from pydaemon.sampling_params import StructuredOutputsParams
 
 CONFIG = dict(model="demo", device="cpu", num_kv_blocks=128, max_num_seqs=16)
 CASES = {
@@ -19,6 +21,16 @@ CASES = {
     "best-of": ([9, 10, 11], SamplingParams(n=1, best_of=3, temperature=0.8, seed=1, max_tokens=6)),
     "beam": ([12, 13, 14], SamplingParams(beam_width=3, n=2, temperature=0.0, max_tokens=6)),
     "logprobs": ([15, 16], SamplingParams(temperature=0.0, max_tokens=5, logprobs=2)),
+    "regex": (  # the grammar compiled in the core process
+        "Once upon a time",
+        SamplingParams(
+            n=2,
+            temperature=1.0,
+            seed=4,
+            max_tokens=30,
+            structured_outputs=StructuredOutputsParams(regex="[a-z]{2}-[0-9]{3}"),
+        ),
+    ),
 }
 
 
@@ -74,6 +86,10 @@ def test_same_outputs_as_in_process_and_clean_errors(offline, async_scheduling):
             got = dict(zip(cases, await asyncio.gather(*map(one, cases)), strict=True))
             with pytest.raises(ValueError, match="outside the vocabulary"):
                 await one_bad(client)
+            bad_regex = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a(b"))
+            with pytest.raises(ValueError, match="structured_outputs.regex: invalid regex"):
+                async for _ in client.generate("bad-regex", [3, 4], bad_regex):
+                    pass
             # Leaving a stream early aborts the request and frees its blocks.
             long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
             async for _ in client.generate("long", [3, 4, 5], long):
@@ -95,7 +111,8 @@ def test_same_outputs_as_in_process_and_clean_errors(offline, async_scheduling):
             pass
 
     got = asyncio.run(main())
-    for key in ("greedy", "seeded-n2", "stop", "logprobs"):
+    assert all(re.fullmatch("[a-z]{2}-[0-9]{3}", c[2]) for c in expected["regex"])
+    for key in ("greedy", "seeded-n2", "stop", "logprobs", "regex"):
         assert _merge(got[key]) == expected[key], key
         assert got[key][-1].finished and sum(o.finished for o in got[key]) == 1
     for key in ("best-of", "beam"):  # not streamed: one whole, final output

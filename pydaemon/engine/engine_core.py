@@ -30,12 +30,16 @@ from pydaemon.core.sched.scheduler_output import WARMUP_REQUEST_ID
 from pydaemon.core.stats import EngineStats
 from pydaemon.core.stop_checker import StopChecker
 from pydaemon.engine.prompt_input import eos_token_ids
+from pydaemon.engine.structured_outputs import StructuredOutputManager
 from pydaemon.lora_request import LoRARequest, prefix_cache_salt
 from pydaemon.outputs import RequestMetrics
 from pydaemon.sampling_params import SamplingParams
 from pydaemon.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+# With nothing scheduled, a step waits this long at most for a grammar compile to finish.
+GRAMMAR_POLL_S = 0.05
 
 
 class EngineCore:
@@ -81,6 +85,7 @@ class EngineCore:
             use_async = False
         self.async_stepper = AsyncStepper(self.scheduler, self.executor) if use_async else None
         self._checked_lora_ids: set[int] = set()
+        self.structured_outputs = StructuredOutputManager(config.model, runner)
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, r: EngineCoreRequest) -> None:
@@ -111,6 +116,9 @@ class EngineCore:
                 max_new_tokens=min(params.max_tokens, self.max_model_len - num_prompt),
                 min_new_tokens=params.min_tokens,
             )
+        if params.structured_outputs is not None:  # scheduled once its grammar is compiled
+            self.structured_outputs.add_request(request)
+            return
         self.scheduler.add_request(request)
 
     def _check_fits(self, r: EngineCoreRequest) -> None:
@@ -157,7 +165,9 @@ class EngineCore:
 
     def abort_request(self, request_id: str) -> bool:
         """Stops a request and frees its KV blocks now. False if unknown or finished."""
-        return self.scheduler.abort_request(request_id)
+        return self.structured_outputs.abort_request(request_id) or self.scheduler.abort_request(
+            request_id
+        )
 
     def finish_seq(self, request_id: str, index: int) -> bool:
         """The front end matched a stop string in sequence ``index``: free it now."""
@@ -165,6 +175,9 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         """Requests to run, or a step still in flight (async scheduling)."""
+        return self.structured_outputs.has_waiting() or self._has_scheduled_work()
+
+    def _has_scheduled_work(self) -> bool:
         stepper = self.async_stepper
         return self.scheduler.has_unfinished_requests() or (
             stepper is not None and stepper.has_step_in_flight
@@ -173,7 +186,17 @@ class EngineCore:
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
         """The outputs of one step: under async scheduling, of the step before the one this
-        call launches (pydaemon.core.sched.async_stepper)."""
+        call launches (pydaemon.core.sched.async_stepper). Requests whose grammar finished
+        compiling join the scheduler first."""
+        failed = self.structured_outputs.admit_ready(self.scheduler)
+        if not self._has_scheduled_work():
+            self.structured_outputs.wait(GRAMMAR_POLL_S)  # only grammars to wait for
+            return EngineCoreOutputs(outputs=failed)
+        outputs = self._step()
+        outputs.outputs[:0] = failed
+        return outputs
+
+    def _step(self) -> EngineCoreOutputs:
         if self.async_stepper is not None:
             return self.async_stepper.step()
         scheduler_output = self.scheduler.schedule()
@@ -240,7 +263,7 @@ class EngineCore:
         kv = sched.kv_cache_stats()
         return EngineStats(
             num_running=len(sched.running),
-            num_waiting=len(sched.waiting),
+            num_waiting=len(sched.waiting) + self.structured_outputs.num_waiting,
             num_swapped=len(sched.swapped),
             num_gpu_blocks=kv.num_gpu_blocks,
             num_free_gpu_blocks=kv.num_free_gpu_blocks,

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from pydaemon.config.engine import EngineConfig
 from pydaemon.engine.llm_engine import LLMEngine
+from pydaemon.entrypoints.common.tool_choice import messages_for_template, tool_choice_constraint
 from pydaemon.lora_request import LoRARequest
 from pydaemon.model_loader.default_model import DEFAULT_MODEL
 from pydaemon.outputs import CompletionOutput, RequestOutput
@@ -45,22 +48,40 @@ class LLM:
         *,
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        tool_choice: Any = "auto",
+        parallel_tool_calls: bool = True,
         chat_template_kwargs: dict | None = None,
         use_tqdm: bool | None = None,
         parse_special_tokens_in_content: bool = False,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or to
         several; each is rendered by the model's chat template. ``prompt`` of each output is
-        the rendered text. Special-token text inside messages is plain text unless
-        ``parse_special_tokens_in_content`` (the template's own markers are always tokens)."""
+        the rendered text. ``tools`` (OpenAI's format) are rendered by templates that take
+        them; ``tool_choice`` "required" or ``{"type": "function", "function": {"name": ...}}``
+        constrains the output to the call(s): a JSON list of ``{"name", "parameters"}``, or the
+        named function's arguments object (pydaemon.entrypoints.common.tool_choice);
+        ``parallel_tool_calls=False``: one call at most. Special-token text inside messages is
+        plain text unless ``parse_special_tokens_in_content`` (the template's own markers are
+        always tokens)."""
         if not messages:
             raise ValueError("messages is empty: give a conversation or a list of them")
         conversations = [messages] if isinstance(messages[0], dict) else messages
+        constraint = None
+        if tools:
+            constraint = tool_choice_constraint(tools, tool_choice, parallel_tool_calls)
+        if constraint is not None:
+            params = sampling_params or self.get_default_sampling_params()
+            sampling_params = [
+                dataclasses.replace(p, structured_outputs=constraint)
+                for p in _per_prompt(params, len(conversations), "sampling_params")
+            ]
+        if tool_choice == "none":
+            tools = None
         texts, token_ids = [], []
         for conversation in conversations:
             text, ids = encode_chat(
                 self.tokenizer,
-                list(conversation),
+                messages_for_template(list(conversation)),
                 add_generation_prompt,
                 tools,
                 chat_template_kwargs=chat_template_kwargs,

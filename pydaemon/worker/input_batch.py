@@ -240,10 +240,12 @@ class InputBatch:
                     self.token_ids[state.row, position] = out.sampled_token_ids[index[seq_id]][0]
         self._placeholders = []
 
-    def output_token_ids(self, seq_id: int) -> list[int]:
+    def output_token_ids(self, seq_id: int, start: int = 0) -> list[int]:
+        """The sequence's output token ids from output index ``start`` on."""
         self.resolve_placeholders()
         row = self.seqs[seq_id].row
-        return self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]].tolist()
+        first = self.num_prompt_tokens[row] + start
+        return self.token_ids[row, first : self.num_tokens[row]].tolist()
 
     def prompt_token_ids(self, seq_id: int) -> list[int]:
         row = self.seqs[seq_id].row

@@ -4,7 +4,9 @@
 It picks the sampling parameters, token history and random stream of every sampled row from
 the runner's InputBatch (token ids are read only for rows that use penalties or min_tokens),
 repeats the row of a sequence that forks at this sample (n > 1) once per output index, and
-hands beam-search rows back as log-probabilities. Seeded random streams live here, one per
+hands beam-search rows back as log-probabilities. Rows under a constraint (structured
+outputs) get their grammar's token bitmask first (``apply_grammar_bitmask``: filled on the
+host while the device runs the forward, applied there in one batched operation). Seeded random streams live here, one per
 (request, output index), until the request finishes.
 """
 
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pydaemon.core.runner_output import AsyncModelRunnerOutput, ModelRunnerOutput
+from pydaemon.sampling.constraints.matchers import ConstrainedRow, GrammarMatchers
 from pydaemon.sampling.sampler import Sampler
 from pydaemon.sampling.sampling_metadata import SamplingMetadata, make_generator
 from pydaemon.worker.input_batch import CachedSeqState, InputBatch, StepInput
@@ -33,6 +36,7 @@ class SamplePlan:
     indices: list[int] = field(default_factory=list)  # output index (random stream) of each
     beam_seq_ids: list[int] = field(default_factory=list)  # beam search: not sampled
     beam_rows: list[int] = field(default_factory=list)  # their logits rows
+    constrained: list[ConstrainedRow] = field(default_factory=list)  # structured outputs
 
 
 class StepSampler:
@@ -42,8 +46,12 @@ class StepSampler:
         self.sampler = Sampler()
         self._generators: dict[tuple[str, int], torch.Generator] = {}
         self._generator_indices: dict[str, list[int]] = {}  # request_id -> its indices
+        # Set by the engine core with its grammar compiler on the first constrained request.
+        self.grammar_matchers: GrammarMatchers | None = None
 
     def forget(self, request_ids: list[str]) -> None:
+        if self.grammar_matchers is not None:
+            self.grammar_matchers.forget(request_ids)
         for request_id in request_ids:
             for index in self._generator_indices.pop(request_id, ()):
                 self._generators.pop((request_id, index), None)
@@ -64,6 +72,9 @@ class StepSampler:
                 plan.beam_rows.append(logits_row)
                 continue
             count = num_samples.get(seq_id, 1)
+            spec = state.params.structured_outputs
+            if spec is not None:  # a fork's samples share the row, hence the mask
+                plan.constrained.append(ConstrainedRow(logits_row, seq_id, state.request_id, spec))
             plan.sample_rows[seq_id] = len(plan.rows)
             plan.seq_ids.append(seq_id)
             plan.counts.append(count)
@@ -94,6 +105,8 @@ class StepSampler:
         rows, states = plan.rows, plan.states
         if not rows:
             return AsyncModelRunnerOutput(out)
+        if plan.constrained:
+            self.apply_grammar_bitmask(logits, plan.constrained)
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, device=logits.device)]
         ids = [s.seq_id for s in states]
@@ -120,6 +133,13 @@ class StepSampler:
 
         # The step's one device-to-host copy, started here and waited for by get_output().
         return AsyncModelRunnerOutput(out, sampled, packed, fill, plan.sample_rows)
+
+    def apply_grammar_bitmask(self, logits: torch.Tensor, rows: list[ConstrainedRow]) -> None:
+        """logits: [num_sampled_seqs, vocab] float32, masked in place: each constrained row
+        keeps only the tokens its grammar allows next."""
+        if self.grammar_matchers is None:
+            raise RuntimeError("a constrained request reached the runner without its grammar")
+        self.grammar_matchers.apply_grammar_bitmask(logits, rows)
 
     def _generator(self, state: CachedSeqState, index: int) -> torch.Generator | None:
         """The seeded random stream of (request, output index), kept until the request ends."""

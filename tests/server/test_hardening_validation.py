@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
 from fake_engine import FakeEngine
@@ -58,13 +60,16 @@ def test_grpc_refuses_the_same_stop_token_id(st):
     assert "stop_token_ids" in err.error.message
 
 
-def test_tools_without_a_parser_are_not_silently_ignored(st):
+def test_tools_are_honoured_not_silently_ignored(st):
+    """Tool calls are parsed now (issue 28): tools with tool_choice unset or auto are served,
+    and the reply says whether the model called one (tool_calls, finish_reason)."""
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
-    for choice in ({}, {"tool_choice": "auto"}):
+    for choice in ({}, {"tool_choice": "auto"}, {"tool_choice": "none"}):
         r = post(st, "/v1/chat/completions", {**CHAT, "tools": tools, **choice})
-        assert _param_of_400(r) == "tool_choice"
-    r = post(st, "/v1/chat/completions", {**CHAT, "tools": tools, "tool_choice": "none"})
-    assert r.status == 200, r.text
+        assert r.status == 200, r.text
+        choice0 = json.loads(r.text)["choices"][0]
+        assert "tool_calls" in choice0["message"]
+        assert choice0["finish_reason"] in ("length", "stop", "tool_calls")
 
 
 def test_a_body_that_is_not_json_is_415(st):

@@ -163,11 +163,11 @@ def test_chat_content_parts_render_like_plain_text(client):
         ({"messages": []}, "messages", "at least 1"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role", "Input should be"),
         ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs", "logprobs: true"),
-        ({"messages": MESSAGES, "tool_choice": "required"}, "tool_choice", "'none' or 'auto'"),
+        ({"messages": MESSAGES, "tool_choice": "required"}, "tool_choice", "needs tools"),
         (
-            {"messages": MESSAGES, "response_format": {"type": "json_object"}},
+            {"messages": MESSAGES, "response_format": {"type": "yaml"}},
             "response_format",
-            "only response_format",
+            "'text', 'json_object' or 'json_schema'",
         ),  # fmt: skip
         (
             {"messages": MESSAGES, "max_completion_tokens": 4000},

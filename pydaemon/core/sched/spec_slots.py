@@ -26,7 +26,7 @@ from pydaemon.core.seq_blocks import SeqBlocks
 def allows_drafts(request: Request) -> bool:
     """Whether speculation may run for this request at all (see the module docstring)."""
     params = request.params
-    return request.has_one_seq and getattr(params, "structured_outputs", None) is None
+    return request.has_one_seq and params.structured_outputs is None
 
 
 class DraftSlots:

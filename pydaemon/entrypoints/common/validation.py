@@ -16,9 +16,10 @@ from pydaemon.entrypoints.common.limits import (
     check_texts_size,
     check_token_ids,
 )
+from pydaemon.entrypoints.common.tool_parsers import ToolParser
 from pydaemon.lora_request import LoRARequest
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
-from pydaemon.sampling_params import SamplingParams
+from pydaemon.sampling_params import SamplingParams, StructuredOutputsParams
 
 # proto field name -> SamplingParams field name (the same everywhere).
 _OPTIONAL_SAMPLING_FIELDS = (
@@ -71,6 +72,8 @@ class EngineArgs:
         """EngineClient.generate's arguments after the request id, in its order."""
         return self.prompt, self.params, self.priority, self.cache_salt, self.lora_request
 
+    tool_parser: ToolParser | None = None  # chat with tools: reads the calls of the output
+
 
 def check_request_id(request_id: str) -> str | None:
     """The stream-level problem with a request_id, or None when it is fine."""
@@ -81,10 +84,15 @@ def check_request_id(request_id: str) -> str | None:
     return None
 
 
-def to_sampling_params(msg: pb.SamplingParams, vocab_size: int) -> SamplingParams:
+def to_sampling_params(
+    msg: pb.SamplingParams,
+    vocab_size: int,
+    structured_outputs: StructuredOutputsParams | None = None,
+) -> SamplingParams:
     kwargs: dict = {
         name: getattr(msg, name) for name in _OPTIONAL_SAMPLING_FIELDS if msg.HasField(name)
     }
+    kwargs["structured_outputs"] = structured_outputs
     try:
         check_stop(msg.stop, "sampling.stop")
         check_token_ids(
@@ -98,6 +106,21 @@ def to_sampling_params(msg: pb.SamplingParams, vocab_size: int) -> SamplingParam
         return SamplingParams(**kwargs)
     except ValueError as e:
         raise _invalid(f"sampling: {e}") from None
+
+
+def to_structured_outputs(msg: pb.StructuredOutput) -> StructuredOutputsParams:
+    """ValueError naming what is wrong (the grammar's own syntax is the engine's to check)."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("set one of json_schema, regex, choice, grammar, json_object")
+    kwargs: dict = {"disable_any_whitespace": msg.disable_any_whitespace}
+    if kind == "json_schema":
+        kwargs["json"] = msg.json_schema
+    elif kind == "choice":
+        kwargs["choice"] = list(msg.choice.choices)
+    else:
+        kwargs[kind] = getattr(msg, kind)
+    return StructuredOutputsParams(**kwargs)
 
 
 def check_text_size(
@@ -144,7 +167,13 @@ def to_engine_args(
         prompt = ids
     if len(start.cache_salt) > MAX_CACHE_SALT_LEN:
         raise _invalid(f"cache_salt is longer than {MAX_CACHE_SALT_LEN} characters")
-    params = to_sampling_params(start.sampling, vocab_size)
+    structured_outputs = None
+    if start.HasField("structured_output"):
+        try:
+            structured_outputs = to_structured_outputs(start.structured_output)
+        except ValueError as e:
+            raise _invalid(f"structured_output: {e}") from None
+    params = to_sampling_params(start.sampling, vocab_size, structured_outputs)
     return EngineArgs(
         prompt=prompt,
         params=params,

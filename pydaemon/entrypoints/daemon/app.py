@@ -23,6 +23,7 @@ import grpc
 from pydaemon.engine.engine_client import EngineClient
 from pydaemon.entrypoints.common.lora_adapters import LoRAAdapters, LoRAOptions
 from pydaemon.entrypoints.common.metrics import Metrics
+from pydaemon.entrypoints.common.tool_parsers import get_tool_parser
 from pydaemon.entrypoints.daemon.fd_limits import quiet_accept_errors, raise_fd_limit
 from pydaemon.entrypoints.daemon.heap_trim import HeapTrimmer
 from pydaemon.entrypoints.daemon.liveness import Liveness
@@ -66,6 +67,8 @@ class ServerOptions:
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key must be given together")
+        if self.serving.tool_call_parser is not None:
+            get_tool_parser(self.serving.tool_call_parser)  # ValueError naming the known ones
         if self.grace_period_s < 0:
             raise ValueError(f"grace_period_s must be >= 0 (got {self.grace_period_s})")
 
@@ -217,6 +220,7 @@ class PageddServer:
             idle_timeout_s=o.idle_timeout_s,
             parse_special_tokens_in_chat=o.serving.parse_special_tokens_in_chat,
             max_body_bytes=o.max_message_bytes,
+            tool_call_parser=o.serving.tool_call_parser,
         )
         async_engine = self.async_engine
         self.http = HttpServer(

@@ -141,6 +141,13 @@ SERVER_FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
     ("--keepalive-time", float, 30.0, "seconds between HTTP/2 keepalive pings"),
     ("--keepalive-timeout", float, 10.0, "seconds to wait for a keepalive ack"),
     ("--log-level", str, "info", "debug | info | warning | error"),
+    (
+        "--tool-call-parser",
+        str,
+        None,
+        "how tool calls are read from chat outputs with tool_choice auto: hermes (also Qwen), "
+        "llama3_json, mistral (default: from the chat template's syntax)",
+    ),
 )
 
 
@@ -270,6 +277,7 @@ def resolve(args: argparse.Namespace) -> tuple[dict[str, Any], ServerOptions, st
     serving = ServingOptions(
         max_queued_requests=values["max_queued_requests"],
         stall_timeout_s=values["stall_timeout"],
+        tool_call_parser=values["tool_call_parser"],
         parse_special_tokens_in_chat=values["parse_special_tokens_in_chat"],
     )
     options = ServerOptions(

@@ -4,18 +4,18 @@ the request validated, and the queue limit, in sequences."""
 from __future__ import annotations
 
 import asyncio
-import functools
 
 import grpc
 
 from pydaemon.engine.engine_client import EngineClient, num_sequences
+from pydaemon.entrypoints.common.tool_parsers import ToolParser
 from pydaemon.entrypoints.common.validation import (
     EngineArgs,
     RequestInvalid,
     check_text_size,
     to_engine_args,
 )
-from pydaemon.entrypoints.grpc.model_prompt import apply_model_prompt
+from pydaemon.entrypoints.grpc.model_prompt import apply_model_prompt, chat_tools
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 
 
@@ -26,20 +26,28 @@ def check_chat_size(start: pb.StartRequest, engine: EngineClient) -> None:
 
 
 async def render_chat(
-    start: pb.StartRequest, engine: EngineClient, parse_special_tokens_in_chat: bool
-) -> pb.StartRequest:
-    """The messages rendered into token ids in the executor: a big conversation takes seconds
-    to render and tokenize, and every other stream shares this event loop."""
-    return await asyncio.get_running_loop().run_in_executor(
-        None,
-        functools.partial(
-            apply_model_prompt,
+    start: pb.StartRequest,
+    engine: EngineClient,
+    parse_special_tokens_in_chat: bool,
+    tool_call_parser: str | None = None,
+) -> tuple[pb.StartRequest, ToolParser | None]:
+    """The messages (and their tools) rendered into token ids in the executor: a big
+    conversation takes seconds to render and tokenize, and every other stream shares this event
+    loop. -> (the rendered request, the parser of the model's tool calls when tools are given)."""
+
+    def render() -> tuple[pb.StartRequest, ToolParser | None]:
+        tools, tool_choice, tool_parser = chat_tools(start, engine.tokenizer, tool_call_parser)
+        rendered = apply_model_prompt(
             start,
             engine.tokenizer,
             engine.model_info.generation_defaults,
+            tools,
+            tool_choice,
             parse_special_tokens_in_chat=parse_special_tokens_in_chat,
-        ),
-    )
+        )
+        return rendered, tool_parser
+
+    return await asyncio.get_running_loop().run_in_executor(None, render)
 
 
 def admit(start: pb.StartRequest, engine: EngineClient, max_queued_requests: int) -> EngineArgs:

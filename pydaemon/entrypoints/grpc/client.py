@@ -48,6 +48,16 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     parser.add_argument("--time-limit", type=float, default=0.0, help="request time limit (s)")
     parser.add_argument("--timeout", type=float, default=None, help="gRPC deadline (s)")
+    constraint = parser.add_mutually_exclusive_group()
+    constraint.add_argument(
+        "--json-schema", default=None, metavar="FILE", help="constrain the output to this schema"
+    )
+    constraint.add_argument("--regex", default=None, help="constrain the output to this regex")
+    constraint.add_argument(
+        "--choice", action="append", default=None, help="the output is one of these (repeatable)"
+    )
+    constraint.add_argument("--grammar", default=None, metavar="FILE", help="an EBNF grammar")
+    constraint.add_argument("--json-object", action="store_true", help="any JSON object")
 
 
 def add_connection_flags(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +83,7 @@ def _start_request(args: argparse.Namespace) -> pb.StartRequest:
         sampling=sampling,
         time_limit_ms=int(args.time_limit * 1000),
     )
+    _set_structured_output(start.structured_output, args)
     if args.token_ids is not None:
         if args.prompt is not None or args.chat:
             raise ValueError("--token-ids replaces the prompt text: give one or the other")
@@ -88,6 +99,28 @@ def _start_request(args: argparse.Namespace) -> pb.StartRequest:
             raise ValueError("--system needs --chat")
         start.text = args.prompt
     return start
+
+
+def _set_structured_output(msg: pb.StructuredOutput, args: argparse.Namespace) -> None:
+    """--json-schema FILE, --regex, --choice, --grammar FILE, --json-object (one at most)."""
+    if args.json_schema is not None:
+        msg.json_schema = _read(args.json_schema, "--json-schema")
+    elif args.regex is not None:
+        msg.regex = args.regex
+    elif args.choice:
+        msg.choice.choices[:] = args.choice
+    elif args.grammar is not None:
+        msg.grammar = _read(args.grammar, "--grammar")
+    elif args.json_object:
+        msg.json_object = True
+
+
+def _read(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot read {path}: {e.strerror}") from None
 
 
 def _parse_token_ids(value: str) -> list[int]:

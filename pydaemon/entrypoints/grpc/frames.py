@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pydaemon.entrypoints.common.tool_parsers import ToolParser
 from pydaemon.outputs import RequestMetrics, RequestOutput
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 
@@ -31,6 +32,9 @@ class RequestAccount:
     abort_reason: str = ""  # the engine's message when it ended the request with an error
     metrics: RequestMetrics | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    # Chat with tools: reads each sequence's calls out of its text at the end.
+    tool_parser: ToolParser | None = None
+    texts: dict[int, list[str]] = field(default_factory=dict)  # kept only with a tool parser
 
     def frames(self, output: RequestOutput) -> list[pb.GenerateResponse]:
         """TokenDelta frames of one engine output; records counts and finish reasons."""
@@ -49,6 +53,8 @@ class RequestAccount:
                     self.stop_reason = str(seq.stop_reason)
             if not seq.token_ids and not seq.text:
                 continue
+            if self.tool_parser is not None:
+                self.texts.setdefault(seq.index, []).append(seq.text)
             self.num_completion_tokens += len(seq.token_ids)
             self.num_tokens_by_index[seq.index] = self.num_tokens_by_index.get(seq.index, 0) + len(
                 seq.token_ids
@@ -91,9 +97,28 @@ class RequestAccount:
                 ),
                 timings=pb.Timings(**self.timings_ms()),
                 stop_reason=self.stop_reason if reason == pb.FINISH_REASON_STOP else "",
+                tool_calls=self._tool_calls(),
                 abort_reason=self.abort_reason if reason == pb.FINISH_REASON_ABORTED else "",
             ),
         )
+
+    def _tool_calls(self) -> list[pb.SequenceToolCalls]:
+        if self.tool_parser is None:
+            return []
+        out = []
+        for index, parts in sorted(self.texts.items()):
+            if self.finish_reasons.get(index) != pb.FINISH_REASON_STOP:
+                continue  # cut short: no complete calls
+            calls = self.tool_parser.parse("".join(parts)).tool_calls
+            if calls:
+                out.append(
+                    pb.SequenceToolCalls(
+                        index=index,
+                        calls=[pb.ToolCall(id=c.id, name=c.name, arguments_json=c.arguments)
+                               for c in calls],
+                    )
+                )  # fmt: skip
+        return out
 
     def timings_ms(self) -> dict[str, float]:
         m = self.metrics

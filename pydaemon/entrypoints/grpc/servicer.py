@@ -50,6 +50,7 @@ _MAX_BUFFERED_FRAMES = 2 * _MAX_FRAMES_PER_WRITE
 class ServingOptions:
     max_queued_requests: int = 1024  # beyond this many unscheduled sequences: RESOURCE_EXHAUSTED
     stall_timeout_s: float = 30.0  # a client not reading this long has its requests aborted
+    tool_call_parser: str | None = None  # vLLM's names; None: from the chat template
     status_timeout_s: float = 5.0  # GetServerStatus waits this long for the core's stats
     # Special-token text in chat messages parsed as control tokens (role injection): off.
     parse_special_tokens_in_chat: bool = False
@@ -275,9 +276,11 @@ class GenerationServicer(AdapterCalls, pb_grpc.GenerationServicer):
         try:
             if isinstance(args, pb.StartRequest):  # chat messages, not rendered yet
                 opts = self.options
-                args = self._admit(
-                    await render_chat(args, self.engine, opts.parse_special_tokens_in_chat)
+                rendered, tool_parser = await render_chat(
+                    args, self.engine, opts.parse_special_tokens_in_chat, opts.tool_call_parser
                 )
+                args = self._admit(rendered)
+                args.tool_parser = account.tool_parser = tool_parser
                 account.num_sequences = args.params.n
                 self._arm_time_limit(live, args)
             async for output in self.engine.generate(live.engine_request_id, *args.generate_args):

@@ -2,6 +2,10 @@
 
 The template is the tokenizer's (``apply_chat_template``, jinja2 as transformers renders it);
 the rendered prompt is tokenized without an added BOS, since templates write their own.
+With ``tools``, the template renders them (unless tool_choice is "none") and the output's tool
+calls come back as ``tool_calls`` with finish_reason "tool_calls": enforced by a constraint
+for tool_choice "required" or a named function, read by the tool-call parser (the daemon's
+``--tool-call-parser``, else the one the template's syntax calls for) for "auto".
 """
 
 from __future__ import annotations
@@ -11,6 +15,13 @@ import uuid
 
 from aiohttp import web
 
+from pydaemon.entrypoints.common.tool_choice import chat_tool_parser, messages_for_template
+from pydaemon.entrypoints.common.tool_parsers import (
+    StreamingToolParser,
+    ToolCall,
+    ToolParser,
+    detect_tool_call_parser,
+)
 from pydaemon.entrypoints.openai.accumulator import Accumulator, ChoiceDelta, ChoiceState
 from pydaemon.entrypoints.openai.chunk_template import TEXT_MARKER, ChunkTemplate
 from pydaemon.entrypoints.openai.engine_stream import EnginePrompt
@@ -37,8 +48,8 @@ async def create_chat_completion(
     lora_request = serving.admit(body.model, body.n)
     prompt = EnginePrompt(
         await serving.encode_chat(
-            [m.for_template() for m in body.messages],
-            body.tools,
+            messages_for_template([m.for_template() for m in body.messages]),
+            body.template_tools,
             body.add_generation_prompt,
             body.chat_template_kwargs,
         )
@@ -54,12 +65,16 @@ async def create_chat_completion(
     params = body.sampling_params(
         max_tokens, body.engine_logprobs, defaults=serving.model.generation_defaults
     )
+    parser_name = serving.options.tool_call_parser or detect_tool_call_parser(
+        serving.tokenizer.chat_template
+    )
     formatter = ChatFormatter(
         f"chatcmpl-{uuid.uuid4().hex}",
         serving.model_name(lora_request),
         serving.tokenizer,
         prompt,
         body,
+        chat_tool_parser(body.tools, body.tool_choice, parser_name),
     )
     return await respond(
         serving,
@@ -82,6 +97,7 @@ class ChatFormatter:
         tokenizer,
         prompt: EnginePrompt,
         body: ChatCompletionRequest,
+        tool_parser: ToolParser | None = None,
     ) -> None:
         self.request_id = request_id
         self.model = model
@@ -91,6 +107,8 @@ class ChatFormatter:
         self._tokenizer = tokenizer
         self._prompt = prompt
         self._templates: dict[int, ChunkTemplate] = {}  # choice index -> its text-chunk template
+        self._tool_parser = tool_parser
+        self._tool_streams: dict[int, StreamingToolParser] = {}  # choice index -> its parser
 
     def _template(self, index: int) -> ChunkTemplate:
         template = self._templates.get(index)
@@ -123,6 +141,8 @@ class ChatFormatter:
         ]
 
     def delta_chunks(self, deltas: list[ChoiceDelta]) -> list[str]:
+        if self._tool_parser is not None:
+            return self._tool_delta_chunks(deltas)
         chunks = []
         for d in deltas:
             out = d.output
@@ -139,6 +159,34 @@ class ChatFormatter:
                 delta=DeltaMessage(content=out.text),
                 logprobs=logprobs,
                 finish_reason=out.finish_reason,
+                stop_reason=out.stop_reason,
+            )
+            chunks.append(self._chunk([choice]))
+        return chunks
+
+    def _tool_delta_chunks(self, deltas: list[ChoiceDelta]) -> list[str]:
+        """Content streams until a tool call may start; the calls come whole at the end."""
+        chunks = []
+        for d in deltas:
+            out = d.output
+            stream = self._tool_streams.get(d.choice.index)
+            if stream is None:
+                stream = StreamingToolParser(self._tool_parser)
+                self._tool_streams[d.choice.index] = stream
+            content = stream.feed(out.text)
+            calls: list[ToolCall] = []
+            if out.finish_reason is not None:
+                rest, calls = stream.finish()
+                content += rest
+            elif not content:
+                continue
+            choice = ChatChunkChoice(
+                index=d.choice.index,
+                delta=DeltaMessage(
+                    content=content or None,
+                    tool_calls=[{"index": k, **c.to_openai()} for k, c in enumerate(calls)] or None,
+                ),
+                finish_reason=_finish_reason(out.finish_reason, calls),
                 stop_reason=out.stop_reason,
             )
             chunks.append(self._chunk([choice]))
@@ -162,12 +210,19 @@ class ChatFormatter:
             if self.has_logprobs:
                 texts = TokenTexts(self._tokenizer, self._prompt.token_ids)
                 logprobs = chat_logprobs(texts, c.token_ids, c.positions, self.top_logprobs)
+            content, calls = c.text, []
+            if self._tool_parser is not None:
+                parsed = self._tool_parser.parse(c.text)
+                content, calls = parsed.content, parsed.tool_calls
+            message = ChatResponseMessage(
+                content=content, tool_calls=[t.to_openai() for t in calls] or None
+            )
             choices.append(
                 ChatChoice(
                     index=c.index,
-                    message=ChatResponseMessage(content=c.text),
+                    message=message,
                     logprobs=logprobs,
-                    finish_reason=c.finish_reason,
+                    finish_reason=_finish_reason(c.finish_reason, calls),
                     stop_reason=c.stop_reason,
                 )
             )
@@ -179,3 +234,8 @@ class ChatFormatter:
             usage=acc.usage(),
         )
         return response.model_dump_json()
+
+
+def _finish_reason(finish_reason: str | None, calls: list[ToolCall]) -> str | None:
+    """OpenAI's: an output that ended (not cut by the length limit) with tool calls."""
+    return "tool_calls" if calls and finish_reason == "stop" else finish_reason

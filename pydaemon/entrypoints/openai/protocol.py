@@ -21,7 +21,8 @@ from pydaemon.entrypoints.common.limits import (
     check_stop,
     check_token_ids,
 )
-from pydaemon.sampling_params import SamplingParams
+from pydaemon.entrypoints.common.tool_choice import check_tools, tool_choice_constraint
+from pydaemon.sampling_params import SamplingParams, StructuredOutputsParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default
 
@@ -66,6 +67,8 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     # vLLM's prefix-cache salt: only requests with the same salt share cached KV blocks.
     cache_salt: str | None = Field(default=None, max_length=MAX_CACHE_SALT_LEN)
+    # vLLM's constrained decoding: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
+    structured_outputs: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -109,12 +112,53 @@ class _SamplingRequest(BaseModel):
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
+        kwargs["structured_outputs"] = self.constraint()
         try:
             return (defaults or GenerationDefaults()).sampling_params(**kwargs)
         except ValueError as e:
             # "SamplingParams.top_p must be in (0, 1] (got 2.0)" -> param "top_p"
             message = str(e).removeprefix("SamplingParams.")
             raise InvalidParam(message, message.split(" ", 1)[0]) from None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The request's constraint on its output (InvalidParam naming the field)."""
+        return _structured_outputs(self.structured_outputs)
+
+
+def _structured_outputs(value: dict[str, Any] | None) -> StructuredOutputsParams | None:
+    if value is None:
+        return None
+    try:
+        return StructuredOutputsParams(**value)
+    except TypeError:
+        raise InvalidParam(
+            "structured_outputs takes one of json, regex, choice, grammar, json_object (and "
+            f"disable_any_whitespace); got {sorted(value)}",
+            "structured_outputs",
+        ) from None
+    except ValueError as e:
+        raise InvalidParam(str(e), "structured_outputs") from None
+
+
+def _response_format(value: dict[str, Any] | None) -> StructuredOutputsParams | None:
+    """OpenAI's response_format: text, json_object, or json_schema {name, schema, strict}."""
+    kind = None if value is None else value.get("type")
+    if value is None or kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise InvalidParam(
+                "response_format json_schema needs json_schema.schema (a JSON schema object)",
+                "response_format",
+            )
+        return StructuredOutputsParams(json=schema)
+    raise InvalidParam(
+        "response_format type must be 'text', 'json_object' or 'json_schema'", "response_format"
+    )
 
 
 class CompletionRequest(_SamplingRequest):
@@ -182,23 +226,46 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def check(self, vocab_size: int) -> None:
         self._check_limits(vocab_size)
-        if self.tools and self.tool_choice in (None, "auto"):
-            # Until tool calls are parsed, "auto" would silently return them as plain text.
-            raise InvalidParam(
-                "tool calls are not parsed by this server: with tools, set tool_choice 'none' "
-                "(the tools are rendered into the prompt; the reply is plain text)",
-                "tool_choice",
-            )
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParam("top_logprobs needs logprobs: true", "top_logprobs")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise InvalidParam(
-                "tool_choice must be 'none' or 'auto' (tool calls are not parsed)", "tool_choice"
+        try:
+            check_tools(self.tools, self.tool_choice)
+        except ValueError as e:
+            param = "tool_choice" if "tool_choice" in str(e) else "tools"
+            raise InvalidParam(str(e), param) from None
+        asked = [
+            name
+            for name, value in (
+                ("structured_outputs", self.structured_outputs),
+                ("response_format", _response_format(self.response_format)),
+                ("tool_choice", self.forces_tool_call or None),
             )
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise InvalidParam(
-                "only response_format {'type': 'text'} is supported", "response_format"
-            )
+            if value
+        ]
+        if len(asked) > 1:
+            raise InvalidParam(f"{' and '.join(asked)} cannot be combined", asked[1])
+
+    @property
+    def forces_tool_call(self) -> bool:
+        """tool_choice "required" or a named function: the output is the tool call(s)."""
+        return bool(self.tools) and self.tool_choice not in (None, "none", "auto")
+
+    @property
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the chat template renders (none with tool_choice "none")."""
+        return None if self.tool_choice == "none" else self.tools
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        if self.forces_tool_call:
+            try:
+                return tool_choice_constraint(
+                    self.tools, self.tool_choice, self.parallel_tool_calls is not False
+                )
+            except ValueError as e:
+                raise InvalidParam(str(e), "tools") from None
+        return _response_format(self.response_format) or _structured_outputs(
+            self.structured_outputs
+        )
 
     @property
     def requested_max_tokens(self) -> int | None:

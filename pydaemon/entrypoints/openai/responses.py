@@ -6,7 +6,7 @@ server); ``stop_reason`` (vLLM's extra) is the stop string or token id that matc
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
@@ -81,7 +81,8 @@ class ChatLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None  # {"id", "type": "function", "function"}
 
 
 class ChatChoice(BaseModel):
@@ -104,6 +105,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # whole calls, each with its "index"
 
 
 class ChatChunkChoice(BaseModel):

@@ -57,6 +57,7 @@ class HttpOptions:
     # Special-token text in chat messages parsed as control tokens (role injection): off.
     parse_special_tokens_in_chat: bool = False
     max_body_bytes: int = 16 * 1024 * 1024
+    tool_call_parser: str | None = None  # vLLM's names; None: the chat template's syntax
 
 
 @dataclass(eq=False)

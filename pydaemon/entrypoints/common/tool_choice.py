@@ -1,0 +1,162 @@
+"""OpenAI ``tools`` / ``tool_choice``: validation, and the constraint that enforces a choice.
+
+``tool_choice``: ``"none"`` (tools are not offered), ``"auto"`` (the template renders the tools,
+a tool-call parser reads the output), ``"required"`` (at least one call, enforced: the output
+is a JSON list of ``{"name", "parameters"}`` matching the tools' schemas, as vLLM builds it), or
+``{"type": "function", "function": {"name": ...}}`` (that function, enforced: the output is its
+arguments object). A tool whose ``parameters`` schema xgrammar cannot compile is a ValueError.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydaemon.entrypoints.common.tool_parsers import (
+    ParsedOutput,
+    ToolCall,
+    ToolParser,
+    get_tool_parser,
+)
+from pydaemon.sampling_params import StructuredOutputsParams
+
+_EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+def check_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> str | None:
+    """Validates ``tools`` and ``tool_choice``; -> the named function, if one is named.
+    ValueError naming what is wrong."""
+    names = []
+    for i, tool in enumerate(tools or ()):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type", "function") != "function"
+            or (not isinstance(function, dict) or not isinstance(function.get("name"), str))
+        ):
+            raise ValueError(
+                f"tools[{i}] must be {{'type': 'function', 'function': {{'name'...}}}}"
+            )
+        parameters = function.get("parameters", _EMPTY_PARAMETERS)
+        if not isinstance(parameters, dict):
+            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+        names.append(function["name"])
+    if tool_choice is None or tool_choice in ("none", "auto"):
+        return None
+    if not tools:
+        raise ValueError(f"tool_choice {tool_choice!r} needs tools")
+    if tool_choice == "required":
+        return None
+    if isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name")
+        if tool_choice.get("type", "function") == "function" and isinstance(name, str):
+            if name not in names:
+                raise ValueError(f"tool_choice names {name!r}, which is not in tools")
+            return name
+    raise ValueError(
+        "tool_choice must be 'none', 'auto', 'required' or "
+        "{'type': 'function', 'function': {'name': ...}}"
+    )
+
+
+def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    return tool["function"].get("parameters") or _EMPTY_PARAMETERS
+
+
+def tool_choice_constraint(
+    tools: list[dict[str, Any]], tool_choice: Any, parallel_tool_calls: bool = True
+) -> StructuredOutputsParams | None:
+    """The constraint that enforces ``tool_choice`` (None for auto / none); "required" with
+    ``parallel_tool_calls`` False makes exactly one call."""
+    named = check_tools(tools, tool_choice)
+    if named is not None:
+        tool = next(t for t in tools if t["function"]["name"] == named)
+        return StructuredOutputsParams(json=_parameters(tool), disable_any_whitespace=True)
+    if tool_choice != "required":
+        return None
+    one_call = {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "enum": [t["function"]["name"]]},
+                    "parameters": _parameters(t),
+                },
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for t in tools
+        ]
+    }
+    # Compact JSON: the arguments are re-serialized anyway, and whitespace costs tokens.
+    calls = {"type": "array", "minItems": 1, "items": one_call}
+    if not parallel_tool_calls:
+        calls["maxItems"] = 1
+    return StructuredOutputsParams(json=calls, disable_any_whitespace=True)
+
+
+def forced_tool_calls(text: str, tools: list[dict[str, Any]], tool_choice: Any) -> list[ToolCall]:
+    """The tool calls of an output generated under ``tool_choice_constraint`` (required or
+    named); [] when the text is not complete JSON (the output was cut by max_tokens)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return []
+    if isinstance(tool_choice, dict):
+        return [ToolCall(tool_choice["function"]["name"], json.dumps(value, ensure_ascii=False))]
+    return [
+        ToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in value
+    ]
+
+
+def messages_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Assistant ``tool_calls`` with their JSON ``arguments`` as objects, as chat templates
+    (Qwen's, Llama's, Mistral's) expect them (vLLM does the same)."""
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if calls:
+            message = dict(message)
+            message["tool_calls"] = [_with_object_arguments(c) for c in calls]
+        out.append(message)
+    return out
+
+
+def _with_object_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+class ForcedToolParser(ToolParser):
+    """The "parser" of an output generated under tool_choice required or named: all of it is
+    the tool call(s) (nothing streams as content)."""
+
+    name = "forced"
+
+    def __init__(self, tools: list[dict[str, Any]], tool_choice: Any) -> None:
+        self.tools, self.tool_choice = tools, tool_choice
+
+    def tool_part_start(self, text: str) -> int | None:
+        return 0
+
+    def parse(self, text: str) -> ParsedOutput:
+        calls = forced_tool_calls(text, self.tools, self.tool_choice)
+        return ParsedOutput(None if calls else text, calls)
+
+
+def chat_tool_parser(
+    tools: list[dict[str, Any]] | None, tool_choice: Any, parser_name: str | None
+) -> ToolParser | None:
+    """How to read tool calls out of a chat output: forced (required / named), the named or
+    detected parser (auto), or None (no tools, tool_choice none, or no parser known)."""
+    if not tools or tool_choice == "none":
+        return None
+    if tool_choice not in (None, "auto"):
+        return ForcedToolParser(tools, tool_choice)
+    return None if parser_name is None else get_tool_parser(parser_name)

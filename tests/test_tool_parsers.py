@@ -1,0 +1,159 @@
+"""Tool-call parsers (hermes, llama3_json, mistral), whole and streamed, the parser picked from
+a chat template, and the constraints that enforce tool_choice required / named."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from tokenizer_utils import LLAMA3_TEMPLATE, MISTRAL_TEMPLATE, QWEN2_TEMPLATE
+
+from pydaemon.entrypoints.common.tool_choice import (
+    check_tools,
+    forced_tool_calls,
+    messages_for_template,
+    tool_choice_constraint,
+)
+from pydaemon.entrypoints.common.tool_parsers import (
+    StreamingToolParser,
+    detect_tool_call_parser,
+    get_tool_parser,
+)
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+
+CASES = [
+    (
+        "hermes",
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+        "Let me check.",
+    ),
+    (
+        "llama3_json",
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+        '{"name": "get_time", "parameters": {}}',
+        None,
+    ),
+    (
+        "mistral",
+        'Let me check. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "get_time", "arguments": {}}]',
+        "Let me check.",
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "text", "content"), CASES)
+def test_parse_whole_output(name, text, content):
+    parsed = get_tool_parser(name).parse(text)
+    assert parsed.content == content
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {}),
+    ]
+    ids = {c.id for c in parsed.tool_calls}
+    assert len(ids) == 2 and all(i.startswith("call_") for i in ids)
+
+
+@pytest.mark.parametrize(("name", "text", "content"), CASES)
+def test_parse_streamed_in_small_deltas(name, text, content):
+    stream = StreamingToolParser(get_tool_parser(name))
+    sent = "".join(stream.feed(text[i : i + 3]) for i in range(0, len(text), 3))
+    rest, calls = stream.finish()
+    assert (sent + rest).strip() == (content or "")
+    assert [c.name for c in calls] == ["get_weather", "get_time"]
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral"])
+def test_plain_text_and_broken_calls_stay_content(name):
+    for text in ["Just text, no tools.", "<tool_call>{not json", '[TOOL_CALLS] [{"x": 1}]']:
+        parsed = get_tool_parser(name).parse(text)
+        assert parsed.tool_calls == [] and parsed.content == text
+        stream = StreamingToolParser(get_tool_parser(name))
+        sent = "".join(stream.feed(c) for c in text)
+        rest, calls = stream.finish()
+        assert calls == [] and sent + rest == text
+
+
+def test_unknown_parser_names_the_known_ones():
+    with pytest.raises(ValueError, match="unknown tool call parser 'x'.*hermes"):
+        get_tool_parser("x")
+
+
+def test_detect_parser_from_template():
+    assert detect_tool_call_parser(QWEN2_TEMPLATE) == "hermes"
+    assert detect_tool_call_parser(MISTRAL_TEMPLATE) is None  # renders no tools
+    assert detect_tool_call_parser("{{ tools }}[TOOL_CALLS]") == "mistral"
+    assert detect_tool_call_parser(LLAMA3_TEMPLATE + "<|python_tag|>") == "llama3_json"
+    assert detect_tool_call_parser(None) is None
+
+
+def test_tool_choice_checks():
+    assert check_tools([WEATHER], "auto") is None
+    assert check_tools([WEATHER], {"type": "function", "function": {"name": "get_weather"}}) == (
+        "get_weather"
+    )
+    with pytest.raises(ValueError, match="'nope', which is not in tools"):
+        check_tools([WEATHER], {"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(ValueError, match="needs tools"):
+        check_tools(None, "required")
+    with pytest.raises(ValueError, match="tools\\[0\\] must be"):
+        check_tools([{"type": "function"}], "auto")
+    with pytest.raises(ValueError, match="tool_choice must be"):
+        check_tools([WEATHER], "sometimes")
+
+
+def test_required_and_named_constraints():
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert tool_choice_constraint([WEATHER, TIME], named).json == WEATHER["function"]["parameters"]
+    assert tool_choice_constraint([WEATHER], "auto") is None
+    required = tool_choice_constraint([WEATHER, TIME], "required").json
+    output = [
+        {"name": "get_weather", "parameters": {"city": "Oslo"}},
+        {"name": "get_time", "parameters": {}},
+    ]
+    jsonschema.validate(output, required)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(
+            [
+                {"name": "get_time", "parameters": {"city": 1}},
+            ],
+            {**required, "items": {"anyOf": required["items"]["anyOf"][:1]}},
+        )
+    single = tool_choice_constraint([WEATHER, TIME], "required", parallel_tool_calls=False).json
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(output, single)  # two calls where one is allowed
+    jsonschema.validate(output[:1], single)
+    calls = forced_tool_calls(json.dumps(output), [WEATHER, TIME], "required")
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo"}),
+        ("get_time", {}),
+    ]
+    calls = forced_tool_calls('{"city": "Rome"}', [WEATHER], named)
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Rome"}')]
+    assert forced_tool_calls('{"city": "Ro', [WEATHER], named) == []
+
+
+def test_messages_for_template_turn_arguments_into_objects():
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    messages = [{"role": "assistant", "content": None, "tool_calls": [call]}]
+    out = messages_for_template(messages)
+    assert out[0]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert messages[0]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
