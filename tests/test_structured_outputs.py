@@ -63,6 +63,7 @@ def _check_all(outputs, checks):
     for output, (_, check) in zip(outputs, checks, strict=True):
         for seq in output.outputs:
             assert seq.finish_reason == "stop", (seq.text, seq.finish_reason)
+            assert "\ufffd" not in seq.text, seq.text  # the constrained bytes are valid UTF-8
             check(seq.text)
 
 

@@ -93,16 +93,19 @@ def build_grammar(spec: StructuredOutputsParams) -> xgr.Grammar:
         raise ValueError(f"structured_outputs.{kind}: {what}: {_message(e)}") from None
 
 
-# A JSON string character: anything but '"', '\\', control characters and UTF-16 surrogates
-# (xgrammar 0.2.9 would let bytes ED A0..BF xx through: not UTF-8 any decoder accepts).
-_STRING_CHAR = r'[^"\\\x00-\x1f\ud800-\udfff]'
+# A JSON string character: any Unicode scalar value but '"', '\\' and control characters,
+# as a positive class of literal code points (U+0020-0021, U+0023-005B, U+005D-D7FF,
+# U+E000-10FFFF). Not a negated class: xgrammar 0.2.9 compiles a negated class in a JSON
+# string pattern into bytes that also accept overlong UTF-8 (E0 80..9F xx, F0 80..8F xx xx),
+# and its own string rule accepts encoded surrogates (ED A0..BF xx); no decoder takes either.
+_STRING_CHAR = "[ !#-\\[\\]-\ud7ff\ue000-\U0010ffff]"
 
 
 def _plain_bounded_strings(schema):
     """The schema with every ``{"type": "string", "minLength"/"maxLength": ...}`` that has no
     pattern, format, enum or const rewritten as a pattern of plain JSON string characters:
     xgrammar 0.2.9 lets such strings hold raw control characters (invalid JSON) and encoded
-    surrogates (invalid UTF-8)."""
+    surrogates (invalid UTF-8), and a negated-class pattern overlong UTF-8 (see _STRING_CHAR)."""
     if isinstance(schema, list):
         return [_plain_bounded_strings(s) for s in schema]
     if not isinstance(schema, dict):
