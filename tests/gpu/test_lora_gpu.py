@@ -70,15 +70,15 @@ def _base_only(llm, prompts) -> list[list[int]]:
                                                          sampling_params=params)]  # fmt: skip
 
 
-@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
-def test_float32_mixed_adapters_equal_peft(setup, enforce_eager):
+def test_float32_mixed_adapters_equal_peft(setup):
+    """Float32 runs eagerly (the attention kernels and their CUDA graphs are 16-bit only): the
+    graphs are covered by the bf16 test below."""
     model_dir, prompts, choice, expected = setup
-    llm, got = _run(model_dir, prompts, choice, dtype="float32", enforce_eager=enforce_eager)
+    llm, got = _run(model_dir, prompts, choice, dtype="float32")
     assert got == expected
     base = [i for i, c in enumerate(choice) if c is None]
     assert _base_only(llm, [prompts[i] for i in base]) == [expected[i] for i in base]
-    graphs = llm.engine.runner.cuda_graphs
-    assert (graphs is not None and graphs.num_replays > 0) == (not enforce_eager)
+    assert llm.engine.runner.cuda_graphs is None
 
 
 def test_bf16_with_kernels_follows_peft_fp32(setup):
@@ -86,7 +86,8 @@ def test_bf16_with_kernels_follows_peft_fp32(setup):
     import transformers
 
     model_dir, prompts, choice, _ = setup
-    _, got = _run(model_dir, prompts, choice, dtype="bfloat16")
+    llm, got = _run(model_dir, prompts, choice, dtype="bfloat16")
+    assert llm.engine.runner.cuda_graphs.num_replays > 0  # adapters' decode steps in graphs
     gaps = []
     for lora in {c for c in choice}:
         hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
