@@ -73,7 +73,9 @@ def spawn_daemon(serve_args: str) -> tuple[subprocess.Popen, str]:
     root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, "-m", "pydaemon", "serve", "--model", "demo", "--device", "cpu",
            "--port", str(port), "--log-level", "warning", *serve_args.split()]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    # The repo first, then the caller's path (packages carried beside the interpreter's).
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL)
     return proc, f"127.0.0.1:{port}"
 
