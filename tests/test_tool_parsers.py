@@ -157,3 +157,22 @@ def test_messages_for_template_turn_arguments_into_objects():
     out = messages_for_template(messages)
     assert out[0]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     assert messages[0]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+
+
+def test_a_tool_call_turn_without_content_renders_with_a_template_that_reads_content():
+    """The OpenAI client sends an assistant turn that only called tools with no content (or
+    null); a template reading message['content'] (SmolLM2's) must still render it."""
+    from pydaemon.tokenizer.chat_template import render_chat_template
+
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    for turn in (
+        {"role": "assistant", "tool_calls": [call]},
+        {"role": "assistant", "content": None},
+    ):
+        messages = messages_for_template([{"role": "user", "content": "hi"}, turn])
+        assert messages[1]["content"] == ""
+        text = render_chat_template(
+            template, messages, model_name="m", special_tokens={}, add_generation_prompt=False
+        )
+        assert text == "<user>hi<assistant>"

@@ -111,13 +111,18 @@ def forced_tool_calls(text: str, tools: list[dict[str, Any]], tool_choice: Any) 
 
 def messages_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Assistant ``tool_calls`` with their JSON ``arguments`` as objects, as chat templates
-    (Qwen's, Llama's, Mistral's) expect them (vLLM does the same)."""
+    (Qwen's, Llama's, Mistral's) expect them (vLLM does the same); a message without content
+    (an assistant turn that only called tools: the OpenAI client sends ``content: null`` or
+    nothing) gets "" so that templates reading ``message['content']`` render it."""
     out = []
     for message in messages:
         calls = message.get("tool_calls")
-        if calls:
+        if calls or message.get("content") is None:
             message = dict(message)
-            message["tool_calls"] = [_with_object_arguments(c) for c in calls]
+            if message.get("content") is None:
+                message["content"] = ""
+            if calls:
+                message["tool_calls"] = [_with_object_arguments(c) for c in calls]
         out.append(message)
     return out
 
