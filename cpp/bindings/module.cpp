@@ -8,6 +8,7 @@ void bind_block_manager(nb::module_& m);
 void bind_cuda_ops(nb::module_& m);
 void bind_layer_ops(nb::module_& m);
 void bind_moe_ops(nb::module_& m);
+void bind_lora_ops(nb::module_& m);
 #endif
 
 NB_MODULE(_core, m) {
@@ -18,6 +19,7 @@ NB_MODULE(_core, m) {
   bind_cuda_ops(m);
   bind_layer_ops(m);
   bind_moe_ops(m);
+  bind_lora_ops(m);
 #else
   m.attr("has_cuda") = false;
 #endif

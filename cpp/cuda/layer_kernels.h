@@ -1,5 +1,6 @@
 // Entry points of pagedd's per-token layer kernels: RMSNorm (optionally fused with the residual
-// add), SiLU-and-multiply, the rotary embedding (alone or fused with the KV-cache write).
+// add), SiLU-and-multiply, the rotary embedding (alone or fused with the KV-cache write), the
+// batched LoRA shrink / expand (lora_kernels.cu; bound in cpp/bindings/lora_bindings.cpp).
 // Framework-free like pagedd_cuda.h: raw device pointers, element strides, a cudaStream_t;
 // cudaErrorInvalidValue for a bad size. The validating binding is cpp/bindings/layer_bindings.cpp.
 //
@@ -125,5 +126,55 @@ struct PerTokenFp8QuantParams {
 // for bf16 input), scale[t] = 1 / inverse: bit for bit pydaemon/quantization/fp8.py's
 // quantize_per_token. One block per row.
 cudaError_t per_token_fp8_quant(const PerTokenFp8QuantParams& p, cudaStream_t stream);
+
+// ---- batched LoRA (Punica's BGMV: every token its own adapter slot) -----------------------
+// Both kernels read each token's slot on the device (no host read, no allocation: they can be
+// captured in a CUDA graph and replayed after token_slots or the slots' contents change in
+// place). A slot outside [0, num_slots) means "no adapter": the token's adapter weights are
+// not read.
+
+struct LoRAShrinkParams {
+  float* xa;                   // [num_tokens, num_outputs] float32, contiguous (written)
+  const void* x;               // [num_tokens, in_features], last dim contiguous
+  const void* lora_a;          // [num_slots, num_outputs, in_features], contiguous
+  const int64_t* token_slots;  // [num_tokens]
+  int64_t x_stride;            // elements between rows of x
+  int num_tokens;
+  int num_outputs;             // rows of each slot's A: num_parts * rank
+  int in_features;
+  int num_slots;               // including the zero slot the layers keep last
+  DType dtype;                 // of x and lora_a: kFloat16 or kBFloat16
+};
+
+// xa[t, k] = sum_i x[t, i] * lora_a[token_slots[t], k, i], float32 products and sums; a token
+// without an adapter gets xa[t, :] = 0. One warp per (token, k): 16-byte loads over in_features
+// (when sizes and addresses allow), a warp-shuffle sum.
+cudaError_t lora_shrink(const LoRAShrinkParams& p, cudaStream_t stream);
+
+constexpr int kMaxLoRAParts = 4;  // qkv (3) and gate/up (2) fit
+
+struct LoRAExpandParams {
+  void* y;                     // [num_tokens, out_features], last dim contiguous (+= in place)
+  const float* xa;             // [num_tokens, num_parts * rank] float32, contiguous
+  const void* lora_b;          // [num_slots, rank, out_features], contiguous
+  const int64_t* token_slots;  // [num_tokens]
+  int64_t y_stride;            // elements between rows of y
+  // Part j owns the columns [part_starts[j], part_starts[j + 1]): part_starts[0] = 0,
+  // part_starts[num_parts] = out_features, increasing.
+  int part_starts[kMaxLoRAParts + 1];
+  int num_parts;               // 1 .. kMaxLoRAParts
+  int rank;
+  int num_tokens;
+  int out_features;
+  int num_slots;
+  DType dtype;                 // of y and lora_b: kFloat16 or kBFloat16
+};
+
+// y[t, c] = round(y[t, c] + sum_r xa[t, j * rank + r] * lora_b[token_slots[t], r, c]) for the
+// part j holding column c: float32 products and sums, one rounding to y's dtype. A token
+// without an adapter leaves its row of y untouched. Each thread owns 8 consecutive columns
+// (16-byte loads of B's rows, coalesced) when the sizes, part starts and addresses allow, else
+// one column; blocks own disjoint columns (no atomics).
+cudaError_t lora_expand(const LoRAExpandParams& p, cudaStream_t stream);
 
 }  // namespace pagedd::cuda
