@@ -17,6 +17,8 @@
         weights, ids = ops.topk_route(router_logits, top_k, softmax, renormalize)  # MoE
         sorted_token_ids, inverse, expert_offsets = ops.moe_align(ids, num_experts)
         out = ops.moe_combine(expert_out, inverse, weights)
+        xa = ops.lora_shrink(x, lora_a, token_slots)  # batched LoRA, a slot per token
+        ops.lora_expand(y, xa, lora_b, part_starts, token_slots)  # y += xa @ B, in place
 
 ``is_available()`` is False (and ``unavailable_reason()`` says why) when ``_core`` was built
 without CUDA kernels or no CUDA device is visible; every wrapper then raises RuntimeError.
@@ -31,6 +33,7 @@ from pydaemon.ops.fp8_quant import (
     silu_and_mul_fp8_quant,
 )
 from pydaemon.ops.layernorm import fused_add_rms_norm, rms_norm
+from pydaemon.ops.lora import lora_expand, lora_shrink
 from pydaemon.ops.moe import moe_align, moe_combine, moe_kernels_available, topk_route
 from pydaemon.ops.paged_attention import (
     PARTITION_SIZE,
@@ -57,6 +60,8 @@ __all__ = [
     "decode_tc_partition_size",
     "fused_add_rms_norm",
     "is_available",
+    "lora_expand",
+    "lora_shrink",
     "moe_align",
     "moe_combine",
     "moe_kernels_available",
