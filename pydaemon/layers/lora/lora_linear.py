@@ -3,12 +3,15 @@
 ``wrap_lora_layers`` replaces, in each decoder layer, ``self_attn.qkv_proj`` and
 ``mlp.gate_up_proj`` (column-parallel, several packed projections) and ``self_attn.o_proj``
 and ``mlp.down_proj`` (row-parallel) by a ``LoRALinear`` that runs the base layer and adds
-the LoRA delta of every token's adapter (pydaemon/layers/lora/punica_torch.py).
+the LoRA delta of every token's adapter (``add_lora``, pydaemon/layers/lora/punica.py: fused
+CUDA kernels, or the torch path of punica_torch.py).
 
 Each wrapper holds ``max_loras`` device slots of fixed size (plus one zero slot) for every
-projection it packs: ``lora_a`` [S + 1, n * R, in] and one ``lora_b`` [S + 1, R, out_j] per
-part, R = ``max_lora_rank``. Sizes never change, so CUDA graphs captured once stay valid when
-adapters move in and out of slots (the copies are in place).
+projection it packs: ``lora_a`` [S + 1, n * R, in] (part j's A in rows [j * R, (j + 1) * R))
+and ``lora_b`` [S + 1, R, sum(out_j)] (part j's B.T in the columns [part_starts[j],
+part_starts[j + 1]), so that one expand covers every part), R = ``max_lora_rank``. Sizes never
+change, so CUDA graphs captured once stay valid when adapters move in and out of slots (the
+copies are in place).
 
 Tensor parallel (as vLLM): a column-parallel layer keeps A whole and this rank's rows of
 each part's B; a row-parallel layer keeps this rank's input columns of A and B whole, and
@@ -23,11 +26,13 @@ always covers every slot: its shapes cannot depend on the step.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
 from pydaemon.distributed import parallel_state as ps
-from pydaemon.layers.lora.punica_torch import add_lora
+from pydaemon.layers.lora.punica import add_lora
 from pydaemon.layers.parallel_linear import MergedColumnParallelLinear, RowParallelLinear
 
 # Module name in a decoder layer -> the checkpoint (PEFT target) modules it packs.
@@ -79,9 +84,9 @@ class LoRALinear(nn.Module):
         n = len(module_names)
         device = weight.device
         self.lora_a = torch.zeros(num_slots, n * rank, self.in_features, dtype=dtype, device=device)
-        self.lora_b = tuple(
-            torch.zeros(num_slots, rank, size, dtype=dtype, device=device) for size in output_sizes
-        )
+        # Column offsets of the parts in lora_b and in the output: n + 1 values from 0.
+        self.part_starts = tuple(itertools.accumulate(output_sizes, initial=0))
+        self.lora_b = torch.zeros(num_slots, rank, self.part_starts[-1], dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, sum(output_sizes)]
         base = self.base_layer
@@ -99,7 +104,8 @@ class LoRALinear(nn.Module):
         if num_slots == 0:
             return
         token_slots = self.slots.for_tokens(x.shape[0])
-        add_lora(out, x.to(self.lora_a.dtype), token_slots, self.lora_a, self.lora_b, num_slots)
+        x = x.to(self.lora_a.dtype)
+        add_lora(out, x, token_slots, self.lora_a, self.lora_b, self.part_starts, num_slots)
 
     # ---- slots ------------------------------------------------------------------------------
     def shard(
@@ -118,15 +124,15 @@ class LoRALinear(nn.Module):
         already scaled); parts it does not target get zeros."""
         rank = self.slots.max_lora_rank
         self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
         for j, name in enumerate(self.module_names):
-            b_slot = self.lora_b[j][slot]
-            b_slot.zero_()
             if name not in weights:
                 continue
             a, b = weights[name]
             r = a.shape[0]
+            start, end = self.part_starts[j], self.part_starts[j + 1]
             self.lora_a[slot, j * rank : j * rank + r].copy_(a, non_blocking=True)
-            b_slot[:r].copy_(b.T, non_blocking=True)
+            self.lora_b[slot, :r, start:end].copy_(b.T, non_blocking=True)
 
     def reset_lora(self, slot: int) -> None:
         self.set_lora(slot, {})

@@ -4,11 +4,13 @@ S-LoRA / Punica's two halves, over the stacked adapters of a layer (``max_loras`
 one all-zero slot last, for tokens without an adapter):
 
 - shrink: ``xa = x @ A[slot].T`` with A the part's ``lora_A`` (rank ``r`` rows);
-- expand: ``y[:, part] += xa @ B[slot].T`` with B ``lora_B`` pre-multiplied by the scaling.
+- expand: ``y[:, part] += xa @ B[slot]`` with B ``lora_B.T`` pre-multiplied by the scaling.
 
 A layer packing several projections (q/k/v, gate/up) holds their A matrices one under the
-other (one shrink for all parts) and one B per part (each expands into its own columns).
-Ranks below ``max_lora_rank`` are zero-padded, which adds exact zeros.
+other (one shrink for all parts) and their B matrices side by side in one tensor, part j in
+the columns ``[part_starts[j], part_starts[j + 1])`` (each part expands into its own columns
+of y; here through views of that tensor). Ranks below ``max_lora_rank`` are zero-padded,
+which adds exact zeros.
 
 Two ways, chosen by the token count alone (so a CUDA graph captures one of them, and no
 value is read back to the host):
@@ -23,8 +25,8 @@ value is read back to the host):
 ``num_slots`` (default: all) bounds the slots in use: the eager runner passes 1 + the highest
 slot of the step; a CUDA graph passes all of them.
 
-Both are exact (up to summation order). This is the reference and CPU path; CUDA kernels
-(segmented gather-matmul) can replace it behind ``add_lora``.
+Both are exact (up to summation order). This is the reference and the CPU path; on CUDA,
+``add_lora`` (pydaemon/layers/lora/punica.py) runs the fused kernels instead where they win.
 """
 
 from __future__ import annotations
@@ -32,48 +34,47 @@ from __future__ import annotations
 import torch
 
 
-def add_lora(
+def add_lora_torch(
     y: torch.Tensor,  # [T, sum(out_j)], updated in place
     x: torch.Tensor,  # [T, in]
     token_slots: torch.Tensor,  # [T] int64: each token's slot, -1 = no adapter
     lora_a: torch.Tensor,  # [S + 1, n * R, in]: part j's A at rows [j * R, (j + 1) * R)
-    lora_b: tuple[torch.Tensor, ...],  # n tensors [S + 1, R, out_j]: B.T * scaling
+    lora_b: torch.Tensor,  # [S + 1, R, sum(out_j)]: part j's B.T * scaling in its columns
+    part_starts: tuple[int, ...],  # n + 1 column offsets: part j = [starts[j], starts[j + 1])
     num_slots: int | None = None,  # tokens use slots below this (default S)
 ) -> None:
-    num_tokens = x.shape[0]
     if num_slots is None:
         num_slots = lora_a.shape[0] - 1  # the last slot is all zeros
-    rank = lora_b[0].shape[1]
-    num_parts = len(lora_b)
-    if 2 * num_tokens <= num_slots:
-        _add_lora_gathered(y, x, token_slots, lora_a, lora_b, num_slots, rank, num_parts)
+    if 2 * x.shape[0] <= num_slots:
+        _add_lora_gathered(y, x, token_slots, lora_a, lora_b, part_starts)
     else:
-        _add_lora_dense(y, x, token_slots, lora_a, lora_b, num_slots, rank, num_parts)
+        _add_lora_dense(y, x, token_slots, lora_a, lora_b, part_starts, num_slots)
 
 
-def _add_lora_gathered(y, x, token_slots, lora_a, lora_b, num_slots, rank, num_parts) -> None:
-    num_tokens = x.shape[0]
+def _add_lora_gathered(y, x, token_slots, lora_a, lora_b, part_starts) -> None:
+    num_tokens, rank = x.shape[0], lora_b.shape[1]
+    num_parts = len(part_starts) - 1
     slots = token_slots  # -1 indexes the last, all-zero slot: no torch.where per layer
     # [T, n * R, in] @ [T, in, 1] -> [T, n * R]
     xa = torch.bmm(lora_a[slots], x.unsqueeze(2)).view(num_tokens, num_parts, 1, rank)
-    start = 0
-    for j, b in enumerate(lora_b):
-        size = b.shape[2]
+    b = lora_b[slots]  # [T, R, sum(out_j)]: one gather for every part
+    for j in range(num_parts):
+        start, end = part_starts[j], part_starts[j + 1]
         # [T, 1, R] @ [T, R, out_j] -> [T, out_j]
-        y[:, start : start + size] += torch.bmm(xa[:, j], b[slots]).squeeze(1)
-        start += size
+        y[:, start:end] += torch.bmm(xa[:, j], b[:, :, start:end]).squeeze(1)
 
 
-def _add_lora_dense(y, x, token_slots, lora_a, lora_b, num_slots, rank, num_parts) -> None:
-    num_tokens = x.shape[0]
+def _add_lora_dense(y, x, token_slots, lora_a, lora_b, part_starts, num_slots) -> None:
+    num_tokens, rank = x.shape[0], lora_b.shape[1]
+    num_parts = len(part_starts) - 1
     a_all = lora_a[:num_slots].reshape(num_slots * num_parts * rank, -1)  # a view
     xa = (x @ a_all.T).view(num_tokens, num_slots, num_parts, rank)
     # Each token keeps its own slot's columns; a token without an adapter keeps none.
     own = token_slots.unsqueeze(1) == torch.arange(num_slots, device=x.device)  # [T, S]
     xa = xa * own.to(xa.dtype)[:, :, None, None]
-    start = 0
-    for j, b in enumerate(lora_b):
-        size = b.shape[2]
+    for j in range(num_parts):
+        start, end = part_starts[j], part_starts[j + 1]
         xa_j = xa[:, :, j].reshape(num_tokens, num_slots * rank)
-        y[:, start : start + size] += xa_j @ b[:num_slots].reshape(num_slots * rank, size)
-        start += size
+        # [S, R, out_j] with rows of stride sum(out_j) -> [S * R, out_j]: still a view
+        b_j = lora_b[:num_slots, :, start:end].reshape(num_slots * rank, end - start)
+        y[:, start:end] += xa_j @ b_j
