@@ -133,6 +133,31 @@ def test_async_scheduling_and_prefix_caching():
     _free_blocks_are_back(llm)
 
 
+def test_async_scheduling_defers_masks_and_changes_nothing():
+    """Under async scheduling a constrained step samples only once the previous step's tokens
+    are on the host (its masks need them): the same tokens as synchronous steps, greedy and
+    seeded, and the masks really were deferred."""
+    checks = _few_checks()
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=so) for so, _ in checks
+    ]
+    params += [
+        SamplingParams(temperature=0.9, max_tokens=60, structured_outputs=so, seed=11)
+        for so, _ in checks
+    ]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
+    runs = {}
+    for overlap in (False, True):
+        llm = _llm(async_scheduling=overlap)
+        outs = llm.generate(prompts, params)
+        _check_all(outs, checks + checks)
+        runs[overlap] = [o.outputs[0].token_ids for o in outs]
+        stats = llm.engine.runner.step_sampler.grammar_matchers.stats
+        assert (stats.num_deferred_steps > 0) == overlap
+        _free_blocks_are_back(llm)
+    assert runs[True] == runs[False]
+
+
 def test_unconstrained_requests_are_unchanged_beside_constrained_ones(llm):
     plain = SamplingParams(temperature=0.0, max_tokens=12)
     alone = llm.generate(PROMPTS, plain)

@@ -44,6 +44,10 @@ class AsyncModelRunnerOutput:
     the step until ``get_output()`` is called (async scheduling calls it after launching the
     next step). ``sampled_token_ids`` stays on the device: the next step's input ids for
     placeholder tokens are gathered from it there, with no host round trip.
+
+    Sampling itself may be deferred (``deferred``): a step with grammar-constrained rows
+    samples once the previous step's tokens are on the host (their masks need them), which the
+    runner arranges just before it launches the next forward pass (``launch_sampling``).
     """
 
     def __init__(
@@ -62,9 +66,34 @@ class AsyncModelRunnerOutput:
         self.num_samples = 0 if sampled_token_ids is None else int(sampled_token_ids.shape[0])
         self._sample_rows = sample_rows or {}
         self._fill = fill
+        self._launch: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
         self._event = None
         self._host: torch.Tensor | None = None
         if packed is not None:
+            self._copy_to_host(packed)
+
+    @classmethod
+    def deferred(
+        cls,
+        output: ModelRunnerOutput,
+        launch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+        fill: Callable[[list[list[float]]], None],
+        sample_rows: dict[int, int],
+        num_samples: int,
+    ) -> AsyncModelRunnerOutput:
+        """A step whose sampling is not launched yet: ``launch()`` launches it and returns
+        (sampled_token_ids, packed), as the constructor takes them."""
+        result = cls(output, fill=fill, sample_rows=sample_rows)
+        result.num_samples = num_samples
+        result._launch = launch
+        return result
+
+    def launch_sampling(self) -> None:
+        """Launches a deferred sampling (once; nothing if there is none)."""
+        launch, self._launch = self._launch, None
+        if launch is not None:
+            sampled, packed = launch()
+            self.sampled_token_ids = sampled
             self._copy_to_host(packed)
 
     @classmethod
@@ -108,6 +137,7 @@ class AsyncModelRunnerOutput:
 
     def get_output(self) -> ModelRunnerOutput:
         """Waits for the copy (once) and returns the host output."""
+        self.launch_sampling()
         if self._host is not None:
             if self._event is not None:
                 self._event.synchronize()

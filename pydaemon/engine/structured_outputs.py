@@ -98,6 +98,6 @@ class StructuredOutputManager:
         self.compiler = GrammarCompiler(token_bytes(tokenizer), runner.vocab_size, eos_token_ids)
         sampler = runner.step_sampler
         sampler.grammar_matchers = GrammarMatchers(
-            self.compiler, sampler.input_batch.output_token_ids, runner.device
+            self.compiler, sampler.input_batch.host_output_token_ids, runner.device
         )
         return self.compiler

@@ -247,6 +247,13 @@ class InputBatch:
         first = self.num_prompt_tokens[row] + start
         return self.token_ids[row, first : self.num_tokens[row]].tolist()
 
+    def host_output_token_ids(self, seq_id: int, start: int = 0) -> list[int]:
+        """As ``output_token_ids``, without waiting: a token the last step is still sampling
+        reads as its placeholder (negative; only ever the last one)."""
+        row = self.seqs[seq_id].row
+        first = self.num_prompt_tokens[row] + start
+        return self.token_ids[row, first : self.num_tokens[row]].tolist()
+
     def prompt_token_ids(self, seq_id: int) -> list[int]:
         row = self.seqs[seq_id].row
         return self.token_ids[row, : self.num_prompt_tokens[row]].tolist()

@@ -232,6 +232,8 @@ class ModelRunner:
                 seqs = self.input_batch.seqs
                 loras = [seqs[seq_id].lora_request for seq_id in step.seq_ids]
                 self.lora_manager.set_step(loras, step.query_lens)
+            if last is not None:  # a deferred sampling (grammar masks) goes first
+                last.launch_sampling()
             if len(step.placeholder_index) and ps.is_tensor_parallel():
                 self._share_sampled_ids(last)
             measures_kv_scales = self.kv_scales is not None and self.kv_scales.arm_for(out)
@@ -239,9 +241,9 @@ class ModelRunner:
             if measures_kv_scales:
                 self._finish_kv_scales()
             if is_driver and verify is not None:
-                result = self.spec_decoder.sample(logits, step, verify, out.num_samples)
+                result = self.spec_decoder.sample(logits, step, verify, out.num_samples, last)
             elif is_driver:
-                result = self.step_sampler.sample(logits, step, out.num_samples)
+                result = self.step_sampler.sample(logits, step, out.num_samples, last)
             else:  # rank 0 samples; this rank receives its ids if the next step needs them
                 result = self.step_sampler.expect(step, out.num_samples)
         self._last_output = result

@@ -116,7 +116,12 @@ class SpecDecoder:
 
     # ---- after the forward ------------------------------------------------------------------
     def sample(
-        self, logits: torch.Tensor, step: StepInput, plan: VerifyPlan, num_samples: dict[int, int]
+        self,
+        logits: torch.Tensor,
+        step: StepInput,
+        plan: VerifyPlan,
+        num_samples: dict[int, int],
+        last: AsyncModelRunnerOutput | None = None,
     ) -> AsyncModelRunnerOutput:
         """logits: [len(step.sample_index), vocab] float32 -> the step's output, on the host
         (a verify step is synchronous)."""
@@ -125,7 +130,7 @@ class SpecDecoder:
         num_before = int(step.is_sampled[: plan.first].sum())
         verify = logits[num_before : num_before + num_verify_rows]
         others = torch.cat([logits[:num_before], logits[num_before + num_verify_rows :]])
-        out = self.step_sampler.sample(others, step, num_samples).get_output()
+        out = self.step_sampler.sample(others, step, num_samples, last).get_output()
         self._verify(verify, plan, out)
         return AsyncModelRunnerOutput(out)
 

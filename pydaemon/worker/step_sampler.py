@@ -5,9 +5,12 @@ It picks the sampling parameters, token history and random stream of every sampl
 the runner's InputBatch (token ids are read only for rows that use penalties or min_tokens),
 repeats the row of a sequence that forks at this sample (n > 1) once per output index, and
 hands beam-search rows back as log-probabilities. Rows under a constraint (structured
-outputs) get their grammar's token bitmask first (``apply_grammar_bitmask``: filled on the
-host while the device runs the forward, applied there in one batched operation). Seeded random streams live here, one per
-(request, output index), until the request finishes.
+outputs) get their grammar's token bitmask first, applied on the device in one batched
+operation. Under async scheduling their masks need the previous step's samples, which the
+host has not seen when this step is launched: sampling is then deferred
+(``AsyncModelRunnerOutput.deferred``) until the runner launches the next step, so the host
+fills the masks while the device runs this step's forward pass. Seeded random streams live
+here, one per (request, output index), until the request finishes.
 """
 
 from __future__ import annotations
@@ -90,9 +93,14 @@ class StepSampler:
         return AsyncModelRunnerOutput.awaiting_samples(plan.seq_ids, plan.counts, plan.sample_rows)
 
     def sample(
-        self, logits: torch.Tensor, step: StepInput, num_samples: dict[int, int]
+        self,
+        logits: torch.Tensor,
+        step: StepInput,
+        num_samples: dict[int, int],
+        last: AsyncModelRunnerOutput | None = None,
     ) -> AsyncModelRunnerOutput:
-        """logits: [num_sampled_seqs, vocab] float32, one row per sequence that samples.
+        """logits: [num_sampled_seqs, vocab] float32, one row per sequence that samples;
+        last: the previous step's output (its samples are this step's placeholders).
         Nothing here waits for the device, unless a row reads token history (penalties,
         min_tokens) that holds the previous step's not-yet-copied sample."""
         batch = self.input_batch
@@ -105,10 +113,6 @@ class StepSampler:
         rows, states = plan.rows, plan.states
         if not rows:
             return AsyncModelRunnerOutput(out)
-        if plan.constrained:
-            self.apply_grammar_bitmask(logits, plan.constrained)
-        if rows != list(range(logits.shape[0])):
-            logits = logits[torch.tensor(rows, device=logits.device)]
         ids = [s.seq_id for s in states]
         metadata = SamplingMetadata.build(
             params=[s.params for s in states],
@@ -118,8 +122,22 @@ class StepSampler:
             device=logits.device,
             stop_ids_for_min_tokens=[s.min_tokens_stop_ids for s in states],
         )
-        sampled, packed = self.sampler.sample_packed(logits, metadata)
+        matchers = self.grammar_matchers
+        mask = None
+        if plan.constrained:
+            if matchers is None:
+                raise RuntimeError("a constrained request reached the runner without its grammar")
+            mask = matchers.prepare(plan.constrained)
         counts = plan.counts
+
+        @torch.inference_mode()  # may run from get_output(), outside the runner's step
+        def launch() -> tuple[torch.Tensor, torch.Tensor]:
+            nonlocal logits
+            if mask is not None:
+                matchers.apply(logits, mask, None if last is None else _last_tokens(last))
+            if rows != list(range(logits.shape[0])):
+                logits = logits[torch.tensor(rows, device=logits.device)]
+            return self.sampler.sample_packed(logits, metadata)
 
         def fill(host_rows: list[list[float]]) -> None:
             result = self.sampler.unpack(host_rows, metadata)
@@ -131,15 +149,11 @@ class StepSampler:
                 out.logprobs.append(result.logprobs[start:end])
                 start = end
 
+        if mask is not None and mask.awaiting:  # the masks wait for last's samples
+            return AsyncModelRunnerOutput.deferred(out, launch, fill, plan.sample_rows, len(rows))
+        sampled, packed = launch()
         # The step's one device-to-host copy, started here and waited for by get_output().
         return AsyncModelRunnerOutput(out, sampled, packed, fill, plan.sample_rows)
-
-    def apply_grammar_bitmask(self, logits: torch.Tensor, rows: list[ConstrainedRow]) -> None:
-        """logits: [num_sampled_seqs, vocab] float32, masked in place: each constrained row
-        keeps only the tokens its grammar allows next."""
-        if self.grammar_matchers is None:
-            raise RuntimeError("a constrained request reached the runner without its grammar")
-        self.grammar_matchers.apply_grammar_bitmask(logits, rows)
 
     def _generator(self, state: CachedSeqState, index: int) -> torch.Generator | None:
         """The seeded random stream of (request, output index), kept until the request ends."""
@@ -153,6 +167,20 @@ class StepSampler:
             self._generators[key] = generator
             self._generator_indices.setdefault(state.request_id, []).append(index)
         return generator
+
+
+def _last_tokens(last: AsyncModelRunnerOutput):
+    """seq_id -> the tokens ``last`` sampled for the sequence (waits for its copy)."""
+    tokens: dict[int, list[int]] | None = None
+
+    def read(seq_id: int) -> list[int]:
+        nonlocal tokens
+        if tokens is None:
+            out = last.get_output()
+            tokens = dict(zip(out.seq_ids, out.sampled_token_ids, strict=True))
+        return tokens[seq_id]
+
+    return read
 
 
 class _LazyTokens(Sequence):

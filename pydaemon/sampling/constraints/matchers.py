@@ -6,6 +6,13 @@ sequence already has, so a sequence forked at its first sample (n > 1), re-prefi
 preemption by recompute, or swapped back in needs no special case; afterwards it accepts, each
 step, the tokens that arrived since. Matchers go when their request finishes (``forget``).
 
+A step's mask is made in two halves. ``prepare`` (when the step is launched) advances each
+matcher over the tokens already on the host; under async scheduling a row's last token is
+then still a placeholder, the previous step's sample, which the host has not seen. ``apply``
+(deferred by the StepSampler until that sample is on the host, ideally just before the next
+forward is launched) accepts it, fills the bitmask and masks the logits, so the host fills
+masks while the device runs the forward pass instead of the device waiting for the masks.
+
 Per row of the step's bitmask: a running grammar's allowed tokens (filled by xgrammar's batch
 matcher, threaded); a finished grammar (it accepted a stop token: EOS, which ends the
 sequence with reason "stop" unless ``ignore_eos``) leaves the row unconstrained; a sequence
@@ -47,7 +54,9 @@ class MaskStats:
 
     num_steps: int = 0
     num_rows: int = 0
-    fill_s: float = 0.0  # advancing matchers and filling the bitmask
+    num_deferred_steps: int = 0  # masks that waited for the previous step's samples
+    prepare_s: float = 0.0  # advancing matchers over the tokens on the host, at launch
+    fill_s: float = 0.0  # accepting the awaited tokens and filling the bitmask
     apply_s: float = 0.0  # copying it to the device and launching the masking ops
 
 
@@ -59,9 +68,21 @@ class _SeqMatcher:
 
 
 @dataclass
+class PreparedMask:
+    """A step's constrained rows with their matchers, advanced over the tokens on the host.
+    ``awaiting[k]``: row ``awaiting[k]``'s last output token is the previous step's sample,
+    which ``GrammarMatchers.apply`` accepts first."""
+
+    rows: list[ConstrainedRow]
+    entries: list[_SeqMatcher]
+    awaiting: list[int]
+
+
+@dataclass
 class GrammarMatchers:
     compiler: GrammarCompiler
-    # (seq_id, start) -> the sequence's output token ids from ``start`` on
+    # (seq_id, start) -> the sequence's output token ids from ``start`` on, as the host holds
+    # them: the last one may be a placeholder (negative), the previous step's sample.
     read_output_tokens: Callable[[int, int], list[int]]
     device: torch.device
     stats: MaskStats = field(default_factory=MaskStats)
@@ -83,9 +104,48 @@ class GrammarMatchers:
                 self._matchers.pop(seq_id, None)
 
     def apply_grammar_bitmask(self, logits: torch.Tensor, rows: list[ConstrainedRow]) -> None:
-        """logits: [num_logits_rows, vocab] float32 on the device, masked in place."""
+        """logits: [num_logits_rows, vocab] float32 on the device, masked in place (no row may
+        await a token: ``prepare`` and ``apply`` otherwise)."""
+        self.apply(logits, self.prepare(rows), None)
+
+    def prepare(self, rows: list[ConstrainedRow]) -> PreparedMask:
+        """Each row's matcher, advanced over the output tokens on the host."""
         start = time.perf_counter()
-        bitmask = self.fill_bitmask(rows)
+        entries: list[_SeqMatcher] = []
+        awaiting: list[int] = []
+        for i, row in enumerate(rows):
+            entry = self._matchers.get(row.seq_id)
+            if entry is None:
+                entry = _SeqMatcher(xgr.GrammarMatcher(self.compiler.get(row.spec)))
+                self._matchers[row.seq_id] = entry
+                self._request_seqs.setdefault(row.request_id, []).append(row.seq_id)
+            new_tokens = self.read_output_tokens(row.seq_id, entry.num_accepted)
+            if new_tokens and new_tokens[-1] < 0:  # a placeholder: only ever the last token
+                new_tokens = new_tokens[:-1]
+                awaiting.append(i)
+            self._accept(entry, new_tokens, row)
+            entries.append(entry)
+        self.stats.prepare_s += time.perf_counter() - start
+        return PreparedMask(rows, entries, awaiting)
+
+    def apply(
+        self,
+        logits: torch.Tensor,
+        prepared: PreparedMask,
+        last_tokens: Callable[[int], list[int]] | None,
+    ) -> None:
+        """Accepts the awaited tokens (``last_tokens(seq_id)``: what the previous step
+        sampled for the sequence), fills the bitmask and masks logits ([num_logits_rows,
+        vocab] float32 on the device) in place: one copy and one batched launch."""
+        start = time.perf_counter()
+        rows = prepared.rows
+        if prepared.awaiting:
+            if last_tokens is None:
+                raise RuntimeError("a constrained row awaits a token and no step sampled it")
+            self.stats.num_deferred_steps += 1
+            for i in prepared.awaiting:
+                self._accept(prepared.entries[i], last_tokens(rows[i].seq_id), rows[i])
+        bitmask = self._fill(prepared)
         filled = time.perf_counter()
         is_cuda = self.device.type == "cuda"
         index = None  # every row, in order: no gather
@@ -106,13 +166,19 @@ class GrammarMatchers:
 
     def fill_bitmask(self, rows: list[ConstrainedRow]) -> torch.Tensor:
         """-> [len(rows), ceil(vocab / 32)] int32 on the host (pinned on CUDA): row i is the
-        tokens ``rows[i]``'s sequence may sample next."""
+        tokens ``rows[i]``'s sequence may sample next (no row may await a token)."""
+        prepared = self.prepare(rows)
+        if prepared.awaiting:
+            raise RuntimeError("fill_bitmask: a row's last token is still a placeholder")
+        return self._fill(prepared)
+
+    def _fill(self, prepared: PreparedMask) -> torch.Tensor:
+        rows = prepared.rows
         bitmask = self._host_buffer(len(rows))
         array = bitmask.numpy()
         to_fill: list[xgr.GrammarMatcher] = []
         indices: list[int] = []
-        for i, row in enumerate(rows):
-            entry = self._sync(row)
+        for i, entry in enumerate(prepared.entries):
             if entry.is_rejected:
                 array[i] = self._stop_only
             elif entry.matcher.is_terminated():
@@ -122,28 +188,22 @@ class GrammarMatchers:
                 indices.append(i)
         if to_fill:
             self._batch.batch_fill_next_token_bitmask(to_fill, array, indices)
-            is_empty = ~array[indices].any(axis=1)
-            for k in np.flatnonzero(is_empty).tolist():
+            filled = array[: len(rows)] if len(indices) == len(rows) else array[indices]
+            for k in np.flatnonzero(~filled.any(axis=1)).tolist():
                 i = indices[k]
                 logger.warning(
                     "request %s: its grammar allows no token of this vocabulary; it ends",
                     rows[i].request_id,
                 )
-                self._matchers[rows[i].seq_id].is_rejected = True
+                prepared.entries[i].is_rejected = True
                 array[i] = self._stop_only
         return bitmask
 
-    def _sync(self, row: ConstrainedRow) -> _SeqMatcher:
-        """The sequence's matcher, advanced over the output tokens it has not seen."""
-        entry = self._matchers.get(row.seq_id)
-        if entry is None:
-            entry = _SeqMatcher(xgr.GrammarMatcher(self.compiler.get(row.spec)))
-            self._matchers[row.seq_id] = entry
-            self._request_seqs.setdefault(row.request_id, []).append(row.seq_id)
-        new_tokens = self.read_output_tokens(row.seq_id, entry.num_accepted)
-        entry.num_accepted += len(new_tokens)
+    def _accept(self, entry: _SeqMatcher, tokens: list[int], row: ConstrainedRow) -> None:
+        """Advances the matcher over the sequence's next output tokens."""
+        entry.num_accepted += len(tokens)
         matcher = entry.matcher
-        for token_id in new_tokens:
+        for token_id in tokens:
             if entry.is_rejected or matcher.is_terminated():
                 break
             if not matcher.accept_token(token_id):
@@ -153,7 +213,6 @@ class GrammarMatchers:
                     token_id,
                 )
                 entry.is_rejected = True
-        return entry
 
     def _host_buffer(self, num_rows: int) -> torch.Tensor:
         """[num_rows, words] int32 for this step's bitmask: pinned memory reused across
