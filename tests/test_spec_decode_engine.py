@@ -13,6 +13,8 @@ from engine_utils import make_hf_model, random_prompts
 from pydaemon import LLM, SamplingParams
 from pydaemon._core import Device
 from pydaemon.worker.spec.oracle_proposer import OracleProposer
+from pydaemon.worker.spec.proposer import DraftRequest
+from pydaemon.worker.spec_decoder import _padded
 
 VOCAB = 256
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
@@ -69,6 +71,58 @@ def test_ngram_greedy_matches_plain(model):
     assert stats.num_accepted_tokens < stats.num_draft_tokens  # rejections were exercised
     assert stats.accepted_per_position[0] >= stats.accepted_per_position[-1]
     assert _is_free(llm)
+
+
+def test_padded_drafts_match_plain_and_fill_every_decode(model):
+    """Where verify graphs exist, a decode-only step's drafts are padded to k for every
+    sequence (pad_drafts, forced on here on the CPU): greedy tokens do not change, and such
+    steps verify k drafts for every sequence, also for those the proposer found nothing for."""
+    prompts = _repetitive_prompts(5, seed=4) + random_prompts(3, VOCAB, 5, 20, seed=5)
+    plain = _tokens(_llm(model).generate(prompt_token_ids=prompts, sampling_params=GREEDY))
+    k = NGRAM["num_speculative_tokens"]
+    full_steps = {}
+    for pad in (False, True):
+        llm = _llm(model, NGRAM)
+        decoder = _runner(llm).spec_decoder
+        decoder.pad_drafts = pad
+        plans = []
+        propose = decoder.propose
+
+        def spy(out, propose=propose, plans=plans):
+            plans.append(propose(out))
+            return plans[-1]
+
+        decoder.propose = spy
+        assert _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)) == plain
+        full_steps[pad] = sum(
+            plan is not None
+            and len(plan.drafts) == len(plan.out.num_scheduled_tokens)
+            and all(len(d) == k for d in plan.drafts.values())
+            for plan in plans
+        )
+        assert _is_free(llm)
+    assert full_steps[True] > full_steps[False]
+
+
+def test_padding_needs_a_decode_only_step_with_k_slots_each(model):
+    llm = _llm(model, NGRAM)
+    decoder = _runner(llm).spec_decoder
+    decoder.pad_drafts = True
+    k = NGRAM["num_speculative_tokens"]
+    tokens = np.array([5, 6, 7, 5, 6], dtype=np.int32)
+
+    class Out:  # the SchedulerOutput fields the check reads
+        def __init__(self, num_prefills, scheduled):
+            self.num_prefills, self.num_scheduled_tokens = num_prefills, scheduled
+
+    full = [DraftRequest(1, tokens, k), DraftRequest(2, tokens, k)]
+    assert decoder._fills_a_verify_graph(Out(0, {1: 1, 2: 1}), full)
+    assert not decoder._fills_a_verify_graph(Out(1, {0: 9, 1: 1, 2: 1}), full)  # a prefill
+    assert not decoder._fills_a_verify_graph(Out(0, {1: 1, 2: 1, 3: 1}), full)  # no slots
+    capped = [DraftRequest(1, tokens, k), DraftRequest(2, tokens, k - 1)]  # near max_tokens
+    assert not decoder._fills_a_verify_graph(Out(0, {1: 1, 2: 1}), capped)
+    assert _padded(DraftRequest(1, tokens, k), [7]) == [7] * k
+    assert _padded(DraftRequest(1, tokens, k), []) == [6] * k
 
 
 def _oracle_llm(model, prompts, references, corrupt_every=3, **kwargs) -> LLM:

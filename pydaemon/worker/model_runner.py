@@ -125,6 +125,8 @@ class ModelRunner:
         self._graphs_to_capture: CUDAGraphRunner | None = None  # after the KV scales' step
         plan = cuda_graph_plan(config, self.model_config, self.kv_cache, self.max_model_len)
         if plan is not None:
+            if self.spec_decoder is not None and plan.verify_query_lens:
+                self.spec_decoder.pad_drafts = True  # decode steps with drafts: graph shapes
             graphs = CUDAGraphRunner(self.model, self.kv_cache, plan)
             if self.kv_scales is not None and self.kv_scales.is_pending:
                 self._graphs_to_capture = graphs  # graphs bake the KV scales in: not yet

@@ -9,7 +9,14 @@ sampled: the other sequences through the StepSampler as usual, the verified ones
 RejectionSampler, whose accepted run (drafts, then one sampled token) becomes the sequence's
 ``sampled_token_ids`` entry. A verify step where every sequence has exactly k drafts (no
 plain decode, no prefill beside them) replays a verify CUDA graph (cuda_graphs.py); other
-verify steps run eagerly. Verify steps run synchronously (the scheduler must see the accepted run before planning the next
+verify steps run eagerly.
+
+Padding (``pad_drafts``, on where verify graphs exist): in a step of decodes only, each with
+k draft slots, where some sequence got drafts, every sequence's drafts are filled up to k by
+repeating its last token (draft or not), so that the step replays a verify graph instead of
+running eagerly (an eager step costs several graph replays: proposers rarely find k tokens
+for every sequence). Fillers are drafts like any other: verification keeps the target
+distribution whatever the drafts are; the counters count them. Verify steps run synchronously (the scheduler must see the accepted run before planning the next
 step: speculation turns async scheduling off).
 """
 
@@ -57,6 +64,7 @@ class SpecDecoder:
             spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
         )
         self.rejection_sampler = RejectionSampler()
+        self.pad_drafts = False  # the model runner turns it on when it has verify graphs
 
     def forget(self, seq_ids: list[int]) -> None:
         """The runner dropped these sequences (every step's ``finished_seq_ids``)."""
@@ -81,6 +89,8 @@ class SpecDecoder:
         }
         if not drafts:
             return None
+        if self.pad_drafts and self._fills_a_verify_graph(out, requests):
+            drafts = {r.seq_id: _padded(r, drafts.get(r.seq_id, [])) for r in requests}
         for seq_id, ids in drafts.items():  # past the row's tokens: not counted as its own
             row = batch.seqs[seq_id].row
             n = int(batch.num_tokens[row])
@@ -94,6 +104,16 @@ class SpecDecoder:
             out, num_scheduled_tokens=order, num_prefills=out.num_prefills + len(drafts)
         )
         return VerifyPlan(verified, drafts, out.num_prefills)
+
+    def _fills_a_verify_graph(self, out: SchedulerOutput, requests: list[DraftRequest]) -> bool:
+        """Whether padding every sequence's drafts to k makes this a verify graph's step: only
+        decodes, each with k draft slots (see the module docstring)."""
+        k = self.spec.num_speculative_tokens
+        return (
+            out.num_prefills == 0
+            and len(requests) == len(out.num_scheduled_tokens)
+            and all(r.max_drafts == k for r in requests)
+        )
 
     def prepare(self, plan: VerifyPlan) -> StepInput:
         """The step's inputs with the drafts; every verified position is a logits row."""
@@ -173,3 +193,9 @@ class SpecDecoder:
             out.chosen_logprobs.append(run.chosen_logprobs)
             out.logprobs.append(run.logprobs)
             out.num_draft_tokens[seq_id] = run.num_drafts
+
+
+def _padded(request: DraftRequest, drafts: list[int]) -> list[int]:
+    """drafts filled up to the request's k with its last token (a draft's, else its own)."""
+    last = drafts[-1] if drafts else int(request.token_ids[-1])
+    return drafts + [last] * (request.max_drafts - len(drafts))
