@@ -1,7 +1,9 @@
 // Validating binding of the mixture-of-experts kernels in cpp/cuda/moe_kernels.h: top-k
-// routing, moe_align, the weighted combine. Same conventions as layer_bindings.cpp: every
-// tensor is checked (a bad one raises TypeError / ValueError naming it), written tensors are
-// .noconvert(), the stream is passed in, the GIL is released around the launch.
+// routing, moe_align, the weighted combine, the two decode kernels. Same conventions as
+// layer_bindings.cpp: every tensor is checked (a bad one raises TypeError / ValueError naming
+// it), written tensors are .noconvert(), the stream is passed in, the GIL is released around
+// the launch. Expert ids are device data and are not read here (a host sync; the kernels
+// give an id out of range no weights instead).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 
@@ -176,6 +178,137 @@ void moe_combine(Array out, Array expert_out, Array inverse, Array topk_weights,
   check_cuda_error(err, "moe_combine");
 }
 
+// topk_ids [num_tokens, top_k] int32 contiguous on the device; returns top_k.
+int64_t check_topk_ids(const Array& topk_ids, int64_t num_tokens, int64_t num_experts, int dev) {
+  check_dtype(topk_ids, "topk_ids", kInt, 32, "int32");
+  check_cuda(topk_ids, "topk_ids", dev);
+  check_ndim(topk_ids, "topk_ids", 2);
+  const int64_t top_k = topk_ids.shape(1);
+  check_top_k(top_k, num_experts);
+  check_dense(topk_ids, "topk_ids", num_tokens, top_k, dev);
+  return top_k;
+}
+
+// An expert weight tensor [num_experts, rows, cols] of dtype `like`, contiguous, on the device.
+void check_expert_weights(const Array& w, const char* name, const Array& like,
+                          const char* like_name, int dev) {
+  check_same_dtype(w, name, like, like_name);
+  check_cuda(w, name, dev);
+  check_ndim(w, name, 3);
+  check_contiguous_from(w, name, 0);
+  if (w.shape(0) < 1 || w.shape(1) < 1 || w.shape(2) < 1 || w.shape(1) > kMaxInt ||
+      w.shape(2) > kMaxInt)
+    throw nb::value_error((std::string(name) + " must have sizes in [1, 2^31)").c_str());
+}
+
+// A [rows, cols] tensor whose last dim is contiguous (rows may be strided).
+void check_rows(const Array& a, const char* name, int64_t rows, int64_t cols, const char* what,
+                int dev) {
+  check_cuda(a, name, dev);
+  check_ndim(a, name, 2);
+  check_dim(a, name, 0, rows, "num_tokens");
+  check_dim(a, name, 1, cols, what);
+  if (cols > 1 && a.stride(1) != 1)
+    throw nb::value_error((std::string(name) + "'s last dim must be contiguous").c_str());
+}
+
+void moe_decode_gate_up(Array act, Array x, Array topk_ids, Array w13, uintptr_t stream) {
+  const int dev = current_device();
+  const DType dtype = attention_dtype(x, "x");
+  check_cuda(x, "x", dev);
+  check_ndim(x, "x", 2);
+  check_same_dtype(act, "act", x, "x");
+  check_expert_weights(w13, "w13", x, "x", dev);
+  const int64_t num_tokens = x.shape(0), hidden = x.shape(1);
+  const int64_t num_experts = w13.shape(0), intermediate = w13.shape(1) / 2;
+  if (w13.shape(1) % 2 != 0)
+    throw nb::value_error("w13.shape[1] must be even (gate rows, then as many up rows)");
+  check_dim(w13, "w13", 2, hidden, "hidden size, x.shape[1]");
+  if (hidden > pagedd::cuda::kMoeDecodeMaxHidden)
+    throw nb::value_error(("moe_decode_gate_up takes a hidden size of at most " +
+                           std::to_string(pagedd::cuda::kMoeDecodeMaxHidden) + ", got " +
+                           std::to_string(hidden))
+                              .c_str());
+  check_rows(x, "x", num_tokens, hidden, "hidden size", dev);
+  const int64_t top_k = check_topk_ids(topk_ids, num_tokens, num_experts, dev);
+  if (num_tokens * top_k > pagedd::cuda::kMoeDecodeMaxRows)
+    throw nb::value_error(("moe_decode_gate_up takes at most " +
+                           std::to_string(pagedd::cuda::kMoeDecodeMaxRows) +
+                           " slots (num_tokens * top_k), got " + std::to_string(num_tokens * top_k))
+                              .c_str());
+  check_cuda(act, "act", dev);
+  check_ndim(act, "act", 2);
+  check_dim(act, "act", 0, num_tokens * top_k, "num_tokens * top_k");
+  check_dim(act, "act", 1, intermediate, "intermediate size, w13.shape[1] / 2");
+  check_contiguous_from(act, "act", 0);
+
+  pagedd::cuda::MoeDecodeGateUpParams p{};
+  p.act = act.data();
+  p.x = x.data();
+  p.topk_ids = static_cast<const int32_t*>(topk_ids.data());
+  p.w13 = w13.data();
+  p.x_stride = num_tokens > 1 ? x.stride(0) : hidden;
+  p.num_tokens = (int)num_tokens;
+  p.top_k = (int)top_k;
+  p.num_experts = (int)num_experts;
+  p.hidden = (int)hidden;
+  p.intermediate = (int)intermediate;
+  p.dtype = dtype;
+  cudaError_t err;
+  {
+    nb::gil_scoped_release release;
+    err = pagedd::cuda::moe_decode_gate_up(p, as_stream(stream));
+  }
+  check_cuda_error(err, "moe_decode_gate_up");
+}
+
+void moe_decode_down_combine(Array out, Array act, Array topk_ids, Array topk_weights, Array w2,
+                             uintptr_t stream) {
+  const int dev = current_device();
+  const DType dtype = attention_dtype(act, "act");
+  check_same_dtype(out, "out", act, "act");
+  check_expert_weights(w2, "w2", act, "act", dev);
+  const int64_t num_experts = w2.shape(0), hidden = w2.shape(1), intermediate = w2.shape(2);
+  check_cuda(topk_weights, "topk_weights", dev);
+  check_dtype(topk_weights, "topk_weights", kFloat, 32, "float32");
+  check_ndim(topk_weights, "topk_weights", 2);
+  const int64_t num_tokens = topk_weights.shape(0);
+  if (num_tokens > pagedd::cuda::kMoeDecodeMaxRows)
+    throw nb::value_error(("moe_decode_down_combine takes at most " +
+                           std::to_string(pagedd::cuda::kMoeDecodeMaxRows) + " tokens, got " +
+                           std::to_string(num_tokens))
+                              .c_str());
+  const int64_t top_k = check_topk_ids(topk_ids, num_tokens, num_experts, dev);
+  check_dense(topk_weights, "topk_weights", num_tokens, top_k, dev);
+  check_cuda(act, "act", dev);
+  check_ndim(act, "act", 2);
+  check_dim(act, "act", 0, num_tokens * top_k, "num_tokens * top_k");
+  check_dim(act, "act", 1, intermediate, "intermediate size, w2.shape[2]");
+  check_contiguous_from(act, "act", 0);
+  check_rows(out, "out", num_tokens, hidden, "hidden size, w2.shape[1]", dev);
+  if (num_tokens > 1 && out.stride(0) < hidden) throw nb::value_error("out's rows overlap");
+
+  pagedd::cuda::MoeDecodeDownParams p{};
+  p.out = out.data();
+  p.act = act.data();
+  p.topk_ids = static_cast<const int32_t*>(topk_ids.data());
+  p.topk_weights = static_cast<const float*>(topk_weights.data());
+  p.w2 = w2.data();
+  p.out_stride = num_tokens > 1 ? out.stride(0) : hidden;
+  p.num_tokens = (int)num_tokens;
+  p.top_k = (int)top_k;
+  p.num_experts = (int)num_experts;
+  p.hidden = (int)hidden;
+  p.intermediate = (int)intermediate;
+  p.dtype = dtype;
+  cudaError_t err;
+  {
+    nb::gil_scoped_release release;
+    err = pagedd::cuda::moe_decode_down_combine(p, as_stream(stream));
+  }
+  check_cuda_error(err, "moe_decode_down_combine");
+}
+
 }  // namespace
 
 void bind_moe_ops(nb::module_& m) {
@@ -195,4 +328,15 @@ void bind_moe_ops(nb::module_& m) {
         nb::arg("inverse"), nb::arg("topk_weights"), nb::arg("stream"),
         "out[t] = sum_j topk_weights[t, j] * expert_out[inverse[t * top_k + j]] (float32 sum).\n"
         "out [num_tokens, hidden], expert_out [num_tokens * top_k, hidden]: one dtype.");
+  m.def("moe_decode_gate_up", &moe_decode_gate_up, nb::arg("act").noconvert(), nb::arg("x"),
+        nb::arg("topk_ids"), nb::arg("w13"), nb::arg("stream"),
+        "Decode experts, first half: act [num_tokens * top_k, I] = silu(x @ w13[e, :I].T) *\n"
+        "(x @ w13[e, I:].T) per slot t * top_k + j, e = topk_ids[t, j] (int32). x [num_tokens,\n"
+        "H], w13 [E, 2 * I, H]: float16 or bfloat16, one dtype.");
+  m.def("moe_decode_down_combine", &moe_decode_down_combine, nb::arg("out").noconvert(),
+        nb::arg("act"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("w2"),
+        nb::arg("stream"),
+        "Decode experts, second half: out[t] = sum_j topk_weights[t, j] * (act[t * top_k + j] @\n"
+        "w2[topk_ids[t, j]].T) (float32 sum). out [num_tokens, H], act [num_tokens * top_k, I],\n"
+        "w2 [E, H, I]: one dtype (float16 or bfloat16); topk_weights float32.");
 }

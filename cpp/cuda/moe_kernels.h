@@ -1,10 +1,12 @@
 // Entry points of pagedd's mixture-of-experts kernels: top-k routing, grouping the (token,
-// expert) slots by expert, and the weighted un-permute + sum of the experts' outputs. The
-// expert GEMMs themselves are torch's grouped GEMMs (pydaemon/layers/moe/experts.py).
+// expert) slots by expert, and the weighted un-permute + sum of the experts' outputs
+// (moe_kernels.cu); for a few tokens, the whole expert computation in two kernels
+// (moe_decode_kernels.cu). Larger steps run the expert GEMMs as torch's grouped GEMMs
+// (pydaemon/layers/moe/experts.py).
 // Framework-free like layer_kernels.h: raw device pointers, element strides, a cudaStream_t;
 // cudaErrorInvalidValue for a bad size. The validating binding is cpp/bindings/moe_bindings.cpp.
-// Nothing here reads a value back to the host: the three kernels can be captured in a CUDA
-// graph and replayed with any routing.
+// Nothing here reads a value back to the host or allocates: every kernel can be captured in a
+// CUDA graph and replayed with any routing.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -66,5 +68,51 @@ struct MoeCombineParams {
 // out[t] = round(sum_j topk_weights[t, j] * expert_out[inverse[t * top_k + j]]), the sum in
 // float32 over j in order. One block per token.
 cudaError_t moe_combine(const MoeCombineParams& p, cudaStream_t stream);
+
+// ---- decode: the experts of a few tokens in two kernels (moe_decode_kernels.cu) ----------
+// Slot s = t * top_k + j is token t's j-th expert e = topk_ids[t, j]. An id outside
+// [0, num_experts) reads no weights: its act row is zero and it adds nothing to out (ids are
+// device data: checking them on the host would cost a sync and break graph capture).
+constexpr int kMoeDecodeMaxHidden = 16384;  // gate_up stages x[t] in shared memory (32 KB)
+constexpr int kMoeDecodeMaxRows = 65535;    // grid.y: slots (gate_up), tokens (down_combine)
+
+struct MoeDecodeGateUpParams {
+  void* act;                  // [num_tokens * top_k, intermediate], contiguous
+  const void* x;              // [num_tokens, hidden], last dim contiguous
+  const int32_t* topk_ids;    // [num_tokens, top_k] int32, contiguous
+  const void* w13;            // [num_experts, 2 * intermediate, hidden], contiguous
+  int64_t x_stride;           // elements between rows of x
+  int num_tokens;
+  int top_k;                  // in [1, kMoeMaxTopK]; num_tokens * top_k <= kMoeDecodeMaxRows
+  int num_experts;
+  int hidden;                 // <= kMoeDecodeMaxHidden
+  int intermediate;
+  DType dtype;                // of act, x and w13: kFloat16 or kBFloat16
+};
+
+// g = x[t] . w13[e, c], u = x[t] . w13[e, intermediate + c] for c < intermediate (float32
+// sums), each rounded to dtype as a grouped GEMM stores them; act[s, c] = silu(g) * u with
+// silu_and_mul's roundings (silu_and_mul.cu: silu rounded to dtype, then the product).
+cudaError_t moe_decode_gate_up(const MoeDecodeGateUpParams& p, cudaStream_t stream);
+
+struct MoeDecodeDownParams {
+  void* out;                  // [num_tokens, hidden], last dim contiguous
+  const void* act;            // [num_tokens * top_k, intermediate], contiguous
+  const int32_t* topk_ids;    // [num_tokens, top_k] int32, contiguous
+  const float* topk_weights;  // [num_tokens, top_k] float32, contiguous
+  const void* w2;             // [num_experts, hidden, intermediate], contiguous
+  int64_t out_stride;         // elements between rows of out
+  int num_tokens;             // <= kMoeDecodeMaxRows
+  int top_k;                  // in [1, kMoeMaxTopK]
+  int num_experts;
+  int hidden;
+  int intermediate;
+  DType dtype;                // of out, act and w2: kFloat16 or kBFloat16
+};
+
+// out[t, h] = round(sum_j topk_weights[t, j] * round(act[s_j] . w2[e_j, h])): each expert's
+// output rounded to dtype as a grouped GEMM stores it, then moe_combine's float32 sum over j in
+// order, rounded once.
+cudaError_t moe_decode_down_combine(const MoeDecodeDownParams& p, cudaStream_t stream);
 
 }  // namespace pagedd::cuda
