@@ -17,6 +17,8 @@
         weights, ids = ops.topk_route(router_logits, top_k, softmax, renormalize)  # MoE
         sorted_token_ids, inverse, expert_offsets = ops.moe_align(ids, num_experts)
         out = ops.moe_combine(expert_out, inverse, weights)
+        act = ops.moe_decode_gate_up(x, ids, w13)  # a few tokens: the experts in two kernels
+        out = ops.moe_decode_down_combine(act, ids, weights, w2)
         xa = ops.lora_shrink(x, lora_a, token_slots)  # batched LoRA, a slot per token
         ops.lora_expand(y, xa, lora_b, part_starts, token_slots)  # y += xa @ B, in place
 
@@ -34,7 +36,16 @@ from pydaemon.ops.fp8_quant import (
 )
 from pydaemon.ops.layernorm import fused_add_rms_norm, rms_norm
 from pydaemon.ops.lora import lora_expand, lora_shrink
-from pydaemon.ops.moe import moe_align, moe_combine, moe_kernels_available, topk_route
+from pydaemon.ops.moe import (
+    MOE_DECODE_MAX_HIDDEN,
+    moe_align,
+    moe_combine,
+    moe_decode_down_combine,
+    moe_decode_gate_up,
+    moe_decode_kernels_available,
+    moe_kernels_available,
+    topk_route,
+)
 from pydaemon.ops.paged_attention import (
     PARTITION_SIZE,
     num_partitions,
@@ -53,6 +64,7 @@ __all__ = [
     "DECODE_TC_HEAD_DIMS",
     "DECODE_TC_MAX_GROUP",
     "LAYER_KERNEL_DTYPES",
+    "MOE_DECODE_MAX_HIDDEN",
     "PARTITION_SIZE",
     "SwapStream",
     "copy_blocks",
@@ -64,6 +76,9 @@ __all__ = [
     "lora_shrink",
     "moe_align",
     "moe_combine",
+    "moe_decode_down_combine",
+    "moe_decode_gate_up",
+    "moe_decode_kernels_available",
     "moe_kernels_available",
     "num_partitions",
     "paged_attention_decode",

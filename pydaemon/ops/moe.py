@@ -1,5 +1,7 @@
 """Mixture-of-experts kernels on the GPU (cpp/cuda/moe_kernels.cu): top-k routing, grouping
-slots by expert, weighted combine. The torch code they replace is in pydaemon/layers/moe/."""
+slots by expert, weighted combine; for a few tokens the whole expert computation in two
+kernels (cpp/cuda/moe_decode_kernels.cu). The torch code they replace is in
+pydaemon/layers/moe/."""
 
 from __future__ import annotations
 
@@ -11,6 +13,16 @@ from pydaemon.ops._core_ext import arg, core, is_available, stream_handle
 def moe_kernels_available() -> bool:
     """The GPU kernels run here and ``_core`` was built with the MoE kernels."""
     return is_available() and hasattr(core(), "moe_align")
+
+
+def moe_decode_kernels_available() -> bool:
+    """The GPU kernels run here and ``_core`` was built with the MoE decode kernels."""
+    return is_available() and hasattr(core(), "moe_decode_gate_up")
+
+
+# Largest hidden size of moe_decode_gate_up, which stages x[t] in shared memory (C++:
+# kMoeDecodeMaxHidden in cpp/cuda/moe_kernels.h).
+MOE_DECODE_MAX_HIDDEN = 16384
 
 
 def topk_route(
@@ -52,5 +64,45 @@ def moe_combine(
     )
     core().moe_combine(
         arg(out), arg(expert_out), arg(inverse), arg(topk_weights), stream_handle(out.device)
+    )
+    return out
+
+
+def moe_decode_gate_up(x: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor) -> torch.Tensor:
+    """The experts' gate/up projection and SiLU-and-mul for a few tokens, one kernel.
+
+    act[t * k + j, c] = silu(g) * u with g = x[t] . w13[e, c], u = x[t] . w13[e, I + c],
+    e = topk_ids[t, j]: float32 sums, g and u rounded to the dtype, then silu_and_mul's
+    roundings (the unfused grouped GEMM + ``silu_and_mul`` up to summation order). An id
+    outside [0, E) gives a zero row.
+
+    x:         [T, H] fp16/bf16, last dim contiguous, H <= MOE_DECODE_MAX_HIDDEN
+    topk_ids:  [T, k] int32, contiguous
+    w13:       [E, 2 * I, H], x's dtype, contiguous (each expert's gate rows, then up rows)
+    returns    act [T * k, I], x's dtype
+    """
+    act = torch.empty(topk_ids.numel(), w13.shape[1] // 2, dtype=x.dtype, device=x.device)
+    core().moe_decode_gate_up(arg(act), arg(x), arg(topk_ids), arg(w13), stream_handle(x.device))
+    return act
+
+
+def moe_decode_down_combine(
+    act: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """The experts' down projection and the weighted sum over each token's experts, one kernel.
+
+    out[t, h] = sum_j topk_weights[t, j] * y_j with y_j = act[t * k + j] . w2[e_j, h] in
+    float32, rounded to the dtype (as the grouped GEMM stores it); the sum over j in order in
+    float32, rounded once (``moe_combine``). An id outside [0, E) adds nothing.
+
+    act:           [T * k, I] fp16/bf16, contiguous (``moe_decode_gate_up``'s)
+    topk_ids:      [T, k] int32, contiguous
+    topk_weights:  [T, k] float32, contiguous
+    w2:            [E, H, I], act's dtype, contiguous
+    returns        out [T, H], act's dtype
+    """
+    out = torch.empty(topk_ids.shape[0], w2.shape[1], dtype=act.dtype, device=act.device)
+    core().moe_decode_down_combine(
+        arg(out), arg(act), arg(topk_ids), arg(topk_weights), arg(w2), stream_handle(act.device)
     )
     return out

@@ -9,7 +9,15 @@
 The two per-group products are grouped GEMMs: ``torch._grouped_mm`` (CUTLASS on Hopper
 tensor cores, no host sync: graph-capturable) for bfloat16 CUDA tensors; elsewhere (the CPU,
 other dtypes and GPUs) one ``F.linear`` per expert that has rows, which reads the group
-sizes on the host (while a CUDA graph is captured: every expert on all rows, masked). The last line is one kernel on CUDA with pagedd's kernels (``ops.moe_combine``).
+sizes on the host (while a CUDA graph is captured: every expert on all rows, masked). The
+last line is one kernel on CUDA with pagedd's kernels (``ops.moe_combine``).
+
+A few tokens (``0 < T * k <= MOE_DECODE_MAX_SLOTS``, fp16/bf16 on CUDA) skip the grouping
+and run two kernels (``ops.moe_decode_gate_up``: the first three lines per slot;
+``ops.moe_decode_down_combine``: the last two), with the same roundings. At one token the
+path above spends ~79 us a layer on the Qwen3-30B-A3B shape (H200) where its 75 MB of expert
+weights take ~16 us to read. The choice depends on shapes, dtype and device only, never on a
+device value: a captured CUDA graph holds one path for its shapes.
 """
 
 from __future__ import annotations
@@ -22,8 +30,13 @@ import torch.nn.functional as F
 
 from pydaemon import ops
 from pydaemon.layers.activation import SiluAndMul
+from pydaemon.layers.moe.align import moe_align
 
 _act = SiluAndMul()
+# Steps of at most this many (token, expert) slots take the two decode kernels. Off until
+# measured: 64 once measured on a GPU.
+MOE_DECODE_MAX_SLOTS = 0
+_DECODE_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @functools.cache
@@ -100,15 +113,30 @@ def moe_combine_native(
     return (rows * topk_weights[..., None]).sum(dim=1).to(y.dtype)
 
 
+def use_decode_kernels(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor) -> bool:
+    """The two decode kernels serve this step: few slots, fp16/bf16 on CUDA, kernels built."""
+    return (
+        0 < topk_ids.numel() <= MOE_DECODE_MAX_SLOTS
+        and x.is_cuda
+        and x.dtype in _DECODE_DTYPES
+        and w13.dtype == x.dtype
+        and x.shape[1] <= ops.MOE_DECODE_MAX_HIDDEN
+        and x.stride(-1) == 1
+        and ops.moe_decode_kernels_available()
+    )
+
+
 def fused_experts(
     x: torch.Tensor,  # [T, H]
     w13: torch.Tensor,  # [E, 2 * I, H]
     w2: torch.Tensor,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, k] float32
-    sorted_token_ids: torch.Tensor,  # [T * k] int32
-    inverse: torch.Tensor,  # [T * k] int32
-    expert_offsets: torch.Tensor,  # [E] int32
+    topk_ids: torch.Tensor,  # [T, k] int32
 ) -> torch.Tensor:  # [T, H]
+    if use_decode_kernels(x, w13, topk_ids):
+        act = ops.moe_decode_gate_up(x, topk_ids, w13)  # [T * k, I]
+        return ops.moe_decode_down_combine(act, topk_ids, topk_weights, w2)
+    sorted_token_ids, inverse, expert_offsets = moe_align(topk_ids, w13.shape[0])
     rows = x.index_select(0, sorted_token_ids)  # [T * k, H]
     h = grouped_mm(rows, w13, expert_offsets)  # [T * k, 2 * I]
     y = grouped_mm(_act(h), w2, expert_offsets)  # [T * k, H]

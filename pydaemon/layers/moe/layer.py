@@ -84,12 +84,10 @@ class FusedMoE(nn.Module):
         topk_weights, topk_ids = select_experts(
             router_logits, self.top_k, self.scoring, self.renormalize
         )
-        sorted_token_ids, inverse, offsets = moe_align(topk_ids, self.num_experts)
         if self.quant_method is None:
-            out = fused_experts(
-                x, self.w13_weight, self.w2_weight, topk_weights, sorted_token_ids, inverse, offsets
-            )
+            out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         else:
+            sorted_token_ids, inverse, offsets = moe_align(topk_ids, self.num_experts)
             out = self.quant_method.apply(self, x, topk_weights, sorted_token_ids, inverse, offsets)
         return ps.all_reduce(out) if self.reduce_results else out
 
