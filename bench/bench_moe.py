@@ -7,6 +7,7 @@ step touches (distinct experts hit, at least once each).
     PYTHONPATH=. python bench/bench_moe.py --shape qwen3-30b-a3b --tokens 1,8,64,256,1024,4096 \\
         --out bench/results/moe_layer_qwen3_30b_a3b_h200_<date>.json
     PYTHONPATH=. python bench/bench_moe.py --shape mixtral-8x7b --quantization fp8
+    PYTHONPATH=. python bench/bench_moe.py --tokens 1,2,4,8 --decode-max-slots 64  # decode kernels
 """
 
 from __future__ import annotations
@@ -31,6 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", default="1,8,64,256,1024,4096")
     p.add_argument("--quantization", choices=("none", "fp8"), default="none")
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument(
+        "--decode-max-slots",
+        type=int,
+        default=None,
+        help="experts.MOE_DECODE_MAX_SLOTS for this run: steps of at most this many token x "
+        "top_k slots run the two MoE decode kernels (0: never); default: the code's value",
+    )
     p.add_argument("--out", default=None)
     return p
 
@@ -63,12 +71,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import torch
 
-    from pydaemon.layers.moe import FusedMoE
+    from pydaemon.layers.moe import FusedMoE, experts
     from pydaemon.layers.moe.align import moe_align
     from pydaemon.layers.moe.router import select_experts
     from pydaemon.quantization.config import Fp8Config
     from pydaemon.quantization.fp8 import quantize_per_channel
 
+    if args.decode_max_slots is not None:  # an A/B knob of this process only
+        experts.MOE_DECODE_MAX_SLOTS = args.decode_max_slots
     e, k, h, i, renorm = SHAPES[args.shape]
     quant = Fp8Config(None, emulate=False) if args.quantization == "fp8" else None
     torch.manual_seed(0)
@@ -120,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             zip(("experts", "top_k", "hidden", "intermediate"), SHAPES[args.shape], strict=False)
         ),
         "quantization": args.quantization,
+        "decode_max_slots": experts.MOE_DECODE_MAX_SLOTS,
         "rows": rows,
     }
     if args.out:
