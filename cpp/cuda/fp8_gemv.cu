@@ -29,7 +29,7 @@ namespace {
 constexpr int kWarps = 4;   // split-K ways, one warp each
 constexpr int kTileN = 8;   // weight rows per block (mma n8)
 constexpr int kStepK = 64;  // bytes of K per warp step: 4 lanes x 16 bytes
-constexpr int kUnroll = 2;  // steps whose loads are issued before their mma's
+constexpr int kUnroll = 4;  // steps whose loads are issued before their mma's (bytes in flight)
 
 // acc += A (16 x 32, e4m3) x B (32 x 8, e4m3). The mma starts from zero and its float32
 // result is added on the CUDA cores: the tensor cores' own accumulation keeps fewer bits than
