@@ -9,6 +9,7 @@ void bind_cuda_ops(nb::module_& m);
 void bind_layer_ops(nb::module_& m);
 void bind_moe_ops(nb::module_& m);
 void bind_lora_ops(nb::module_& m);
+void bind_fp8_gemm_ops(nb::module_& m);
 #endif
 
 NB_MODULE(_core, m) {
@@ -20,6 +21,7 @@ NB_MODULE(_core, m) {
   bind_layer_ops(m);
   bind_moe_ops(m);
   bind_lora_ops(m);
+  bind_fp8_gemm_ops(m);
 #else
   m.attr("has_cuda") = false;
 #endif

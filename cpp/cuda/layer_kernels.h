@@ -127,6 +127,28 @@ struct PerTokenFp8QuantParams {
 // quantize_per_token. One block per row.
 cudaError_t per_token_fp8_quant(const PerTokenFp8QuantParams& p, cudaStream_t stream);
 
+// ---- FP8 scaled product for a few rows (decode) -------------------------------------------
+constexpr int kFp8GemvMaxRows = 16;  // one m16 tile of the FP8 mma
+
+struct Fp8GemvParams {
+  void* out;             // [m, n] bfloat16, last dim contiguous
+  const void* xq;        // [m, k] float8_e4m3fn (as bytes), rows 16-byte aligned
+  const float* x_scale;  // [m], contiguous
+  const void* wq;        // [n, k] float8_e4m3fn (as bytes), contiguous, 16-byte aligned
+  const float* w_scale;  // [n], contiguous
+  int64_t out_stride;    // elements between rows of out
+  int64_t x_stride;      // bytes between rows of xq, a multiple of 16
+  int m;                 // 1 .. kFp8GemvMaxRows
+  int n;
+  int k;                 // a multiple of 16
+};
+
+// out[m, n] = bf16((sum_k xq[m, k] * wq[n, k]) * x_scale[m] * w_scale[n]), float32 sums of
+// exact FP8 products (fp8_gemv.cu): torch._scaled_mm's row-wise scaled product for m <= 16,
+// a pass over the weights on FP8 tensor cores. Compute capability 8.9+ (cudaErrorNotSupported
+// below); cudaErrorInvalidValue for sizes or alignments outside the above.
+cudaError_t fp8_gemv(const Fp8GemvParams& p, cudaStream_t stream);
+
 // ---- batched LoRA (Punica's BGMV: every token its own adapter slot) -----------------------
 // Both kernels read each token's slot on the device (no host read, no allocation: they can be
 // captured in a CUDA graph and replayed after token_slots or the slots' contents change in

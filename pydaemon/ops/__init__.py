@@ -14,6 +14,7 @@
         ops.rotary_embedding_and_cache(q, k, v, key_cache, value_cache, slot_mapping, cos, sin)
         xq, x_scale = ops.per_token_fp8_quant(x)  # FP8 e4m3, one scale per token
         xq, x_scale = ops.silu_and_mul_fp8_quant(gate_up)  # the two above in one kernel
+        y = ops.fp8_gemv(xq, x_scale, wq, w_scale)  # FP8 scaled product, 1 to 16 rows
         weights, ids = ops.topk_route(router_logits, top_k, softmax, renormalize)  # MoE
         sorted_token_ids, inverse, expert_offsets = ops.moe_align(ids, num_experts)
         out = ops.moe_combine(expert_out, inverse, weights)
@@ -29,6 +30,7 @@ without CUDA kernels or no CUDA device is visible; every wrapper then raises Run
 from pydaemon.ops._core_ext import LAYER_KERNEL_DTYPES, core, is_available, unavailable_reason
 from pydaemon.ops.activation import silu_and_mul
 from pydaemon.ops.cache_ops import SwapStream, copy_blocks, reshape_and_cache, swap_blocks
+from pydaemon.ops.fp8_gemm import FP8_GEMV_MAX_ROWS, fp8_gemv, fp8_gemv_available
 from pydaemon.ops.fp8_quant import (
     per_token_fp8_quant,
     rms_norm_fp8_quant,
@@ -63,6 +65,7 @@ from pydaemon.ops.rotary import rotary_embedding, rotary_embedding_and_cache
 __all__ = [
     "DECODE_TC_HEAD_DIMS",
     "DECODE_TC_MAX_GROUP",
+    "FP8_GEMV_MAX_ROWS",
     "LAYER_KERNEL_DTYPES",
     "MOE_DECODE_MAX_HIDDEN",
     "PARTITION_SIZE",
@@ -70,6 +73,8 @@ __all__ = [
     "copy_blocks",
     "core",
     "decode_tc_partition_size",
+    "fp8_gemv",
+    "fp8_gemv_available",
     "fused_add_rms_norm",
     "is_available",
     "lora_expand",

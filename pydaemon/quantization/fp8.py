@@ -8,6 +8,9 @@ call (dynamic), and wq = fp8(w[n, :] / weight_scale[n]) stored at load. Two ways
 
 - ``torch._scaled_mm`` with row-wise scales (scale_a [M, 1], scale_b [1, N], float32; the
   second operand column-major; bf16 output): the real path, CUDA compute capability 8.9+.
+  For at most ``FP8_GEMV_MAX_TOKENS`` rows (decode) pagedd's ``ops.fp8_gemv`` computes the
+  same product as one pass over the weights on FP8 tensor cores (cuBLASLt tiles M by 64 or
+  more: at one token its FP8 product is no faster than bf16's).
 - emulation (``quantization="fp8_emulated"``): the same FP8 weights and the same activation
   quantization, then the product of the dequantized values in float32, cast to the
   activation dtype. It runs on any device (the CPU tests use it) and is the oracle of the
@@ -32,6 +35,9 @@ FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
 # Smallest scale: an all-zero row or token quantizes to zeros instead of dividing by zero.
 MIN_SCALE = 1e-12
 MIN_CAPABILITY = (8, 9)  # Ada / Hopper: the first GPUs with FP8 tensor cores
+# Rows (tokens) up to which scaled_mm runs ops.fp8_gemv: 0 (off) until the kernel has been
+# checked and measured on a GPU (tests/gpu/test_fp8_gemv_gpu.py; then 16, its m16 tile).
+FP8_GEMV_MAX_TOKENS = 0
 
 
 def quantize_per_channel(
@@ -95,8 +101,25 @@ def scaled_mm(
     wq: torch.Tensor,  # [N, K] fp8, row-major (so wq.t() is column-major, as cuBLASLt wants)
     weight_scale: torch.Tensor,  # [N] float32
 ) -> torch.Tensor:  # [T, N] bfloat16
+    if xq.shape[0] <= FP8_GEMV_MAX_TOKENS and _gemv_fits(xq, wq):
+        return ops.fp8_gemv(xq, x_scale, wq, weight_scale)
     return torch._scaled_mm(
         xq, wq.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), out_dtype=torch.bfloat16
+    )
+
+
+def _gemv_fits(xq: torch.Tensor, wq: torch.Tensor) -> bool:
+    """ops.fp8_gemv's layout: 16-byte aligned rows, a contiguous weight, K % 16 == 0."""
+    return (
+        xq.is_cuda
+        and ops.fp8_gemv_available()
+        and xq.shape[0] >= 1
+        and xq.shape[1] % 16 == 0
+        and xq.stride(-1) == 1
+        and (xq.shape[0] == 1 or xq.stride(0) % 16 == 0)
+        and xq.data_ptr() % 16 == 0
+        and wq.is_contiguous()
+        and wq.data_ptr() % 16 == 0
     )
 
 

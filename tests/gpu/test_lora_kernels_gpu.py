@@ -17,7 +17,7 @@ import torch
 
 from pydaemon import ops
 from pydaemon.layers.lora import punica
-from pydaemon.layers.lora.punica import LORA_KERNEL_MAX_TOKENS, add_lora
+from pydaemon.layers.lora.punica import add_lora
 from pydaemon.layers.lora.punica_torch import add_lora_torch
 
 DTYPES = [torch.bfloat16, torch.float16]
@@ -195,6 +195,7 @@ def test_add_lora_kernel_path_equals_torch_path(dtype, sizes, num_tokens, monkey
 
     with monkeypatch.context() as m:
         m.setattr(punica, "add_lora_torch", _no_torch_path)
+        m.setattr(punica, "LORA_KERNEL_MAX_TOKENS", max(num_tokens, punica.LORA_KERNEL_MAX_TOKENS))
         add_lora(y, x, token_slots, lora_a, lora_b, starts)
     want = reference_add_lora(y0, x, token_slots, lora_a, lora_b, starts)
     assert_expand_close(y, want, y0, token_slots, dtype, "add_lora (kernels)")
@@ -210,7 +211,8 @@ def test_add_lora_takes_the_torch_path_above_the_token_bound_and_for_float32(mon
 
     monkeypatch.setattr(ops, "lora_shrink", no_kernels)
     g = _gen(3)
-    for num_tokens, dtype in [(LORA_KERNEL_MAX_TOKENS + 1, torch.bfloat16), (4, torch.float32)]:
+    bound = punica.LORA_KERNEL_MAX_TOKENS
+    for num_tokens, dtype in [(bound + 1, torch.bfloat16), (4, torch.float32)]:
         lora_a, lora_b, starts = _lora_weights(64, (32, 16), 8, dtype, g, zero_slot=True)
         x = _randn(num_tokens, 64, g=g, dtype=dtype)
         y = _randn(num_tokens, starts[-1], g=g, dtype=dtype)

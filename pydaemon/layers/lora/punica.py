@@ -22,9 +22,12 @@ import torch
 from pydaemon import ops
 from pydaemon.layers.lora.punica_torch import add_lora_torch
 
-# Above this many tokens the dense torch path (every slot's weights read once) is used; start
-# value, to be tuned on the H200 against the number of active adapters.
-LORA_KERNEL_MAX_TOKENS = 512
+# Above this many tokens the dense torch path (every slot's weights read once) is used. With
+# 512, W1 over 8 adapters (decode steps of ~400 tokens) ran 0.81x plain on the H200 against
+# 0.83x with the dense path there: each token re-reading its adapter's A from L2 costs more
+# than one GEMM over every slot at that size. 64 keeps the kernels for small decode batches
+# (batch 1: 1.24x plain TPOT against 1.68x); the crossover itself is not measured yet.
+LORA_KERNEL_MAX_TOKENS = 64
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 
