@@ -192,7 +192,8 @@ def test_fused_experts_decode_matches_unfused(monkeypatch, t, k, e, h, i, dtype)
     w13, w2 = _weights(e, h, i, dtype)
     ids, weights = _routing(t, k, e, seed=t + k)
     x = torch.randn(t, h, device="cuda").to(dtype)
-    assert not experts.use_decode_kernels(x, w13, ids)  # off as landed
+    monkeypatch.setattr(experts, "MOE_DECODE_MAX_SLOTS", 0)
+    assert not experts.use_decode_kernels(x, w13, ids)
     unfused = experts.fused_experts(x, w13, w2, weights, ids)
     monkeypatch.setattr(experts, "MOE_DECODE_MAX_SLOTS", DECODE_SLOTS)
     assert experts.use_decode_kernels(x, w13, ids)
@@ -221,6 +222,7 @@ def test_layer_with_the_switch_on_and_off(monkeypatch, t):
     layer = _layer(e, k, h, i)
     x = torch.randn(t, h, device="cuda").bfloat16()
     logits = torch.randn(t, e, device="cuda").bfloat16()
+    monkeypatch.setattr(experts, "MOE_DECODE_MAX_SLOTS", 0)
     off = layer(x, logits)
     calls = []
     gate_up = ops.moe_decode_gate_up
