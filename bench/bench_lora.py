@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import kernel_switches  # noqa: E402
 from bench.loadgen_env import environment, write_json  # noqa: E402
 from bench.lora_adapters import write_adapters  # noqa: E402
 from bench.throughput_models import write_model_config  # noqa: E402
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # child: N
     p.add_argument("--out", default=None, help="JSON file")
+    kernel_switches.add_arguments(p)
     return p
 
 
@@ -197,13 +199,14 @@ def run_tpot(args, paths: list[Path]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    switches = kernel_switches.apply(args)  # the children get the same flags
     paths = _prepare(args)
     if args.one is not None:  # a child: one W1 run, JSON on stdout's last line
         print(json.dumps(run_w1(args, args.one, paths)))
         return 0
     report = {"meta": {**environment(["bench/bench_lora.py", *argv]), "benchmark": "bench_lora"},
               "backend": args.backend, "model": args.model, "rank": args.rank,
-              "max_loras": args.max_loras}  # fmt: skip
+              "max_loras": args.max_loras, "kernel_switches": switches}  # fmt: skip
     if args.mode == "tpot":
         report.update(run_tpot(args, paths))
         print(json.dumps(report["tpot"], indent=2))

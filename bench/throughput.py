@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench import kernel_switches  # noqa: E402
 from bench.loadgen_env import environment, write_json  # noqa: E402
 from bench.throughput_models import MODEL_CONFIGS, write_model_config  # noqa: E402
 from bench.workloads import add_workload_flags, build_workload, summarize  # noqa: E402
@@ -74,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "tokenizer is written for a model without one); compile cache warmed first")  # fmt: skip
     e.add_argument("--quantization", choices=("fp8", "fp8_emulated"), default=None,
                    help="FP8 weights (fp8: CUDA sm_89+); default: as the checkpoint is")  # fmt: skip
+    kernel_switches.add_arguments(p)
     h = p.add_argument_group("transformers peers")
     h.add_argument("--static-batch-size", type=int, default=64, help="hf-static batch size")
     h.add_argument("--hf-num-requests", type=int, default=None,

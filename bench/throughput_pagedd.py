@@ -7,6 +7,7 @@ import dataclasses
 import statistics
 import time
 
+from bench import kernel_switches
 from bench.workloads import WorkloadRequest
 
 # --json-schema-workload: a list of records with free-text fields, so that 256 greedy tokens
@@ -75,6 +76,7 @@ def run_pagedd(
     from bench.gpu_breakdown import Profiled
     from pydaemon import LLM, SamplingParams
 
+    switches = kernel_switches.apply(args)
     t_load = time.perf_counter()
     llm = LLM(model=model, **engine_kwargs(args))
     engine = llm.engine
@@ -139,6 +141,7 @@ def run_pagedd(
             "model": engine.model_name,
             **{k: v for k, v in engine.config.__dict__.items() if k != "model"},
         },  # fmt: skip
+        "kernel_switches": switches,
     }
     if mask_before is not None:
         figures["structured_outputs"] = _mask_figures(mask_before, matchers.stats)

@@ -1,0 +1,51 @@
+"""Kernel switches for A/B runs: the token bounds under which pagedd's small-batch kernels
+replace the general path, set for this process only (benchmarks, not a configuration).
+
+- ``--fp8-gemv-max-tokens N``: FP8 linear layers of at most N rows run ``ops.fp8_gemv``
+  instead of ``torch._scaled_mm`` (pydaemon/quantization/fp8.py, FP8_GEMV_MAX_TOKENS);
+- ``--moe-decode-max-slots N``: MoE layers of at most N token x top_k slots run the two decode
+  kernels instead of the grouped GEMMs (pydaemon/layers/moe/experts.py, MOE_DECODE_MAX_SLOTS);
+- ``--lora-kernel-max-tokens N``: LoRA deltas of at most N tokens run the BGMV kernels
+  (pydaemon/layers/lora/punica.py, LORA_KERNEL_MAX_TOKENS).
+
+Applied before the engine is built (CUDA graphs capture the path of their shapes); an engine
+whose core runs in other processes (tensor parallelism) does not see them.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+# flag -> (module, constant)
+SWITCHES = {
+    "fp8_gemv_max_tokens": ("pydaemon.quantization.fp8", "FP8_GEMV_MAX_TOKENS"),
+    "moe_decode_max_slots": ("pydaemon.layers.moe.experts", "MOE_DECODE_MAX_SLOTS"),
+    "lora_kernel_max_tokens": ("pydaemon.layers.lora.punica", "LORA_KERNEL_MAX_TOKENS"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("kernel switches (A/B, this process only)")
+    for name, (module, constant) in SWITCHES.items():
+        group.add_argument(
+            "--" + name.replace("_", "-"),
+            type=int,
+            default=None,
+            help=f"{module}.{constant} for this run (default: the code's value)",
+        )
+
+
+def apply(args: argparse.Namespace) -> dict[str, int]:
+    """Sets the switches given on the command line; -> every switch's value in effect."""
+    import importlib
+
+    values = {}
+    for name, (module_name, constant) in SWITCHES.items():
+        module = importlib.import_module(module_name)
+        value = getattr(args, name, None)
+        if value is not None:
+            if value < 0:
+                raise SystemExit(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+            setattr(module, constant, value)
+        values[name] = getattr(module, constant)
+    return values
