@@ -181,6 +181,24 @@ def test_preemption_and_prefix_hits_match_plain(model):
     assert _is_free(llm)
 
 
+def test_async_scheduling_overlaps_above_the_speculation_bound(model):
+    """Async scheduling with speculation: while more sequences run than disable_by_batch_size,
+    steps overlap and reserve no drafts; once few run, steps draft and verify synchronously.
+    Greedy tokens equal plain decoding throughout, every block comes back."""
+    prompts = _repetitive_prompts(6, seed=7)
+    lengths = [6, 8, 10, 30, 36, 40]  # most finish early: the batch drops below the bound
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    plain = _tokens(_llm(model).generate(prompt_token_ids=prompts, sampling_params=params))
+    draft = {"method": "draft_model", "model": str(model), "num_speculative_tokens": 3}
+    for spec in (NGRAM, draft):  # the draft model catches up on the overlapped steps' tokens
+        llm = _llm(model, {**spec, "disable_by_batch_size": 3}, async_scheduling=True)
+        assert _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=params)) == plain
+        stepper = llm.engine.core.async_stepper
+        assert stepper is not None and stepper.num_overlapped_steps > 0
+        assert _stats(llm).num_drafts > 0  # and the last three speculated
+        assert _is_free(llm)
+
+
 def test_stop_strings_inside_a_run():
     probe = LLM("demo", device="cpu", dtype="float32")
     prompts = ["The quick brown fox", "Once upon a time", "Hello world"]

@@ -12,7 +12,6 @@ last one's results are processed: pydaemon.core.sched.async_stepper.
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 
@@ -35,8 +34,6 @@ from pydaemon.lora_request import LoRARequest, prefix_cache_salt
 from pydaemon.outputs import RequestMetrics
 from pydaemon.sampling_params import SamplingParams
 from pydaemon.worker.model_runner import ModelRunner
-
-logger = logging.getLogger(__name__)
 
 # With nothing scheduled, a step waits this long at most for a grammar compile to finish.
 GRAMMAR_POLL_S = 0.05
@@ -79,10 +76,6 @@ class EngineCore:
         use_async = config.async_scheduling
         if use_async is None:  # auto: with one GPU to overlap with (TP: not measured on NCCL yet)
             use_async = runner.device.type == "cuda" and config.tensor_parallel_size == 1
-        if use_async and config.speculative is not None:
-            # A verify step's accepted run decides the next step's inputs: no overlap yet.
-            logger.info("speculative decoding: steps run synchronously (no async scheduling)")
-            use_async = False
         self.async_stepper = AsyncStepper(self.scheduler, self.executor) if use_async else None
         self._checked_lora_ids: set[int] = set()
         self.structured_outputs = StructuredOutputManager(config.model, runner)

@@ -16,8 +16,10 @@ k draft slots, where some sequence got drafts, every sequence's drafts are fille
 repeating its last token (draft or not), so that the step replays a verify graph instead of
 running eagerly (an eager step costs several graph replays: proposers rarely find k tokens
 for every sequence). Fillers are drafts like any other: verification keeps the target
-distribution whatever the drafts are; the counters count them. Verify steps run synchronously (the scheduler must see the accepted run before planning the next
-step: speculation turns async scheduling off).
+distribution whatever the drafts are; the counters count them. Verify steps run synchronously
+(the scheduler must see the accepted run before planning the next step); under async
+scheduling the steps without draft slots (more than ``disable_by_batch_size`` sequences)
+still overlap (pydaemon/core/sched/async_stepper.py).
 """
 
 from __future__ import annotations

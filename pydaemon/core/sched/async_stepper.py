@@ -18,8 +18,10 @@ blocks were freed at once; the GPU writes into them only before their next owner
 order). Penalties and min_tokens read the token history, which then waits for N's copy.
 
 The next step waits for the results of the one in flight (no overlap) when it might preempt
-or swap, or when a beam-search or n > 1 request is unfinished: those steps run synchronously
-(schedule, execute, update). Every tensor-parallel rank follows the same SchedulerOutputs:
+or swap, when a beam-search or n > 1 request is unfinished, or when speculative decoding is
+due (few sequences run: a verify step's accepted run decides the next step's inputs): those
+steps run synchronously (schedule, execute, update). Overlapped steps reserve no draft slots,
+so with speculation configured a large batch still overlaps its steps. Every tensor-parallel rank follows the same SchedulerOutputs:
 placeholders, and which steps have them, are the same on every rank; each fills them from rank
 0's sampled ids, broadcast on the device (pydaemon.worker.tp_executor).
 """
@@ -83,8 +85,8 @@ class AsyncStepper:
             return EngineCoreOutputs()
         self.num_sync_steps += 1
         launched = self._launch(scheduler.schedule())
-        if not scheduler.can_overlap():
-            # Forks, beams or swaps: their results decide the next step. Synchronous.
+        if not scheduler.can_overlap() or launched.scheduler_output.num_draft_tokens:
+            # Forks, beams, swaps or drafts: their results decide the next step. Synchronous.
             return self._finish(launched)
         return self._keep(launched)
 

@@ -100,8 +100,10 @@ class Scheduler:
 
     def can_overlap(self) -> bool:
         """Whether the next step may be scheduled while the last one runs: no beam search or
-        n > 1 request (forks and beam steps need the results) and no swapped request."""
-        return self._num_sync_only_requests == 0 and not self.swapped
+        n > 1 request (forks and beam steps need the results), no swapped request, and no
+        speculation due (a verify step's accepted run decides the next step: spec_slots.py)."""
+        drafting = self.drafts and self.drafts.is_due(self.running, self.num_running_seqs())
+        return self._num_sync_only_requests == 0 and not self.swapped and not drafting
 
     def kv_cache_stats(self) -> KVCacheStats:
         """The block manager's figures, for the engine core's stats."""
@@ -161,7 +163,7 @@ class Scheduler:
                 return None  # it may preempt: after the previous step's sequences are freed
             self._reserve_decode_slots_in_order(budget, plan, pending_prefill)
         budget -= len(plan.decodes)
-        if self.drafts and plan.decodes:  # 1b. Speculative decoding: draft slots, budget allowing
+        if self.drafts and plan.decodes and not overlap:  # 1b. Draft slots, budget allowing
             budget -= self.drafts.reserve(plan, self.num_running_seqs(), budget)
         # 2. Prefill chunks of running requests.
         if pending_prefill:
@@ -324,7 +326,7 @@ class Scheduler:
         statuses = [self.blocks.can_allocate(s, request.cache_salt) for s in request.seqs]
         if _core.AllocStatus.NEVER in statuses:
             self.waiting.remove(request)
-            plan.rejected.append((request, _needs_more_blocks(request)))
+            plan.reject_too_big(request)
             return None
         if _core.AllocStatus.LATER in statuses:
             return False
@@ -350,7 +352,7 @@ class Scheduler:
         status = self.blocks.can_swap_in(request.seqs)
         if status == _core.AllocStatus.NEVER:
             self.swapped.pop(0)
-            plan.rejected.append((request, _needs_more_blocks(request)))
+            plan.reject_too_big(request)
             return True
         if status != _core.AllocStatus.OK:
             return False
@@ -390,11 +392,3 @@ class Scheduler:
             seq.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
-
-
-def _needs_more_blocks(request: Request) -> str:
-    num_tokens = max(s.num_tokens for s in request.seqs)
-    return (
-        f"request {request.request_id!r} needs more KV blocks than the cache has "
-        f"({num_tokens} tokens in {len(request.seqs)} sequence(s))"
-    )

@@ -37,6 +37,14 @@ class DraftSlots:
         self.blocks = blocks
         self.max_model_len = max_model_len
 
+    def is_due(self, running: list[Request], num_running_seqs: int) -> bool:
+        """Whether the next step would reserve draft slots: few enough sequences run and one
+        of them may speculate. Such a step is scheduled after the last one's results (async
+        scheduling waits for it), and a verify step's results before the step after it."""
+        return num_running_seqs <= self.spec.disable_by_batch_size and any(
+            allows_drafts(r) for r in running
+        )
+
     def reserve(self, plan: StepPlan, num_running_seqs: int, budget: int) -> int:
         """Draft slots for the plan's decodes, in order; -> the budget they take."""
         spec, blocks = self.spec, self.blocks

@@ -31,6 +31,15 @@ class StepPlan:
     # after the step's compute, which a synchronous step's advance comes after).
     scheduled_time: float = field(default_factory=time.monotonic)
 
+    def reject_too_big(self, request: Request) -> None:
+        """The request needs more KV blocks than the whole cache has: it can never run."""
+        num_tokens = max(s.num_tokens for s in request.seqs)
+        reason = (
+            f"request {request.request_id!r} needs more KV blocks than the cache has "
+            f"({num_tokens} tokens in {len(request.seqs)} sequence(s))"
+        )
+        self.rejected.append((request, reason))
+
     @property
     def scheduled(self) -> list[ScheduledSeq]:
         return self.prefills + self.decodes
