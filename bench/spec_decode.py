@@ -273,8 +273,9 @@ def main(argv: list[str] | None = None) -> int:
             "notes": "one speculating engine per k (verify CUDA graphs are captured for the "
             "configured k); oracle_accept_all: every step drafts k tokens and keeps them all "
             "(bench/spec_forced.py), so acceptance is 1 by construction and the figures are "
-            "a perfect oracle's step shapes; speculation turns async scheduling off, the "
-            "plain engine uses it",
+            "a perfect oracle's step shapes; disable_by_batch_size is the largest batch, so "
+            "every step of a speculating engine can draft and runs synchronously (async "
+            "scheduling overlaps only steps without drafts); the plain engine overlaps all",
         },
         "results": results,
     }
