@@ -1,4 +1,4 @@
-// Argument checks shared by the CUDA bindings (cuda_bindings.cpp, layer_bindings.cpp).
+// Argument checks shared by the CUDA bindings (cuda, layer, moe, lora and fp8_gemm bindings).
 //
 // Tensors arrive as nb::ndarray through DLPack; each check raises TypeError (dtype) or
 // ValueError (device, rank, shape, strides) naming the argument, and check_cuda_error turns a
@@ -120,6 +120,23 @@ inline void check_contiguous_from(const Array& a, const char* name, size_t from)
                                 .c_str());
     expected *= (int64_t)a.shape(i);
   }
+}
+
+// a: [num_rows, num_cols] on the device with a contiguous last dim; a written tensor's rows
+// (is_written) must not overlap. ``what`` names dim 1 in the error.
+inline void check_rows(const Array& a, const char* name, int64_t num_rows, int64_t num_cols,
+                       int dev, bool is_written, const char* what = "the row length") {
+  check_cuda(a, name, dev);
+  check_ndim(a, name, 2);
+  check_dim(a, name, 0, num_rows, "num_tokens");
+  check_dim(a, name, 1, num_cols, what);
+  if (num_cols > 1 && a.stride(1) != 1)
+    throw nb::value_error((std::string(name) + "'s last dim must be contiguous").c_str());
+  if (is_written && num_rows > 1 && a.stride(0) < num_cols)
+    throw nb::value_error((std::string(name) + "'s rows overlap (stride[0] is " +
+                           std::to_string(a.stride(0)) + ", the row length " +
+                           std::to_string(num_cols) + ")")
+                              .c_str());
 }
 
 // An fp8 (uint8 storage) cache that the cache-write kernels store 8 bytes at a time

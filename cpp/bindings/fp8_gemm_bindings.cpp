@@ -67,12 +67,7 @@ void fp8_gemv(Array out, Array xq, Array x_scale, Array wq, Array w_scale, uintp
   check_scale(x_scale, "x_scale", m, "xq.shape[0]", dev);
   check_scale(w_scale, "w_scale", n, "wq.shape[0]", dev);
   check_dtype(out, "out", kBfloat, 16, "bfloat16");
-  check_cuda(out, "out", dev);
-  check_ndim(out, "out", 2);
-  check_dim(out, "out", 0, m, "xq.shape[0]");
-  check_dim(out, "out", 1, n, "wq.shape[0]");
-  if (n > 1 && out.stride(1) != 1) throw nb::value_error("out's last dim must be contiguous");
-  if (m > 1 && out.stride(0) < n) throw nb::value_error("out's rows overlap");
+  check_rows(out, "out", m, n, dev, true, "wq.shape[0]");
 
   pagedd::cuda::Fp8GemvParams p{};
   p.out = out.data();

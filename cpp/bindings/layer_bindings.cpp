@@ -31,22 +31,6 @@ DType layer_dtype(const Array& a, const char* name) {
                            .c_str());
 }
 
-// a: [num_rows, num_cols] on the device, last dim contiguous; written rows must not overlap.
-void check_rows(const Array& a, const char* name, int64_t num_rows, int64_t num_cols, int dev,
-                bool is_written) {
-  check_cuda(a, name, dev);
-  check_ndim(a, name, 2);
-  check_dim(a, name, 0, num_rows, "num_tokens");
-  check_dim(a, name, 1, num_cols, "the row length");
-  if (num_cols > 1 && a.stride(1) != 1)
-    throw nb::value_error((std::string(name) + "'s last dim must be contiguous").c_str());
-  if (is_written && num_rows > 1 && a.stride(0) < num_cols)
-    throw nb::value_error((std::string(name) + "'s rows overlap (stride[0] is " +
-                           std::to_string(a.stride(0)) + ", the row length " +
-                           std::to_string(num_cols) + ")")
-                              .c_str());
-}
-
 void check_sizes(int64_t num_tokens, int64_t row_length, const char* what) {
   if (row_length <= 0 || row_length > kMaxInt)
     throw nb::value_error(

@@ -30,21 +30,6 @@ void check_size(int64_t value, int64_t limit, const char* what) {
                               .c_str());
 }
 
-// a: [num_rows, num_cols] on the device with a contiguous last dim; rows must not overlap.
-void check_rows(const Array& a, const char* name, int64_t num_rows, int64_t num_cols, int dev) {
-  check_cuda(a, name, dev);
-  check_ndim(a, name, 2);
-  check_dim(a, name, 0, num_rows, "num_tokens");
-  check_dim(a, name, 1, num_cols, "the row length");
-  if (num_cols > 1 && a.stride(1) != 1)
-    throw nb::value_error((std::string(name) + "'s last dim must be contiguous").c_str());
-  if (num_rows > 1 && a.stride(0) < num_cols)
-    throw nb::value_error((std::string(name) + "'s rows overlap (stride[0] is " +
-                           std::to_string(a.stride(0)) + ", the row length " +
-                           std::to_string(num_cols) + ")")
-                              .c_str());
-}
-
 // xa: [num_tokens, num_cols] float32, contiguous.
 void check_xa(const Array& xa, int64_t num_tokens, int64_t num_cols, const char* what, int dev) {
   check_dtype(xa, "xa", kFloat, 32, "float32");
@@ -81,7 +66,7 @@ void lora_shrink(Array xa, Array x, Array lora_a, Array token_slots, uintptr_t s
   const int64_t num_tokens = x.shape(0), in_features = x.shape(1);
   if (num_tokens > kMaxInt) throw nb::value_error("at most 2^31 - 1 tokens per call");
   check_size(in_features, kMaxInt, "in_features (x.shape[1])");
-  check_rows(x, "x", num_tokens, in_features, dev);
+  check_rows(x, "x", num_tokens, in_features, dev, true);
   check_slots_tensor(lora_a, "lora_a", x, "x", dev);
   check_dim(lora_a, "lora_a", 2, in_features, "in_features, x.shape[1]");
   const int64_t num_outputs = lora_a.shape(1);
@@ -116,7 +101,7 @@ void lora_expand(Array y, Array xa, Array lora_b, const std::vector<int64_t>& pa
   const int64_t num_tokens = y.shape(0), out_features = y.shape(1);
   if (num_tokens > kMaxInt) throw nb::value_error("at most 2^31 - 1 tokens per call");
   check_size(out_features, kMaxInt, "out_features (y.shape[1])");
-  check_rows(y, "y", num_tokens, out_features, dev);
+  check_rows(y, "y", num_tokens, out_features, dev, true);
   check_slots_tensor(lora_b, "lora_b", y, "y", dev);
   check_dim(lora_b, "lora_b", 2, out_features, "out_features, y.shape[1]");
   const int64_t rank = lora_b.shape(1);

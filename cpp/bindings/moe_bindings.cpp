@@ -201,15 +201,14 @@ void check_expert_weights(const Array& w, const char* name, const Array& like,
     throw nb::value_error((std::string(name) + " must have sizes in [1, 2^31)").c_str());
 }
 
-// A [rows, cols] tensor whose last dim is contiguous (rows may be strided).
-void check_rows(const Array& a, const char* name, int64_t rows, int64_t cols, const char* what,
-                int dev) {
-  check_cuda(a, name, dev);
-  check_ndim(a, name, 2);
-  check_dim(a, name, 0, rows, "num_tokens");
-  check_dim(a, name, 1, cols, what);
-  if (cols > 1 && a.stride(1) != 1)
-    throw nb::value_error((std::string(name) + "'s last dim must be contiguous").c_str());
+// act: the [num_slots, intermediate] activations between the two decode kernels, contiguous.
+void check_act(const Array& act, int64_t num_slots, int64_t intermediate, const char* what,
+               int dev) {
+  check_cuda(act, "act", dev);
+  check_ndim(act, "act", 2);
+  check_dim(act, "act", 0, num_slots, "num_tokens * top_k");
+  check_dim(act, "act", 1, intermediate, what);
+  check_contiguous_from(act, "act", 0);
 }
 
 void moe_decode_gate_up(Array act, Array x, Array topk_ids, Array w13, uintptr_t stream) {
@@ -229,18 +228,14 @@ void moe_decode_gate_up(Array act, Array x, Array topk_ids, Array w13, uintptr_t
                            std::to_string(pagedd::cuda::kMoeDecodeMaxHidden) + ", got " +
                            std::to_string(hidden))
                               .c_str());
-  check_rows(x, "x", num_tokens, hidden, "hidden size", dev);
+  check_rows(x, "x", num_tokens, hidden, dev, false, "hidden size");
   const int64_t top_k = check_topk_ids(topk_ids, num_tokens, num_experts, dev);
   if (num_tokens * top_k > pagedd::cuda::kMoeDecodeMaxRows)
     throw nb::value_error(("moe_decode_gate_up takes at most " +
                            std::to_string(pagedd::cuda::kMoeDecodeMaxRows) +
                            " slots (num_tokens * top_k), got " + std::to_string(num_tokens * top_k))
                               .c_str());
-  check_cuda(act, "act", dev);
-  check_ndim(act, "act", 2);
-  check_dim(act, "act", 0, num_tokens * top_k, "num_tokens * top_k");
-  check_dim(act, "act", 1, intermediate, "intermediate size, w13.shape[1] / 2");
-  check_contiguous_from(act, "act", 0);
+  check_act(act, num_tokens * top_k, intermediate, "intermediate size, w13.shape[1] / 2", dev);
 
   pagedd::cuda::MoeDecodeGateUpParams p{};
   p.act = act.data();
@@ -280,13 +275,8 @@ void moe_decode_down_combine(Array out, Array act, Array topk_ids, Array topk_we
                               .c_str());
   const int64_t top_k = check_topk_ids(topk_ids, num_tokens, num_experts, dev);
   check_dense(topk_weights, "topk_weights", num_tokens, top_k, dev);
-  check_cuda(act, "act", dev);
-  check_ndim(act, "act", 2);
-  check_dim(act, "act", 0, num_tokens * top_k, "num_tokens * top_k");
-  check_dim(act, "act", 1, intermediate, "intermediate size, w2.shape[2]");
-  check_contiguous_from(act, "act", 0);
-  check_rows(out, "out", num_tokens, hidden, "hidden size, w2.shape[1]", dev);
-  if (num_tokens > 1 && out.stride(0) < hidden) throw nb::value_error("out's rows overlap");
+  check_act(act, num_tokens * top_k, intermediate, "intermediate size, w2.shape[2]", dev);
+  check_rows(out, "out", num_tokens, hidden, dev, true, "hidden size, w2.shape[1]");
 
   pagedd::cuda::MoeDecodeDownParams p{};
   p.out = out.data();
