@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -49,3 +50,45 @@ class AttentionMetadata:
     @property
     def num_decodes(self) -> int:
         return self.num_seqs - self.num_prefills
+
+
+def chunk_metadata(
+    block_tables: np.ndarray | list[np.ndarray],
+    starts: np.ndarray,
+    query_lens: np.ndarray,
+    block_size: int,
+    device: torch.device,
+) -> tuple[AttentionMetadata, np.ndarray]:
+    """Metadata for a step of chunks, every sequence run as a prefill over its cached context
+    (the proposers' forwards: a draft model's or an EAGLE head's, at any query length).
+
+    block_tables: [num_seqs, max_blocks] int32 (or one table per sequence); starts: [num_seqs], position of each chunk's
+    first token; query_lens: [num_seqs] >= 1. -> (metadata, positions [num_tokens] int64)."""
+    if isinstance(block_tables, list):  # padded with 0
+        tables = np.zeros((len(block_tables), max(map(len, block_tables))), dtype=np.int32)
+        for i, table in enumerate(block_tables):
+            tables[i, : len(table)] = table
+        block_tables = tables
+    query_lens = query_lens.astype(np.int32)
+    query_start = np.zeros(len(query_lens) + 1, dtype=np.int32)
+    np.cumsum(query_lens, out=query_start[1:])
+    seq_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
+    positions = (np.arange(int(query_start[-1])) - query_start[seq_of_token]).astype(np.int64)
+    positions += starts.astype(np.int64)[seq_of_token]
+    slots = block_tables[seq_of_token, positions // block_size].astype(np.int64) * block_size
+    slots += positions % block_size
+    seq_lens = (starts + query_lens).astype(np.int32)
+    meta = AttentionMetadata(
+        num_prefills=len(query_lens),
+        num_prefill_tokens=int(query_start[-1]),
+        num_decode_tokens=0,
+        slot_mapping=torch.from_numpy(slots).to(device),
+        block_tables=torch.from_numpy(np.ascontiguousarray(block_tables, np.int32)).to(device),
+        seq_lens=torch.from_numpy(seq_lens).to(device),
+        query_start_loc=torch.from_numpy(query_start).to(device),
+        max_seq_len=int(seq_lens.max()),
+        max_query_len=int(query_lens.max()),
+        seq_lens_cpu=seq_lens.tolist(),
+        query_lens_cpu=query_lens.tolist(),
+    )
+    return meta, positions

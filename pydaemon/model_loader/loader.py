@@ -84,9 +84,9 @@ def load_model(
                 len(skipped),
                 ", ".join(skipped),
             )
-    _materialize(model, torch_dtype, device)
+    materialize(model, torch_dtype, device)
     if load_format == "dummy":
-        _fill_dummy(model, seed, torch_dtype)
+        fill_dummy(model, seed, torch_dtype)
     elif gguf is not None:
         _load_gguf_weights(model, config, gguf)
     else:
@@ -111,7 +111,7 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
     return {name: model_dir / fname for name, fname in weight_map.items()}
 
 
-def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
     """Replace meta parameters by uninitialised ones on ``device`` in ``dtype`` (those of a
     quantization method in their own dtype: FP8 weights, float32 scales)."""
     for module in model.modules():
@@ -128,7 +128,7 @@ def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> 
             module.reset_parameters(device)
 
 
-def _fill_dummy(model: nn.Module, seed: int, dtype: torch.dtype) -> None:
+def fill_dummy(model: nn.Module, seed: int, dtype: torch.dtype) -> None:
     device = next(model.parameters()).device
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)

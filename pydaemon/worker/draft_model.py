@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from pydaemon.config.engine import EngineConfig
-from pydaemon.layers.attention_metadata import AttentionMetadata
+from pydaemon.layers.attention_metadata import chunk_metadata
 from pydaemon.model_loader.loader import load_model
 from pydaemon.model_loader.model_paths import resolve_model_dir
 from pydaemon.worker.kv_cache import KVCacheSpec
@@ -115,35 +115,13 @@ class DraftModelProposer(Proposer):
     ) -> list[int]:
         """Runs the draft model over ``tokens[i]`` at positions starts[i].. of each sequence,
         writing their K/V in its slots; -> the argmax after each sequence's last token."""
-        bs, dev = self.block_size, self.device
         query_lens = np.array([len(t) for t in tokens], dtype=np.int32)
-        starts_np = np.array(starts, dtype=np.int64)
-        query_start = np.zeros(len(tokens) + 1, dtype=np.int32)
-        np.cumsum(query_lens, out=query_start[1:])
-        positions = np.concatenate(
-            [np.arange(s, s + q, dtype=np.int64) for s, q in zip(starts, query_lens, strict=True)]
+        tables = [r.block_table for r in requests]
+        meta, positions = chunk_metadata(
+            tables, np.array(starts), query_lens, self.block_size, self.device
         )
-        max_blocks = max(len(r.block_table) for r in requests)
-        tables = np.zeros((len(requests), max_blocks), dtype=np.int32)
-        for i, r in enumerate(requests):
-            tables[i, : len(r.block_table)] = r.block_table
-        seq_of_token = np.repeat(np.arange(len(requests)), query_lens)
-        slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        seq_lens = (starts_np + query_lens).astype(np.int32)
-        meta = AttentionMetadata(
-            num_prefills=len(requests),
-            num_prefill_tokens=int(query_lens.sum()),
-            num_decode_tokens=0,
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            block_tables=torch.from_numpy(tables).to(dev),
-            seq_lens=torch.from_numpy(seq_lens).to(dev),
-            query_start_loc=torch.from_numpy(query_start).to(dev),
-            max_seq_len=int(seq_lens.max()),
-            max_query_len=int(query_lens.max()),
-            seq_lens_cpu=seq_lens.tolist(),
-            query_lens_cpu=query_lens.tolist(),
-        )
+        dev = self.device
         input_ids = torch.from_numpy(np.concatenate(tokens).astype(np.int64)).to(dev)
         hidden = self.model(input_ids, torch.from_numpy(positions).to(dev), self.kv_cache, meta)
-        last = torch.from_numpy(query_start[1:] - 1).long().to(dev)
+        last = (meta.query_start_loc[1:] - 1).long()
         return self.model.compute_logits(hidden[last]).argmax(dim=-1).tolist()

@@ -23,6 +23,7 @@ from pydaemon.quantization.kv_cache_fp8 import is_fp8, resolve_kv_cache_dtype
 from pydaemon.worker.cuda_graph_inputs import cuda_graph_plan
 from pydaemon.worker.cuda_graphs import CUDAGraphRunner, capture_all, measure_graph_memory
 from pydaemon.worker.draft_model import DraftModelProposer
+from pydaemon.worker.eagle_proposer import EagleProposer
 from pydaemon.worker.input_batch import InputBatch, StepInput
 from pydaemon.worker.kv_cache import GiB, KVCacheSpec
 from pydaemon.worker.kv_scale_calibration import KVScales
@@ -87,10 +88,13 @@ class ModelRunner:
         if is_fp8(self.spec.dtype):
             model_dir = None if config.load_format == "dummy" else config.model
             self.kv_scales = KVScales(self.model, model_dir, config.calculate_kv_scales)
-        self.draft: DraftModelProposer | None = None  # speculative decoding's draft model
+        # Speculative decoding's draft model or EAGLE head: its weights before sizing.
+        self.draft: DraftModelProposer | EagleProposer | None = None
         spec = config.speculative
-        if spec is not None and spec.method == "draft_model":  # its weights before sizing
+        if spec is not None and spec.method == "draft_model":
             self.draft = DraftModelProposer(config, self.device, self.vocab_size)
+        elif spec is not None and spec.method == "eagle":
+            self.draft = EagleProposer(config, self.device, self.model, mc)
         self.num_gpu_blocks = config.num_kv_blocks or self._profile_num_blocks()
         if self.draft is not None and not config.num_kv_blocks:  # its cache takes a share
             target_bytes, draft_bytes = self.spec.block_bytes, self.draft.kv_spec.block_bytes
@@ -239,7 +243,7 @@ class ModelRunner:
             if len(step.placeholder_index) and ps.is_tensor_parallel():
                 self._share_sampled_ids(last)
             measures_kv_scales = self.kv_scales is not None and self.kv_scales.arm_for(out)
-            logits = self._forward(step)
+            hidden, logits = self._forward(step)
             if measures_kv_scales:
                 self._finish_kv_scales()
             if is_driver and verify is not None:
@@ -248,6 +252,8 @@ class ModelRunner:
                 result = self.step_sampler.sample(logits, step, out.num_samples, last)
             else:  # rank 0 samples; this rank receives its ids if the next step needs them
                 result = self.step_sampler.expect(step, out.num_samples)
+            if self.draft is not None and self.draft.needs_target_hidden_states:
+                self.spec_decoder.observe(step, hidden, self._input_ids(step), verify)
         self._last_output = result
         return result if is_driver else None
 
@@ -271,8 +277,9 @@ class ModelRunner:
         ids = torch.empty(last.num_samples, dtype=torch.int64, device=self.device)
         last.receive_sampled_token_ids(ps.broadcast_from_rank0(ids))
 
-    def _forward(self, step: StepInput) -> torch.Tensor | None:
-        """-> logits [len(step.sample_index), vocab] float32 (None on TP ranks > 0)."""
+    def _forward(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (hidden states [>= num_tokens, hidden_size], the LM head's input; logits
+        [len(step.sample_index), vocab] float32, None on TP ranks > 0)."""
         graphs = self.cuda_graphs
         key = None if graphs is None else graphs.key_for(step)
         if key is None:
@@ -280,10 +287,10 @@ class ModelRunner:
         # hidden: [num_tokens, hidden_size], a view of the graph's output
         hidden = graphs.run(step, key, lambda ids: self._fill_placeholders(ids, step))
         if len(step.sample_index) == len(step.input_ids):  # every row, in order: no gather
-            return self.model.compute_logits(hidden)
-        return self.model.compute_logits(hidden[_to(step.sample_index, self.device)])
+            return hidden, self.model.compute_logits(hidden)
+        return hidden, self.model.compute_logits(hidden[_to(step.sample_index, self.device)])
 
-    def _forward_eager(self, step: StepInput) -> torch.Tensor | None:
+    def _forward_eager(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``_forward`` without graphs: any step, on any device."""
         query_len = step.query_lens
         p = step.num_prefills
@@ -303,8 +310,8 @@ class ModelRunner:
         )
         hidden = self.model(self._input_ids(step), _to(step.positions, dev), self.kv_cache, meta)
         if len(step.sample_index) == 0:
-            return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
-        return self.model.compute_logits(hidden[_to(step.sample_index, dev)])
+            return hidden, hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
+        return hidden, self.model.compute_logits(hidden[_to(step.sample_index, dev)])
 
     def release_cuda_graphs(self) -> None:
         """Drops the decode graphs: call before destroying the NCCL communicator their

@@ -36,7 +36,7 @@ from pydaemon.core.sched.scheduler_output import SchedulerOutput
 from pydaemon.sampling.sampling_metadata import SamplingMetadata
 from pydaemon.worker.input_batch import InputBatch, StepInput
 from pydaemon.worker.spec.ngram_proposer import NgramProposer
-from pydaemon.worker.spec.proposer import DraftRequest, Proposer
+from pydaemon.worker.spec.proposer import DraftRequest, Proposer, TargetStep
 from pydaemon.worker.spec.rejection_sampler import RejectionSampler
 from pydaemon.worker.step_sampler import StepSampler
 
@@ -48,6 +48,7 @@ class VerifyPlan:
     out: SchedulerOutput
     drafts: dict[int, list[int]]  # seq_id -> its drafts (m >= 1), in batch order
     first: int  # batch index of the first sequence with drafts
+    num_emitted: list[int] = dataclasses.field(default_factory=list)  # after sampling, per seq
 
 
 class SpecDecoder:
@@ -58,7 +59,8 @@ class SpecDecoder:
         step_sampler: StepSampler,
         proposer: Proposer | None = None,
     ) -> None:
-        """``proposer``: the draft model's (draft_model.py); None makes the n-gram one."""
+        """``proposer``: the draft model's or the EAGLE head's (draft_model.py,
+        eagle_proposer.py); None makes the n-gram one."""
         self.spec = spec
         self.input_batch = input_batch
         self.step_sampler = step_sampler
@@ -137,6 +139,32 @@ class SpecDecoder:
         return step
 
     # ---- after the forward ------------------------------------------------------------------
+    def observe(
+        self,
+        step: StepInput,
+        hidden_states: torch.Tensor,
+        input_ids: torch.Tensor,
+        plan: VerifyPlan | None,
+    ) -> None:
+        """Hands the target's hidden states to a proposer that reads them (EAGLE), after the
+        step's sampling: a verified sequence's valid rows are its emitted run's (the last
+        real token and the accepted drafts). hidden_states: [>= num_tokens, hidden_size];
+        input_ids: [>= num_tokens] int64, on the device."""
+        num_valid = step.query_lens.copy()
+        if plan is not None:
+            num_valid[plan.first : plan.first + len(plan.drafts)] = plan.num_emitted
+        self.proposer.observe_target(
+            TargetStep(
+                seq_ids=step.seq_ids,
+                starts=step.positions[step.query_start_loc[:-1]],
+                query_start_loc=step.query_start_loc,
+                num_valid=num_valid,
+                block_tables=step.block_tables,
+                input_ids=input_ids,
+                hidden_states=hidden_states,
+            )
+        )
+
     def sample(
         self,
         logits: torch.Tensor,
@@ -189,6 +217,7 @@ class SpecDecoder:
             [len(d) for d in plan.drafts.values()],
             [batch.seqs[s].params.logprobs for s in plan.drafts],
         )
+        plan.num_emitted = [len(run.token_ids) for run in runs]
         for seq_id, run in zip(plan.drafts, runs, strict=True):
             out.seq_ids.append(seq_id)
             out.sampled_token_ids.append(run.token_ids)

@@ -12,13 +12,21 @@ Methods that need the GPU:
   keeps its own paged KV cache under the target's block ids (same slots): ``propose`` first
   catches its cache up on the tokens it has not seen, then decodes ``max_drafts`` tokens
   greedily.
-- EAGLE / EAGLE-3 heads would set ``needs_target_hidden_states`` and receive the target's
-  hidden states of the verified positions in ``observe_target`` after each forward (EAGLE-3:
-  three layers' states, so the model would have to return auxiliary hidden states); they
-  draft from those on the next step. Not built: no EAGLE checkpoint loader (its weights
-  name ``fc``/``midlayer`` tensors no pagedd model has), the model's forward does not
-  return intermediate layers, and the runner does not call ``observe_target`` yet (the
-  last layer's hidden states of a verify step are at hand in ``ModelRunner._forward``).
+- ``eagle`` (pydaemon/worker/eagle_proposer.py: an EAGLE-1 head, pydaemon/models/eagle.py)
+  sets ``needs_target_hidden_states``: after every target forward (prefill chunks, decodes,
+  verify steps) the runner hands it the step's hidden states in ``observe_target``
+  (``TargetStep``: only the rows whose token was real, so a verify step's rejected rows are
+  dropped), from which the head extends its own paged KV cache (same block ids and slots as
+  the target's); ``propose`` then drafts from the last one.
+- ``eagle3`` is not built. An EAGLE-3 head reads three target layers' hidden states (vLLM:
+  the residual streams entering layers 2, L/2 and L-3, before their norms, concatenated:
+  fc over 3 * hidden), so LlamaModel.forward would have to return those auxiliary states
+  (and the CUDA graphs capture them); its one layer ("midlayer") attends over
+  cat(input_layernorm(embed), hidden_norm(fc output)) = 2 * hidden (a qkv_proj of 2 * hidden
+  inputs, the residual being the fc output), it has its own final norm and an LM head over a
+  smaller draft vocabulary whose ids map to the target's through ``d2t`` (target id = draft
+  id + d2t[draft id]); drafting chains the pre-norm output as the next hidden state. The
+  loader (``midlayer.*`` names, ``d2t``/``t2d`` buffers) and that layer are what is missing.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 
 @dataclass
@@ -34,6 +43,21 @@ class DraftRequest:
     token_ids: np.ndarray  # [num_tokens] int32: prompt + output so far (a view: do not keep)
     max_drafts: int  # slots the scheduler reserved: at most this many drafts
     block_table: np.ndarray | None = None  # [num_blocks] int32: its blocks (draft models)
+
+
+@dataclass
+class TargetStep:
+    """What one target forward computed, for proposers that read its hidden states. Rows are
+    the step's tokens in batch order; a sequence's rows start at ``query_start_loc[i]``."""
+
+    seq_ids: list[int]
+    starts: np.ndarray  # [num_seqs] int64: position of each sequence's first row
+    query_start_loc: np.ndarray  # [num_seqs + 1] int32
+    num_valid: np.ndarray  # [num_seqs] int32: its leading rows whose token is real (a verify
+    # step: the accepted drafts and the row before them)
+    block_tables: np.ndarray  # [num_seqs, max_blocks] int32
+    input_ids: torch.Tensor  # [>= num_tokens] int64 on the device (async placeholders filled)
+    hidden_states: torch.Tensor  # [>= num_tokens, hidden_size]: the LM head's input
 
 
 class Proposer:
@@ -45,6 +69,9 @@ class Proposer:
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
         """-> one list of at most ``max_drafts`` draft ids per request."""
         raise NotImplementedError
+
+    def observe_target(self, step: TargetStep) -> None:  # noqa: B027 - optional hook
+        """After each target forward, when ``needs_target_hidden_states``."""
 
     def forget(self, seq_ids: list[int]) -> None:  # noqa: B027 - optional hook
         """The runner dropped these sequences (finished, preempted): drop their state."""
