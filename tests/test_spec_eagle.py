@@ -93,13 +93,15 @@ def test_head_forward_matches_the_reference(target, head, tmp_path):
 
 
 def _spy_drafts(llm: LLM) -> list[tuple[list[int], list[int]]]:
-    """Records (tokens, drafts) of every sequence the proposer drafted for."""
+    """Records (tokens, drafts) of every sequence the proposer was asked to draft for, and
+    checks it drafted all it was asked: its state always followed the sequence."""
     proposer = _proposer(llm)
     calls: list[tuple[list[int], list[int]]] = []
     propose = proposer.propose
 
     def spy(requests):
         drafts = propose(requests)
+        assert [len(d) for d in drafts] == [r.max_drafts for r in requests]
         calls.extend((r.token_ids.tolist(), d) for r, d in zip(requests, drafts, strict=True))
         return drafts
 
