@@ -17,6 +17,11 @@ Two workloads:
 - ``ngram``: the default model (real SmolLM2-135M-Instruct weights) on a copy-heavy workload
   (prompts that ask to repeat or lightly edit a passage they quote), n-gram drafts against
   no speculation, batch 1 and 32: acceptance rate and speed-up.
+- ``eagle``: the EAGLE-1 proposer (``method: "eagle"``) on the oracle workload's prompts.
+  By default the Llama-3-8B shape with dummy weights and a dummy one-layer head of the
+  EAGLE-LLaMA3-Instruct-8B shape: acceptance is ~0, so the figures are the cost of running
+  the head (catching up after every forward, k drafting passes) and of verifying; with
+  ``--model`` a real target and ``--eagle-head`` its real head, the honest speed-up.
 
 Per configuration and batch: one warm-up, then ``--runs`` runs, alternating with the plain
 engine (whose TPOT is the median over all of its runs); each
@@ -29,6 +34,8 @@ plain engine measured in the same call.
         --out bench/results/spec_decode_oracle_h200_<date>.json
     PYTHONPATH=. python bench/spec_decode.py --workload ngram --batches 1,32 \\
         --out bench/results/spec_decode_ngram_h200_<date>.json
+    PYTHONPATH=. python bench/spec_decode.py --workload eagle --batches 1,8 --ks 3 \\
+        --out bench/results/spec_decode_eagle_dummy_h200_<date>.json
     PYTHONPATH=. python bench/spec_decode.py --workload oracle --model demo --device cpu \\
         --dtype float32 --batches 1,2 --ks 2 --output-len 8 --prompt-len 16 --runs 1
 """
@@ -71,10 +78,13 @@ INSTRUCTIONS = (
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="spec_decode", description=__doc__.split("\n\n")[0])
-    p.add_argument("--workload", choices=("oracle", "ngram"), default="oracle")
+    p.add_argument("--workload", choices=("oracle", "ngram", "eagle"), default="oracle")
     p.add_argument("--model", default=None,
                    help="oracle: default a temp dir with the llama3-8b config (dummy weights); "
                         "ngram: default the SmolLM2 default model")  # fmt: skip
+    p.add_argument("--eagle-head", default=None,
+                   help="eagle workload: the head's directory (default: a dummy Llama-3-8B "
+                   "head)")  # fmt: skip
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--batches", default="1,8,64", help="comma-separated batch sizes")
@@ -147,7 +157,7 @@ def _delta(after: dict, before: dict) -> dict:
 
 
 def _prompts(args, llm, batch: int) -> list[list[int]]:
-    if args.workload == "oracle":
+    if args.workload in ("oracle", "eagle"):
         vocab = llm.engine.model_config.vocab_size
         rng = random.Random(batch)
         return [[rng.randrange(100, min(30000, vocab)) for _ in range(args.prompt_len)]
@@ -175,6 +185,18 @@ def _install(llm, args, prompts, reference, k: int) -> None:
         full = [p + t for p, t in zip(prompts, reference["tokens"], strict=True)]
         decoder.proposer = OracleProposer(full, max_drafts=k)
         decoder.rejection_sampler = RejectionSampler()
+
+
+def _dummy_eagle_head(model_dir: Path) -> Path:
+    """A head config beside the target's (its shape, one layer: EAGLE-LLaMA3-Instruct-8B's);
+    load_format dummy fills its weights."""
+    import json
+    import tempfile
+
+    config = json.loads((model_dir / "config.json").read_text())
+    head = Path(tempfile.mkdtemp(prefix="pagedd-eagle-head-"))
+    (head / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    return head
 
 
 def _graph_replays(llm) -> tuple[int, int]:
@@ -208,11 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     common = dict(device=args.device, dtype=args.dtype, num_kv_blocks=args.num_kv_blocks,
                   max_num_seqs=max(batches), enable_prefix_caching=False, swap_space=0.5,
                   seed=0)  # fmt: skip
-    if args.workload == "oracle":
-        if args.model is None:
-            args.model = str(write_model_config("llama3-8b"))
-        if args.model != "demo":
-            common["load_format"] = "dummy"
+    if args.workload in ("oracle", "eagle") and args.model is None:
+        args.model = str(write_model_config("llama3-8b"))
+        common["load_format"] = "dummy"
+        if args.workload == "eagle" and args.eagle_head is None:
+            args.eagle_head = str(_dummy_eagle_head(Path(args.model)))
+    elif args.workload == "oracle" and args.model != "demo":
+        common["load_format"] = "dummy"
     elif args.model is None:
         from pydaemon.config.engine import DEFAULT_MODEL
 
@@ -222,12 +246,14 @@ def main(argv: list[str] | None = None) -> int:
     for batch in batches:  # the references (greedy outputs), also a warm-up of plain
         prompts = _prompts(args, plain, batch)
         inputs[batch] = (prompts, run_batch(plain, prompts, args.output_len, args.device))
-    prefix = "oracle" if args.workload == "oracle" else "ngram"
+    prefix = args.workload
     runs: dict[int, dict[str, list[dict]]] = {b: {"plain": []} for b in batches}
     for k in ks:
         # One engine per k: verify CUDA graphs are captured for the configured k only.
         spec = {"method": "ngram", "num_speculative_tokens": k,
                 "disable_by_batch_size": max(batches)}  # fmt: skip
+        if args.workload == "eagle":
+            spec.update(method="eagle", model=args.eagle_head)
         llm = LLM(args.model, speculative_config=spec, **common)
         name = f"{prefix}_k{k}"
         for batch in batches:
@@ -266,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
             "dtype": args.dtype,
             "batches": batches,
             "ks": ks,
-            "prompt_tokens": args.prompt_len if args.workload == "oracle" else "copy prompts",
+            "eagle_head": args.eagle_head,
+            "prompt_tokens": args.prompt_len if args.workload != "ngram" else "copy prompts",
             "output_tokens": args.output_len,
             "runs": args.runs,
             "oracle_accept_all": args.oracle_accept_all,

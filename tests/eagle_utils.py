@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import torch
+from engine_utils import make_hf_model
 from safetensors.torch import save_file
 
 LAYER = "layers.0."
@@ -143,6 +144,8 @@ def reference_drafts(
     target_hidden: torch.Tensor,
     k: int,
     min_gap: float = 1e-3,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
 ) -> list[int]:
     """EAGLE-1's greedy chain after ``tokens`` (N of them; target_hidden: [N, H], the target's
     LM-head inputs), recomputed from scratch for each draft: rows (h_p, t_{p+1}) for p < N - 1,
@@ -154,7 +157,7 @@ def reference_drafts(
     next_ids = ids[1:]
     drafts: list[int] = []
     for _ in range(k):
-        g = reference_head(w, embed[next_ids], hiddens)
+        g = reference_head(w, embed[next_ids], hiddens, num_heads, num_kv_heads)
         logits = g[-1] @ lm_head.T
         top = logits.topk(2).values
         if float(top[0] - top[1]) < min_gap:
@@ -164,3 +167,36 @@ def reference_drafts(
         hiddens = torch.cat([hiddens, g[-1:]])
         next_ids = torch.cat([next_ids, torch.tensor([d])])
     return drafts
+
+
+def make_exact_eagle(
+    tmp: Path,
+    noises: tuple[float, ...],
+    hidden_size: int = 64,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    vocab_size: int = 256,
+):
+    """A target whose next token depends only on the current one (o_proj and down_proj
+    zero: hidden = rmsnorm(embed(t)), next = argmax lm_head(that) = f(t)) and heads that
+    reproduce f: fc = [I | noise * N] with no attention or MLP output, so at noise 0
+    g = embed(t_{p+1}) and argmax lm_head(g) = f(t_{p+1}) (RMSNorm with unit weights only
+    rescales); a little noise reads the hidden state and gets some drafts rejected.
+    -> (target dir, its transformers model, {noise: (head dir, head tensors)})."""
+    shape = dict(hidden_size=hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    path, hf = make_hf_model(tmp / "target", vocab_size=vocab_size, seed=21, **shape)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    hf.save_pretrained(path, safe_serialization=True)
+    heads = {}
+    h, heads_kv = hidden_size, dict(num_heads=num_heads, num_kv_heads=num_kv_heads)
+    for noise in noises:
+        w = head_tensors(h, vocab_size, seed=22, fc_bias=False, **heads_kv)
+        mix = torch.randn(h, h, generator=torch.Generator().manual_seed(23)) * noise
+        w["fc.weight"] = torch.cat([torch.eye(h), mix], dim=1)
+        w["layers.0.self_attn.o_proj.weight"].zero_()
+        w["layers.0.mlp.down_proj.weight"].zero_()
+        heads[noise] = (save_head(tmp / f"head_{noise}", w, h, vocab_size, **heads_kv), w)
+    return path, hf, heads

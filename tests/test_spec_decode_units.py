@@ -42,7 +42,9 @@ def test_ngram_proposer_caps_at_max_drafts():
 @pytest.mark.parametrize(
     "values,message",
     [
-        ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
+        ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
+        ({"method": "eagle", "num_speculative_tokens": 2}, "model must name the EAGLE head"),
+        ({"method": "eagle3", "model": "x", "num_speculative_tokens": 2}, "eagle3"),
         ({"method": "ngram"}, "num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, "unknown key 'k'"),

@@ -10,7 +10,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from eagle_utils import head_tensors, reference_drafts, reference_head, save_head
+from eagle_utils import (
+    head_tensors,
+    make_exact_eagle,
+    reference_drafts,
+    reference_head,
+    save_head,
+)
 from engine_utils import make_hf_model, random_prompts
 
 from pydaemon import LLM, SamplingParams
@@ -22,6 +28,7 @@ from pydaemon.worker.kv_cache import KVCacheSpec
 
 VOCAB, HIDDEN = 256, 64
 CPU = torch.device("cpu")
+NOISE = 0.006  # the noisy head's (eagle_utils.make_exact_eagle): some drafts rejected
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +138,7 @@ def _setup(request, which: str):
         )
         return path, hf, head_dir, w
     path, hf, heads = request.getfixturevalue("exact")
-    return path, hf, *heads["noisy"]
+    return path, hf, *heads[NOISE]
 
 
 @pytest.mark.parametrize("which", ["random", "noisy"])
@@ -206,28 +213,9 @@ def test_async_scheduling_drafts_equal_the_reference(request, which):
 
 @pytest.fixture(scope="module")
 def exact(tmp_path_factory):
-    """A target whose next token depends only on the current one (o_proj and down_proj
-    zero: hidden = rmsnorm(embed(t)), next = argmax lm_head(that) = f(t)) and heads that
-    reproduce f: fc = [I | 0] and no attention or MLP output, so g = embed(t_{p+1}) and
-    argmax lm_head(g) = f(t_{p+1}) (RMSNorm with unit weights only rescales). The "noisy"
-    head adds a random part reading the hidden state (fc = [I | N]): some drafts rejected.
-    -> (target dir, its transformers model, {"exact"|"noisy": (head dir, tensors)})."""
-    tmp = tmp_path_factory.mktemp("eagle_exact")
-    path, hf = make_hf_model(tmp / "target", vocab_size=VOCAB, seed=21)
-    with torch.no_grad():
-        for layer in hf.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-    hf.save_pretrained(path, safe_serialization=True)
-    heads = {}
-    for name, noise in (("exact", 0.0), ("noisy", 0.006)):
-        w = head_tensors(HIDDEN, VOCAB, seed=22, fc_bias=False)
-        mix = torch.randn(HIDDEN, HIDDEN, generator=torch.Generator().manual_seed(23)) * noise
-        w["fc.weight"] = torch.cat([torch.eye(HIDDEN), mix], dim=1)
-        w["layers.0.self_attn.o_proj.weight"].zero_()
-        w["layers.0.mlp.down_proj.weight"].zero_()
-        heads[name] = (save_head(tmp / name, w, HIDDEN, VOCAB), w)
-    return path, hf, heads
+    """eagle_utils.make_exact_eagle: a target and heads drafting it exactly (noise 0) or
+    nearly (NOISE)."""
+    return make_exact_eagle(tmp_path_factory.mktemp("eagle_exact"), (0.0, NOISE))
 
 
 def test_an_exact_head_is_always_accepted(exact):
@@ -235,7 +223,7 @@ def test_an_exact_head_is_always_accepted(exact):
     prompts = random_prompts(4, VOCAB, 5, 15, seed=14)
     params = SamplingParams(temperature=0.0, max_tokens=25, ignore_eos=True)
     plain = _tokens(_llm(path).generate(prompt_token_ids=prompts, sampling_params=params))
-    llm = _llm(path, _spec(heads["exact"][0], k=4))
+    llm = _llm(path, _spec(heads[0.0][0], k=4))
     assert _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=params)) == plain
     stats = _stats(llm)
     assert stats.num_draft_tokens >= 40
