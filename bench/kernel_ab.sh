@@ -63,9 +63,9 @@ if has lora; then
     step "lora_tpot_overlap$on" 100 -- "$py" bench/bench_lora.py --mode tpot --lora-overlap "$on" \
       --out "$out/lora_tpot_overlap$on.json"
   done
-  step lora_w1_overlap0 150 -- "$py" bench/bench_lora.py --mode w1 --adapters 0,8,32 \
+  step lora_w1_overlap0 190 -- "$py" bench/bench_lora.py --mode w1 --adapters 0,8,32,128 \
     --max-loras 32 --lora-overlap 0 --out "$out/lora_w1_overlap0.json"
-  step lora_w1_overlap1 110 -- "$py" bench/bench_lora.py --mode w1 --adapters 8,32 \
+  step lora_w1_overlap1 80 -- "$py" bench/bench_lora.py --mode w1 --adapters 8 \
     --max-loras 32 --lora-overlap 1 --out "$out/lora_w1_overlap1.json"
 fi
 if has ngram; then
