@@ -16,6 +16,9 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 KINDS = (  # first match wins: the specific kinds before the broad ones
+    # MoE: routing, align/sort, combine and the experts' grouped GEMMs (pagedd's CUDA kernels,
+    # CUTLASS grouped GEMMs behind torch._grouped_mm, vLLM's fused_moe Triton kernels)
+    ("moe", re.compile(r"topk_route|moe_|fused_moe|GroupProblemShape|grouped", re.I)),
     ("attention (prefill)", re.compile(r"paged_prefill", re.I)),
     (
         "attention (decode)",

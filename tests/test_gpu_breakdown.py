@@ -36,6 +36,9 @@ from bench.gpu_breakdown import Profiled, breakdown, kind_of  # noqa: E402
          "sampling"),
         ("Memcpy HtoD (Pinned -> Device)", "copies"),
         ("some_unknown_kernel", "other"),
+        ("void pagedd::cuda::moe_align_kernel<...>(...)", "moe"),
+        ("fused_moe_kernel", "moe"),
+        ("void cutlass::device_kernel<...GroupProblemShape<...>>(...)", "moe"),
     ],
 )  # fmt: skip
 def test_kinds(name, kind):
