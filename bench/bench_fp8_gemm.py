@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
+    from pydaemon import ops
     from pydaemon.quantization.fp8 import quantize_per_channel, quantize_per_token, scaled_mm
 
     torch.manual_seed(0)
@@ -58,11 +59,17 @@ def main(argv: list[str] | None = None) -> int:
                 ),
                 "quant only": bench_ms(lambda x=x: quantize_per_token(x)),
             }
+            if m <= 16 and ops.fp8_gemv_available():  # pagedd's decode kernel (off by default)
+                times["fp8 gemv"] = bench_ms(
+                    lambda xq=xq, xs=x_scale, wq=wq, s=w_scale: ops.fp8_gemv(xq, xs, wq, s)
+                )
             row = {"tokens": m, "layer": name, "n": n, "k": k}
             for label, t in times.items():
                 row[label + " ms"] = t["median_ms"]
                 if label != "quant only":
                     row[label + " TFLOP/s"] = flops / t["median_ms"] / 1e9
+                    weight_bytes = n * k * (2 if label == "bf16" else 1)
+                    row[label + " weight GB/s"] = weight_bytes / t["median_ms"] / 1e6
             row["speed-up (as run)"] = (
                 times["bf16"]["median_ms"] / times["fp8 (quant + rowwise gemm)"]["median_ms"]
             )
@@ -73,6 +80,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['fp8 rowwise gemm TFLOP/s']:6.0f} TF | tensorwise "
                 f"{row['fp8 tensorwise gemm TFLOP/s']:6.0f} TF | quant "
                 f"{row['quant only ms'] * 1e3:6.1f} us | x{row['speed-up (as run)']:.2f}"
+                + (
+                    f" | weights: bf16 {row['bf16 weight GB/s']:5.0f}, fp8 gemm "
+                    f"{row['fp8 rowwise gemm weight GB/s']:5.0f}, gemv "
+                    f"{row['fp8 gemv weight GB/s']:5.0f} GB/s"
+                    if "fp8 gemv ms" in row
+                    else ""
+                )
             )
     if args.out:
         with open(args.out, "w") as f:

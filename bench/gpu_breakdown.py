@@ -16,6 +16,9 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 KINDS = (  # first match wins: the specific kinds before the broad ones
+    # MoE: routing, align/sort, combine and the experts' grouped GEMMs (pagedd's CUDA kernels,
+    # CUTLASS grouped GEMMs behind torch._grouped_mm, vLLM's fused_moe Triton kernels)
+    ("moe", re.compile(r"topk_route|moe_|fused_moe|GroupProblemShape|grouped", re.I)),
     ("attention (prefill)", re.compile(r"paged_prefill", re.I)),
     (
         "attention (decode)",
@@ -51,8 +54,11 @@ def breakdown(kernels: Iterable[tuple[str, float, float]], top: int = 15) -> dic
         intervals.append((start, start + dur))
     intervals.sort()
     busy, end = 0.0, float("-inf")
+    gaps = []  # (start_us, length_us): the GPU idle between kernels
     for a, b in intervals:  # the union: overlapping kernels (other streams) count once
         if a > end:
+            if end != float("-inf"):
+                gaps.append((end, a - end))
             busy += b - a
             end = b
         elif b > end:
@@ -70,6 +76,32 @@ def breakdown(kernels: Iterable[tuple[str, float, float]], top: int = 15) -> dic
         "top_kernels_ms": {
             n[:120]: v / 1e3 for n, v in sorted(per_name.items(), key=lambda kv: -kv[1])[:top]
         },
+        "idle": idle_profile(gaps, intervals[0][0] if intervals else 0.0, span),
+    }
+
+
+GAP_BUCKETS_US = (10.0, 100.0, 1000.0, 10000.0)  # upper bounds; the last bucket is open
+
+
+def idle_profile(gaps: list[tuple[float, float]], t0: float, span: float) -> dict:
+    """Where the idle time is: gaps by length (a launch gap of microseconds against a host
+    stall of milliseconds), idle ms in each tenth of the run (start-up, steady state, tail)
+    and the longest gaps with their offset from the first kernel."""
+    names = [f"<{b:g}us" for b in GAP_BUCKETS_US] + [f">={GAP_BUCKETS_US[-1]:g}us"]
+    count = dict.fromkeys(names, 0)
+    total = dict.fromkeys(names, 0.0)
+    tenths = [0.0] * 10
+    for start, length in gaps:
+        i = next((j for j, b in enumerate(GAP_BUCKETS_US) if length < b), len(GAP_BUCKETS_US))
+        count[names[i]] += 1
+        total[names[i]] += length / 1e3
+        if span > 0:
+            tenths[min(9, int(10 * (start - t0) / span))] += length / 1e3
+    longest = sorted(gaps, key=lambda g: -g[1])[:10]
+    return {
+        "gaps_by_length": {n: {"count": count[n], "ms": total[n]} for n in names},
+        "ms_by_tenth_of_run": tenths,
+        "longest_gaps_ms_at_ms": [(g[1] / 1e3, (g[0] - t0) / 1e3) for g in longest],
     }
 
 

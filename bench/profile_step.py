@@ -26,7 +26,12 @@ import json
 import random
 import re
 import statistics
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench import kernel_switches  # noqa: E402
 
 KINDS = (  # first match wins: the specific kinds before the broad ones
     # MoE: pagedd's routing / align / combine kernels and the experts' grouped GEMMs (CUTLASS
@@ -74,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         default="off",
         help="both: also time steps with async scheduling, side by side",
     )
+    kernel_switches.add_arguments(parser)
     args = parser.parse_args(argv)
+    switches = kernel_switches.apply(args)
 
     import torch
 
@@ -157,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         "kernel_launches_per_step": profiled["launches_per_step"],
         "gpu_ms_per_step_by_kind": profiled["gpu_ms_per_step_by_kind"],
         "top_kernels_ms_per_step": profiled["top_kernels_ms_per_step"],
+        "kernel_switches": switches,
     }
     print(f"decode step at batch {result['batch_size_median']:.0f}, median of {n} steps")
     print(f"  wall per step            {result['step_wall_ms_median']:8.2f} ms")

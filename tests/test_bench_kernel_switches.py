@@ -24,15 +24,32 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def test_flags_set_the_bounds_and_report_them(monkeypatch):
     for module, name in ((fp8, "FP8_GEMV_MAX_TOKENS"), (experts, "MOE_DECODE_MAX_SLOTS"),
-                         (punica, "LORA_KERNEL_MAX_TOKENS")):  # fmt: skip
+                         (punica, "LORA_KERNEL_MAX_TOKENS"),
+                         (punica, "LORA_OVERLAP_SHRINK")):  # fmt: skip
         monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
     lora_default = punica.LORA_KERNEL_MAX_TOKENS
+    overlap_default = punica.LORA_OVERLAP_SHRINK
     got = kernel_switches.apply(
         _parse(["--fp8-gemv-max-tokens", "16", "--moe-decode-max-slots", "0"])
     )
     assert fp8.FP8_GEMV_MAX_TOKENS == 16 and experts.MOE_DECODE_MAX_SLOTS == 0
     assert got == {"fp8_gemv_max_tokens": 16, "moe_decode_max_slots": 0,
-                   "lora_kernel_max_tokens": lora_default}  # fmt: skip
+                   "lora_kernel_max_tokens": lora_default,
+                   "lora_overlap": overlap_default}  # fmt: skip
+    assert punica.LORA_OVERLAP_SHRINK is overlap_default  # not given: left alone
+
+
+@pytest.mark.parametrize("value", [1, 0])
+def test_toggles_turn_the_lora_overlap_on_and_off(monkeypatch, value):
+    monkeypatch.setattr(punica, "LORA_OVERLAP_SHRINK", not value)  # restored after the test
+    got = kernel_switches.apply(_parse(["--lora-overlap", str(value)]))
+    assert punica.LORA_OVERLAP_SHRINK is bool(value)
+    assert got["lora_overlap"] is bool(value)
+
+
+def test_toggles_take_only_0_or_1():
+    with pytest.raises(SystemExit):
+        _parse(["--lora-overlap", "2"])
 
 
 def test_negative_bounds_are_refused():

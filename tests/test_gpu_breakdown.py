@@ -36,6 +36,9 @@ from bench.gpu_breakdown import Profiled, breakdown, kind_of  # noqa: E402
          "sampling"),
         ("Memcpy HtoD (Pinned -> Device)", "copies"),
         ("some_unknown_kernel", "other"),
+        ("void pagedd::cuda::moe_align_kernel<...>(...)", "moe"),
+        ("fused_moe_kernel", "moe"),
+        ("void cutlass::device_kernel<...GroupProblemShape<...>>(...)", "moe"),
     ],
 )  # fmt: skip
 def test_kinds(name, kind):
@@ -58,6 +61,24 @@ def test_busy_idle_and_kinds():
     )
     assert list(r["ms_by_kind"])[0] == "gemm"  # largest first
     assert breakdown([])["busy_ms"] == 0.0
+
+
+def test_idle_by_gap_length_and_tenth_of_run():
+    kernels = [
+        ("a", 0.0, 100.0),
+        ("b", 105.0, 100.0),  # 5 us launch gap, first tenth of the 10 ms run
+        ("c", 2205.0, 100.0),  # 2 ms stall, starting at 205 us: first tenth
+        ("d", 9000.0, 1000.0),  # 6.695 ms stall from 2.305 ms: the third tenth
+    ]
+    idle = breakdown(kernels)["idle"]
+    by_length = idle["gaps_by_length"]
+    assert by_length["<10us"] == {"count": 1, "ms": pytest.approx(0.005)}
+    assert by_length["<10000us"] == {"count": 2, "ms": pytest.approx(2.0 + 6.695)}
+    assert by_length["<100us"]["count"] == by_length[">=10000us"]["count"] == 0
+    assert idle["ms_by_tenth_of_run"][0] == pytest.approx(2.005)
+    assert idle["ms_by_tenth_of_run"][2] == pytest.approx(6.695)
+    assert sum(idle["ms_by_tenth_of_run"]) == pytest.approx(breakdown(kernels)["idle_ms"])
+    assert idle["longest_gaps_ms_at_ms"][0] == pytest.approx((6.695, 2.305))
 
 
 def test_profiled_off_is_a_no_op():

@@ -12,15 +12,24 @@ import torch
 from pydaemon.ops._core_ext import arg, core, stream_handle
 
 
-def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+def lora_shrink(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    token_slots: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """xa[t, k] = sum_i x[t, i] * lora_a[token_slots[t], k, i], summed in float32.
 
     x:            [num_tokens, in_features] fp16/bf16, last dim contiguous
     lora_a:       [num_slots, num_parts * rank, in_features], x's dtype, contiguous
     token_slots:  [num_tokens] int64 (-1: no adapter, xa[t, :] = 0)
+    out:          optional xa to write, [num_tokens, num_parts * rank] float32, contiguous
+                  (allocated by the caller on another stream: see punica.fork_lora_shrink)
     returns       xa [num_tokens, num_parts * rank] float32
     """
-    xa = torch.empty(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
+    xa = out
+    if xa is None:
+        xa = torch.empty(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
     core().lora_shrink(arg(xa), arg(x), arg(lora_a), arg(token_slots), stream_handle(x.device))
     return xa
 

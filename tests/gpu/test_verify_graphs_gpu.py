@@ -184,15 +184,25 @@ def test_greedy_generation_with_verify_graphs_equals_eager(model, engines, batch
         def make():
             return OracleProposer(refs, 0, VOCAB, max_drafts=k)
     else:
+        # Repetitive, and every token of the vocabulary once at the end: whatever token the
+        # model emits, the n-gram lookup finds it (at least a 1-gram) and drafts.
         phrases = random_prompts(batch_size, VOCAB, 8, 12, seed=batch_size)
-        prompts = [p * 6 for p in phrases]  # repetitive: the n-gram lookup finds drafts
+        every = np.random.default_rng(batch_size).permutation(VOCAB).tolist()
+        prompts = [p * 4 + every for p in phrases]
 
         def make():
             return NgramProposer(k, 1, 5)
 
     graphs = llm.engine.core.runner.cuda_graphs
     replays = graphs.num_verify_replays
-    got = _generate(llm, prompts, make())
+    decoder = llm.engine.core.runner.spec_decoder
+    plans = []
+    propose = decoder.propose
+    decoder.propose = lambda out: _kept(plans, propose(out))
+    try:
+        got = _generate(llm, prompts, make())
+    finally:
+        del decoder.propose  # the bound method again
     num_replays = graphs.num_verify_replays - replays
     ref = _generate(eager, prompts, make())
     diverged = [i for i, (a, b) in enumerate(zip(got, ref, strict=True)) if a != b]
@@ -205,6 +215,15 @@ def test_greedy_generation_with_verify_graphs_equals_eager(model, engines, batch
     assert llm.engine.core.runner.spec_decoder.pad_drafts
     assert not eager.engine.core.runner.spec_decoder.pad_drafts
     assert num_replays >= (2 if proposer == "oracle" else 1), f"{num_replays} verify replays"
+    if proposer == "ngram":  # every decode step drafts; padded, most replay a verify graph
+        num_plans = sum(p is not None for p in plans)
+        assert num_plans >= 24 // (k + 1), f"only {num_plans} steps with drafts"
+        assert num_replays >= num_plans // 2, f"{num_replays} replays of {num_plans} verify steps"
+
+
+def _kept(plans: list, plan):
+    plans.append(plan)
+    return plan
 
 
 def _generate_plain(llm: LLM, prompts) -> list[list[int]]:

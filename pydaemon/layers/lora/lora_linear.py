@@ -21,7 +21,10 @@ adds its partial delta before the all-reduce, which then sums the deltas with th
 int64 on the device (each token's slot, -1 = no adapter), read by every layer as its first
 T entries; ``num_active_slots`` (slots are handed out lowest first) lets an eager step use only
 the slots below it, and skip the LoRA work when no token has an adapter (0). A captured graph
-always covers every slot: its shapes cannot depend on the step.
+always covers every slot: its shapes cannot depend on the step. ``shrink_stream`` is the side
+stream on which captured layers run their shrink beside the base GEMM (with
+punica.LORA_OVERLAP_SHRINK): one per model, shared by its layers, whose branches never
+overlap one another (each is joined before its layer's expand).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 from torch import nn
 
 from pydaemon.distributed import parallel_state as ps
-from pydaemon.layers.lora.punica import add_lora
+from pydaemon.layers.lora.punica import add_lora, expand_forked, fork_lora_shrink
 from pydaemon.layers.parallel_linear import MergedColumnParallelLinear, RowParallelLinear
 
 # Module name in a decoder layer -> the checkpoint (PEFT target) modules it packs.
@@ -51,6 +54,7 @@ class LoRASlots:
         self.token_slots = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=device)
         # Eager steps: 1 + the highest slot this step uses (0: no adapter); set by the runner.
         self.num_active_slots = max_loras
+        self.shrink_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def for_tokens(self, num_tokens: int) -> torch.Tensor:  # -> [num_tokens] int64
         if num_tokens > self.token_slots.shape[0]:
@@ -90,16 +94,32 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, sum(output_sizes)]
         base = self.base_layer
+        xa = self._fork_shrink(x)  # before the GEMM: the shrink runs beside it
         if self.is_row_parallel:
             out = base.matmul(x, None)
-            self._add_lora(out, x)
+            self._add_lora(out, x, xa)
             out = ps.all_reduce(out)
             return out if base.bias is None else out + base.bias
         out = base(x)
-        self._add_lora(out, x)
+        self._add_lora(out, x, xa)
         return out
 
-    def _add_lora(self, out: torch.Tensor, x: torch.Tensor) -> None:
+    def _fork_shrink(self, x: torch.Tensor) -> torch.Tensor | None:
+        """xa [T, n * R] float32 being computed on the side stream, or None (see
+        punica.fork_lora_shrink; only while capturing, where every slot is covered)."""
+        # x of another dtype would be converted into a temporary that the side stream reads
+        # after this returns; the activations have the adapters' dtype anyway.
+        if not _is_capturing(x) or x.dtype != self.lora_a.dtype:
+            return None
+        token_slots = self.slots.for_tokens(x.shape[0])
+        return fork_lora_shrink(x, token_slots, self.lora_a, self.slots.shrink_stream)
+
+    def _add_lora(self, out: torch.Tensor, x: torch.Tensor, xa: torch.Tensor | None) -> None:
+        if xa is not None:  # the shrink ran beside the base GEMM: join and expand
+            token_slots = self.slots.for_tokens(x.shape[0])
+            expand_forked(out, xa, x, token_slots, self.lora_a, self.lora_b, self.part_starts,
+                          self.slots.shrink_stream)  # fmt: skip
+            return
         num_slots = self.slots.max_loras if _is_capturing(x) else self.slots.num_active_slots
         if num_slots == 0:
             return

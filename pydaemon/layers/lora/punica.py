@@ -13,6 +13,11 @@ dense GEMMs of pydaemon/layers/lora/punica_torch.py read each slot once and win.
 The choice depends on the token count, dtype and device only (never on a device value), so a
 captured CUDA graph holds one of the two paths for its shapes. CPU, float32 and large steps
 take the torch path, which is also the kernels' test oracle.
+
+With ``LORA_OVERLAP_SHRINK`` (off until measured), a layer captured into a CUDA graph forks
+its shrink onto a side stream before its base GEMM (``fork_lora_shrink``) and joins it before
+the expand (``expand_forked``): the shrink depends only on x, so the graph holds it as a
+branch parallel to the GEMM, and only the expand stays on the decode step's critical path.
 """
 
 from __future__ import annotations
@@ -29,6 +34,11 @@ from pydaemon.layers.lora.punica_torch import add_lora_torch
 # (batch 1: 1.24x plain TPOT against 1.68x); the crossover itself is not measured yet.
 LORA_KERNEL_MAX_TOKENS = 64
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+# Batch-1 decode with a rank-16 adapter on all 7 projections ran 1.24x the base TPOT on the
+# H200 (4.91 ms -> ~6.1 ms): 256 extra launches a step, ~4.6 us each, mostly the serial
+# latency of tiny kernels. Overlapping the shrink with the base GEMM takes half of them off
+# the critical path (expected ~1.12x; not measured yet: bench/kernel_ab.sh "lora").
+LORA_OVERLAP_SHRINK = False
 
 
 def add_lora(
@@ -40,20 +50,70 @@ def add_lora(
     part_starts: tuple[int, ...],  # n + 1 column offsets: part j = [starts[j], starts[j + 1])
     num_slots: int | None = None,  # tokens use slots below this (default S; torch path only)
 ) -> None:
-    if _can_use_kernels(y, x):
+    if _can_use_kernels(x, y):
         xa = ops.lora_shrink(x, lora_a, token_slots)  # [T, n * R] float32
         ops.lora_expand(y, xa, lora_b, part_starts, token_slots)
         return
     add_lora_torch(y, x, token_slots, lora_a, lora_b, part_starts, num_slots)
 
 
-def _can_use_kernels(y: torch.Tensor, x: torch.Tensor) -> bool:
+def fork_lora_shrink(
+    x: torch.Tensor,  # [T, in], lora_a's dtype
+    token_slots: torch.Tensor,  # [T] int64: each token's slot, -1 = no adapter
+    lora_a: torch.Tensor,  # [S + 1, n * R, in]
+    side_stream: torch.cuda.Stream | None,
+) -> torch.Tensor | None:
+    """Starts xa = x @ A[slot].T on ``side_stream`` and returns xa [T, n * R] float32, to be
+    passed to ``expand_forked`` after the base GEMM; None when the layer takes ``add_lora``
+    (the switch off, no side stream, the torch path, or not capturing a CUDA graph).
+
+    Only under graph capture: there the fork and join cost nothing at replay, while an eager
+    step would pay their host time (stream switches, two events: ~10 us a layer) for a gap
+    of a few microseconds on the GPU.
+    """
+    if not (
+        LORA_OVERLAP_SHRINK
+        and side_stream is not None
+        and _can_use_kernels(x)
+        and torch.cuda.is_current_stream_capturing()
+    ):
+        return None
+    main = torch.cuda.current_stream(x.device)
+    # Allocated on the main stream, before the fork: the caching allocator hands this block to
+    # later main-stream work only, which the join orders after the shrink (no record_stream).
+    xa = torch.empty(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
+    side_stream.wait_stream(main)  # x is ready: the side branch starts here
+    with torch.cuda.stream(side_stream):
+        ops.lora_shrink(x, lora_a, token_slots, out=xa)
+    return xa
+
+
+def expand_forked(
+    y: torch.Tensor,  # [T, sum(out_j)], updated in place (the base GEMM's output)
+    xa: torch.Tensor,  # [T, n * R] float32: fork_lora_shrink's
+    x: torch.Tensor,  # [T, in]: the shrink's input (for the torch path only)
+    token_slots: torch.Tensor,  # [T] int64
+    lora_a: torch.Tensor,  # [S + 1, n * R, in]
+    lora_b: torch.Tensor,  # [S + 1, R, sum(out_j)]
+    part_starts: tuple[int, ...],  # n + 1 column offsets
+    side_stream: torch.cuda.Stream,
+) -> None:
+    """Joins ``fork_lora_shrink``'s branch, then y += xa @ B[slot] (the kernel, or the torch
+    path when y does not suit it; every fork is joined, as a capture requires)."""
+    torch.cuda.current_stream(y.device).wait_stream(side_stream)
+    if _can_use_kernels(x, y):
+        ops.lora_expand(y, xa, lora_b, part_starts, token_slots)
+    else:
+        add_lora_torch(y, x, token_slots, lora_a, lora_b, part_starts)
+
+
+def _can_use_kernels(x: torch.Tensor, y: torch.Tensor | None = None) -> bool:
+    """y None: whether x suits the kernels (before the base GEMM has made y)."""
     return (
         x.is_cuda
         and x.shape[0] <= LORA_KERNEL_MAX_TOKENS
         and x.dtype in _KERNEL_DTYPES
-        and y.dtype == x.dtype
-        and y.stride(-1) == 1
         and x.stride(-1) == 1
+        and (y is None or (y.dtype == x.dtype and y.stride(-1) == 1))
         and ops.is_available()
     )
