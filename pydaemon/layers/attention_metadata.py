@@ -82,13 +82,22 @@ def chunk_metadata(
         num_prefills=len(query_lens),
         num_prefill_tokens=int(query_start[-1]),
         num_decode_tokens=0,
-        slot_mapping=torch.from_numpy(slots).to(device),
-        block_tables=torch.from_numpy(np.ascontiguousarray(block_tables, np.int32)).to(device),
-        seq_lens=torch.from_numpy(seq_lens).to(device),
-        query_start_loc=torch.from_numpy(query_start).to(device),
+        slot_mapping=to_device(slots, device),
+        block_tables=to_device(np.ascontiguousarray(block_tables, np.int32), device),
+        seq_lens=to_device(seq_lens, device),
+        query_start_loc=to_device(query_start, device),
         max_seq_len=int(seq_lens.max()),
         max_query_len=int(query_lens.max()),
         seq_lens_cpu=seq_lens.tolist(),
         query_lens_cpu=query_lens.tolist(),
     )
     return meta, positions
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on ``device``: through pinned memory without blocking on CUDA (a pageable
+    copy would wait for the work already queued: a host-device sync in the step)."""
+    tensor = torch.from_numpy(array)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor

@@ -37,7 +37,7 @@ from torch import nn
 
 from pydaemon.config.engine import EngineConfig
 from pydaemon.config.model import ModelConfig
-from pydaemon.layers.attention_metadata import chunk_metadata
+from pydaemon.layers.attention_metadata import chunk_metadata, to_device
 from pydaemon.model_loader.eagle_head import load_eagle_head
 from pydaemon.model_loader.model_paths import resolve_model_dir
 from pydaemon.worker.kv_cache import KVCacheSpec
@@ -152,7 +152,7 @@ class EagleProposer(Proposer):
         positions = np.array([len(r.token_ids) - 2 for r in reqs], dtype=np.int64)
         max_drafts = np.array([r.max_drafts for r in reqs])
         tables = [r.block_table for r in reqs]
-        ids = torch.tensor([int(r.token_ids[-1]) for r in reqs], device=self.device)
+        ids = _index(np.array([r.token_ids[-1] for r in reqs]), self.device)
         hidden = torch.stack([self._states[r.seq_id].pending for r in reqs])
         for r in reqs:  # the pending state is computed now: real K/V at N - 2
             state = self._states[r.seq_id]
@@ -200,4 +200,4 @@ class EagleProposer(Proposer):
 
 
 def _index(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(device)
+    return to_device(np.ascontiguousarray(array, dtype=np.int64), device)
