@@ -272,3 +272,16 @@ def test_head_without_weights_or_model_key(target, tmp_path):
         _llm(target[0], {"method": "eagle", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="eagle3 is not supported"):
         _llm(target[0], {"method": "eagle3", "model": str(empty), "num_speculative_tokens": 2})
+
+
+def test_pytorch_bin_heads_with_a_model_prefix_load_alike(target, head, tmp_path):
+    """The published EAGLE-1 heads ship pytorch_model.bin; some name tensors model.*."""
+    path, _ = target
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "config.json").write_text((head[0] / "config.json").read_text())
+    torch.save({f"model.{k}": v for k, v in head[1].items()}, bin_dir / "pytorch_model.bin")
+    model, mc = load_model(path, dtype="float32")
+    a = load_eagle_head(head[0], model, mc, "float32", CPU).head.state_dict()
+    b = load_eagle_head(bin_dir, model, mc, "float32", CPU).head.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
