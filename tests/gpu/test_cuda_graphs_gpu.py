@@ -130,11 +130,11 @@ def _check_graph_step(runner, batch_size: int, regime: str) -> None:
     torch.manual_seed(batch_size)
     cache.normal_()
     before = cache.clone()
-    eager = runner._forward_eager(step)
+    _, eager = runner._forward_eager(step)
     eager_cache = cache.clone()
     cache.copy_(before)
     replays = graphs.num_replays
-    graph = runner._forward(step)
+    _, graph = runner._forward(step)
     torch.cuda.synchronize()
     assert graphs.num_replays == replays + 1, "the step did not replay a graph"
     assert graph.shape == eager.shape == (batch_size, VOCAB)

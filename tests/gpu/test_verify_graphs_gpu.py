@@ -128,11 +128,11 @@ def test_verify_graph_logits_equal_eager(engines, batch_size):
         torch.manual_seed(batch_size)
         cache.normal_()
         before = cache.clone()
-        eager = runner._forward_eager(step)
+        _, eager = runner._forward_eager(step)
         eager_cache = cache.clone()
         cache.copy_(before)
         replays = graphs.num_verify_replays
-        graph = runner._forward(step)
+        _, graph = runner._forward(step)
         torch.cuda.synchronize()
     assert graphs.num_verify_replays == replays + 1, "the step did not replay a verify graph"
     assert graph.shape == eager.shape == (batch_size * (k + 1), VOCAB)
