@@ -40,11 +40,14 @@ class StepStats:
         self.waste_at_peak = 0
         self.waste_fractions: list[float] = []
         self.num_steps = 0
+        self.step_walls: list[float] = []  # seconds, each engine.step call (host side)
         self._step = engine.step
         engine.step = self.step
 
     def step(self):
+        start = time.perf_counter()
         outputs = self._step()
+        self.step_walls.append(time.perf_counter() - start)
         bm = self.engine.block_manager
         used = bm.num_used_blocks(self.gpu)
         waste = bm.kv_waste()
@@ -57,6 +60,62 @@ class StepStats:
 
     def restore(self) -> None:
         self.engine.step = self._step
+
+    def slowest_steps(self, n: int = 10) -> list[tuple[int, float]]:
+        """(step index, ms) of the n longest engine.step calls: host stalls show here."""
+        order = sorted(range(len(self.step_walls)), key=lambda i: -self.step_walls[i])[:n]
+        return [(i, self.step_walls[i] * 1e3) for i in order]
+
+
+class HostStalls:
+    """Two suspects of long host pauses in a run, measured: Python's garbage collections (by
+    generation: count, total and longest, from gc.callbacks) and the CUDA caching allocator
+    freeing its cache to retry an allocation (num_alloc_retries: a device sync and cudaFree)."""
+
+    def __init__(self) -> None:
+        import gc
+
+        self.gc = gc
+        self.by_gen = {g: [0, 0.0, 0.0] for g in range(3)}
+        self._t0 = 0.0
+        self._alloc_before = self._allocator()
+
+    def __enter__(self) -> HostStalls:
+        self.gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        entry = self.by_gen[info["generation"]]
+        dt = time.perf_counter() - self._t0
+        entry[0] += 1
+        entry[1] += dt
+        entry[2] = max(entry[2], dt)
+
+    @staticmethod
+    def _allocator() -> dict:
+        import torch
+
+        if not torch.cuda.is_available():
+            return {}
+        stats = torch.cuda.memory_stats()
+        keys = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+        return {k: stats.get(k, 0) for k in keys}
+
+    def figures(self) -> dict:
+        after = self._allocator()
+        return {
+            "gc_by_generation": {
+                f"gen{g}": {"count": c, "total_ms": t * 1e3, "max_ms": m * 1e3}
+                for g, (c, t, m) in self.by_gen.items()
+            },
+            "cuda_allocator": {k: after[k] - self._alloc_before.get(k, 0) for k in after},
+        }
 
 
 def engine_kwargs(args) -> dict:
@@ -102,7 +161,7 @@ def run_pagedd(
     mask_before = None if matchers is None else dataclasses.replace(matchers.stats)
     stats = StepStats(engine)
     before = engine.get_stats()
-    with Profiled(getattr(args, "profile", False)) as profiled:
+    with Profiled(getattr(args, "profile", False)) as profiled, HostStalls() as stalls:
         start = time.perf_counter()
         outputs = llm.generate([r.prompt for r in requests], params, use_tqdm=not args.no_progress)
         wall_s = time.perf_counter() - start
@@ -142,6 +201,7 @@ def run_pagedd(
             **{k: v for k, v in engine.config.__dict__.items() if k != "model"},
         },  # fmt: skip
         "kernel_switches": switches,
+        "host_stalls": {"slowest_steps_ms": stats.slowest_steps(), **stalls.figures()},
     }
     if mask_before is not None:
         figures["structured_outputs"] = _mask_figures(mask_before, matchers.stats)

@@ -37,6 +37,11 @@ def test_pagedd_run_writes_figures(tmp_path, capsys):
     assert r["peak_kv_blocks_used"] == 18 and r["num_gpu_blocks"] == 256
     assert r["num_preemptions"] == 0
     assert 0 <= r["kv_waste"]["fraction_at_peak"] < 1 / 3
+    stalls = r["host_stalls"]  # the slowest steps, longest first, and the GC's share
+    slowest = [ms for _, ms in stalls["slowest_steps_ms"]]
+    assert 1 <= len(slowest) <= min(10, r["num_steps"]) and slowest == sorted(slowest)[::-1]
+    assert sum(slowest) < r["wall_s"] * 1e3
+    assert set(stalls["gc_by_generation"]) == {"gen0", "gen1", "gen2"}
     assert "pagedd" in capsys.readouterr().out
 
 
