@@ -149,15 +149,18 @@ def test_scaled_mm_takes_the_kernel_when_switched_on(monkeypatch):
 
 def test_fp8_engine_decodes_the_same_with_the_kernel(tmp_path, monkeypatch):
     """An FP8 engine (CUDA graphs, decode at 1 to 4 tokens) with the kernel on: the
-    torch._scaled_mm engine's log-probabilities (within FP8 tolerance) up to where a
-    sequence's tokens differ, and they differ only at a near-tie of the reference's top two."""
+    log-probabilities of the emulated FP8 path (the same FP8 operands, exact float32 sums)
+    up to where a sequence's tokens differ, and they differ only at a near-tie of the
+    reference's top two. (torch._scaled_mm is not the reference: cuBLASLt's FP8 accumulation
+    keeps fewer bits; on the H200 it was 0.06 nats off the kernel in this test.)"""
     path, _ = make_hf_model(tmp_path, num_heads=4, num_kv_heads=2)
     prompts = [[5 + i, 9, 17 + 2 * i, 33] for i in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
     runs = []
-    for limit in (0, 16):
+    for quantization, limit in (("fp8_emulated", 0), ("fp8", 16)):
         monkeypatch.setattr(fp8, "FP8_GEMV_MAX_TOKENS", limit)
-        llm = LLM(str(path), device="cuda", dtype="bfloat16", quantization="fp8", num_kv_blocks=64)
+        llm = LLM(str(path), device="cuda", dtype="bfloat16", quantization=quantization,
+                  num_kv_blocks=64)  # fmt: skip
         runs.append(
             [o.outputs[0] for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
         )
@@ -167,12 +170,12 @@ def test_fp8_engine_decodes_the_same_with_the_kernel(tmp_path, monkeypatch):
             ref_lp, got_lp = ref.logprobs[pos], got.logprobs[pos]
             if a != b:
                 top2 = sorted(ref_lp.values(), reverse=True)[:2]
-                assert top2[0] - top2[1] < 0.05, (
+                assert top2[0] - top2[1] < 0.02, (
                     f"sequence {i} left the reference at token {pos} ({b} for {a}) where "
                     f"the reference's top two differ by {top2[0] - top2[1]:.3f} nats"
                 )
                 break
-            assert abs(ref_lp[a] - got_lp[a]) < 0.05, (
+            assert abs(ref_lp[a] - got_lp[a]) < 0.02, (
                 f"sequence {i}, token {pos}: log-probability {got_lp[a]:.4f} against "
                 f"{ref_lp[a]:.4f}"
             )
