@@ -18,6 +18,7 @@ import time
 from pydaemon.config.engine import EngineConfig
 from pydaemon.config.lora import check_lora_fits_model, read_lora_config
 from pydaemon.config.model import ModelConfig
+from pydaemon.core import heap_freeze
 from pydaemon.core.beam_search import BeamSearchState
 from pydaemon.core.messages import EngineCoreOutputs, EngineCoreRequest
 from pydaemon.core.model_info import ModelInfo
@@ -79,6 +80,7 @@ class EngineCore:
         self.async_stepper = AsyncStepper(self.scheduler, self.executor) if use_async else None
         self._checked_lora_ids: set[int] = set()
         self.structured_outputs = StructuredOutputManager(config.model, runner)
+        heap_freeze.freeze_startup_heap()  # last: everything built so far is long-lived
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, r: EngineCoreRequest) -> None:
@@ -230,6 +232,7 @@ class EngineCore:
         """Stops the tensor-parallel workers, if any (idempotent; also run at exit): after the
         step in flight (async scheduling), so that no rank frees graphs or its communicator
         under it. That step's outputs are dropped."""
+        heap_freeze.thaw()
         if self.executor is not self.runner:
             stepper = self.async_stepper
             try:

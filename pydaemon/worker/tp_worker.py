@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from pydaemon.config.engine import EngineConfig
+from pydaemon.core import heap_freeze
 
 
 @dataclass
@@ -55,6 +56,7 @@ def worker_main(args: WorkerArgs, conn: Connection) -> None:
             args.rank, args.world_size, args.backend, args.init_method, args.timeout_s
         )
         runner = ModelRunner(args.config)
+        heap_freeze.freeze_startup_heap()  # no full collection walks the model in the loop
         conn.send(("ready", runner.num_gpu_blocks))
         while True:
             scheduler_output = pickle.loads(conn.recv_bytes())
