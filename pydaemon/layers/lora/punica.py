@@ -14,7 +14,7 @@ The choice depends on the token count, dtype and device only (never on a device 
 captured CUDA graph holds one of the two paths for its shapes. CPU, float32 and large steps
 take the torch path, which is also the kernels' test oracle.
 
-With ``LORA_OVERLAP_SHRINK`` (off until measured), a layer captured into a CUDA graph forks
+With ``LORA_OVERLAP_SHRINK`` (on: measured on the H200), a layer captured into a CUDA graph forks
 its shrink onto a side stream before its base GEMM (``fork_lora_shrink``) and joins it before
 the expand (``expand_forked``): the shrink depends only on x, so the graph holds it as a
 branch parallel to the GEMM, and only the expand stays on the decode step's critical path.
@@ -35,10 +35,10 @@ from pydaemon.layers.lora.punica_torch import add_lora_torch
 LORA_KERNEL_MAX_TOKENS = 64
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 # Batch-1 decode with a rank-16 adapter on all 7 projections ran 1.24x the base TPOT on the
-# H200 (4.91 ms -> ~6.1 ms): 256 extra launches a step, ~4.6 us each, mostly the serial
-# latency of tiny kernels. Overlapping the shrink with the base GEMM takes half of them off
-# the critical path (expected ~1.12x; not measured yet: bench/kernel_ab.sh "lora").
-LORA_OVERLAP_SHRINK = False
+# H200 (256 extra launches a step, mostly the serial latency of tiny kernels). With the shrink
+# overlapped with the base GEMM it runs 1.14x (6.26 -> 5.75 ms, bench_lora.py --mode tpot,
+# 2026-12-02): on.
+LORA_OVERLAP_SHRINK = True
 
 
 def add_lora(
