@@ -17,6 +17,10 @@ outputs). Reference counting still frees frozen objects; only cyclic garbage amo
 wait for ``thaw``. An engine thaws at shutdown, and each new engine thaws, collects and
 freezes again, so dead engines in one process (tests, notebooks) are still collected.
 
+The daemon's front process (gRPC, HTTP, tokenizer) freezes its heap the same way when it
+becomes ready, so that a full collection there does not stall token streams for a quarter of a
+second (pydaemon/entrypoints/daemon/app.py; thawed when it drains).
+
 ``PAGEDD_GC_FREEZE=0`` turns it off (for A/B runs).
 """
 

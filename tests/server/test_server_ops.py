@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import socket
@@ -209,6 +210,7 @@ def test_sd_notify_on_a_real_unix_datagram_socket(tmp_path, monkeypatch):
     monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
     engine = FakeEngine(num_gpu_blocks=64, max_model_len=64)
     st = ServerThread(ServerOptions(port=0), notifier=SdNotifier(path))
+    gc.unfreeze()  # whatever an earlier test's engine froze
     try:
         st.start(lambda: engine)
         messages = []
@@ -217,10 +219,13 @@ def test_sd_notify_on_a_real_unix_datagram_socket(tmp_path, monkeypatch):
         assert messages[0] == "STATUS=loading the model", messages
         assert messages[-1].startswith("READY=1\nSTATUS=serving fake on 127.0.0.1:"), messages
         assert sock.recv(4096).decode() == "WATCHDOG=1"  # the engine loop is making progress
+        # Ready: the front process's heap is frozen out of full collections (heap_freeze.py)
+        assert gc.get_freeze_count() > 1000
         st.drain()
         messages = []
         while not any("STOPPING=1" in m for m in messages):
             messages.append(sock.recv(4096).decode())
+        assert gc.get_freeze_count() == 0  # drained: thawed
     finally:
         st.close()
         sock.close()

@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 
+from pydaemon.core import heap_freeze
 from pydaemon.engine.engine_client import EngineClient
 from pydaemon.entrypoints.common.lora_adapters import LoRAAdapters, LoRAOptions
 from pydaemon.entrypoints.common.metrics import Metrics
@@ -204,6 +205,9 @@ class PageddServer:
             where,
             metrics_where,
         )
+        # The front process's heap (grpc, the tokenizer, the HTTP app) out of full garbage
+        # collections while it streams tokens (pydaemon/core/heap_freeze.py); thawed by drain().
+        heap_freeze.freeze_startup_heap()
         self.notifier.ready(f"serving {client.model_info.model_name} on {where}")
 
     async def _start_http(self, model: ServedModel, tokenizer: Any) -> None:
@@ -296,6 +300,7 @@ class PageddServer:
             await self.metrics_server.stop()
         if self.async_engine is not None:
             logger.info("drained; exiting")
+        heap_freeze.thaw()
         self.is_drained.set()
 
 
