@@ -83,13 +83,17 @@ class CUDAGraphRunner:
             self.pool = torch.cuda.graph_pool_handle()
         # torch.cuda.graph runs gc.collect() before every capture; with the objects alive now
         # frozen out of collection, those calls cost microseconds instead of a full pass each.
+        # A heap frozen before (a capture after the engine started: the KV scales' first
+        # step, pydaemon/core/heap_freeze.py) stays frozen.
+        was_frozen = gc.get_freeze_count() > 0
         gc.collect()
         gc.freeze()
         try:
             for key in self.plan.keys() if keys is None else keys:
                 self.graphs[key] = self._capture_one(key)
         finally:
-            gc.unfreeze()
+            if not was_frozen:
+                gc.unfreeze()
 
     def _capture_one(self, key: GraphKey) -> _Graph:
         # An all-padding batch: no cache writes, finite activations.

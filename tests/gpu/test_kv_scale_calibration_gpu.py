@@ -55,6 +55,8 @@ def test_graphs_captured_after_the_scales_are_measured(tmp_path):
     got, scales = _generate(llm)
     graphs = llm.engine.runner.cuda_graphs
     assert graphs is not None and graphs.num_replays >= 25, "decode steps did not replay graphs"
+    # captured after the engine froze its heap: the capture left it frozen (heap_freeze.py)
+    assert gc.get_freeze_count() > 10_000, "the deferred capture thawed the engine's heap"
     # the same eager first step measured them (approx: cuBLAS may pick another algorithm)
     flat = [s for pair in scales for s in pair]
     assert flat == pytest.approx([s for pair in eager_scales for s in pair], rel=2**-7)
