@@ -26,11 +26,15 @@ second (pydaemon/entrypoints/daemon/app.py; thawed when it drains).
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import os
 
 logger = logging.getLogger(__name__)
+
+
+_thaw_registered = False
 
 
 def enabled() -> bool:
@@ -44,12 +48,16 @@ def freeze_startup_heap() -> int:
     gc.unfreeze()
     gc.collect()
     gc.freeze()
+    global _thaw_registered
+    if not _thaw_registered:  # cycles left frozen at exit would never be collected (and
+        atexit.register(thaw)  # nanobind reports its objects among them as leaks)
+        _thaw_registered = True
     count = gc.get_freeze_count()
     logger.debug("froze %d objects out of the cycle collector's full passes", count)
     return count
 
 
 def thaw() -> None:
-    """Frozen objects back under the collector (an engine's shutdown)."""
+    """Frozen objects back under the collector (an engine's shutdown, interpreter exit)."""
     if enabled():
         gc.unfreeze()
