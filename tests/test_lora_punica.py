@@ -13,7 +13,8 @@ from pydaemon.layers.lora.punica import add_lora
 @pytest.mark.parametrize("num_tokens", [1, 2, 3, 5, 40])  # gathered (2T <= 4 slots) and dense
 @pytest.mark.parametrize("sizes", [(24,), (16, 8, 8)])  # one part (o/down), packed (qkv)
 @pytest.mark.parametrize("num_active", [None, 3])  # all slots, or the runner's bound
-def test_add_lora_matches_per_token_loop(num_tokens, sizes, num_active):
+@pytest.mark.parametrize("slot_ids", [False, True])  # the mask's arange made here or given
+def test_add_lora_matches_per_token_loop(num_tokens, sizes, num_active, slot_ids):
     g = torch.Generator().manual_seed(num_tokens)
     num_slots, rank, in_features = 4, 8, 32
     n = len(sizes)
@@ -34,7 +35,8 @@ def test_add_lora_matches_per_token_loop(num_tokens, sizes, num_active):
         for j in range(n):
             xa = lora_a[s, j * rank : (j + 1) * rank] @ x[t]
             expected[t, starts[j] : starts[j + 1]] += xa @ lora_b[s, :, starts[j] : starts[j + 1]]
-    add_lora(y, x, slots, lora_a, lora_b, starts, num_active)  # on the CPU: the torch path
+    ids = torch.arange(num_slots) if slot_ids else None  # LoRASlots.slot_ids: every slot
+    add_lora(y, x, slots, lora_a, lora_b, starts, num_active, ids)  # on the CPU: the torch path
     torch.testing.assert_close(y, expected, rtol=1e-12, atol=1e-12)
 
 

@@ -52,6 +52,8 @@ class LoRASlots:
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.token_slots = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=device)
+        # The slot numbers, for the torch path's mask (made here: not a kernel in every layer).
+        self.slot_ids = torch.arange(max_loras, dtype=torch.int64, device=device)
         # Eager steps: 1 + the highest slot this step uses (0: no adapter); set by the runner.
         self.num_active_slots = max_loras
         self.shrink_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -125,7 +127,8 @@ class LoRALinear(nn.Module):
             return
         token_slots = self.slots.for_tokens(x.shape[0])
         x = x.to(self.lora_a.dtype)
-        add_lora(out, x, token_slots, self.lora_a, self.lora_b, self.part_starts, num_slots)
+        add_lora(out, x, token_slots, self.lora_a, self.lora_b, self.part_starts, num_slots,
+                 self.slots.slot_ids)  # fmt: skip
 
     # ---- slots ------------------------------------------------------------------------------
     def shard(

@@ -49,12 +49,13 @@ def add_lora(
     lora_b: torch.Tensor,  # [S + 1, R, sum(out_j)]: part j's B.T * scaling in its columns
     part_starts: tuple[int, ...],  # n + 1 column offsets: part j = [starts[j], starts[j + 1])
     num_slots: int | None = None,  # tokens use slots below this (default S; torch path only)
+    slot_ids: torch.Tensor | None = None,  # arange(S) on the device (torch path only)
 ) -> None:
     if _can_use_kernels(x, y):
         xa = ops.lora_shrink(x, lora_a, token_slots)  # [T, n * R] float32
         ops.lora_expand(y, xa, lora_b, part_starts, token_slots)
         return
-    add_lora_torch(y, x, token_slots, lora_a, lora_b, part_starts, num_slots)
+    add_lora_torch(y, x, token_slots, lora_a, lora_b, part_starts, num_slots, slot_ids)
 
 
 def fork_lora_shrink(

@@ -42,13 +42,14 @@ def add_lora_torch(
     lora_b: torch.Tensor,  # [S + 1, R, sum(out_j)]: part j's B.T * scaling in its columns
     part_starts: tuple[int, ...],  # n + 1 column offsets: part j = [starts[j], starts[j + 1])
     num_slots: int | None = None,  # tokens use slots below this (default S)
+    slot_ids: torch.Tensor | None = None,  # [>= num_slots] int64: arange, kept by the caller
 ) -> None:
     if num_slots is None:
         num_slots = lora_a.shape[0] - 1  # the last slot is all zeros
     if 2 * x.shape[0] <= num_slots:
         _add_lora_gathered(y, x, token_slots, lora_a, lora_b, part_starts)
     else:
-        _add_lora_dense(y, x, token_slots, lora_a, lora_b, part_starts, num_slots)
+        _add_lora_dense(y, x, token_slots, lora_a, lora_b, part_starts, num_slots, slot_ids)
 
 
 def _add_lora_gathered(y, x, token_slots, lora_a, lora_b, part_starts) -> None:
@@ -64,17 +65,23 @@ def _add_lora_gathered(y, x, token_slots, lora_a, lora_b, part_starts) -> None:
         y[:, start:end] += torch.bmm(xa[:, j], b[:, :, start:end]).squeeze(1)
 
 
-def _add_lora_dense(y, x, token_slots, lora_a, lora_b, part_starts, num_slots) -> None:
+def _add_lora_dense(y, x, token_slots, lora_a, lora_b, part_starts, num_slots, slot_ids) -> None:
+    """2 + 2n kernels a layer (n parts): they run in every decode graph above the BGMV
+    kernels' bound, 32 layers x 4 wrappers a step, so each one counts (the first version,
+    with the mask cast and applied over all parts, then each part copied out and its product
+    added in a kernel of its own, ran 41 a decoder layer against 22 now)."""
     num_tokens, rank = x.shape[0], lora_b.shape[1]
     num_parts = len(part_starts) - 1
     a_all = lora_a[:num_slots].reshape(num_slots * num_parts * rank, -1)  # a view
     xa = (x @ a_all.T).view(num_tokens, num_slots, num_parts, rank)
+    if slot_ids is None:
+        slot_ids = torch.arange(num_slots, device=x.device)
     # Each token keeps its own slot's columns; a token without an adapter keeps none.
-    own = token_slots.unsqueeze(1) == torch.arange(num_slots, device=x.device)  # [T, S]
-    xa = xa * own.to(xa.dtype)[:, :, None, None]
+    own = (token_slots.unsqueeze(1) == slot_ids[:num_slots]).unsqueeze(2)  # [T, S, 1]
     for j in range(num_parts):
         start, end = part_starts[j], part_starts[j + 1]
-        xa_j = xa[:, :, j].reshape(num_tokens, num_slots * rank)
+        # the mask and the part's columns in one kernel, out contiguous: [T, S * R]
+        xa_j = torch.where(own, xa[:, :, j], 0).view(num_tokens, num_slots * rank)
         # [S, R, out_j] with rows of stride sum(out_j) -> [S * R, out_j]: still a view
         b_j = lora_b[:num_slots, :, start:end].reshape(num_slots * rank, end - start)
-        y[:, start:end] += xa_j @ b_j
+        y[:, start:end].addmm_(xa_j, b_j)  # the product added in the GEMM's epilogue
