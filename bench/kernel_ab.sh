@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The small-batch kernels that are switched off until measured, checked and A/B'd in ONE device
-# call (about 9 minutes on an H200, BUDGET_S caps it), from a built checkout (scripts/dev_build.sh
-# with the CUDA kernels):
+# The switches behind which pagedd's small-batch kernels (and the start-up heap freeze) sit,
+# checked and A/B'd in ONE device call (about 10 minutes on an H200, BUDGET_S caps it: pick
+# STEPS), from a built checkout (scripts/dev_build.sh with the CUDA kernels):
 #   0. "tests": their GPU tests (tests/gpu/test_fp8_gemv_gpu.py, test_moe_decode_gpu.py,
 #      test_lora_kernels_gpu.py, test_lora_overlap_gpu.py, test_verify_graphs_gpu.py): a step
 #      whose tests fail is not worth timing, but the A/B rows still run (they say what the
 #      kernels would give)
+#   gc: W1 bf16 and FP8 (weights + KV) with PAGEDD_GC_FREEZE=0 against 1 (the code's default):
+#      the garbage collector's pauses (each JSON's host_stalls counts them)
 #   1. "fp8": W1 FP8 weights + FP8 KV with TPOT at batch 1, the Llama-3-8B shape: torch._scaled_mm
 #      (FP8_GEMV_MAX_TOKENS=0, the code's value) against ops.fp8_gemv up to 16 rows
 #   2. "moe": the MoE layer alone at 1-8 tokens (bench_moe.py --decode-max-slots 64), then W1 and
@@ -20,7 +22,7 @@
 #
 #   OUT=/some/dir bash bench/kernel_ab.sh           # default OUT: /tmp/kernel_ab
 #
-# Environment: PYTHON (python3), STEPS (default "tests fp8 moe lora ngram"), BUDGET_S (560: a
+# Environment: PYTHON (python3), STEPS (default "tests gc fp8 moe lora ngram"), BUDGET_S (560: a
 # step that would start past it is skipped). Each step is its own process under `timeout`, its
 # log and JSON in OUT; the switch values each run used are in its JSON ("kernel_switches").
 set -uo pipefail
@@ -32,7 +34,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 budget=${BUDGET_S:-560}
 t_all=$(date +%s)
 source bench/steps.sh  # step NAME TIMEOUT_S -- COMMAND...: one process, its log in OUT/NAME.log
-steps=" ${STEPS:-tests fp8 moe lora ngram} "
+steps=" ${STEPS:-tests gc fp8 moe lora ngram} "
 has() { [[ $steps == *" $1 "* ]]; }
 llama=(bench/throughput.py --model-config llama3-8b --load-format dummy --device cuda --no-progress
        --workload w1)
@@ -43,6 +45,14 @@ if has tests; then
   step tests 150 -- "$py" -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_gemv_gpu.py \
     tests/gpu/test_moe_decode_gpu.py tests/gpu/test_lora_kernels_gpu.py \
     tests/gpu/test_lora_overlap_gpu.py tests/gpu/test_verify_graphs_gpu.py
+fi
+if has gc; then  # the start-up heap freeze: W1 bf16 and FP8, frozen (the code's) against not
+  for freeze in 0 1; do
+    step "w1_gc_freeze$freeze" 70 PAGEDD_GC_FREEZE=$freeze -- "$py" "${llama[@]}" \
+      --out "$out/w1_gc_freeze$freeze.json"
+    step "w1_fp8_gc_freeze$freeze" 70 PAGEDD_GC_FREEZE=$freeze -- "$py" "${llama[@]}" \
+      --quantization fp8 --kv-cache-dtype fp8 --out "$out/w1_fp8_gc_freeze$freeze.json"
+  done
 fi
 if has fp8; then
   for bound in 0 16; do
