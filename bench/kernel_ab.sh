@@ -8,6 +8,7 @@
 #      kernels would give)
 #   gc: W1 bf16 and FP8 (weights + KV) with PAGEDD_GC_FREEZE=0 against 1 (the code's default):
 #      the garbage collector's pauses (each JSON's host_stalls counts them)
+#   budget: W1 bf16 with a step budget of 8,192 and 16,384 tokens (compare with gc's freeze1)
 #   1. "fp8": W1 FP8 weights + FP8 KV with TPOT at batch 1, the Llama-3-8B shape: torch._scaled_mm
 #      (FP8_GEMV_MAX_TOKENS=0, the code's value) against ops.fp8_gemv up to 16 rows
 #   2. "moe": the MoE layer alone at 1-8 tokens (bench_moe.py --decode-max-slots 64), then W1 and
@@ -22,7 +23,7 @@
 #
 #   OUT=/some/dir bash bench/kernel_ab.sh           # default OUT: /tmp/kernel_ab
 #
-# Environment: PYTHON (python3), STEPS (default "tests gc fp8 moe lora ngram"), BUDGET_S (560: a
+# Environment: PYTHON (python3), STEPS (default "tests gc budget fp8 moe lora ngram"), BUDGET_S (560: a
 # step that would start past it is skipped). Each step is its own process under `timeout`, its
 # log and JSON in OUT; the switch values each run used are in its JSON ("kernel_switches").
 set -uo pipefail
@@ -34,7 +35,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 budget=${BUDGET_S:-560}
 t_all=$(date +%s)
 source bench/steps.sh  # step NAME TIMEOUT_S -- COMMAND...: one process, its log in OUT/NAME.log
-steps=" ${STEPS:-tests gc fp8 moe lora ngram} "
+steps=" ${STEPS:-tests gc budget fp8 moe lora ngram} "
 has() { [[ $steps == *" $1 "* ]]; }
 llama=(bench/throughput.py --model-config llama3-8b --load-format dummy --device cuda --no-progress
        --workload w1)
@@ -52,6 +53,12 @@ if has gc; then  # the start-up heap freeze: W1 bf16 and FP8, frozen (the code's
       --out "$out/w1_gc_freeze$freeze.json"
     step "w1_fp8_gc_freeze$freeze" 70 PAGEDD_GC_FREEZE=$freeze -- "$py" "${llama[@]}" \
       --quantization fp8 --kv-cache-dtype fp8 --out "$out/w1_fp8_gc_freeze$freeze.json"
+  done
+fi
+if has budget; then  # the step's token budget (4096 by default on CUDA; vLLM 0.26 uses 16,384)
+  for tokens in 8192 16384; do
+    step "w1_budget$tokens" 70 -- "$py" "${llama[@]}" --max-num-batched-tokens "$tokens" \
+      --out "$out/w1_budget$tokens.json"
   done
 fi
 if has fp8; then
