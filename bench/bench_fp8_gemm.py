@@ -32,7 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from pydaemon import ops
-    from pydaemon.quantization.fp8 import quantize_per_channel, quantize_per_token, scaled_mm
+    from pydaemon.quantization.fp8 import (
+        quantize_per_channel,
+        quantize_per_token,
+        scaled_mm,
+        scaled_mm_swapped,
+    )
 
     torch.manual_seed(0)
     rows = []
@@ -59,11 +64,20 @@ def main(argv: list[str] | None = None) -> int:
                 ),
                 "quant only": bench_ms(lambda x=x: quantize_per_token(x)),
             }
+            if m <= 64:  # cuBLASLt with the operands swapped (off by default: FP8_SWAP_AB_*)
+                times["fp8 swap-AB gemm"] = bench_ms(
+                    lambda xq=xq, xs=x_scale, wq=wq, s=w_scale: scaled_mm_swapped(xq, xs, wq, s)
+                )
             if m <= 16 and ops.fp8_gemv_available():  # pagedd's decode kernel (off by default)
                 times["fp8 gemv"] = bench_ms(
                     lambda xq=xq, xs=x_scale, wq=wq, s=w_scale: ops.fp8_gemv(xq, xs, wq, s)
                 )
             row = {"tokens": m, "layer": name, "n": n, "k": k}
+            if "fp8 swap-AB gemm" in times:  # the same product? (a wrong one is no speed-up)
+                diff = scaled_mm_swapped(xq, x_scale, wq, w_scale) - scaled_mm(
+                    xq, x_scale, wq, w_scale
+                )
+                row["swap-AB max abs diff"] = float(diff.abs().max())
             for label, t in times.items():
                 row[label + " ms"] = t["median_ms"]
                 if label != "quant only":
@@ -83,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                 + (
                     f" | weights: bf16 {row['bf16 weight GB/s']:5.0f}, fp8 gemm "
                     f"{row['fp8 rowwise gemm weight GB/s']:5.0f}, gemv "
-                    f"{row['fp8 gemv weight GB/s']:5.0f} GB/s"
+                    f"{row['fp8 gemv weight GB/s']:5.0f}, swap-AB "
+                    f"{row['fp8 swap-AB gemm weight GB/s']:5.0f} GB/s"
                     if "fp8 gemv ms" in row
                     else ""
                 )

@@ -2,15 +2,16 @@
 # The switches behind which pagedd's small-batch kernels (and the start-up heap freeze) sit,
 # checked and A/B'd in ONE device call (about 10 minutes on an H200, BUDGET_S caps it: pick
 # STEPS), from a built checkout (scripts/dev_build.sh with the CUDA kernels):
-#   0. "tests": their GPU tests (tests/gpu/test_fp8_gemv_gpu.py, test_moe_decode_gpu.py,
+#   0. "tests": their GPU tests (tests/gpu/test_fp8_swap_ab_gpu.py, test_moe_decode_gpu.py,
 #      test_lora_kernels_gpu.py, test_lora_overlap_gpu.py, test_verify_graphs_gpu.py): a step
 #      whose tests fail is not worth timing, but the A/B rows still run (they say what the
 #      kernels would give)
 #   gc: W1 bf16 and FP8 (weights + KV) with PAGEDD_GC_FREEZE=0 against 1 (the code's default):
 #      the garbage collector's pauses (each JSON's host_stalls counts them)
 #   budget: W1 bf16 with a step budget of 8,192 and 16,384 tokens (compare with gc's freeze1)
-#   1. "fp8": W1 FP8 weights + FP8 KV with TPOT at batch 1, the Llama-3-8B shape: torch._scaled_mm
-#      (FP8_GEMV_MAX_TOKENS=0, the code's value) against ops.fp8_gemv up to 16 rows
+#   1. "fp8": the FP8 products at 1-64 rows alone (bench_fp8_gemm.py), then W1 FP8 weights + FP8
+#      KV with TPOT at batch 1, the Llama-3-8B shape: torch._scaled_mm as called now against the
+#      operands swapped up to 64 rows (FP8_SWAP_AB_MAX_TOKENS; the GEMV lost: 2026-12-02d)
 #   2. "moe": the MoE layer alone at 1-8 tokens (bench_moe.py --decode-max-slots 64), then W1 and
 #      TPOT at batch 1 and 64 on the Qwen3-30B-A3B shape, grouped GEMMs against the decode kernels
 #   3. "lora": the LoRA shrink beside the base GEMM in CUDA graphs (--lora-overlap 0 against 1,
@@ -43,7 +44,7 @@ qwen=(bench/throughput.py --model-config qwen3-30b-a3b --load-format dummy --dev
       --no-progress --workload w1 --tpot-batch1 3 --tpot-batch 3 --tpot-batch-size 64)
 
 if has tests; then
-  step tests 150 -- "$py" -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_gemv_gpu.py \
+  step tests 150 -- "$py" -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_swap_ab_gpu.py \
     tests/gpu/test_moe_decode_gpu.py tests/gpu/test_lora_kernels_gpu.py \
     tests/gpu/test_lora_overlap_gpu.py tests/gpu/test_verify_graphs_gpu.py
 fi
@@ -62,9 +63,11 @@ if has budget; then  # the step's token budget (4096 by default on CUDA; vLLM 0.
   done
 fi
 if has fp8; then
-  for bound in 0 16; do
-    step "fp8_gemv_$bound" 120 -- "$py" "${llama[@]}" --quantization fp8 --kv-cache-dtype fp8 \
-      --tpot-batch1 5 --fp8-gemv-max-tokens "$bound" --out "$out/fp8_gemv_$bound.json"
+  step fp8_gemm_small 60 -- "$py" bench/bench_fp8_gemm.py --tokens 1,4,16,64 \
+    --out "$out/fp8_gemm_small.json"  # weight GB/s of cuBLASLt, swapped, the GEMV
+  for swap in 0 64; do
+    step "fp8_swap_ab_$swap" 120 -- "$py" "${llama[@]}" --quantization fp8 --kv-cache-dtype fp8 \
+      --tpot-batch1 5 --fp8-swap-ab-max-tokens "$swap" --out "$out/fp8_swap_ab_$swap.json"
   done
 fi
 if has moe; then

@@ -3,6 +3,8 @@ replace the general path, set for this process only (benchmarks, not a configura
 
 - ``--fp8-gemv-max-tokens N``: FP8 linear layers of at most N rows run ``ops.fp8_gemv``
   instead of ``torch._scaled_mm`` (pydaemon/quantization/fp8.py, FP8_GEMV_MAX_TOKENS);
+- ``--fp8-swap-ab-max-tokens N``: FP8 linear layers of at most N rows call ``torch._scaled_mm``
+  with the operands swapped (``scaled_mm_swapped``, FP8_SWAP_AB_MAX_TOKENS);
 - ``--moe-decode-max-slots N``: MoE layers of at most N token x top_k slots run the two decode
   kernels instead of the grouped GEMMs (pydaemon/layers/moe/experts.py, MOE_DECODE_MAX_SLOTS);
 - ``--lora-kernel-max-tokens N``: LoRA deltas of at most N tokens run the BGMV kernels
@@ -21,6 +23,7 @@ import argparse
 # flag -> (module, constant)
 SWITCHES = {
     "fp8_gemv_max_tokens": ("pydaemon.quantization.fp8", "FP8_GEMV_MAX_TOKENS"),
+    "fp8_swap_ab_max_tokens": ("pydaemon.quantization.fp8", "FP8_SWAP_AB_MAX_TOKENS"),
     "moe_decode_max_slots": ("pydaemon.layers.moe.experts", "MOE_DECODE_MAX_SLOTS"),
     "lora_kernel_max_tokens": ("pydaemon.layers.lora.punica", "LORA_KERNEL_MAX_TOKENS"),
 }

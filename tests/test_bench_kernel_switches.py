@@ -28,12 +28,14 @@ def test_flags_set_the_bounds_and_report_them(monkeypatch):
                          (punica, "LORA_OVERLAP_SHRINK")):  # fmt: skip
         monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
     lora_default = punica.LORA_KERNEL_MAX_TOKENS
+    swap_default = fp8.FP8_SWAP_AB_MAX_TOKENS
     overlap_default = punica.LORA_OVERLAP_SHRINK
     got = kernel_switches.apply(
         _parse(["--fp8-gemv-max-tokens", "16", "--moe-decode-max-slots", "0"])
     )
     assert fp8.FP8_GEMV_MAX_TOKENS == 16 and experts.MOE_DECODE_MAX_SLOTS == 0
-    assert got == {"fp8_gemv_max_tokens": 16, "moe_decode_max_slots": 0,
+    assert got == {"fp8_gemv_max_tokens": 16, "fp8_swap_ab_max_tokens": swap_default,
+                   "moe_decode_max_slots": 0,
                    "lora_kernel_max_tokens": lora_default,
                    "lora_overlap": overlap_default}  # fmt: skip
     assert punica.LORA_OVERLAP_SHRINK is overlap_default  # not given: left alone

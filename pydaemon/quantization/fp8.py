@@ -38,6 +38,10 @@ MIN_CAPABILITY = (8, 9)  # Ada / Hopper: the first GPUs with FP8 tensor cores
 # Rows (tokens) up to which scaled_mm runs ops.fp8_gemv: 0 (off) until the kernel has been
 # checked and measured on a GPU (tests/gpu/test_fp8_gemv_gpu.py; then 16, its m16 tile).
 FP8_GEMV_MAX_TOKENS = 0
+# Rows up to which scaled_mm swaps its operands (``scaled_mm_swapped``): 0 (off) until
+# measured. At one token cuBLASLt's FP8 GEMM read the weights at ~1-2 TB/s on the H200
+# (bench_fp8_gemm.py), half bf16's rate; vLLM's CUTLASS FP8 path swaps A and B below 64 tokens.
+FP8_SWAP_AB_MAX_TOKENS = 0
 
 
 def quantize_per_channel(
@@ -103,9 +107,35 @@ def scaled_mm(
 ) -> torch.Tensor:  # [T, N] bfloat16
     if xq.shape[0] <= FP8_GEMV_MAX_TOKENS and _gemv_fits(xq, wq):
         return ops.fp8_gemv(xq, x_scale, wq, weight_scale)
+    if xq.shape[0] <= FP8_SWAP_AB_MAX_TOKENS:
+        return scaled_mm_swapped(xq, x_scale, wq, weight_scale)
     return torch._scaled_mm(
         xq, wq.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), out_dtype=torch.bfloat16
     )
+
+
+def scaled_mm_swapped(
+    xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, weight_scale: torch.Tensor
+) -> torch.Tensor:  # [T, N] bfloat16, contiguous; arguments as scaled_mm's
+    """The same product as (wq @ xq.T).T: cuBLASLt then sees the thousands of weight rows as
+    its M and the few tokens as its N (the "swap AB" of vLLM's small-batch FP8 kernels).
+    torch._scaled_mm wants both sizes of its second operand divisible by 16: the tokens are
+    padded with zero rows (scale 1) to a multiple of 16, and the [N, T] result is transposed
+    back into a contiguous [T, N] (one small copy)."""
+    num_tokens = xq.shape[0]
+    pad = -num_tokens % 16
+    if pad:
+        zeros = xq.new_zeros((pad, xq.shape[1]), dtype=torch.uint8)
+        xq = torch.cat([xq.view(torch.uint8), zeros]).view(xq.dtype)
+        x_scale = torch.cat([x_scale.view(-1, 1), x_scale.new_ones((pad, 1))])
+    out_t = torch._scaled_mm(
+        wq,
+        xq.t(),
+        scale_a=weight_scale.view(-1, 1),
+        scale_b=x_scale.view(1, -1),
+        out_dtype=torch.bfloat16,
+    )  # [N, T + pad]
+    return out_t[:, :num_tokens].t().contiguous()
 
 
 def _gemv_fits(xq: torch.Tensor, wq: torch.Tensor) -> bool:
