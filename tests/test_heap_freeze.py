@@ -1,4 +1,4 @@
-"""pydaemon/core/heap_freeze.py: an engine freezes what is alive once it is built (no full
+"""pydaemon/heap_freeze.py: an engine freezes what is alive once it is built (no full
 collection walks the model and the imports during serving), thaws at shutdown, and a new
 engine collects the garbage the last freeze kept."""
 
@@ -16,8 +16,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_utils import make_hf_model  # noqa: E402
 
-from pydaemon import LLM, SamplingParams  # noqa: E402
-from pydaemon.core import heap_freeze  # noqa: E402
+from pydaemon import (  # noqa: E402
+    LLM,
+    SamplingParams,
+    heap_freeze,  # noqa: E402
+)
 
 
 class _Cycle:

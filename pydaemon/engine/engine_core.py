@@ -15,10 +15,10 @@ from __future__ import annotations
 import math
 import time
 
+from pydaemon import heap_freeze
 from pydaemon.config.engine import EngineConfig
 from pydaemon.config.lora import check_lora_fits_model, read_lora_config
 from pydaemon.config.model import ModelConfig
-from pydaemon.core import heap_freeze
 from pydaemon.core.beam_search import BeamSearchState
 from pydaemon.core.messages import EngineCoreOutputs, EngineCoreRequest
 from pydaemon.core.model_info import ModelInfo

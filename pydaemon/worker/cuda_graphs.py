@@ -84,7 +84,7 @@ class CUDAGraphRunner:
         # torch.cuda.graph runs gc.collect() before every capture; with the objects alive now
         # frozen out of collection, those calls cost microseconds instead of a full pass each.
         # A heap frozen before (a capture after the engine started: the KV scales' first
-        # step, pydaemon/core/heap_freeze.py) stays frozen.
+        # step, pydaemon/heap_freeze.py) stays frozen.
         was_frozen = gc.get_freeze_count() > 0
         gc.collect()
         gc.freeze()

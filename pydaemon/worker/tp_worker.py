@@ -18,8 +18,8 @@ import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
+from pydaemon import heap_freeze
 from pydaemon.config.engine import EngineConfig
-from pydaemon.core import heap_freeze
 
 
 @dataclass

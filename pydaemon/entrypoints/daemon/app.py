@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from pydaemon.core import heap_freeze
+from pydaemon import heap_freeze
 from pydaemon.engine.engine_client import EngineClient
 from pydaemon.entrypoints.common.lora_adapters import LoRAAdapters, LoRAOptions
 from pydaemon.entrypoints.common.metrics import Metrics
@@ -206,7 +206,7 @@ class PageddServer:
             metrics_where,
         )
         # The front process's heap (grpc, the tokenizer, the HTTP app) out of full garbage
-        # collections while it streams tokens (pydaemon/core/heap_freeze.py); thawed by drain().
+        # collections while it streams tokens (pydaemon/heap_freeze.py); thawed by drain().
         heap_freeze.freeze_startup_heap()
         self.notifier.ready(f"serving {client.model_info.model_name} on {where}")
 
