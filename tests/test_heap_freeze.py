@@ -90,3 +90,15 @@ def test_an_offline_script_exits_without_leak_reports(model_path, tmp_path):
                           env=env, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert "leaked" not in done.stderr, done.stderr[-2000:]
+
+
+def test_warmup_freezes_what_the_first_request_built(model_path, monkeypatch):
+    """The daemon's engine core warms up before it is ready: what that first request
+    created and kept (lazy imports, caches) is frozen too."""
+    monkeypatch.delenv("PAGEDD_GC_FREEZE", raising=False)
+    llm = LLM(model_path, device="cpu", dtype="float32", num_kv_blocks=64)
+    gc.collect()
+    before = len(gc.get_objects())  # tracked and not frozen
+    llm.engine.warmup()
+    gc.collect()
+    assert len(gc.get_objects()) <= before

@@ -222,6 +222,7 @@ class EngineCore:
         )
         while self.has_unfinished_requests():
             self.step()
+        heap_freeze.freeze_startup_heap()  # again: what the first request's paths built
 
     def check_health(self) -> None:
         """Raises when a tensor-parallel worker died (no step can run any more)."""
