@@ -165,6 +165,18 @@ inline void check_cuda_error(cudaError_t err, const char* what) {
                              cudaGetErrorString(err));
 }
 
+// Runs a kernel launcher (a callable returning cudaError_t) without the GIL, then raises if it
+// failed: every binding's launch.
+template <class Launch>
+void launch_without_gil(const char* what, Launch&& launch) {
+  cudaError_t err;
+  {
+    nb::gil_scoped_release release;
+    err = launch();
+  }
+  check_cuda_error(err, what);
+}
+
 inline cudaStream_t as_stream(uintptr_t stream) {
   return reinterpret_cast<cudaStream_t>(stream);
 }

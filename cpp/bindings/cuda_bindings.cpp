@@ -191,12 +191,9 @@ void paged_attention_decode(Array out, Array query, Array key_cache, Array value
   pagedd::cuda::PagedDecodeParams p{};
   fill_decode_params(p, out, query, key_cache, value_cache, block_tables, seq_lens, ws,
                      num_partitions, scale, k_scale, v_scale);
-  cudaError_t err;
-  {
-    nb::gil_scoped_release release;
-    err = pagedd::cuda::paged_attention_decode(p, as_stream(stream));
-  }
-  check_cuda_error(err, "paged_attention_decode");
+  launch_without_gil("paged_attention_decode", [&] {
+    return pagedd::cuda::paged_attention_decode(p, as_stream(stream));
+  });
 }
 
 void paged_attention_decode_tc(Array out, Array query, Array key_cache, Array value_cache,
@@ -255,12 +252,9 @@ void paged_attention_decode_tc(Array out, Array query, Array key_cache, Array va
                      num_partitions, scale, k_scale, v_scale);
   p.partition_size = partition_size;
   p.max_seq_len = max_seq_len;
-  cudaError_t err;
-  {
-    nb::gil_scoped_release release;
-    err = pagedd::cuda::paged_attention_decode_tc(p, as_stream(stream));
-  }
-  check_cuda_error(err, "paged_attention_decode_tc");
+  launch_without_gil("paged_attention_decode_tc", [&] {
+    return pagedd::cuda::paged_attention_decode_tc(p, as_stream(stream));
+  });
 }
 
 void paged_attention_prefill(Array out, Array query, Array key_cache, Array value_cache,
@@ -334,12 +328,9 @@ void paged_attention_prefill(Array out, Array query, Array key_cache, Array valu
   p.k_scale = (float)k_scale;
   p.v_scale = (float)v_scale;
   p.backend = static_cast<pagedd::cuda::PrefillBackend>(backend);
-  cudaError_t err;
-  {
-    nb::gil_scoped_release release;
-    err = pagedd::cuda::paged_attention_prefill(p, as_stream(stream));
-  }
-  check_cuda_error(err, "paged_attention_prefill");
+  launch_without_gil("paged_attention_prefill", [&] {
+    return pagedd::cuda::paged_attention_prefill(p, as_stream(stream));
+  });
 }
 
 std::string prefill_wgmma_unavailable_reason(int head_dim, bool fp8_cache) {
@@ -416,12 +407,9 @@ void reshape_and_cache(Array key, Array value, Array key_cache, Array value_cach
     p.k_scale = (float)k_scale;
     p.v_scale = (float)v_scale;
   }
-  cudaError_t err;
-  {
-    nb::gil_scoped_release release;
-    err = pagedd::cuda::reshape_and_cache(p, as_stream(stream));
-  }
-  check_cuda_error(err, "reshape_and_cache");
+  launch_without_gil("reshape_and_cache", [&] {
+    return pagedd::cuda::reshape_and_cache(p, as_stream(stream));
+  });
 }
 
 int64_t block_bytes_of(const Array& a, const char* name) {
@@ -445,14 +433,11 @@ void copy_blocks(Array kv_cache, Array block_mapping, uintptr_t stream) {
   check_cuda(block_mapping, "block_mapping", dev);
   check_block_mapping(block_mapping, "block_mapping");
   const int64_t block_bytes = block_bytes_of(kv_cache, "kv_cache");
-  cudaError_t err;
-  {
-    nb::gil_scoped_release release;
-    err = pagedd::cuda::copy_blocks(kv_cache.data(), block_bytes,
-                                    static_cast<const int64_t*>(block_mapping.data()),
-                                    (int64_t)block_mapping.shape(0), as_stream(stream));
-  }
-  check_cuda_error(err, "copy_blocks");
+  launch_without_gil("copy_blocks", [&] {
+    return pagedd::cuda::copy_blocks(kv_cache.data(), block_bytes,
+                                     static_cast<const int64_t*>(block_mapping.data()),
+                                     (int64_t)block_mapping.shape(0), as_stream(stream));
+  });
 }
 
 void swap_blocks(Array src, Array dst, Array block_mapping, uintptr_t stream) {
@@ -482,13 +467,10 @@ void swap_blocks(Array src, Array dst, Array block_mapping, uintptr_t stream) {
                              " blocks")
                                 .c_str());
   }
-  cudaError_t err;
-  {
-    nb::gil_scoped_release release;
-    err = pagedd::cuda::swap_blocks(dst.data(), src.data(), block_bytes, m, num_pairs,
-                                    as_stream(stream));
-  }
-  check_cuda_error(err, "swap_blocks");
+  launch_without_gil("swap_blocks", [&] {
+    return pagedd::cuda::swap_blocks(dst.data(), src.data(), block_bytes, m, num_pairs,
+                                     as_stream(stream));
+  });
 }
 
 }  // namespace

@@ -233,12 +233,9 @@ pagedd::cuda::RotaryParams rotary_params(const Array& query, const Array& key, c
 void rotary_embedding(Array query, Array key, const Array& cos, const Array& sin,
                       uintptr_t stream) {
   const pagedd::cuda::RotaryParams p = rotary_params(query, key, cos, sin, current_device());
-  cudaError_t err;
-  {
-    nb::gil_scoped_release release;
-    err = pagedd::cuda::rotary_embedding(p, as_stream(stream));
-  }
-  check_cuda_error(err, "rotary_embedding");
+  launch_without_gil("rotary_embedding", [&] {
+    return pagedd::cuda::rotary_embedding(p, as_stream(stream));
+  });
 }
 
 // The checks of rotary_embedding and of reshape_and_cache (cuda_bindings.cpp) together.
@@ -305,12 +302,9 @@ void rotary_embedding_and_cache(Array query, Array key, const Array& value, Arra
     p.k_scale = (float)k_scale;
     p.v_scale = (float)v_scale;
   }
-  cudaError_t err;
-  {
-    nb::gil_scoped_release release;
-    err = pagedd::cuda::rotary_embedding_and_cache(p, as_stream(stream));
-  }
-  check_cuda_error(err, "rotary_embedding_and_cache");
+  launch_without_gil("rotary_embedding_and_cache", [&] {
+    return pagedd::cuda::rotary_embedding_and_cache(p, as_stream(stream));
+  });
 }
 
 void per_token_fp8_quant(Array out, Array scale, Array input, uintptr_t stream) {
@@ -331,12 +325,9 @@ void per_token_fp8_quant(Array out, Array scale, Array input, uintptr_t stream) 
   p.num_tokens = (int)num_tokens;
   p.d = (int)d;
   p.dtype = dtype;
-  cudaError_t err;
-  {
-    nb::gil_scoped_release release;
-    err = pagedd::cuda::per_token_fp8_quant(p, as_stream(stream));
-  }
-  check_cuda_error(err, "per_token_fp8_quant");
+  launch_without_gil("per_token_fp8_quant", [&] {
+    return pagedd::cuda::per_token_fp8_quant(p, as_stream(stream));
+  });
 }
 
 }  // namespace

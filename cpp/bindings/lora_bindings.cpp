@@ -85,12 +85,9 @@ void lora_shrink(Array xa, Array x, Array lora_a, Array token_slots, uintptr_t s
   p.in_features = (int)in_features;
   p.num_slots = (int)lora_a.shape(0);
   p.dtype = dtype;
-  cudaError_t err;
-  {
-    nb::gil_scoped_release release;
-    err = pagedd::cuda::lora_shrink(p, as_stream(stream));
-  }
-  check_cuda_error(err, "lora_shrink");
+  launch_without_gil("lora_shrink", [&] {
+    return pagedd::cuda::lora_shrink(p, as_stream(stream));
+  });
 }
 
 void lora_expand(Array y, Array xa, Array lora_b, const std::vector<int64_t>& part_starts,
@@ -136,12 +133,9 @@ void lora_expand(Array y, Array xa, Array lora_b, const std::vector<int64_t>& pa
   p.out_features = (int)out_features;
   p.num_slots = (int)lora_b.shape(0);
   p.dtype = dtype;
-  cudaError_t err;
-  {
-    nb::gil_scoped_release release;
-    err = pagedd::cuda::lora_expand(p, as_stream(stream));
-  }
-  check_cuda_error(err, "lora_expand");
+  launch_without_gil("lora_expand", [&] {
+    return pagedd::cuda::lora_expand(p, as_stream(stream));
+  });
 }
 
 }  // namespace

@@ -89,12 +89,7 @@ void topk_route(Array topk_weights, Array topk_ids, Array logits, bool softmax,
   p.softmax = softmax;
   p.renormalize = renormalize;
   p.dtype = dtype;
-  cudaError_t err;
-  {
-    nb::gil_scoped_release release;
-    err = pagedd::cuda::topk_route(p, as_stream(stream));
-  }
-  check_cuda_error(err, "topk_route");
+  launch_without_gil("topk_route", [&] { return pagedd::cuda::topk_route(p, as_stream(stream)); });
 }
 
 void moe_align(Array sorted_token_ids, Array inverse, Array expert_offsets, Array topk_ids,
@@ -121,12 +116,7 @@ void moe_align(Array sorted_token_ids, Array inverse, Array expert_offsets, Arra
   p.num_tokens = (int)num_tokens;
   p.top_k = (int)top_k;
   p.num_experts = (int)num_experts;
-  cudaError_t err;
-  {
-    nb::gil_scoped_release release;
-    err = pagedd::cuda::moe_align(p, as_stream(stream));
-  }
-  check_cuda_error(err, "moe_align");
+  launch_without_gil("moe_align", [&] { return pagedd::cuda::moe_align(p, as_stream(stream)); });
 }
 
 void moe_combine(Array out, Array expert_out, Array inverse, Array topk_weights,
@@ -170,12 +160,9 @@ void moe_combine(Array out, Array expert_out, Array inverse, Array topk_weights,
   p.top_k = (int)top_k;
   p.hidden = (int)hidden;
   p.dtype = dtype;
-  cudaError_t err;
-  {
-    nb::gil_scoped_release release;
-    err = pagedd::cuda::moe_combine(p, as_stream(stream));
-  }
-  check_cuda_error(err, "moe_combine");
+  launch_without_gil("moe_combine", [&] {
+    return pagedd::cuda::moe_combine(p, as_stream(stream));
+  });
 }
 
 // topk_ids [num_tokens, top_k] int32 contiguous on the device; returns top_k.
@@ -249,12 +236,9 @@ void moe_decode_gate_up(Array act, Array x, Array topk_ids, Array w13, uintptr_t
   p.hidden = (int)hidden;
   p.intermediate = (int)intermediate;
   p.dtype = dtype;
-  cudaError_t err;
-  {
-    nb::gil_scoped_release release;
-    err = pagedd::cuda::moe_decode_gate_up(p, as_stream(stream));
-  }
-  check_cuda_error(err, "moe_decode_gate_up");
+  launch_without_gil("moe_decode_gate_up", [&] {
+    return pagedd::cuda::moe_decode_gate_up(p, as_stream(stream));
+  });
 }
 
 void moe_decode_down_combine(Array out, Array act, Array topk_ids, Array topk_weights, Array w2,
@@ -291,12 +275,9 @@ void moe_decode_down_combine(Array out, Array act, Array topk_ids, Array topk_we
   p.hidden = (int)hidden;
   p.intermediate = (int)intermediate;
   p.dtype = dtype;
-  cudaError_t err;
-  {
-    nb::gil_scoped_release release;
-    err = pagedd::cuda::moe_decode_down_combine(p, as_stream(stream));
-  }
-  check_cuda_error(err, "moe_decode_down_combine");
+  launch_without_gil("moe_decode_down_combine", [&] {
+    return pagedd::cuda::moe_decode_down_combine(p, as_stream(stream));
+  });
 }
 
 }  // namespace
