@@ -12,9 +12,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine_utils import make_hf_model  # noqa: E402
+from fp8_engine_check import assert_decodes_as_emulated  # noqa: E402
 
-from pydaemon import LLM, SamplingParams, ops  # noqa: E402
+from pydaemon import ops  # noqa: E402
 from pydaemon.quantization import fp8  # noqa: E402
 from pydaemon.quantization.fp8 import quantize_per_channel, quantize_per_token  # noqa: E402
 
@@ -153,29 +153,4 @@ def test_fp8_engine_decodes_the_same_with_the_kernel(tmp_path, monkeypatch):
     up to where a sequence's tokens differ, and they differ only at a near-tie of the
     reference's top two. (torch._scaled_mm is not the reference: cuBLASLt's FP8 accumulation
     keeps fewer bits; on the H200 it was 0.06 nats off the kernel in this test.)"""
-    path, _ = make_hf_model(tmp_path, num_heads=4, num_kv_heads=2)
-    prompts = [[5 + i, 9, 17 + 2 * i, 33] for i in range(4)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
-    runs = []
-    for quantization, limit in (("fp8_emulated", 0), ("fp8", 16)):
-        monkeypatch.setattr(fp8, "FP8_GEMV_MAX_TOKENS", limit)
-        llm = LLM(str(path), device="cuda", dtype="bfloat16", quantization=quantization,
-                  num_kv_blocks=64)  # fmt: skip
-        runs.append(
-            [o.outputs[0] for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
-        )
-        del llm
-    for i, (ref, got) in enumerate(zip(*runs, strict=True)):
-        for pos, (a, b) in enumerate(zip(ref.token_ids, got.token_ids, strict=True)):
-            ref_lp, got_lp = ref.logprobs[pos], got.logprobs[pos]
-            if a != b:
-                top2 = sorted(ref_lp.values(), reverse=True)[:2]
-                assert top2[0] - top2[1] < 0.02, (
-                    f"sequence {i} left the reference at token {pos} ({b} for {a}) where "
-                    f"the reference's top two differ by {top2[0] - top2[1]:.3f} nats"
-                )
-                break
-            assert abs(ref_lp[a] - got_lp[a]) < 0.02, (
-                f"sequence {i}, token {pos}: log-probability {got_lp[a]:.4f} against "
-                f"{ref_lp[a]:.4f}"
-            )
+    assert_decodes_as_emulated(tmp_path, monkeypatch, "FP8_GEMV_MAX_TOKENS", 16, tol=0.02)

@@ -11,9 +11,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine_utils import make_hf_model  # noqa: E402
+from fp8_engine_check import assert_decodes_as_emulated  # noqa: E402
 
-from pydaemon import LLM, SamplingParams  # noqa: E402
 from pydaemon.quantization import fp8  # noqa: E402
 
 if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
@@ -41,21 +40,5 @@ def test_swapped_equals_plain_and_reference(m, n, k):
 
 
 def test_engine_with_the_swap_decodes_as_the_emulated_path(tmp_path, monkeypatch):
-    path, _ = make_hf_model(tmp_path, num_heads=4, num_kv_heads=2)
-    prompts = [[5 + i, 9, 17 + 2 * i, 33] for i in range(4)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
-    runs = []
-    for quantization, bound in (("fp8_emulated", 0), ("fp8", 64)):
-        monkeypatch.setattr(fp8, "FP8_SWAP_AB_MAX_TOKENS", bound)
-        llm = LLM(str(path), device="cuda", dtype="bfloat16", quantization=quantization,
-                  num_kv_blocks=64)  # fmt: skip
-        runs.append([o.outputs[0] for o in llm.generate(prompt_token_ids=prompts,
-                                                         sampling_params=params)])  # fmt: skip
-        del llm
-    for i, (ref, got) in enumerate(zip(*runs, strict=True)):
-        for pos, (a, b) in enumerate(zip(ref.token_ids, got.token_ids, strict=True)):
-            if a != b:  # only where the reference's top two are (nearly) tied
-                top2 = sorted(ref.logprobs[pos].values(), reverse=True)[:2]
-                assert top2[0] - top2[1] < 0.1, f"sequence {i} left the reference at {pos}"
-                break
-            assert abs(ref.logprobs[pos][a] - got.logprobs[pos][a]) < 0.1, (i, pos)
+    # cuBLASLt's FP8 sums keep fewer bits than float32: a wider tolerance than the GEMV's
+    assert_decodes_as_emulated(tmp_path, monkeypatch, "FP8_SWAP_AB_MAX_TOKENS", 64, tol=0.1)
