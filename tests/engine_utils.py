@@ -75,6 +75,24 @@ def gaps_to_fp32_argmax(hf32, prompt: list[int], tokens: list[int]) -> torch.Ten
     return (logits.max(dim=-1).values - chosen) / logits.std(dim=-1)
 
 
+def gaps_of_outputs(hf32, prompts: list[list[int]], outputs) -> torch.Tensor:
+    """gaps_to_fp32_argmax over every request's prompt and generated tokens, concatenated."""
+    return torch.cat(
+        [
+            gaps_to_fp32_argmax(hf32, p, o.outputs[0].token_ids)
+            for p, o in zip(prompts, outputs, strict=True)
+        ]
+    )
+
+
+def all_blocks_free(llm) -> bool:
+    """Every GPU (device) KV block of the engine is free: nothing lost or leaked."""
+    from pydaemon._core import Device
+
+    bm = llm.engine.block_manager
+    return bm.num_free_blocks(Device.GPU) == bm.num_total_blocks(Device.GPU)
+
+
 def random_prompts(count: int, vocab_size: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from engine_utils import make_hf_model, random_prompts
+from engine_utils import all_blocks_free, make_hf_model, random_prompts
 
 from pydaemon import LLM, SamplingParams
-from pydaemon._core import Device
 from pydaemon.worker.spec.oracle_proposer import OracleProposer
 from pydaemon.worker.spec.proposer import DraftRequest
 from pydaemon.worker.spec_decoder import _padded
@@ -37,11 +36,6 @@ def _runner(llm: LLM):
 
 def _stats(llm: LLM):
     return llm.engine.core.get_stats().spec_decode
-
-
-def _is_free(llm: LLM) -> bool:
-    bm = llm.engine.block_manager
-    return bm.num_free_blocks(Device.GPU) == bm.num_total_blocks(Device.GPU)
 
 
 def _tokens(outputs) -> list[list[int]]:
@@ -70,7 +64,7 @@ def test_ngram_greedy_matches_plain(model):
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
     assert stats.num_accepted_tokens < stats.num_draft_tokens  # rejections were exercised
     assert stats.accepted_per_position[0] >= stats.accepted_per_position[-1]
-    assert _is_free(llm)
+    assert all_blocks_free(llm)
 
 
 def test_padded_drafts_match_plain_and_fill_every_decode(model):
@@ -100,7 +94,7 @@ def test_padded_drafts_match_plain_and_fill_every_decode(model):
             and all(len(d) == k for d in plan.drafts.values())
             for plan in plans
         )
-        assert _is_free(llm)
+        assert all_blocks_free(llm)
     assert full_steps[True] > full_steps[False]
 
 
@@ -140,7 +134,7 @@ def test_oracle_runs_match_plain_with_rejections(model):
     stats = _stats(llm)
     assert stats.num_accepted_tokens > stats.num_drafts  # more than one per verify step
     assert stats.num_accepted_tokens < stats.num_draft_tokens
-    assert _is_free(llm)
+    assert all_blocks_free(llm)
 
 
 def test_stop_ids_and_max_tokens_inside_a_run(model):
@@ -157,7 +151,7 @@ def test_stop_ids_and_max_tokens_inside_a_run(model):
     got = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert _tokens(got) == want
     assert [o.outputs[0].finish_reason for o in got] == ["stop", "stop", "length", "length"]
-    assert _is_free(llm)
+    assert all_blocks_free(llm)
 
 
 def test_preemption_and_prefix_hits_match_plain(model):
@@ -174,11 +168,11 @@ def test_preemption_and_prefix_hits_match_plain(model):
     core = llm.engine.core
     assert core.scheduler.stats.num_preemptions > 0
     assert core.get_stats().prefix_cache_hit_tokens > 0
-    assert _is_free(llm)
+    assert all_blocks_free(llm)
     # Again, one at a time: the cached prefix (hashed over accepted tokens only) is reused.
     again = [llm.generate(prompt_token_ids=[p], sampling_params=params)[0] for p in prompts[:2]]
     assert _tokens(again) == plain[:2]
-    assert _is_free(llm)
+    assert all_blocks_free(llm)
 
 
 def test_async_scheduling_overlaps_above_the_speculation_bound(model):
@@ -196,7 +190,7 @@ def test_async_scheduling_overlaps_above_the_speculation_bound(model):
         stepper = llm.engine.core.async_stepper
         assert stepper is not None and stepper.num_overlapped_steps > 0
         assert _stats(llm).num_drafts > 0  # and the last three speculated
-        assert _is_free(llm)
+        assert all_blocks_free(llm)
 
 
 def test_stop_strings_inside_a_run():
@@ -222,7 +216,7 @@ def test_stop_strings_inside_a_run():
             assert a.keys() == b.keys()
             assert all(a[t] == pytest.approx(b[t], abs=1e-4) for t in a)
     assert _stats(llm).num_accepted_tokens > 0
-    assert _is_free(llm)
+    assert all_blocks_free(llm)
 
 
 def test_no_drafts_for_n_beam_or_high_batch(model):
@@ -240,7 +234,7 @@ def test_no_drafts_for_n_beam_or_high_batch(model):
     first = _stats(backoff).num_draft_tokens
     backoff.generate(prompt_token_ids=prompts[:2], sampling_params=short)  # 2: on
     assert first == 0 and _stats(backoff).num_draft_tokens > 0
-    assert _is_free(llm) and _is_free(backoff)
+    assert all_blocks_free(llm) and all_blocks_free(backoff)
 
 
 def _chi2_two_sample(a: np.ndarray, b: np.ndarray) -> tuple[float, int]:
@@ -270,7 +264,7 @@ def test_sampled_tokens_follow_the_plain_distribution(tmp_path):
         outs = llm.generate(prompt_token_ids=[prompt] * num, sampling_params=params)
         tokens = np.array(_tokens(outs))
         counts.append([np.bincount(tokens[:, j], minlength=12) for j in (1, 2)])
-        assert _is_free(llm)
+        assert all_blocks_free(llm)
     assert _stats(llm).num_accepted_tokens > 40
     # Critical chi-square values at p = 0.001 for 1..11 degrees of freedom.
     critical = [10.8, 13.8, 16.3, 18.5, 20.5, 22.5, 24.3, 26.1, 27.9, 29.6, 31.3]
@@ -304,7 +298,7 @@ def test_draft_model_greedy_matches_plain(model, tmp_path):
         assert _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=params)) == plain
         stats = _stats(llm)
         assert stats.num_draft_tokens > 0 and stats.acceptance_rate >= min_rate
-        assert _is_free(llm)
+        assert all_blocks_free(llm)
     assert llm.engine.core.scheduler.stats.num_preemptions > 0
 
 

@@ -17,10 +17,9 @@ from eagle_utils import (
     reference_head,
     save_head,
 )
-from engine_utils import make_hf_model, random_prompts
+from engine_utils import all_blocks_free, make_hf_model, random_prompts
 
 from pydaemon import LLM, SamplingParams
-from pydaemon._core import Device
 from pydaemon.layers.attention_metadata import chunk_metadata
 from pydaemon.model_loader.eagle_head import load_eagle_head
 from pydaemon.model_loader.loader import load_model
@@ -53,11 +52,6 @@ def _llm(model, spec=None, **kwargs) -> LLM:
 
 def _stats(llm: LLM):
     return llm.engine.core.get_stats().spec_decode
-
-
-def _is_free(llm: LLM) -> bool:
-    bm = llm.engine.block_manager
-    return bm.num_free_blocks(Device.GPU) == bm.num_total_blocks(Device.GPU)
 
 
 def _tokens(outputs) -> list[list[int]]:
@@ -163,7 +157,7 @@ def test_drafts_equal_the_reference_through_chunks_and_verify_steps(request, whi
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens < stats.num_draft_tokens
     assert (stats.num_accepted_tokens > 0) == (which == "noisy")
     _check_against_reference(calls, hf, w, min_checked=40)
-    assert _is_free(llm)
+    assert all_blocks_free(llm)
 
 
 @pytest.mark.parametrize("which", ["random", "noisy"])
@@ -191,7 +185,7 @@ def test_greedy_matches_plain_with_stops_max_tokens_and_preemption(request, whic
         stats = _stats(llm)
         assert stats.num_draft_tokens > 0
         assert (stats.num_accepted_tokens > 0) == (which == "noisy")  # runs cut by stops
-        assert _is_free(llm)
+        assert all_blocks_free(llm)
 
 
 @pytest.mark.parametrize("which", ["random", "noisy"])
@@ -210,7 +204,7 @@ def test_async_scheduling_drafts_equal_the_reference(request, which):
     assert _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=params)) == plain
     assert llm.engine.core.async_stepper.num_overlapped_steps > 0
     _check_against_reference(calls, hf, w, min_checked=20)
-    assert _is_free(llm)
+    assert all_blocks_free(llm)
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +224,7 @@ def test_an_exact_head_is_always_accepted(exact):
     stats = _stats(llm)
     assert stats.num_draft_tokens >= 40
     assert stats.num_accepted_tokens == stats.num_draft_tokens
-    assert _is_free(llm)
+    assert all_blocks_free(llm)
 
 
 def _bad_head(tmp_path, change=None, drop=(), **config):

@@ -10,10 +10,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine_utils import gaps_to_fp32_argmax, make_hf_model, random_prompts  # noqa: E402
+from engine_utils import all_blocks_free, gaps_of_outputs, make_hf_model, random_prompts  # noqa: E402
 
 from pydaemon import LLM, SamplingParams  # noqa: E402
-from pydaemon._core import Device  # noqa: E402
 from pydaemon.layers.attention import uses_kernels  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
@@ -33,11 +32,6 @@ def model(tmp_path_factory):
     )
 
 
-def _all_free(llm):
-    bm = llm.engine.block_manager
-    return bm.num_free_blocks(Device.GPU) == bm.num_total_blocks(Device.GPU)
-
-
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_fp16_greedy_follows_transformers_fp32_with_kernels(
@@ -52,16 +46,11 @@ def test_fp16_greedy_follows_transformers_fp32_with_kernels(
     assert uses_kernels(llm.engine.runner.kv_cache) == (backend == "auto")
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     hf32 = hf.to("cuda", torch.float32)
-    gaps = torch.cat(
-        [
-            gaps_to_fp32_argmax(hf32, p, o.outputs[0].token_ids)
-            for p, o in zip(prompts, outputs, strict=True)
-        ]
-    )
+    gaps = gaps_of_outputs(hf32, prompts, outputs)
     # Greedy in fp16 follows float32's argmax except at near-ties (gap < 5% of a logit std).
     assert float(gaps.max()) < 0.05, f"largest gap {float(gaps.max()):.3f} logit std"
     assert float((gaps == 0).float().mean()) > 0.9
-    assert _all_free(llm)
+    assert all_blocks_free(llm)
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
@@ -93,4 +82,4 @@ def test_preemption_on_gpu_keeps_outputs(model, mode):
     assert stats.num_preemptions > 0
     if mode == "swap":
         assert stats.num_swapped_out_blocks > 0
-    assert _all_free(small)
+    assert all_blocks_free(small)

@@ -12,10 +12,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine_utils import gaps_to_fp32_argmax, make_hf_model, random_prompts  # noqa: E402
+from engine_utils import all_blocks_free, gaps_of_outputs, make_hf_model, random_prompts  # noqa: E402
 
 from pydaemon import LLM, SamplingParams  # noqa: E402
-from pydaemon._core import Device  # noqa: E402
 from pydaemon.worker.spec.oracle_proposer import OracleProposer  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
@@ -35,11 +34,6 @@ def model(tmp_path_factory):
     )
 
 
-def _all_free(llm):
-    bm = llm.engine.block_manager
-    return bm.num_free_blocks(Device.GPU) == bm.num_total_blocks(Device.GPU)
-
-
 def _llm(path, spec=None, **kw):
     return LLM(str(path), device="cuda", dtype="float16", num_kv_blocks=256,
                speculative_config=spec, **kw)  # fmt: skip
@@ -57,12 +51,7 @@ def test_oracle_drafts_follow_fp32_argmax(model, block_size):
     llm.engine.core.runner.spec_decoder.proposer = OracleProposer(refs, 5, 512)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     hf32 = hf.to("cuda", torch.float32)
-    gaps = torch.cat(
-        [
-            gaps_to_fp32_argmax(hf32, p, o.outputs[0].token_ids)
-            for p, o in zip(prompts, outputs, strict=True)
-        ]
-    )
+    gaps = gaps_of_outputs(hf32, prompts, outputs)
     assert float(gaps.max()) < 0.05, f"largest gap {float(gaps.max()):.3f} logit std"
     same = [
         a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -71,7 +60,7 @@ def test_oracle_drafts_follow_fp32_argmax(model, block_size):
     assert sum(same) >= len(same) - 1  # fp16 near-ties between the two kernels aside
     stats = llm.engine.core.get_stats().spec_decode
     assert stats.num_accepted_tokens > stats.num_draft_tokens // 2
-    assert _all_free(llm)
+    assert all_blocks_free(llm)
 
 
 def test_ngram_on_a_repetitive_prompt_is_accepted(model):
@@ -83,7 +72,7 @@ def test_ngram_on_a_repetitive_prompt_is_accepted(model):
     plain = _llm(path).generate(prompt_token_ids=[prompt], sampling_params=GREEDY)[0]
     assert out.outputs[0].token_ids[:16] == plain.outputs[0].token_ids[:16]
     assert llm.engine.core.get_stats().spec_decode.num_draft_tokens > 0
-    assert _all_free(llm)
+    assert all_blocks_free(llm)
 
 
 def test_seeded_sampling_repeats_on_the_device(model):
@@ -102,7 +91,7 @@ def test_seeded_sampling_repeats_on_the_device(model):
                 for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)
             ]
         )
-        assert _all_free(llm)
+        assert all_blocks_free(llm)
     assert runs[0] == runs[1]
 
 
@@ -115,12 +104,7 @@ def test_draft_model_on_gpu_follows_fp32_argmax(model):
     llm = _llm(path, spec)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     hf32 = hf.to("cuda", torch.float32)
-    gaps = torch.cat(
-        [
-            gaps_to_fp32_argmax(hf32, p, o.outputs[0].token_ids)
-            for p, o in zip(prompts, outputs, strict=True)
-        ]
-    )
+    gaps = gaps_of_outputs(hf32, prompts, outputs)
     assert float(gaps.max()) < 0.05, f"largest gap {float(gaps.max()):.3f} logit std"
     assert llm.engine.core.get_stats().spec_decode.acceptance_rate > 0.8
-    assert _all_free(llm)
+    assert all_blocks_free(llm)

@@ -14,18 +14,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eagle_utils import head_tensors, make_exact_eagle, reference_drafts, save_head  # noqa: E402
-from engine_utils import gaps_to_fp32_argmax, make_hf_model, random_prompts  # noqa: E402
+from engine_utils import (  # noqa: E402
+    all_blocks_free,
+    gaps_of_outputs,
+    make_hf_model,
+    random_prompts,
+)
 
 from pydaemon import LLM, SamplingParams  # noqa: E402
-from pydaemon._core import Device  # noqa: E402
 
 SHAPE = dict(hidden_size=512, num_heads=8, num_kv_heads=2, vocab_size=512)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-
-
-def _all_free(llm):
-    bm = llm.engine.block_manager
-    return bm.num_free_blocks(Device.GPU) == bm.num_total_blocks(Device.GPU)
 
 
 def _llm(path, head_dir=None, k=4, **kw):
@@ -45,17 +44,12 @@ def test_exact_head_is_accepted_and_follows_fp32_argmax(tmp_path, async_scheduli
     llm = _llm(path, heads[0.0][0], async_scheduling=async_scheduling)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     hf32 = hf.to("cuda", torch.float32)
-    gaps = torch.cat(
-        [
-            gaps_to_fp32_argmax(hf32, p, o.outputs[0].token_ids)
-            for p, o in zip(prompts, outputs, strict=True)
-        ]
-    )
+    gaps = gaps_of_outputs(hf32, prompts, outputs)
     assert float(gaps.max()) < 0.05, f"largest gap {float(gaps.max()):.3f} logit std"
     stats = llm.engine.core.get_stats().spec_decode
     assert stats.num_draft_tokens > 100 and stats.acceptance_rate > 0.9
     assert llm.engine.core.runner.cuda_graphs.num_verify_replays > 0
-    assert _all_free(llm)
+    assert all_blocks_free(llm)
 
 
 def test_random_head_drafts_follow_the_reference(tmp_path):
@@ -86,4 +80,4 @@ def test_random_head_drafts_follow_the_reference(tmp_path):
         same += sum(a == b for a, b in zip(drafts, want, strict=False))
         total += len(want)
     assert total > 30 and same >= 0.9 * total, (same, total)
-    assert _all_free(llm)
+    assert all_blocks_free(llm)
