@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import math
 
-import numpy as np
 import torch
 
 from pydaemon.config.engine import EngineConfig
@@ -17,7 +16,7 @@ from pydaemon.core.runner_output import AsyncModelRunnerOutput, ModelRunnerOutpu
 from pydaemon.core.sched.scheduler_output import SchedulerOutput
 from pydaemon.distributed import parallel_state as ps
 from pydaemon.layers.attention import uses_kernels
-from pydaemon.layers.attention_metadata import AttentionMetadata
+from pydaemon.layers.attention_metadata import AttentionMetadata, to_device
 from pydaemon.model_loader.loader import load_model
 from pydaemon.quantization.kv_cache_fp8 import is_fp8, resolve_kv_cache_dtype
 from pydaemon.worker.cuda_graph_inputs import cuda_graph_plan
@@ -288,7 +287,7 @@ class ModelRunner:
         hidden = graphs.run(step, key, lambda ids: self._fill_placeholders(ids, step))
         if len(step.sample_index) == len(step.input_ids):  # every row, in order: no gather
             return hidden, self.model.compute_logits(hidden)
-        return hidden, self.model.compute_logits(hidden[_to(step.sample_index, self.device)])
+        return hidden, self.model.compute_logits(hidden[to_device(step.sample_index, self.device)])
 
     def _forward_eager(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``_forward`` without graphs: any step, on any device."""
@@ -299,19 +298,21 @@ class ModelRunner:
             num_prefills=p,
             num_prefill_tokens=int(query_len[:p].sum()),
             num_decode_tokens=len(step.seq_ids) - p,
-            slot_mapping=_to(step.slot_mapping, dev),
-            block_tables=_to(step.block_tables, dev),
-            seq_lens=_to(step.seq_lens, dev),
-            query_start_loc=_to(step.query_start_loc, dev),
+            slot_mapping=to_device(step.slot_mapping, dev),
+            block_tables=to_device(step.block_tables, dev),
+            seq_lens=to_device(step.seq_lens, dev),
+            query_start_loc=to_device(step.query_start_loc, dev),
             max_seq_len=int(step.seq_lens.max()),
             max_query_len=int(query_len.max()),
             seq_lens_cpu=step.seq_lens.tolist(),
             query_lens_cpu=query_len.tolist(),
         )
-        hidden = self.model(self._input_ids(step), _to(step.positions, dev), self.kv_cache, meta)
+        hidden = self.model(
+            self._input_ids(step), to_device(step.positions, dev), self.kv_cache, meta
+        )
         if len(step.sample_index) == 0:
             return hidden, hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
-        return hidden, self.model.compute_logits(hidden[_to(step.sample_index, dev)])
+        return hidden, self.model.compute_logits(hidden[to_device(step.sample_index, dev)])
 
     def release_cuda_graphs(self) -> None:
         """Drops the decode graphs: call before destroying the NCCL communicator their
@@ -323,7 +324,7 @@ class ModelRunner:
 
     def _input_ids(self, step: StepInput) -> torch.Tensor:
         """[num_tokens] int64 on the device, placeholders filled (``_fill_placeholders``)."""
-        input_ids = _to(step.input_ids, self.device)
+        input_ids = to_device(step.input_ids, self.device)
         self._fill_placeholders(input_ids, step)
         return input_ids
 
@@ -336,8 +337,8 @@ class ModelRunner:
         last = self._last_output
         if last is None or last.sampled_token_ids is None:
             raise RuntimeError("placeholder tokens but the previous step sampled nothing")
-        rows = _to(last.sample_rows(step.placeholder_seq_ids.tolist()), self.device)
-        index = _to(step.placeholder_index, self.device)
+        rows = to_device(last.sample_rows(step.placeholder_seq_ids.tolist()), self.device)
+        index = to_device(step.placeholder_index, self.device)
         input_ids[index] = last.sampled_token_ids[rows]
 
     def _move_blocks(self, out: SchedulerOutput) -> None:
@@ -362,13 +363,6 @@ class ModelRunner:
         if out.blocks_to_copy:
             src, dst = _pairs(out.blocks_to_copy)
             self.kv_cache[dst.to(self.device)] = self.kv_cache[src.to(self.device)]
-
-
-def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    tensor = torch.from_numpy(array)
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor
 
 
 def _pairs(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
