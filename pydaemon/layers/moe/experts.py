@@ -12,6 +12,11 @@ other dtypes and GPUs) one ``F.linear`` per expert that has rows, which reads th
 sizes on the host (while a CUDA graph is captured: every expert on all rows, masked). The
 last line is one kernel on CUDA with pagedd's kernels (``ops.moe_combine``).
 
+``MOE_BACKEND = "triton"`` runs the steps of at most ``MOE_TRITON_MAX_TOKENS`` tokens (fp16/bf16
+on CUDA, triton importable) on Triton fused-MoE GEMMs instead (triton_moe.py: slots sorted and
+padded per expert, one GEMM kernel for gate/up and one for down with the routing weight in its
+epilogue). Off by default until measured on the GPU (issue 29).
+
 A few tokens (``0 < T * k <= MOE_DECODE_MAX_SLOTS``, fp16/bf16 on CUDA) skip the grouping
 and run two kernels (``ops.moe_decode_gate_up``: the first three lines per slot;
 ``ops.moe_decode_down_combine``: the last two), with the same roundings. At one token the
@@ -30,6 +35,7 @@ import torch.nn.functional as F
 
 from pydaemon import ops
 from pydaemon.layers.activation import SiluAndMul
+from pydaemon.layers.moe import triton_moe
 from pydaemon.layers.moe.align import moe_align
 
 _act = SiluAndMul()
@@ -40,6 +46,13 @@ _act = SiluAndMul()
 # between is not measured.
 MOE_DECODE_MAX_SLOTS = 8
 _DECODE_DTYPES = (torch.float16, torch.bfloat16)
+# The GEMMs of the steps the decode kernels do not take: "grouped" (above) or "triton"
+# (triton_moe.py) for steps of at most MOE_TRITON_MAX_TOKENS tokens (the others: grouped).
+# Default grouped: the Triton path's speed is not measured yet (bench/bench_moe.py and
+# bench/throughput.py --moe-backend triton A/B it).
+MOE_BACKENDS = ("grouped", "triton")
+MOE_BACKEND = "grouped"
+MOE_TRITON_MAX_TOKENS = 1 << 30
 
 
 @functools.cache
@@ -129,6 +142,15 @@ def use_decode_kernels(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tenso
     )
 
 
+def use_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """The Triton fused-MoE GEMMs serve this step (by shapes, dtype and device only)."""
+    return (
+        MOE_BACKEND == "triton"
+        and x.shape[0] <= MOE_TRITON_MAX_TOKENS
+        and triton_moe.supports(x, w13, w2)
+    )
+
+
 def fused_experts(
     x: torch.Tensor,  # [T, H]
     w13: torch.Tensor,  # [E, 2 * I, H]
@@ -139,6 +161,8 @@ def fused_experts(
     if use_decode_kernels(x, w13, topk_ids):
         act = ops.moe_decode_gate_up(x, topk_ids, w13)  # [T * k, I]
         return ops.moe_decode_down_combine(act, topk_ids, topk_weights, w2)
+    if use_triton(x, w13, w2):
+        return triton_moe.fused_experts_triton(x, w13, w2, topk_weights, topk_ids)
     sorted_token_ids, inverse, expert_offsets = moe_align(topk_ids, w13.shape[0])
     rows = x.index_select(0, sorted_token_ids)  # [T * k, H]
     h = grouped_mm(rows, w13, expert_offsets)  # [T * k, 2 * I]
