@@ -8,6 +8,10 @@ step touches (distinct experts hit, at least once each).
         --out bench/results/moe_layer_qwen3_30b_a3b_h200_<date>.json
     PYTHONPATH=. python bench/bench_moe.py --shape mixtral-8x7b --quantization fp8
     PYTHONPATH=. python bench/bench_moe.py --tokens 1,2,4,8 --decode-max-slots 64  # decode kernels
+    PYTHONPATH=. python bench/bench_moe.py --moe-backend triton --decode-max-slots 0  # Triton GEMMs
+
+With ``--moe-backend triton`` the align column times the Triton path's align kernel (padded
+per expert to the step's BLOCK_M) instead of the grouped path's.
 """
 
 from __future__ import annotations
@@ -38,6 +42,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="experts.MOE_DECODE_MAX_SLOTS for this run: steps of at most this many token x "
         "top_k slots run the two MoE decode kernels (0: never); default: the code's value",
+    )
+    p.add_argument(
+        "--moe-backend",
+        choices=("grouped", "triton"),
+        default=None,
+        help="experts.MOE_BACKEND for this run (bf16 only: FP8 layers keep their own GEMMs); "
+        "default: the code's value",
+    )
+    p.add_argument(
+        "--triton-tile",
+        default=None,
+        metavar="BM,BN,BK,GROUP_M,WARPS,STAGES",
+        help="with --moe-backend triton: this one tile config at every token count instead "
+        "of triton_moe.TILE_CONFIGS (to tune the table)",
     )
     p.add_argument("--out", default=None)
     return p
@@ -71,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import torch
 
-    from pydaemon.layers.moe import FusedMoE, experts
+    from pydaemon.layers.moe import FusedMoE, experts, triton_moe
     from pydaemon.layers.moe.align import moe_align
     from pydaemon.layers.moe.router import select_experts
     from pydaemon.quantization.config import Fp8Config
@@ -79,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.decode_max_slots is not None:  # an A/B knob of this process only
         experts.MOE_DECODE_MAX_SLOTS = args.decode_max_slots
+    if args.moe_backend is not None:
+        experts.MOE_BACKEND = args.moe_backend
+    if args.triton_tile:
+        tile = triton_moe.TileConfig(*(int(v) for v in args.triton_tile.split(",")))
+        triton_moe.TILE_CONFIGS = ((1 << 62, tile),)
     e, k, h, i, renorm = SHAPES[args.shape]
     quant = Fp8Config(None, emulate=False) if args.quantization == "fp8" else None
     torch.manual_seed(0)
@@ -105,7 +128,13 @@ def main(argv: list[str] | None = None) -> int:
                 lambda logits=logits: select_experts(logits, k, "softmax", renorm), args.iters
             )
             _, ids = select_experts(logits, k, "softmax", renorm)
-            align = _time_graph(lambda ids=ids: moe_align(ids, e), args.iters)
+            if experts.MOE_BACKEND == "triton" and quant is None:
+                bm = triton_moe.tile_config(t).block_m
+                align = _time_graph(
+                    lambda ids=ids, bm=bm: triton_moe.moe_align_blocks(ids, e, bm), args.iters
+                )
+            else:
+                align = _time_graph(lambda ids=ids: moe_align(ids, e), args.iters)
         hit = ids.unique().numel()
         flops = 2 * t * k * 3 * h * i
         row = {
@@ -131,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "quantization": args.quantization,
         "decode_max_slots": experts.MOE_DECODE_MAX_SLOTS,
+        "moe_backend": experts.MOE_BACKEND,
+        "triton_tile_configs": [[b, list(c)] for b, c in triton_moe.TILE_CONFIGS]
+        if experts.MOE_BACKEND == "triton"
+        else None,
         "rows": rows,
     }
     if args.out:

@@ -7,6 +7,10 @@ replace the general path, set for this process only (benchmarks, not a configura
   with the operands swapped (``scaled_mm_swapped``, FP8_SWAP_AB_MAX_TOKENS);
 - ``--moe-decode-max-slots N``: MoE layers of at most N token x top_k slots run the two decode
   kernels instead of the grouped GEMMs (pydaemon/layers/moe/experts.py, MOE_DECODE_MAX_SLOTS);
+- ``--moe-backend grouped|triton``: the GEMMs of MoE steps the decode kernels do not take:
+  ``torch._grouped_mm`` or the Triton fused-MoE kernels (pydaemon/layers/moe/triton_moe.py;
+  experts.MOE_BACKEND), the latter for steps of at most ``--moe-triton-max-tokens N`` tokens
+  (MOE_TRITON_MAX_TOKENS);
 - ``--lora-kernel-max-tokens N``: LoRA deltas of at most N tokens run the BGMV kernels
   (pydaemon/layers/lora/punica.py, LORA_KERNEL_MAX_TOKENS);
 - ``--lora-overlap 0|1``: LoRA layers captured in CUDA graphs run their shrink on a side stream
@@ -25,7 +29,12 @@ SWITCHES = {
     "fp8_gemv_max_tokens": ("pydaemon.quantization.fp8", "FP8_GEMV_MAX_TOKENS"),
     "fp8_swap_ab_max_tokens": ("pydaemon.quantization.fp8", "FP8_SWAP_AB_MAX_TOKENS"),
     "moe_decode_max_slots": ("pydaemon.layers.moe.experts", "MOE_DECODE_MAX_SLOTS"),
+    "moe_triton_max_tokens": ("pydaemon.layers.moe.experts", "MOE_TRITON_MAX_TOKENS"),
     "lora_kernel_max_tokens": ("pydaemon.layers.lora.punica", "LORA_KERNEL_MAX_TOKENS"),
+}
+# flag -> (module, constant, choices): one of named choices
+CHOICES = {
+    "moe_backend": ("pydaemon.layers.moe.experts", "MOE_BACKEND", ("grouped", "triton")),
 }
 # flag -> (module, constant): on/off switches, given as 0 or 1
 TOGGLES = {
@@ -42,6 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             default=None,
             help=f"{module}.{constant} for this run (default: the code's value)",
         )
+    for name, (module, constant, choices) in CHOICES.items():
+        group.add_argument(
+            "--" + name.replace("_", "-"),
+            choices=choices,
+            default=None,
+            help=f"{module}.{constant} for this run (default: the code's value)",
+        )
     for name, (module, constant) in TOGGLES.items():
         group.add_argument(
             "--" + name.replace("_", "-"),
@@ -52,17 +68,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         )
 
 
-def apply(args: argparse.Namespace) -> dict[str, int | bool]:
+def apply(args: argparse.Namespace) -> dict[str, int | bool | str]:
     """Sets the switches given on the command line; -> every switch's value in effect."""
     import importlib
 
-    values: dict[str, int | bool] = {}
+    values: dict[str, int | bool | str] = {}
     for name, (module_name, constant) in SWITCHES.items():
         module = importlib.import_module(module_name)
         value = getattr(args, name, None)
         if value is not None:
             if value < 0:
                 raise SystemExit(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+            setattr(module, constant, value)
+        values[name] = getattr(module, constant)
+    for name, (module_name, constant, _) in CHOICES.items():
+        module = importlib.import_module(module_name)
+        value = getattr(args, name, None)
+        if value is not None:
             setattr(module, constant, value)
         values[name] = getattr(module, constant)
     for name, (module_name, constant) in TOGGLES.items():

@@ -24,18 +24,32 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def test_flags_set_the_bounds_and_report_them(monkeypatch):
     for module, name in ((fp8, "FP8_GEMV_MAX_TOKENS"), (experts, "MOE_DECODE_MAX_SLOTS"),
+                         (experts, "MOE_BACKEND"), (experts, "MOE_TRITON_MAX_TOKENS"),
                          (punica, "LORA_KERNEL_MAX_TOKENS"),
                          (punica, "LORA_OVERLAP_SHRINK")):  # fmt: skip
         monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
     lora_default = punica.LORA_KERNEL_MAX_TOKENS
     swap_default = fp8.FP8_SWAP_AB_MAX_TOKENS
     overlap_default = punica.LORA_OVERLAP_SHRINK
+    triton_max_default = experts.MOE_TRITON_MAX_TOKENS
     got = kernel_switches.apply(
-        _parse(["--fp8-gemv-max-tokens", "16", "--moe-decode-max-slots", "0"])
+        _parse(
+            [
+                "--fp8-gemv-max-tokens",
+                "16",
+                "--moe-decode-max-slots",
+                "0",
+                "--moe-backend",
+                "triton",
+            ]
+        )  # fmt: skip
     )
     assert fp8.FP8_GEMV_MAX_TOKENS == 16 and experts.MOE_DECODE_MAX_SLOTS == 0
+    assert experts.MOE_BACKEND == "triton"
     assert got == {"fp8_gemv_max_tokens": 16, "fp8_swap_ab_max_tokens": swap_default,
                    "moe_decode_max_slots": 0,
+                   "moe_triton_max_tokens": triton_max_default,
+                   "moe_backend": "triton",
                    "lora_kernel_max_tokens": lora_default,
                    "lora_overlap": overlap_default}  # fmt: skip
     assert punica.LORA_OVERLAP_SHRINK is overlap_default  # not given: left alone
@@ -47,6 +61,14 @@ def test_toggles_turn_the_lora_overlap_on_and_off(monkeypatch, value):
     got = kernel_switches.apply(_parse(["--lora-overlap", str(value)]))
     assert punica.LORA_OVERLAP_SHRINK is bool(value)
     assert got["lora_overlap"] is bool(value)
+
+
+def test_the_moe_backend_takes_only_its_choices(monkeypatch):
+    monkeypatch.setattr(experts, "MOE_BACKEND", experts.MOE_BACKEND)  # restored after the test
+    with pytest.raises(SystemExit):
+        _parse(["--moe-backend", "cutlass"])
+    assert kernel_switches.apply(_parse([]))["moe_backend"] == "grouped"  # the default
+    assert kernel_switches.CHOICES["moe_backend"][2] == experts.MOE_BACKENDS
 
 
 def test_toggles_take_only_0_or_1():
