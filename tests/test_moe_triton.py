@@ -1,9 +1,11 @@
 """The Triton fused-MoE expert path (pydaemon/layers/moe/triton_moe.py) without a GPU: its
 kernels under Triton's interpreter (tests/moe_triton_interpreted.py, run in a pytest
 subprocess with TRITON_INTERPRET=1: the switch must be set before triton is first imported),
-the tile table, the CPU refusing the path, and importing pydaemon without importing triton.
-The interpreter cases skip where triton is not installed (it comes with xgrammar on Linux
-x86-64, so CI has it)."""
+the kernels compiled ahead of time for sm_90 (Hopper: Triton's compiler and its bundled
+ptxas need no GPU) with every tile config of the table, within the H100/H200's shared memory
+and with the loads pipelined (cp.async) and the products on tensor cores, the tile table, the CPU
+refusing the path, and importing pydaemon without importing triton. The triton cases skip
+where triton is not installed (it comes with xgrammar on Linux x86-64, so CI has it)."""
 
 from __future__ import annotations
 
@@ -19,9 +21,13 @@ import torch
 from pydaemon.layers.moe import triton_moe
 
 ROOT = Path(__file__).resolve().parents[1]
+HOPPER_SHARED_MEMORY = 227 * 1024  # bytes a block may use on sm_90
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton not installed"
+)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+@needs_triton
 def test_the_kernels_under_the_triton_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
@@ -31,6 +37,77 @@ def test_the_kernels_under_the_triton_interpreter():
     assert out.returncode == 0, report
     summary = out.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "skipped" not in summary, report
+
+
+def _compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int):
+    """fn compiled for sm_90 as the JIT would on an H200 (pointers, sizes and strides that are
+    multiples of 16 marked so, as it specializes them)."""
+    import triton
+
+    if not hasattr(triton, "knobs"):
+        pytest.skip("Triton's compile API differs before 3.4")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pydaemon.layers.moe import triton_moe_kernels
+
+    if triton_moe_kernels.INTERPRETED:
+        pytest.skip("TRITON_INTERPRET is set for this process")
+    div16 = [n for n in signature if n.endswith("_ptr") or n in ("N", "K") or "stride" in n]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    src = ASTSource(
+        fn=fn,
+        signature={**signature, **dict.fromkeys(constexprs, "constexpr")},
+        constexprs=constexprs,
+        attrs=attrs,
+    )
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+_GEMM_SIGNATURE = {
+    "a_ptr": "*bf16", "w_ptr": "*bf16", "c_ptr": "*bf16", "sorted_slots_ptr": "*i32",
+    "block_expert_ptr": "*i32", "weight_ptr": "*fp32", "N": "i32", "K": "i32",
+    "num_slots": "i32", "max_blocks": "i32", "stride_am": "i32", "stride_we": "i32",
+    "stride_wn": "i32", "stride_wk": "i32", "stride_cm": "i32",
+}  # fmt: skip
+
+
+@needs_triton
+@pytest.mark.parametrize("index", range(len(triton_moe.TILE_CONFIGS)))
+@pytest.mark.parametrize("n,k,row_div,mul_weight", [(1536, 2048, 8, False), (2048, 768, 1, True)],
+                         ids=["gate_up", "down"])  # fmt: skip
+def test_gemm_compiles_for_hopper(index, n, k, row_div, mul_weight):
+    """The Qwen3-30B-A3B GEMMs (gate/up: N 1536, K 2048; down: N 2048, K 768) with each tile
+    config: they compile, fit in shared memory, pipeline their loads and use the tensor
+    cores."""
+    from pydaemon.layers.moe import triton_moe_kernels
+
+    cfg = triton_moe._fit(triton_moe.TILE_CONFIGS[index][1], n, k)
+    constexprs = {"A_ROW_DIV": row_div, "MUL_WEIGHT": mul_weight, "DOT_F32": False,
+                  "EVEN_K": k % cfg.block_k == 0, "BLOCK_M": cfg.block_m,
+                  "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m}  # fmt: skip
+    kernel = _compile_sm90(triton_moe_kernels.moe_gemm_kernel, _GEMM_SIGNATURE, constexprs,
+                           cfg.num_warps, cfg.num_stages)  # fmt: skip
+    assert kernel.metadata.shared <= HOPPER_SHARED_MEMORY, kernel.metadata.shared
+    ptx = kernel.asm["ptx"]
+    # tensor cores: wgmma from 64 rows a tile (a warp group's M), mma.sync below
+    assert ("wgmma.mma_async" if cfg.block_m >= 64 else "mma.sync.aligned") in ptx
+    if cfg.num_stages > 1:
+        assert "cp.async" in ptx  # the K loop's loads are pipelined
+
+
+@needs_triton
+@pytest.mark.parametrize("block_m", [16, 128])
+def test_align_compiles_for_hopper(block_m):
+    from pydaemon.layers.moe import triton_moe_kernels
+
+    signature = {"expert_ids_ptr": "*i32", "sorted_slots_ptr": "*i32",
+                 "block_expert_ptr": "*i32", "num_slots": "i32", "max_blocks": "i32"}  # fmt: skip
+    constexprs = {"NUM_EXPERTS": 128, "NUM_BINS": 256, "BLOCK_M": block_m,
+                  "CHUNK": triton_moe.ALIGN_CHUNK}  # fmt: skip
+    kernel = _compile_sm90(triton_moe_kernels.moe_align_kernel, signature, constexprs, 4, 3)
+    assert kernel.metadata.shared <= HOPPER_SHARED_MEMORY
 
 
 def test_supports_needs_cuda_and_half_precision():
