@@ -15,8 +15,13 @@ Two workloads:
   differently, so the outputs part after a few tokens and drafting stops (the honest
   acceptance is reported, not assumed).
 - ``ngram``: the default model (real SmolLM2-135M-Instruct weights) on a copy-heavy workload
-  (prompts that ask to repeat or lightly edit a passage they quote), n-gram drafts against
-  no speculation, batch 1 and 32: acceptance rate and speed-up.
+  (chat messages, rendered by the model's template as the OpenAI API does, that ask to repeat
+  or lightly edit a passage they quote; each request ends at its end-of-turn token or at
+  ``--output-len``), n-gram drafts against no speculation, batch 1 and 32: acceptance rate
+  and speed-up. Each k runs with the governor off (``ngram_kK``: every step up to the batch
+  drafts, the mechanism's cost) and on (``ngram_kK_auto``, the default: speculation turns
+  itself off where it measures slower, pydaemon/core/sched/spec_governor.py; its engine keeps
+  what it learned from run to run, as a server does).
 - ``eagle``: the EAGLE-1 proposer (``method: "eagle"``) on the oracle workload's prompts.
   By default the Llama-3-8B shape with dummy weights and a dummy one-layer head of the
   EAGLE-LLaMA3-Instruct-8B shape: acceptance is ~0, so the figures are the cost of running
@@ -98,16 +103,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "verification keeps them all (bench/spec_forced.py), so each step has "
                         "a perfect oracle's shape; off: the OracleProposer and the real "
                         "acceptance, which random weights make diverge")  # fmt: skip
+    p.add_argument("--governor", default=None,
+                   help="comma-separated off,on: speculating engines per k without / with the "
+                        "governor (auto_disable; default: off,on for ngram, off otherwise)")  # fmt: skip
     p.add_argument("--out", default=None, help="JSON file to write")
     return p
 
 
-def run_batch(llm, prompts: list[list[int]], output_len: int, device: str) -> dict:
+def run_batch(
+    llm, prompts: list[list[int]], output_len: int, device: str, ignore_eos: bool = True
+) -> dict:
     import torch
 
     from pydaemon import SamplingParams
 
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=ignore_eos)
     engine = llm.engine
     if device == "cuda":
         torch.cuda.synchronize()
@@ -162,13 +172,14 @@ def _prompts(args, llm, batch: int) -> list[list[int]]:
         rng = random.Random(batch)
         return [[rng.randrange(100, min(30000, vocab)) for _ in range(args.prompt_len)]
                 for _ in range(batch)]  # fmt: skip
-    tokenizer = llm.tokenizer
+    from pydaemon.tokenizer.chat_encoding import encode_chat
+
     prompts = []
     for i in range(batch):
         instruction = INSTRUCTIONS[i % len(INSTRUCTIONS)]
         passage = PASSAGES[(i // len(INSTRUCTIONS)) % len(PASSAGES)]
-        text = f"{instruction}\n\nText: {passage}\n\nResult: "
-        prompts.append(tokenizer.encode(text))
+        message = {"role": "user", "content": f"{instruction}\n\nText: {passage}"}
+        prompts.append(encode_chat(llm.tokenizer, [message])[1])
     return prompts
 
 
@@ -224,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.oracle_accept_all and args.workload != "oracle":
         raise SystemExit("--oracle-accept-all is for the oracle workload")
     batches = [int(b) for b in args.batches.split(",")]
+    eos = args.workload != "ngram"  # ignore_eos: copy requests end at their end-of-turn
+    governor = (args.governor or ("off,on" if args.workload == "ngram" else "off")).split(",")
+    if not set(governor) <= {"off", "on"}:
+        raise SystemExit(f"--governor: off and/or on, got {args.governor!r}")
     ks = [int(k) for k in args.ks.split(",")]
     from pydaemon import LLM
 
@@ -245,29 +260,30 @@ def main(argv: list[str] | None = None) -> int:
     inputs = {}
     for batch in batches:  # the references (greedy outputs), also a warm-up of plain
         prompts = _prompts(args, plain, batch)
-        inputs[batch] = (prompts, run_batch(plain, prompts, args.output_len, args.device))
+        inputs[batch] = (prompts, run_batch(plain, prompts, args.output_len, args.device, eos))
     prefix = args.workload
     runs: dict[int, dict[str, list[dict]]] = {b: {"plain": []} for b in batches}
-    for k in ks:
+    for k, auto in ((k, auto) for k in ks for auto in governor):
         # One engine per k: verify CUDA graphs are captured for the configured k only.
         spec = {"method": "ngram", "num_speculative_tokens": k,
-                "disable_by_batch_size": max(batches)}  # fmt: skip
+                "disable_by_batch_size": max(batches), "auto_disable": auto == "on"}  # fmt: skip
         if args.workload == "eagle":
             spec.update(method="eagle", model=args.eagle_head)
         llm = LLM(args.model, speculative_config=spec, **common)
-        name = f"{prefix}_k{k}"
+        name = f"{prefix}_k{k}" + ("_auto" if auto == "on" else "")
         for batch in batches:
             prompts, reference = inputs[batch]
             runs[batch][name] = []
             if args.workload == "oracle":
                 _install(llm, args, prompts, reference, k)
-            run_batch(llm, prompts, min(8, args.output_len), args.device)  # warm-up
+            run_batch(llm, prompts, min(8, args.output_len), args.device, eos)  # warm-up
             for _ in range(args.runs):  # alternating engines
                 runs[batch]["plain"].append(
-                    _summary(run_batch(plain, prompts, args.output_len, args.device))
+                    _summary(run_batch(plain, prompts, args.output_len, args.device, eos))
                 )
                 before, replays = _spec_counters(llm), _graph_replays(llm)
-                run = run_batch(llm, prompts, args.output_len, args.device)
+                run = run_batch(llm, prompts, args.output_len, args.device, eos)
+                run["governor"] = llm.engine.core.scheduler.drafts.governor.describe()
                 run["spec"] = _delta(_spec_counters(llm), before)
                 after = _graph_replays(llm)
                 run["graph_replays"] = after[0] - replays[0]
@@ -301,8 +317,11 @@ def main(argv: list[str] | None = None) -> int:
             "configured k); oracle_accept_all: every step drafts k tokens and keeps them all "
             "(bench/spec_forced.py), so acceptance is 1 by construction and the figures are "
             "a perfect oracle's step shapes; disable_by_batch_size is the largest batch, so "
-            "every step of a speculating engine can draft and runs synchronously (async "
-            "scheduling overlaps only steps without drafts); the plain engine overlaps all",
+            "every step of a speculating engine without the governor (auto_disable off) can "
+            "draft and runs synchronously (async scheduling overlaps only steps without "
+            "drafts); the plain engine overlaps all; _auto: the governor on (it keeps what it "
+            "learned across the runs of its engine; each run's 'governor' is its state after); "
+            "ngram requests end at their end-of-turn token (the same tokens in both engines)",
         },
         "results": results,
     }
@@ -334,14 +353,14 @@ def _table(batch: int, runs: dict[str, list[dict]]) -> dict:
     for name in row:
         row[name]["speedup_tpot_vs_plain"] = row["plain"]["tpot_ms"] / row[name]["tpot_ms"]
     print(f"batch {batch}")
-    print(f"  {'config':12} {'TPOT ms':>9} {'speed-up':>9} {'accept':>7} {'tok/s':>9} "
+    print(f"  {'config':14} {'TPOT ms':>9} {'speed-up':>9} {'accept':>7} {'tok/s':>9} "
           f"{'steps':>6} {'drafts':>7} {'verify graphs':>13}")  # fmt: skip
     for name, r in row.items():
         accept = r.get("acceptance_rate")
         accept_s = "-" if accept is None else f"{accept:.2f}"
         drafts = r.get("num_drafts", "-")
         graphs = r.get("verify_graph_replays", "-")
-        print(f"  {name:12} {r['tpot_ms']:9.3f} {r['speedup_tpot_vs_plain']:8.2f}x "
+        print(f"  {name:14} {r['tpot_ms']:9.3f} {r['speedup_tpot_vs_plain']:8.2f}x "
               f"{accept_s:>7} {r['output_tokens_per_s']:9.1f} {r['num_steps']:>6} "
               f"{drafts:>7} {graphs:>13}")  # fmt: skip
     return row

@@ -6,7 +6,10 @@ Keys (vLLM's names): ``method`` ("ngram" | "draft_model" | "eagle"), ``num_specu
 ``model`` (draft_model: the draft model's directory; eagle: the EAGLE-1 head's), and
 ``disable_by_batch_size``
 (speculation backs off while more sequences than this are running: at high batch a step is
-compute-bound and drafts stop paying; default 32). An unknown key is an error naming it.
+compute-bound and drafts stop paying; default 32), and pagedd's ``auto_disable`` (default true:
+speculation turns itself off at a batch size where it measures slower than plain decoding, and
+back on where it pays again: pydaemon/core/sched/spec_governor.py). An unknown key is an error
+naming it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     model: str | None = None
     disable_by_batch_size: int = 32
+    auto_disable: bool = True
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SpeculativeConfig:
@@ -80,4 +84,12 @@ class SpeculativeConfig:
             prompt_lookup_max=lookup_max,
             model=model,
             disable_by_batch_size=positive("disable_by_batch_size", 32),
+            auto_disable=_boolean(values, "auto_disable", True),
         )
+
+
+def _boolean(values: dict[str, Any], name: str, default: bool) -> bool:
+    value = values.get(name, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"speculative_config.{name} must be true or false (got {value!r})")
+    return value

@@ -163,8 +163,10 @@ class Scheduler:
                 return None  # it may preempt: after the previous step's sequences are freed
             self._reserve_decode_slots_in_order(budget, plan, pending_prefill)
         budget -= len(plan.decodes)
+        plan.num_running_seqs = self.num_running_seqs()
         if self.drafts and plan.decodes and not overlap:  # 1b. Draft slots, budget allowing
-            budget -= self.drafts.reserve(plan, self.num_running_seqs(), budget)
+            plan.speculating = self.drafts.is_due(self.running, plan.num_running_seqs)
+            budget -= self.drafts.reserve(plan, plan.num_running_seqs, budget)
         # 2. Prefill chunks of running requests.
         if pending_prefill:
             decoding_ids = {s.seq.seq_id for s in plan.decodes}  # a set: runs per sequence
@@ -234,6 +236,8 @@ class Scheduler:
             )
         _, plan = self._plans.popleft()
         outputs = self.updater.update(plan, runner_output)
+        if self.drafts:  # how fast this kind of step was (spec_governor.py)
+            self.drafts.record_step(plan, runner_output, self._num_sync_only_requests == 0)
         for request in self.updater.take_finished():
             self.remove_request(request)
         return outputs

@@ -10,7 +10,8 @@ Eligible: a request of one sequence (not n > 1 / best_of, not beam search: their
 beam steps take one token per step), without a structured-output constraint (its grammar
 would have to be advanced over the drafts to mask each verified row: issue 28's matcher does
 not roll back yet), while at most ``disable_by_batch_size`` sequences are running (at high
-batch a step is compute-bound and drafts stop paying). k is capped so that the step never
+batch a step is compute-bound and drafts stop paying) and the governor measures that drafts
+pay at this batch size (spec_governor.py). k is capped so that the step never
 emits past max_tokens or the model's length.
 """
 
@@ -19,6 +20,8 @@ from __future__ import annotations
 from pydaemon import _core
 from pydaemon.config.speculative import SpeculativeConfig
 from pydaemon.core.request import Request
+from pydaemon.core.runner_output import ModelRunnerOutput
+from pydaemon.core.sched.spec_governor import SpecGovernor
 from pydaemon.core.sched.step_plan import StepPlan
 from pydaemon.core.seq_blocks import SeqBlocks
 
@@ -36,19 +39,24 @@ class DraftSlots:
         self.spec = spec
         self.blocks = blocks
         self.max_model_len = max_model_len
+        self.governor = SpecGovernor(enabled=spec.auto_disable)
 
     def is_due(self, running: list[Request], num_running_seqs: int) -> bool:
         """Whether the next step would reserve draft slots: few enough sequences run and one
         of them may speculate. Such a step is scheduled after the last one's results (async
         scheduling waits for it), and a verify step's results before the step after it."""
-        return num_running_seqs <= self.spec.disable_by_batch_size and any(
-            allows_drafts(r) for r in running
+        return (
+            num_running_seqs <= self.spec.disable_by_batch_size
+            and self.governor.wants_drafts(num_running_seqs)
+            and any(allows_drafts(r) for r in running)
         )
 
     def reserve(self, plan: StepPlan, num_running_seqs: int, budget: int) -> int:
         """Draft slots for the plan's decodes, in order; -> the budget they take."""
         spec, blocks = self.spec, self.blocks
         if num_running_seqs > spec.disable_by_batch_size or budget <= 0:
+            return 0
+        if not self.governor.wants_drafts(num_running_seqs):
             return 0
         block_size = blocks.block_size
         num_free = blocks.block_manager.num_free_blocks(_core.Device.GPU)
@@ -79,3 +87,16 @@ class DraftSlots:
             scheduled.num_draft_slots = k
             used += k
         return used
+
+    def record_step(
+        self, plan: StepPlan, runner_output: ModelRunnerOutput, all_one_seq: bool
+    ) -> None:
+        """A step's result, for the governor: its kind, batch and tokens emitted. Only pure
+        decode steps of requests of one sequence count (beam search and n > 1 steps are
+        synchronous for their own reasons)."""
+        self.governor.record(
+            plan.num_running_seqs,
+            plan.speculating,
+            sum(len(t) for t in runner_output.sampled_token_ids),
+            counts=all_one_seq and plan.is_pure_decode,
+        )

@@ -27,9 +27,18 @@ class StepPlan:
     rejected: list[tuple[Request, str]] = field(default_factory=list)  # can never run
     is_advanced: bool = False  # its tokens count as computed (SeqUpdater.advance)
     by_seq_id: dict[int, ScheduledSeq] = field(default_factory=dict)  # set by advance
+    speculating: bool = False  # planned with draft slots due (spec_slots.py, spec_governor.py)
+    num_running_seqs: int = 0  # when planned
     # When the plan was made: a request's first_scheduled_time (its queue time ends here, not
     # after the step's compute, which a synchronous step's advance comes after).
     scheduled_time: float = field(default_factory=time.monotonic)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        """Decodes alone: no prefill, preemption or swap (spec_governor.py's steps)."""
+        return bool(self.decodes) and not (
+            self.prefills or self.preempted or self.blocks_to_swap_in or self.blocks_to_swap_out
+        )
 
     def reject_too_big(self, request: Request) -> None:
         """The request needs more KV blocks than the whole cache has: it can never run."""

@@ -50,7 +50,7 @@ ENGINE_FLAGS: tuple[tuple[str, Any, str], ...] = (
         "json",
         "speculative decoding, vLLM's JSON keys: method (ngram | draft_model | eagle), "
         "num_speculative_tokens, prompt_lookup_min/max, model (the draft model or EAGLE head), "
-        "disable_by_batch_size; e.g. "
+        "disable_by_batch_size, auto_disable (default true: off where measured slower); e.g. "
         '\'{"method": "ngram", "num_speculative_tokens": 4}\' (a TOML table works too)',
     ),
     (
