@@ -15,6 +15,10 @@ replace the general path, set for this process only (benchmarks, not a configura
   (pydaemon/layers/lora/punica.py, LORA_KERNEL_MAX_TOKENS);
 - ``--lora-overlap 0|1``: LoRA layers captured in CUDA graphs run their shrink on a side stream
   beside the base GEMM (pydaemon/layers/lora/punica.py, LORA_OVERLAP_SHRINK).
+- ``--lora-grouped 0|1``: LoRA deltas above the BGMV kernels' bound (bf16, Hopper/Blackwell)
+  run the grouped GEMMs of pydaemon/layers/lora/punica_grouped.py instead of the dense torch
+  path (LORA_GROUPED); ``--lora-grouped-min-tokens N``: only steps of at least N tokens do
+  (LORA_GROUPED_MIN_TOKENS).
 
 Applied before the engine is built (CUDA graphs capture the path of their shapes); an engine
 whose core runs in other processes (tensor parallelism) does not see them.
@@ -31,6 +35,7 @@ SWITCHES = {
     "moe_decode_max_slots": ("pydaemon.layers.moe.experts", "MOE_DECODE_MAX_SLOTS"),
     "moe_triton_max_tokens": ("pydaemon.layers.moe.experts", "MOE_TRITON_MAX_TOKENS"),
     "lora_kernel_max_tokens": ("pydaemon.layers.lora.punica", "LORA_KERNEL_MAX_TOKENS"),
+    "lora_grouped_min_tokens": ("pydaemon.layers.lora.punica_grouped", "LORA_GROUPED_MIN_TOKENS"),
 }
 # flag -> (module, constant, choices): one of named choices
 CHOICES = {
@@ -39,6 +44,7 @@ CHOICES = {
 # flag -> (module, constant): on/off switches, given as 0 or 1
 TOGGLES = {
     "lora_overlap": ("pydaemon.layers.lora.punica", "LORA_OVERLAP_SHRINK"),
+    "lora_grouped": ("pydaemon.layers.lora.punica_grouped", "LORA_GROUPED"),
 }
 
 

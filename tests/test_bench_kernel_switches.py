@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import kernel_switches  # noqa: E402
-from pydaemon.layers.lora import punica  # noqa: E402
+from pydaemon.layers.lora import punica, punica_grouped  # noqa: E402
 from pydaemon.layers.moe import experts  # noqa: E402
 from pydaemon.quantization import fp8  # noqa: E402
 
@@ -26,32 +26,27 @@ def test_flags_set_the_bounds_and_report_them(monkeypatch):
     for module, name in ((fp8, "FP8_GEMV_MAX_TOKENS"), (experts, "MOE_DECODE_MAX_SLOTS"),
                          (experts, "MOE_BACKEND"), (experts, "MOE_TRITON_MAX_TOKENS"),
                          (punica, "LORA_KERNEL_MAX_TOKENS"),
-                         (punica, "LORA_OVERLAP_SHRINK")):  # fmt: skip
+                         (punica, "LORA_OVERLAP_SHRINK"),
+                         (punica_grouped, "LORA_GROUPED_MIN_TOKENS")):  # fmt: skip
         monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
     lora_default = punica.LORA_KERNEL_MAX_TOKENS
     swap_default = fp8.FP8_SWAP_AB_MAX_TOKENS
     overlap_default = punica.LORA_OVERLAP_SHRINK
+    grouped_default = punica_grouped.LORA_GROUPED
     triton_max_default = experts.MOE_TRITON_MAX_TOKENS
-    got = kernel_switches.apply(
-        _parse(
-            [
-                "--fp8-gemv-max-tokens",
-                "16",
-                "--moe-decode-max-slots",
-                "0",
-                "--moe-backend",
-                "triton",
-            ]
-        )  # fmt: skip
-    )
+    argv = ["--fp8-gemv-max-tokens", "16", "--moe-decode-max-slots", "0", "--moe-backend", "triton"]
+    got = kernel_switches.apply(_parse([*argv, "--lora-grouped-min-tokens", "128"]))
     assert fp8.FP8_GEMV_MAX_TOKENS == 16 and experts.MOE_DECODE_MAX_SLOTS == 0
     assert experts.MOE_BACKEND == "triton"
+    assert punica_grouped.LORA_GROUPED_MIN_TOKENS == 128
     assert got == {"fp8_gemv_max_tokens": 16, "fp8_swap_ab_max_tokens": swap_default,
                    "moe_decode_max_slots": 0,
                    "moe_triton_max_tokens": triton_max_default,
                    "moe_backend": "triton",
                    "lora_kernel_max_tokens": lora_default,
-                   "lora_overlap": overlap_default}  # fmt: skip
+                   "lora_grouped_min_tokens": 128,
+                   "lora_overlap": overlap_default,
+                   "lora_grouped": grouped_default}  # fmt: skip
     assert punica.LORA_OVERLAP_SHRINK is overlap_default  # not given: left alone
 
 
@@ -69,6 +64,14 @@ def test_the_moe_backend_takes_only_its_choices(monkeypatch):
         _parse(["--moe-backend", "cutlass"])
     assert kernel_switches.apply(_parse([]))["moe_backend"] == "grouped"  # the default
     assert kernel_switches.CHOICES["moe_backend"][2] == experts.MOE_BACKENDS
+
+
+@pytest.mark.parametrize("value", [1, 0])
+def test_toggles_turn_the_grouped_lora_path_on_and_off(monkeypatch, value):
+    monkeypatch.setattr(punica_grouped, "LORA_GROUPED", not value)  # restored after the test
+    got = kernel_switches.apply(_parse(["--lora-grouped", str(value)]))
+    assert punica_grouped.LORA_GROUPED is bool(value)
+    assert got["lora_grouped"] is bool(value)
 
 
 def test_toggles_take_only_0_or_1():

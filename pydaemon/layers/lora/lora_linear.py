@@ -21,7 +21,11 @@ adds its partial delta before the all-reduce, which then sums the deltas with th
 int64 on the device (each token's slot, -1 = no adapter), read by every layer as its first
 T entries; ``num_active_slots`` (slots are handed out lowest first) lets an eager step use only
 the slots below it, and skip the LoRA work when no token has an adapter (0). A captured graph
-always covers every slot: its shapes cannot depend on the step. ``shrink_stream`` is the side
+always covers every slot: its shapes cannot depend on the step. ``grouping`` is the step's
+tokens grouped by slot for the segmented path (punica_grouped.py): made by the first layer of
+a model forward that takes it and shared by the others (two kernels a step, not a layer);
+``wrap_lora_layers`` drops it at the start of every forward of the model, so that a forward
+captured into a CUDA graph makes its own inside the graph. ``shrink_stream`` is the side
 stream on which captured layers run their shrink beside the base GEMM (with
 punica.LORA_OVERLAP_SHRINK): one per model, shared by its layers, whose branches never
 overlap one another (each is joined before its layer's expand).
@@ -35,7 +39,13 @@ import torch
 from torch import nn
 
 from pydaemon.distributed import parallel_state as ps
-from pydaemon.layers.lora.punica import add_lora, expand_forked, fork_lora_shrink
+from pydaemon.layers.lora.punica import (
+    add_lora,
+    expand_forked,
+    fork_lora_shrink,
+    uses_grouped_path,
+)
+from pydaemon.layers.lora.punica_grouped import Grouping, slot_grouping
 from pydaemon.layers.parallel_linear import MergedColumnParallelLinear, RowParallelLinear
 
 # Module name in a decoder layer -> the checkpoint (PEFT target) modules it packs.
@@ -57,6 +67,23 @@ class LoRASlots:
         # Eager steps: 1 + the highest slot this step uses (0: no adapter); set by the runner.
         self.num_active_slots = max_loras
         self.shrink_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # ((num_tokens, token_slots' version, capturing), the grouping) of this forward, or None.
+        self._grouping: tuple[tuple[int, int, bool], Grouping] | None = None
+
+    def new_forward(self) -> None:
+        """A model forward starts: the next layer that needs the grouping makes it anew."""
+        self._grouping = None
+
+    def grouping(self, token_slots: torch.Tensor) -> Grouping:
+        """punica_grouped.slot_grouping of ``token_slots`` (``for_tokens``' view), made once a
+        forward; made again if the token count or the slots' contents changed since (their
+        version counter) or a graph capture began or ended: for a layer called outside a
+        model forward, as in tests (an eager warm-up's grouping must not enter a graph)."""
+        capturing = token_slots.is_cuda and torch.cuda.is_current_stream_capturing()
+        key = (token_slots.shape[0], token_slots._version, capturing)
+        if self._grouping is None or self._grouping[0] != key:
+            self._grouping = (key, slot_grouping(token_slots, self.max_loras + 1))
+        return self._grouping[1]
 
     def for_tokens(self, num_tokens: int) -> torch.Tensor:  # -> [num_tokens] int64
         if num_tokens > self.token_slots.shape[0]:
@@ -127,8 +154,9 @@ class LoRALinear(nn.Module):
             return
         token_slots = self.slots.for_tokens(x.shape[0])
         x = x.to(self.lora_a.dtype)
+        grouping = self.slots.grouping(token_slots) if uses_grouped_path(x) else None
         add_lora(out, x, token_slots, self.lora_a, self.lora_b, self.part_starts, num_slots,
-                 self.slots.slot_ids)  # fmt: skip
+                 self.slots.slot_ids, grouping)  # fmt: skip
 
     # ---- slots ------------------------------------------------------------------------------
     def shard(
@@ -171,6 +199,8 @@ def wrap_lora_layers(
     """Replace the targetable linear layers of every decoder layer (``model.model.layers``)
     by LoRA wrappers -> (layer index, PEFT module name) -> (wrapper, part index)."""
     wrapped: dict[tuple[int, str], tuple[LoRALinear, int]] = {}
+    # Every forward starts without a slot grouping (a captured one makes its own in the graph).
+    model.register_forward_pre_hook(lambda module, args: slots.new_forward())
     for layer_idx, layer in enumerate(model.model.layers):
         for name, owner in {**PACKED_TARGETS, **ROW_PARALLEL_TARGETS}.items():
             parent = getattr(layer, owner, None)

@@ -10,9 +10,15 @@ graphs above 16 tokens took (W1 over 8 adapters of 32 slots: 0.83x plain). Each 
 its own adapter's weights, mostly from L2 when few adapters are active; with many tokens the
 dense GEMMs of pydaemon/layers/lora/punica_torch.py read each slot once and win.
 
+Above that bound, bfloat16 steps on Hopper / Blackwell take the segmented path
+(pydaemon/layers/lora/punica_grouped.py, ``LORA_GROUPED``: unmeasured yet): tokens grouped by
+slot, grouped GEMMs in which each token meets only its own adapter, where the dense path does
+S times the shrink's and expand's FLOPs. A layer whose shapes do not suit
+``torch._grouped_mm`` keeps the dense path.
+
 The choice depends on the token count, dtype and device only (never on a device value), so a
-captured CUDA graph holds one of the two paths for its shapes. CPU, float32 and large steps
-take the torch path, which is also the kernels' test oracle.
+captured CUDA graph holds one of the paths for its shapes. CPU, float32 and large steps
+elsewhere take the torch path, which is also the kernels' test oracle.
 
 With ``LORA_OVERLAP_SHRINK`` (on: measured on the H200), a layer captured into a CUDA graph forks
 its shrink onto a side stream before its base GEMM (``fork_lora_shrink``) and joins it before
@@ -25,6 +31,8 @@ from __future__ import annotations
 import torch
 
 from pydaemon import ops
+from pydaemon.layers.lora import punica_grouped
+from pydaemon.layers.lora.punica_grouped import Grouping, add_lora_grouped, grouped_layout_ok
 from pydaemon.layers.lora.punica_torch import add_lora_torch
 
 # Above this many tokens the dense torch path (every slot's weights read once) is used. With
@@ -50,10 +58,14 @@ def add_lora(
     part_starts: tuple[int, ...],  # n + 1 column offsets: part j = [starts[j], starts[j + 1])
     num_slots: int | None = None,  # tokens use slots below this (default S; torch path only)
     slot_ids: torch.Tensor | None = None,  # arange(S) on the device (torch path only)
+    grouping: Grouping | None = None,  # the step's slot grouping (grouped path only)
 ) -> None:
     if _can_use_kernels(x, y):
         xa = ops.lora_shrink(x, lora_a, token_slots)  # [T, n * R] float32
         ops.lora_expand(y, xa, lora_b, part_starts, token_slots)
+        return
+    if uses_grouped_path(x) and grouped_layout_ok(y, x, lora_a, lora_b, part_starts):
+        add_lora_grouped(y, x, token_slots, lora_a, lora_b, part_starts, grouping)
         return
     add_lora_torch(y, x, token_slots, lora_a, lora_b, part_starts, num_slots, slot_ids)
 
@@ -106,6 +118,12 @@ def expand_forked(
         ops.lora_expand(y, xa, lora_b, part_starts, token_slots)
     else:
         add_lora_torch(y, x, token_slots, lora_a, lora_b, part_starts)
+
+
+def uses_grouped_path(x: torch.Tensor) -> bool:
+    """Steps of x's token count, dtype and device take the grouped path (unless a layer's
+    shapes do not suit it): above the kernels' bound, punica_grouped.use_grouped."""
+    return x.shape[0] > LORA_KERNEL_MAX_TOKENS and punica_grouped.use_grouped(x)
 
 
 def _can_use_kernels(x: torch.Tensor, y: torch.Tensor | None = None) -> bool:
