@@ -43,7 +43,9 @@ except AttributeError:  # triton < 3.4 has no knobs
     INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@triton.jit
+# The slot and block counts change with every batch size: not specialized on (a value of 1 or
+# a multiple of 16 would otherwise compile another variant).
+@triton.jit(do_not_specialize=["num_slots", "max_blocks"])
 def moe_align_kernel(
     expert_ids_ptr,  # [S] int32: the expert of each slot
     sorted_slots_ptr,  # [max_blocks * BLOCK_M] int32, out
@@ -92,7 +94,7 @@ def moe_align_kernel(
         tl.store(block_expert_ptr + blocks, expert, mask=blocks < last)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots", "max_blocks"])
 def moe_gemm_kernel(
     a_ptr,  # [rows, K]: x (rows = tokens) or the activations (rows = slots)
     w_ptr,  # [E, N, K]
