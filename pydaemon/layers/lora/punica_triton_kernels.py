@@ -146,11 +146,11 @@ def sgmv_expand_kernel(
         for s in tl.static_range(SPLIT_K):
             xa += tl.load(xa_rows + s * n_cols + j * rank + rs[None, :], mask=xa_mask, other=0.0)
         # xa rounded to B's dtype for the tensor cores, float32 accumulate (as vLLM's expand)
-        xa = xa.to(b_tile.dtype)
+        xa_lp = xa.to(b_tile.dtype)
         if DOT_F32:
-            delta = tl.dot(xa.to(tl.float32), b_tile.to(tl.float32))
+            delta = tl.dot(xa_lp.to(tl.float32), b_tile.to(tl.float32))
         else:
-            delta = tl.dot(xa, b_tile)  # [BLOCK_M, BLOCK_N]
+            delta = tl.dot(xa_lp, b_tile)  # [BLOCK_M, BLOCK_N]
         acc += tl.where((part == j)[None, :], delta, 0.0)
     y_tile = y_ptr + tokens[:, None] * stride_y + cols[None, :]
     y_mask = row_mask[:, None] & col_mask[None, :]
