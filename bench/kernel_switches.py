@@ -19,6 +19,9 @@ replace the general path, set for this process only (benchmarks, not a configura
   run the grouped GEMMs of pydaemon/layers/lora/punica_grouped.py instead of the dense torch
   path (LORA_GROUPED); ``--lora-grouped-min-tokens N``: only steps of at least N tokens do
   (LORA_GROUPED_MIN_TOKENS).
+- ``--lora-triton 0|1``: LoRA deltas above the BGMV kernels' bound (fp16/bf16 on CUDA) run the
+  Triton SGMV kernels of pydaemon/layers/lora/punica_triton.py, before the grouped GEMMs
+  (LORA_TRITON).
 
 Applied before the engine is built (CUDA graphs capture the path of their shapes); an engine
 whose core runs in other processes (tensor parallelism) does not see them.
@@ -45,6 +48,7 @@ CHOICES = {
 TOGGLES = {
     "lora_overlap": ("pydaemon.layers.lora.punica", "LORA_OVERLAP_SHRINK"),
     "lora_grouped": ("pydaemon.layers.lora.punica_grouped", "LORA_GROUPED"),
+    "lora_triton": ("pydaemon.layers.lora.punica_triton", "LORA_TRITON"),
 }
 
 

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import kernel_switches  # noqa: E402
-from pydaemon.layers.lora import punica, punica_grouped  # noqa: E402
+from pydaemon.layers.lora import punica, punica_grouped, punica_triton  # noqa: E402
 from pydaemon.layers.moe import experts  # noqa: E402
 from pydaemon.quantization import fp8  # noqa: E402
 
@@ -34,6 +34,7 @@ def test_flags_set_the_bounds_and_report_them(monkeypatch):
     overlap_default = punica.LORA_OVERLAP_SHRINK
     grouped_default = punica_grouped.LORA_GROUPED
     triton_max_default = experts.MOE_TRITON_MAX_TOKENS
+    triton_default = punica_triton.LORA_TRITON
     argv = ["--fp8-gemv-max-tokens", "16", "--moe-decode-max-slots", "0", "--moe-backend", "triton"]
     got = kernel_switches.apply(_parse([*argv, "--lora-grouped-min-tokens", "128"]))
     assert fp8.FP8_GEMV_MAX_TOKENS == 16 and experts.MOE_DECODE_MAX_SLOTS == 0
@@ -46,7 +47,8 @@ def test_flags_set_the_bounds_and_report_them(monkeypatch):
                    "lora_kernel_max_tokens": lora_default,
                    "lora_grouped_min_tokens": 128,
                    "lora_overlap": overlap_default,
-                   "lora_grouped": grouped_default}  # fmt: skip
+                   "lora_grouped": grouped_default,
+                   "lora_triton": triton_default}  # fmt: skip
     assert punica.LORA_OVERLAP_SHRINK is overlap_default  # not given: left alone
 
 
@@ -72,6 +74,14 @@ def test_toggles_turn_the_grouped_lora_path_on_and_off(monkeypatch, value):
     got = kernel_switches.apply(_parse(["--lora-grouped", str(value)]))
     assert punica_grouped.LORA_GROUPED is bool(value)
     assert got["lora_grouped"] is bool(value)
+
+
+@pytest.mark.parametrize("value", [1, 0])
+def test_toggles_turn_the_triton_lora_path_on_and_off(monkeypatch, value):
+    monkeypatch.setattr(punica_triton, "LORA_TRITON", not value)  # restored after the test
+    got = kernel_switches.apply(_parse(["--lora-triton", str(value)]))
+    assert punica_triton.LORA_TRITON is bool(value)
+    assert got["lora_triton"] is bool(value)
 
 
 def test_toggles_take_only_0_or_1():

@@ -22,13 +22,13 @@ int64 on the device (each token's slot, -1 = no adapter), read by every layer as
 T entries; ``num_active_slots`` (slots are handed out lowest first) lets an eager step use only
 the slots below it, and skip the LoRA work when no token has an adapter (0). A captured graph
 always covers every slot: its shapes cannot depend on the step. ``grouping`` is the step's
-tokens grouped by slot for the segmented path (punica_grouped.py): made by the first layer of
-a model forward that takes it and shared by the others (two kernels a step, not a layer);
-``wrap_lora_layers`` drops it at the start of every forward of the model, so that a forward
-captured into a CUDA graph makes its own inside the graph. ``shrink_stream`` is the side
-stream on which captured layers run their shrink beside the base GEMM (with
-punica.LORA_OVERLAP_SHRINK): one per model, shared by its layers, whose branches never
-overlap one another (each is joined before its layer's expand).
+tokens grouped by slot for the segmented paths (punica_triton.py, punica_grouped.py): made
+by the first layer of a model forward that takes one and shared by the others (two kernels a
+step, not a layer); ``wrap_lora_layers`` drops it at the start of every forward of the
+model, so that a forward captured into a CUDA graph makes its own inside the graph.
+``shrink_stream`` is the side stream on which captured layers run their shrink beside the
+base GEMM (with punica.LORA_OVERLAP_SHRINK): one per model, shared by its layers, whose
+branches never overlap one another (each is joined before its layer's expand).
 """
 
 from __future__ import annotations

@@ -10,11 +10,13 @@ graphs above 16 tokens took (W1 over 8 adapters of 32 slots: 0.83x plain). Each 
 its own adapter's weights, mostly from L2 when few adapters are active; with many tokens the
 dense GEMMs of pydaemon/layers/lora/punica_torch.py read each slot once and win.
 
-Above that bound, bfloat16 steps on Hopper / Blackwell take the segmented path
-(pydaemon/layers/lora/punica_grouped.py, ``LORA_GROUPED``: unmeasured yet): tokens grouped by
-slot, grouped GEMMs in which each token meets only its own adapter, where the dense path does
-S times the shrink's and expand's FLOPs. A layer whose shapes do not suit
-``torch._grouped_mm`` keeps the dense path.
+Above that bound, with ``LORA_TRITON`` (off: unmeasured yet), fp16/bf16 CUDA steps take the
+Triton SGMV kernels (pydaemon/layers/lora/punica_triton.py: two launches a layer over the
+step's slot grouping, tiles sized for ~12 tokens a slot and K = R). Otherwise bfloat16 steps on
+Hopper / Blackwell take the segmented path (pydaemon/layers/lora/punica_grouped.py,
+``LORA_GROUPED``: unmeasured yet): tokens grouped by slot, grouped GEMMs in which each token
+meets only its own adapter, where the dense path does S times the shrink's and expand's FLOPs.
+A layer whose shapes do not suit ``torch._grouped_mm`` keeps the dense path.
 
 The choice depends on the token count, dtype and device only (never on a device value), so a
 captured CUDA graph holds one of the paths for its shapes. CPU, float32 and large steps
@@ -31,9 +33,10 @@ from __future__ import annotations
 import torch
 
 from pydaemon import ops
-from pydaemon.layers.lora import punica_grouped
+from pydaemon.layers.lora import punica_grouped, punica_triton
 from pydaemon.layers.lora.punica_grouped import Grouping, add_lora_grouped, grouped_layout_ok
 from pydaemon.layers.lora.punica_torch import add_lora_torch
+from pydaemon.layers.lora.punica_triton import add_lora_triton
 
 # Above this many tokens the dense torch path (every slot's weights read once) is used. With
 # 512, W1 over 8 adapters (decode steps of ~400 tokens) ran 0.81x plain on the H200 against
@@ -58,11 +61,14 @@ def add_lora(
     part_starts: tuple[int, ...],  # n + 1 column offsets: part j = [starts[j], starts[j + 1])
     num_slots: int | None = None,  # tokens use slots below this (default S; torch path only)
     slot_ids: torch.Tensor | None = None,  # arange(S) on the device (torch path only)
-    grouping: Grouping | None = None,  # the step's slot grouping (grouped path only)
+    grouping: Grouping | None = None,  # the step's slot grouping (segmented paths only)
 ) -> None:
     if _can_use_kernels(x, y):
         xa = ops.lora_shrink(x, lora_a, token_slots)  # [T, n * R] float32
         ops.lora_expand(y, xa, lora_b, part_starts, token_slots)
+        return
+    if uses_triton_path(x) and punica_triton.ready(y, x, lora_a, lora_b, part_starts):
+        add_lora_triton(y, x, token_slots, lora_a, lora_b, part_starts, grouping)
         return
     if uses_grouped_path(x) and grouped_layout_ok(y, x, lora_a, lora_b, part_starts):
         add_lora_grouped(y, x, token_slots, lora_a, lora_b, part_starts, grouping)
@@ -121,9 +127,18 @@ def expand_forked(
 
 
 def uses_grouped_path(x: torch.Tensor) -> bool:
-    """Steps of x's token count, dtype and device take the grouped path (unless a layer's
-    shapes do not suit it): above the kernels' bound, punica_grouped.use_grouped."""
-    return x.shape[0] > LORA_KERNEL_MAX_TOKENS and punica_grouped.use_grouped(x)
+    """Steps of x's token count, dtype and device take a path over the step's slot grouping
+    (the Triton or the grouped one, unless a layer's shapes do not suit it): above the
+    kernels' bound, punica_triton.use_triton or punica_grouped.use_grouped."""
+    return x.shape[0] > LORA_KERNEL_MAX_TOKENS and (
+        punica_triton.use_triton(x) or punica_grouped.use_grouped(x)
+    )
+
+
+def uses_triton_path(x: torch.Tensor) -> bool:
+    """Steps of x's token count, dtype and device take the Triton SGMV kernels (unless a
+    layer's shapes do not suit them, or a capture meets a layer not compiled yet)."""
+    return x.shape[0] > LORA_KERNEL_MAX_TOKENS and punica_triton.use_triton(x)
 
 
 def _can_use_kernels(x: torch.Tensor, y: torch.Tensor | None = None) -> bool:
