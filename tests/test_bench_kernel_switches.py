@@ -64,7 +64,7 @@ def test_the_moe_backend_takes_only_its_choices(monkeypatch):
     monkeypatch.setattr(experts, "MOE_BACKEND", experts.MOE_BACKEND)  # restored after the test
     with pytest.raises(SystemExit):
         _parse(["--moe-backend", "cutlass"])
-    assert kernel_switches.apply(_parse([]))["moe_backend"] == "grouped"  # the default
+    assert kernel_switches.apply(_parse([]))["moe_backend"] == "triton"  # the default
     assert kernel_switches.CHOICES["moe_backend"][2] == experts.MOE_BACKENDS
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from pydaemon.layers.lora import punica, punica_grouped
+from pydaemon.layers.lora import punica, punica_grouped, punica_triton
 from pydaemon.layers.lora.lora_linear import LoRALinear, LoRASlots
 from pydaemon.layers.lora.punica import add_lora
 from pydaemon.layers.lora.punica_grouped import slot_grouping
@@ -32,10 +32,13 @@ TOL = (3e-2, 3e-2)
 
 
 @pytest.fixture(autouse=True)
-def _grouped_device():
+def _grouped_device(monkeypatch):
     x = torch.empty(1, 8, dtype=BF16, device="cuda")
     if not punica_grouped.use_grouped_mm(x):
         pytest.skip("torch._grouped_mm's CUTLASS kernels need a 9.x or 10.x GPU")
+    # This path, not the Triton one that add_lora prefers (both switches' defaults aside).
+    monkeypatch.setattr(punica_triton, "LORA_TRITON", False)
+    monkeypatch.setattr(punica_grouped, "LORA_GROUPED", True)
 
 
 def _no_dense_path(*args, **kwargs):

@@ -114,10 +114,12 @@ class SpecGovernor:
             self.num_switches += 1
 
     def describe(self) -> dict[str, dict]:
-        """Per bucket (its lowest batch size): the kind chosen and both rates (tokens/s)."""
+        """Per bucket (its lowest batch size): the kind running now (during a probe, the
+        probed one), whether a probe runs, and both rates (tokens/s)."""
         return {
             str(1 << (key - 1)): {
                 "speculating": b.speculating,
+                "probing": b.probing,
                 "spec_tokens_per_s": b.rate[True],
                 "plain_tokens_per_s": b.rate[False],
             }

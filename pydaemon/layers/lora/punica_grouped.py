@@ -30,7 +30,7 @@ the offsets on the host); their TMA loads want 16-byte aligned base pointers and
 so x's width, the rank R and the parts' column offsets must be multiples of 8 elements.
 ``grouped_layout_ok`` checks that; a layer that fails it keeps the dense path.
 
-``LORA_GROUPED`` (the switch, on) and ``LORA_GROUPED_MIN_TOKENS`` choose this path in
+``LORA_GROUPED`` (the switch, off: measured slower than the dense path, see below) and ``LORA_GROUPED_MIN_TOKENS`` choose this path in
 ``add_lora`` (pydaemon/layers/lora/punica.py) for steps above ``LORA_KERNEL_MAX_TOKENS``; both
 depend on the token count, dtype and device only, so a captured graph holds one path.
 """
@@ -42,17 +42,13 @@ import torch
 from pydaemon.layers.moe.align import moe_align
 from pydaemon.layers.moe.experts import use_grouped_mm
 
-# A doubt to measure: at T = 400 over 32 active slots (~12 tokens a slot) torch's CUTLASS
-# tiles (64 x 128 x 128 for such small groups) are mostly empty: one 64-row tile a slot, N=16-48
-# of 128 columns in the shrink, K = R = 16 of 128 in the expand; counted in tile FLOPs that is
-# about the dense path's (~36 against ~31 GFLOP a Llama-3-8B layer), where 8 active slots
-# (~50 tokens each) make it ~9. If W1 over 32 adapters loses, the shapes want other tiles.
-# On, UNMEASURED: written on a machine without a GPU. W1 over 0, 32 and 128 adapters of 32
-# slots, this path against the dense one:
-#   python bench/bench_lora.py --mode w1 --adapters 0,32,128 --max-loras 32 --lora-grouped 1
-#   python bench/bench_lora.py --mode w1 --adapters 0,32,128 --max-loras 32 --lora-grouped 0
-# Turn it off (or raise LORA_GROUPED_MIN_TOKENS: --lora-grouped-min-tokens N) if it loses.
-LORA_GROUPED = True
+# Measured on the H200 (Llama-3-8B shape, rank 16, 32 slots, 2026-12-02): W1 over 32 adapters
+# 23.28 s with this path against 15.93 s dense and 14.96 s with the Triton SGMV kernels
+# (punica_triton.py): at ~12 tokens a slot torch's CUTLASS tiles (64 x 128 x 128) are mostly
+# empty (N = 16-48 of 128 columns in the shrink, K = R = 16 of 128 in the expand). Off; the
+# slot grouping below serves the Triton path. A/B:
+#   python bench/bench_lora.py --mode w1 --adapters 0,32 --max-loras 32 --lora-grouped 0|1
+LORA_GROUPED = False
 # Steps of fewer tokens than this keep the dense path (0: every step above the kernels' bound).
 LORA_GROUPED_MIN_TOKENS = 0
 _ALIGN = 8  # bfloat16 elements in 16 bytes: TMA's alignment of pointers and row strides

@@ -48,10 +48,12 @@ MOE_DECODE_MAX_SLOTS = 8
 _DECODE_DTYPES = (torch.float16, torch.bfloat16)
 # The GEMMs of the steps the decode kernels do not take: "grouped" (above) or "triton"
 # (triton_moe.py) for steps of at most MOE_TRITON_MAX_TOKENS tokens (the others: grouped).
-# Default grouped: the Triton path's speed is not measured yet (bench/bench_moe.py and
-# bench/throughput.py --moe-backend triton A/B it).
+# Triton: on the H200 (Qwen3-30B-A3B shape, bf16, dummy weights, same call, 2026-12-02) W1
+# 13.13 s against 14.50 s grouped, TPOT at batch 64 19.16 ms against 25.42 ms
+# (bench/throughput.py --moe-backend grouped|triton; bench/results/h200_2026-12-02e_session.md).
+# Its tile table is not tuned yet (bench/bench_moe.py --triton-tile).
 MOE_BACKENDS = ("grouped", "triton")
-MOE_BACKEND = "grouped"
+MOE_BACKEND = "triton"
 MOE_TRITON_MAX_TOKENS = 1 << 30
 
 
