@@ -172,8 +172,13 @@ def test_counters_reach_metrics_and_status():
     assert 'pagedd_spec_decode_accepted_tokens_per_pos_total{position="0"} 1' in lines
     status = pb.ServerStatus(
         spec_decode=pb.SpecDecodeStatus(
-            num_drafts=3, num_draft_tokens=9, num_accepted_tokens=4, accepted_per_position=[2, 1]
+            num_drafts=3,
+            num_draft_tokens=9,
+            num_accepted_tokens=4,
+            accepted_per_position=[2, 1],
+            drafts_off_at=[8, 16],
         )
     )
     assert _plain_fields(status)["spec_decode"]["accepted_per_position"] == [2, 1]
+    assert _plain_fields(status)["spec_decode"]["drafts_off_at"] == [8, 16]
     assert "spec_decode" not in _plain_fields(pb.ServerStatus())  # off: not printed

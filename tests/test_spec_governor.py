@@ -50,6 +50,10 @@ def test_speculation_that_is_slower_turns_off_and_is_probed_rarely():
     assert not gov.wants_drafts(8) and not gov.wants_drafts(15)
     assert sum(kinds[100:]) / len(kinds[100:]) < 0.05  # probes cost few steps
     assert gov.describe()["8"]["speculating"] is False
+    assert gov.drafts_off_at() == [8]
+    bucket = gov.buckets[(8).bit_length()]
+    bucket.probing, bucket.speculating = True, True  # probing drafts: still decided off
+    assert gov.drafts_off_at() == [8]
     assert gov.wants_drafts(1) and gov.wants_drafts(16)  # other buckets: not measured yet
 
 
@@ -60,6 +64,7 @@ def test_speculation_that_pays_stays_on():
     assert gov.wants_drafts(1)
     assert sum(kinds[100:]) / len(kinds[100:]) > 0.95
     assert gov.buckets[1].probe_every > 16  # each confirming probe doubled the interval
+    assert gov.drafts_off_at() == []
     assert gov.num_switches == 0
 
 
@@ -132,6 +137,7 @@ def test_engine_follows_the_measured_speed(model, spec_costs):
     assert gov.wants_drafts(3) is (spec_costs < 1)
     if spec_costs > 1:  # the drafts stopped after the first probe (and a few probes later)
         assert 0 < stats.num_drafts < 60
+        assert stats.drafts_off_at == [2]  # 3 running sequences: the bucket of 2-3
     else:
-        assert stats.num_drafts > 60
+        assert stats.num_drafts > 60 and stats.drafts_off_at == []
     assert all_blocks_free(llm)

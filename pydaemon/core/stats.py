@@ -58,12 +58,15 @@ class SchedulerStats:
 class SpecDecodeStats:
     """Speculative decoding's counters since start (vLLM's): verify steps of a sequence that
     had drafts, drafts proposed, drafts accepted, and accepted drafts by position (index j:
-    the (j+1)-th draft of a step)."""
+    the (j+1)-th draft of a step). ``drafts_off_at``: the lowest batch size of each batch-size
+    bucket where the governor has turned drafts off (measured slower there; filled in by the
+    engine core's stats, pydaemon/core/sched/spec_governor.py)."""
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    drafts_off_at: list[int] = field(default_factory=list)
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         if num_drafts == 0:
@@ -77,12 +80,13 @@ class SpecDecodeStats:
         for j in range(num_accepted):
             per_position[j] += 1
 
-    def snapshot(self) -> SpecDecodeStats:
+    def snapshot(self, drafts_off_at: list[int] | None = None) -> SpecDecodeStats:
         return SpecDecodeStats(
             self.num_drafts,
             self.num_draft_tokens,
             self.num_accepted_tokens,
             list(self.accepted_per_position),
+            list(drafts_off_at or []),
         )
 
     @property

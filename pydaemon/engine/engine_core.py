@@ -275,7 +275,9 @@ class EngineCore:
             num_swapped_in_blocks=sched.stats.num_swapped_in_blocks,
             num_prompt_tokens=sched.updater.num_prompt_tokens,
             num_generation_tokens=sched.updater.num_generation_tokens,
-            spec_decode=sched.updater.spec_stats.snapshot() if sched.drafts else None,
+            spec_decode=sched.updater.spec_stats.snapshot(sched.drafts.governor.drafts_off_at())
+            if sched.drafts
+            else None,
             lora_requests=LoRABudget.count_by_adapter(sched.running, sched.waiting + sched.swapped)
             if sched.loras.max_loras
             else {},

@@ -113,6 +113,14 @@ class SpecGovernor:
             bucket.probe_every = self.first_probe
             self.num_switches += 1
 
+    def drafts_off_at(self) -> list[int]:
+        """The lowest batch size of each bucket whose decision (not a probe) is plain decoding."""
+        return [
+            1 << (key - 1)
+            for key, b in sorted(self.buckets.items())
+            if not (b.speculating ^ b.probing)  # during a probe the decision is the other kind
+        ]
+
     def describe(self) -> dict[str, dict]:
         """Per bucket (its lowest batch size): the kind running now (during a probe, the
         probed one), whether a probe runs, and both rates (tokens/s)."""

@@ -377,6 +377,7 @@ class GenerationServicer(AdapterCalls, pb_grpc.GenerationServicer):
                 num_draft_tokens=spec.num_draft_tokens,
                 num_accepted_tokens=spec.num_accepted_tokens,
                 accepted_per_position=spec.accepted_per_position,
+                drafts_off_at=spec.drafts_off_at,
             )
         return pb.ServerStatus(
             is_serving=(
