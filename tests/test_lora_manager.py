@@ -57,3 +57,30 @@ def test_slots_lru_and_the_token_buffer(setup):
     assert (manager.slots.token_slots == -1).all()
     with pytest.raises(RuntimeError, match="more LoRA adapters than max_loras"):
         manager.set_step([a0, a1, a2], np.array([1, 1, 1], dtype=np.int32))
+
+
+def test_graph_capture_warms_up_every_lora_slot(tmp_path, monkeypatch):
+    """After a step without adapters eager steps skip LoRA; the warm-ups before a (deferred)
+    graph capture must run it anyway, so that the Triton kernels compile outside the capture
+    (punica_triton.py): model_runner._capture activates every slot around capture_all."""
+    from engine_utils import make_hf_model
+
+    from pydaemon import LLM, SamplingParams
+    from pydaemon.worker import model_runner
+
+    path, _ = make_hf_model(tmp_path / "m", vocab_size=128)
+    llm = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=32, enable_lora=True,
+              max_loras=3)  # fmt: skip
+    llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=2))
+    runner = llm.engine.core.runner
+    slots = runner.lora_manager.slots
+    assert slots.num_active_slots == 0  # the step had no adapter
+    seen = []
+
+    def fake_capture_all(graphs):
+        seen.append((graphs, slots.num_active_slots))
+        return "captured"
+
+    monkeypatch.setattr(model_runner, "capture_all", fake_capture_all)
+    assert runner._capture("graphs") == "captured"
+    assert seen == [("graphs", 3)] and slots.num_active_slots == 0  # restored after

@@ -134,7 +134,7 @@ class ModelRunner:
             if self.kv_scales is not None and self.kv_scales.is_pending:
                 self._graphs_to_capture = graphs  # graphs bake the KV scales in: not yet
             else:
-                self.cuda_graphs = capture_all(graphs)
+                self.cuda_graphs = self._capture(graphs)
         logger.info(
             "KV cache: %d blocks of %d tokens on %s (%s, %.2f GiB), %d swap blocks on the CPU",
             self.num_gpu_blocks,
@@ -261,8 +261,22 @@ class ModelRunner:
         bake them in, are captured now."""
         self.kv_scales.finish()
         if self._graphs_to_capture is not None:
-            self.cuda_graphs = capture_all(self._graphs_to_capture)
+            self.cuda_graphs = self._capture(self._graphs_to_capture)
             self._graphs_to_capture = None
+
+    def _capture(self, graphs: CUDAGraphRunner) -> CUDAGraphRunner | None:
+        """capture_all, with every LoRA slot active in the eager warm-ups before each capture:
+        a step without adapters leaves eager steps skipping LoRA (lora_manager.set_step), and
+        a layer whose Triton kernels never ran outside a capture is captured on the dense path
+        instead (pydaemon/layers/lora/punica_triton.py), as after the KV scales' first step."""
+        slots = self.lora_manager.slots if self.lora_manager is not None else None
+        if slots is None:
+            return capture_all(graphs)
+        active, slots.num_active_slots = slots.num_active_slots, slots.max_loras
+        try:
+            return capture_all(graphs)
+        finally:
+            slots.num_active_slots = active
 
     def _share_sampled_ids(self, last: AsyncModelRunnerOutput | None) -> None:
         """Tensor parallelism: every rank fills placeholders with rank 0's samples. Rank 0

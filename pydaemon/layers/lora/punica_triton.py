@@ -31,8 +31,8 @@ The kernels' specialisation depends on the layer's shapes, strides and pointer a
 never on T: one compilation a layer shape, in the first eager step. Compiling inside a CUDA
 graph capture (module loading) is not allowed, so a capture whose layer was never launched
 eagerly in this process takes the next path instead (``ready``); pagedd's graph runner runs
-every graph's forward eagerly just before capturing it, but skips LoRA there when the last
-step had no adapter (``num_active_slots`` 0).
+every graph's forward eagerly just before capturing it, with every LoRA slot active
+(model_runner._capture), so its layers compile there.
 
 ``LORA_TRITON`` (on) chooses this path in ``add_lora`` (pydaemon/layers/lora/punica.py)
 above ``LORA_KERNEL_MAX_TOKENS``, before the torch._grouped_mm one, for fp16/bf16 CUDA
