@@ -166,7 +166,8 @@ class Scheduler:
         plan.num_running_seqs = self.num_running_seqs()
         if self.drafts and plan.decodes and not overlap:  # 1b. Draft slots, budget allowing
             plan.speculating = self.drafts.is_due(self.running, plan.num_running_seqs)
-            budget -= self.drafts.reserve(plan, plan.num_running_seqs, budget)
+            if plan.speculating:
+                budget -= self.drafts.reserve(plan, budget)
         # 2. Prefill chunks of running requests.
         if pending_prefill:
             decoding_ids = {s.seq.seq_id for s in plan.decodes}  # a set: runs per sequence

@@ -51,12 +51,11 @@ class DraftSlots:
             and any(allows_drafts(r) for r in running)
         )
 
-    def reserve(self, plan: StepPlan, num_running_seqs: int, budget: int) -> int:
-        """Draft slots for the plan's decodes, in order; -> the budget they take."""
+    def reserve(self, plan: StepPlan, budget: int) -> int:
+        """Draft slots for the plan's decodes, in order (a step ``is_due`` chose to speculate);
+        -> the budget they take."""
         spec, blocks = self.spec, self.blocks
-        if num_running_seqs > spec.disable_by_batch_size or budget <= 0:
-            return 0
-        if not self.governor.wants_drafts(num_running_seqs):
+        if budget <= 0:
             return 0
         block_size = blocks.block_size
         num_free = blocks.block_manager.num_free_blocks(_core.Device.GPU)
