@@ -14,6 +14,7 @@ import itertools
 import json
 
 import torch
+from lora_utils import reference_add_lora_loop as reference
 
 NUM_SLOTS = 6  # adapter slots; the weights hold one more (the zero slot, for -1)
 PARTS = {"qkv": (64, 16, 16), "gate_up": (32, 32), "o": (64,), "wide": (200, 72, 40)}
@@ -46,20 +47,6 @@ def _cases() -> dict[str, dict]:
 
 
 CASES = _cases()
-
-
-def reference(y, x, token_slots, lora_a, lora_b, starts) -> torch.Tensor:
-    """float64: y + A[slot] x @ B[slot] part by part, per token; tokens of -1 unchanged."""
-    rank = lora_b.shape[1]
-    out = y.double().clone()
-    for t, s in enumerate(token_slots.tolist()):
-        if s < 0:
-            continue
-        for j in range(len(starts) - 1):
-            cols = slice(starts[j], starts[j + 1])
-            xa = lora_a[s, j * rank : (j + 1) * rank].double() @ x[t].double()
-            out[t, cols] += xa @ lora_b[s, :, cols].double()
-    return out
 
 
 def _run(case: dict, seed: int) -> tuple[bool, str]:

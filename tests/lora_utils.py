@@ -63,3 +63,17 @@ def peft_greedy(
             ids.append(int(logits[0, -1].argmax()))
         outs.append(ids[len(prompt) :])
     return outs
+
+
+def reference_add_lora_loop(y, x, token_slots, lora_a, lora_b, starts) -> torch.Tensor:
+    """float64: y + A[slot] x @ B[slot] part by part, per token; tokens of -1 unchanged."""
+    rank = lora_b.shape[1]
+    out = y.double().clone()
+    for t, s in enumerate(token_slots.tolist()):
+        if s < 0:
+            continue
+        for j in range(len(starts) - 1):
+            cols = slice(starts[j], starts[j + 1])
+            xa = lora_a[s, j * rank : (j + 1) * rank].double() @ x[t].double()
+            out[t, cols] += xa @ lora_b[s, :, cols].double()
+    return out

@@ -14,6 +14,7 @@ import itertools
 
 import pytest
 import torch
+from lora_utils import reference_add_lora_loop as reference
 from torch import nn
 
 from pydaemon.layers.lora import lora_linear, punica, punica_grouped
@@ -57,20 +58,6 @@ def _inputs(num_tokens, out, dtype, seed):
     x = torch.randn(num_tokens, IN, generator=g).to(dtype)
     y = torch.randn(num_tokens, out, generator=g).to(dtype)
     return x, y
-
-
-def reference(y, x, token_slots, lora_a, lora_b, starts) -> torch.Tensor:
-    """float64: y + A[slot] x @ B[slot] part by part, per token; tokens of -1 unchanged."""
-    rank = lora_b.shape[1]
-    out = y.double().clone()
-    for t, s in enumerate(token_slots.tolist()):
-        if s < 0:
-            continue
-        for j in range(len(starts) - 1):
-            cols = slice(starts[j], starts[j + 1])
-            xa = lora_a[s, j * rank : (j + 1) * rank].double() @ x[t].double()
-            out[t, cols] += xa @ lora_b[s, :, cols].double()
-    return out
 
 
 def _check_operand(name, m):
