@@ -137,3 +137,22 @@ def test_a_failed_forward_leaves_no_step_pending(model_dir, monkeypatch, async_s
     seen = _run(engine)
     assert _tokens(seen["after"]) == alone.outputs[0].token_ids
     assert _all_free(llm)
+
+
+def test_a_failed_warmup_leaves_nothing_behind(model_dir, monkeypatch):
+    """A warm-up whose step fails raises, frees its request and blocks, and can run again."""
+    llm = LLM(model_dir, device="cpu", dtype="float32", block_size=8, num_kv_blocks=64)
+    core = llm.engine.core
+    real = core.executor.execute_model
+
+    def exploding(*args, **kwargs):
+        raise RuntimeError("boom in the warm-up step")
+
+    monkeypatch.setattr(core.executor, "execute_model", exploding)
+    with pytest.raises(RuntimeError, match="boom in the warm-up step"):
+        llm.engine.warmup()
+    assert not core.scheduler.requests and not llm.engine.has_unfinished_requests()
+    assert _all_free(llm)
+    monkeypatch.setattr(core.executor, "execute_model", real)
+    llm.engine.warmup()  # no "request id '__warmup__' is already running"
+    assert not core.scheduler.requests and _all_free(llm)

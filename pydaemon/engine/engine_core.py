@@ -220,8 +220,12 @@ class EngineCore:
                 arrival_time=time.monotonic(),
             )
         )
-        while self.has_unfinished_requests():
-            self.step()
+        try:
+            while self.has_unfinished_requests():
+                self.step()
+        except BaseException:
+            self.abort_request(WARMUP_REQUEST_ID)  # so that a later warm-up can run
+            raise
         heap_freeze.freeze_startup_heap()  # again: what the first request's paths built
 
     def check_health(self) -> None:

@@ -80,10 +80,27 @@ def served_model_info(engine: Any) -> ServedModelInfo:
     )
 
 
+def serving_client(engine: Any) -> InprocEngineClient | None:
+    """The InprocEngineClient whose engine thread is stepping ``engine`` now, if any."""
+    client = getattr(engine, "_pagedd_served_by", None)
+    return client if client is not None and client.steps_engine else None
+
+
+def _ensure_unserved(engine: Any) -> None:
+    """One engine thread per engine: a second one would step the first's requests (and a
+    warm-up) concurrently, and deliver their outputs to nobody."""
+    if serving_client(engine) is not None:
+        raise RuntimeError(
+            "this engine is already served by a running InprocEngineClient: shut that one "
+            "down first (an engine is stepped by one thread)"
+        )
+
+
 class InprocEngineClient(EngineClient):
     """Runs ``engine.step()`` in a dedicated thread; serves many asyncio clients."""
 
     def __init__(self, engine: Any) -> None:
+        _ensure_unserved(engine)
         self.engine = engine
         self.model_info = served_model_info(engine)
         self.tokenizer = engine.tokenizer
@@ -103,6 +120,7 @@ class InprocEngineClient(EngineClient):
     def load(cls, engine_factory: Callable[[], Any]) -> InprocEngineClient:
         """Builds and warms the engine (blocking: run it off the event loop); not started."""
         engine = engine_factory()
+        _ensure_unserved(engine)  # before the warm-up steps it
         engine.warmup()
         return cls(engine)
 
@@ -111,8 +129,16 @@ class InprocEngineClient(EngineClient):
     def start(self) -> None:
         if self._thread is not None:
             raise RuntimeError("InprocEngineClient.start() called twice")
+        _ensure_unserved(self.engine)
         self._thread = threading.Thread(target=self._run, name="pagedd-engine", daemon=True)
+        with contextlib.suppress(AttributeError):  # (a double with __slots__)
+            self.engine._pagedd_served_by = self
         self._thread.start()
+
+    @property
+    def steps_engine(self) -> bool:
+        """Whether this client's engine thread is running (it alone may step the engine)."""
+        return self._thread is not None and self._thread.is_alive()
 
     async def shutdown(self) -> None:
         """Aborts every live request and stops the engine thread."""

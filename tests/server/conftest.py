@@ -1,8 +1,8 @@
 """Fixtures: a real in-process server on a free local port.
 
-``demo_engine`` is one real LLMEngine on the demo model (CPU), loaded once per session and
+``shared_demo_engine`` is a real LLMEngine on the demo model (CPU), loaded once per session and
 handed from server to server (each server's InprocEngineClient owns it while it runs and aborts
-what is left when it drains). Set PAGEDD_SERVER_TEST_ENGINE=fake to use the fake engine
+what is left when it drains); a server started while another runs gets a second one. Set PAGEDD_SERVER_TEST_ENGINE=fake to use the fake engine
 instead (when the real engine is being reworked). Tests that need behaviour only the fake
 can produce (a failing or hung step, huge deltas, slow steps) use FakeEngine explicitly.
 """
@@ -28,20 +28,28 @@ _shared: dict[str, object] = {}
 
 
 def shared_demo_engine():
-    """The session's demo LLMEngine (or a FakeEngine when asked for)."""
-    if "engine" not in _shared:
-        if os.environ.get("PAGEDD_SERVER_TEST_ENGINE") == "fake":
-            _shared["engine"] = FakeEngine(
-                num_gpu_blocks=DEMO_NUM_KV_BLOCKS, max_model_len=2048, step_delay_s=0.002
-            )
-        else:
-            from pydaemon.config.engine import EngineConfig
-            from pydaemon.engine.llm_engine import LLMEngine
+    """The session's demo LLMEngine (or a FakeEngine when asked for): the first of a small pool
+    that no running server steps now. A test that starts its own server while its module's
+    server still runs gets another engine, never a second engine thread on the same one."""
+    from pydaemon.engine.inproc_client import serving_client
 
-            _shared["engine"] = LLMEngine(
-                EngineConfig(model="demo", device="cpu", num_kv_blocks=DEMO_NUM_KV_BLOCKS)
-            )
-    return _shared["engine"]
+    pool = _shared.setdefault("engines", [])
+    for engine in pool:
+        if serving_client(engine) is None:
+            return engine
+    if os.environ.get("PAGEDD_SERVER_TEST_ENGINE") == "fake":
+        engine = FakeEngine(
+            num_gpu_blocks=DEMO_NUM_KV_BLOCKS, max_model_len=2048, step_delay_s=0.002
+        )
+    else:
+        from pydaemon.config.engine import EngineConfig
+        from pydaemon.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(
+            EngineConfig(model="demo", device="cpu", num_kv_blocks=DEMO_NUM_KV_BLOCKS)
+        )
+    pool.append(engine)
+    return engine
 
 
 def make_server_thread(engine_factory=None, **options) -> ServerThread:

@@ -84,3 +84,30 @@ def test_idle_engine_thread_keeps_beating():
 
     beats, since = run(body, FakeEngine())
     assert beats >= 2 and since < 0.6
+
+
+def test_one_engine_thread_per_engine():
+    """A second client on an engine another client's thread steps is refused before its
+    warm-up (two threads would step one scheduler); once the first shuts down, it is served."""
+    engine = FakeEngine()
+
+    async def main():
+        first = InprocEngineClient(engine)
+        first.start()
+        try:
+            with pytest.raises(RuntimeError, match="already served"):
+                InprocEngineClient.load(lambda: engine)
+            assert not engine.warmed_up  # refused before its warm-up
+        finally:
+            await first.shutdown()
+        second = InprocEngineClient.load(lambda: engine)
+        second.start()
+        try:
+            ids = []
+            async for out in second.generate("a", [10], SamplingParams(max_tokens=2)):
+                ids += out.outputs[0].token_ids
+            return ids
+        finally:
+            await second.shutdown()
+
+    assert asyncio.run(main()) == [11, 12]
