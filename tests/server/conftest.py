@@ -90,5 +90,5 @@ def demo_server(start_server):
 @pytest.fixture(scope="session", autouse=True)
 def _release_shared_engine():
     yield
-    _shared.clear()  # drop the engine before interpreter exit (nanobind checks for leaks)
+    _shared.clear()  # drop the engines before interpreter exit (nanobind checks for leaks)
     gc.collect()

@@ -63,3 +63,21 @@ def test_stuck_engine_core_is_not_serving_then_recovers(start_server):
     assert request(st, "GET", "/health").status == 200
     assert _wait_for(lambda: "r" in frames, 5.0)
     assert frames["r"][-1].finished.usage.completion_tokens == 8
+
+
+def test_a_drained_server_lets_go_of_its_engine():
+    """After drain, nothing the server object holds keeps the engine (and its C++ block
+    manager) alive: whoever keeps a stopped server around does not keep the model."""
+    import gc
+    import weakref
+
+    from conftest import make_server_thread
+
+    engine = FakeEngine()
+    ref = weakref.ref(engine)
+    st = make_server_thread(lambda: ref())
+    del engine
+    st.close()  # drains
+    gc.collect()
+    assert st.server.is_drained.is_set()
+    assert ref() is None

@@ -40,8 +40,11 @@ class Liveness:
         self._task = asyncio.create_task(self._follow())
 
     def stop(self) -> None:
+        """Stops following (drain): and lets go of the engine, which a stopped server must
+        not keep alive."""
         if self._task is not None:
             self._task.cancel()
+        self.engine = None
 
     async def _follow(self) -> None:
         poll_s = min(1.0, self.stall_timeout_s / 4)
