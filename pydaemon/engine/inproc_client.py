@@ -100,7 +100,6 @@ class InprocEngineClient(EngineClient):
     """Runs ``engine.step()`` in a dedicated thread; serves many asyncio clients."""
 
     def __init__(self, engine: Any) -> None:
-        _ensure_unserved(engine)
         self.engine = engine
         self.model_info = served_model_info(engine)
         self.tokenizer = engine.tokenizer

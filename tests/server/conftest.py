@@ -2,9 +2,10 @@
 
 ``shared_demo_engine`` is a real LLMEngine on the demo model (CPU), loaded once per session and
 handed from server to server (each server's InprocEngineClient owns it while it runs and aborts
-what is left when it drains); a server started while another runs gets a second one. Set PAGEDD_SERVER_TEST_ENGINE=fake to use the fake engine
-instead (when the real engine is being reworked). Tests that need behaviour only the fake
-can produce (a failing or hung step, huge deltas, slow steps) use FakeEngine explicitly.
+what is left when it drains); a server started while another runs gets a second one. Set
+PAGEDD_SERVER_TEST_ENGINE=fake to use the fake engine instead (when the real engine is being
+reworked). Tests that need behaviour only the fake can produce (a failing or hung step, huge
+deltas, slow steps) use FakeEngine explicitly.
 """
 
 from __future__ import annotations
