@@ -36,6 +36,7 @@ from bench.loadgen_env import environment, write_json  # noqa: E402
 from bench.lora_adapters import write_adapters  # noqa: E402
 from bench.throughput_models import write_model_config  # noqa: E402
 from bench.workloads import w1  # noqa: E402
+from pydaemon.generate_request import GenerateRequest
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -172,7 +173,7 @@ def run_tpot(args, paths: list[Path]) -> dict:
         engine = llm.engine
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         start = time.perf_counter()
-        engine.add_request("tpot", list(prompt), params, lora_request=lora_request)
+        engine.add_request(GenerateRequest("tpot", list(prompt), params, lora_request=lora_request))
         times = []
         while engine.has_unfinished_requests():
             for out in engine.step():

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pydaemon import LLM, SamplingParams  # noqa: E402
 from pydaemon._core import Device  # noqa: E402
+from pydaemon.generate_request import GenerateRequest
 
 
 def measure(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
@@ -30,7 +31,7 @@ def measure(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
     bm = engine.block_manager
     peak = {"used": -1}
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
+        engine.add_request(GenerateRequest(f"r{i}", prompt, params))
     while engine.has_unfinished_requests():
         engine.step()
         used = bm.num_used_blocks(Device.GPU)

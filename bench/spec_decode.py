@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.loadgen_env import environment, write_json  # noqa: E402
 from bench.spec_forced import AcceptAllRejectionSampler, ForcedOracleProposer  # noqa: E402
 from bench.throughput_models import write_model_config  # noqa: E402
+from pydaemon.generate_request import GenerateRequest
 
 PASSAGES = (
     "The committee met on Tuesday to review the budget for the coming year. After a long "
@@ -123,7 +124,7 @@ def run_batch(
         torch.cuda.synchronize()
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", list(prompt), params)
+        engine.add_request(GenerateRequest(f"r{i}", list(prompt), params))
     times: dict[str, list[float]] = {f"r{i}": [] for i in range(len(prompts))}
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     num_steps = 0

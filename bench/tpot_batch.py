@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.loadgen_env import environment, write_json  # noqa: E402
+from pydaemon.generate_request import GenerateRequest
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,7 +55,7 @@ def run_batch(llm, prompts: list[list[int]], output_len: int, device: str) -> di
         torch.cuda.synchronize()
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", list(prompt), params)
+        engine.add_request(GenerateRequest(f"r{i}", list(prompt), params))
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     count: dict[str, int] = {}

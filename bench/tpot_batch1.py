@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.loadgen_env import environment, write_json  # noqa: E402
 from bench.throughput_models import write_model_config  # noqa: E402
+from pydaemon.generate_request import GenerateRequest
 
 MODES = {"eager": True, "graphs": False}  # mode -> enforce_eager
 
@@ -61,7 +62,7 @@ def run_once(llm, prompt_ids: list[int], output_len: int, device: str) -> dict:
     if device == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
-    engine.add_request("tpot", list(prompt_ids), params)
+    engine.add_request(GenerateRequest("tpot", list(prompt_ids), params))
     step_ends: list[float] = []
     token_times: list[float] = []  # when each delivered token reached the caller
     tokens: list[int] = []

@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pydaemon import LLM, SamplingParams  # noqa: E402
+from pydaemon.generate_request import GenerateRequest
 from pydaemon.model_loader.default_model import DEFAULT_MODEL, default_model_path  # noqa: E402
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -44,7 +45,7 @@ def run_pagedd(llm: LLM, prompt_ids: list[int], output_len: int, device: str) ->
     engine = llm.engine
     _sync(device)
     start = time.perf_counter()
-    engine.add_request("tpot", list(prompt_ids), params)
+    engine.add_request(GenerateRequest("tpot", list(prompt_ids), params))
     step_ends: list[float] = []
     num_tokens = 0
     while engine.has_unfinished_requests():

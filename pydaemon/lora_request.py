@@ -1,10 +1,11 @@
-"""LoRARequest: which LoRA adapter a request runs with (vLLM's name and fields).
+"""LoRARequest: which LoRA adapter a request runs with (vLLM's name and fields), and
+LoRAAdapterInfo: what the engine reports of a loaded adapter.
 
-A plain, frozen value that travels with the request from the front end to every
-tensor-parallel worker: the worker loads the adapter from ``lora_path`` the first time it
-sees ``lora_int_id`` (pydaemon/worker/lora_manager.py). ``lora_int_id`` identifies the
-weights: two requests with the same id share the adapter's device slot and cached KV blocks;
-an adapter loaded again from other files must get a new id.
+A LoRARequest is a plain, frozen value. It is loaded once through the engine client's
+``add_lora`` (the engine core reads and checks the adapter; every worker loads its validated
+weights: pydaemon/worker/lora_manager.py) and then travels with each request that names it.
+``lora_int_id`` identifies the weights: two requests with the same id share the adapter's
+device slot and cached KV blocks; an adapter loaded again from other files must get a new id.
 """
 
 from __future__ import annotations
@@ -36,3 +37,14 @@ def prefix_cache_salt(cache_salt: str, lora_request: LoRARequest | None) -> str:
     if lora_request is None:
         return cache_salt
     return f"{cache_salt}\x00lora:{lora_request.lora_int_id}"
+
+
+@dataclass(frozen=True)
+class LoRAAdapterInfo:
+    """A loaded adapter, as the engine core checked it (``EngineClient.add_lora``)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+    rank: int  # the largest module rank
+    target_modules: tuple[str, ...]  # PEFT module names its weights cover

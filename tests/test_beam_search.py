@@ -7,9 +7,10 @@ logits with the HF model on every step, fork/free by the parent indices the stat
 from __future__ import annotations
 
 import pytest
+import numpy as np
 import torch
 
-from pydaemon.core.beam_search import BeamSearchState, length_normalized
+from pydaemon.core.beam_search import BeamSearchState, length_normalized, top_k
 
 transformers = pytest.importorskip("transformers")
 
@@ -194,12 +195,25 @@ def test_extreme_length_penalty_never_overflows(lp) -> None:
 
 
 def test_length_normalized_is_transformers_expression_when_finite() -> None:
+    """numpy float32, bit for bit what transformers' torch expression gives."""
     values = torch.tensor([-3.5, -0.25, -12.0])
-    for length, lp in ((7, 1.0), (64, 2.0), (3, -0.5), (100, 10.0)):
-        assert torch.equal(length_normalized(values, length, lp), values / (length**lp))
+    array = values.numpy()
+    for length, lp in ((7, 1.0), (64, 2.0), (3, -0.5), (100, 10.0), (13, 0.7)):
+        got = length_normalized(array, length, lp)
+        assert got.dtype == np.float32
+        assert np.array_equal(got, (values / (length**lp)).numpy())
     # far beyond float range: saturates (to -0 or -inf) in log space, no OverflowError
-    assert length_normalized(values, 64, 200.0).abs().max() < 1e-30
-    assert torch.isinf(length_normalized(values, 64, -200.0)).all()
+    assert np.abs(length_normalized(array, 64, 200.0)).max() < 1e-30
+    assert np.isinf(length_normalized(array, 64, -200.0)).all()
+
+
+def test_top_k_is_the_stable_order_of_the_k_largest() -> None:
+    rng = np.random.default_rng(0)
+    for n, k in ((10, 3), (1000, 16), (8, 8), (5, 7)):
+        values = rng.integers(-4, 4, n).astype(np.float32)  # many ties
+        values[rng.integers(0, n)] = -np.inf
+        expected = np.argsort(-values, kind="stable")[:k]
+        assert top_k(values, k).tolist() == expected.tolist()
 
 
 @pytest.mark.parametrize("lp", [float("nan"), float("inf"), float("-inf")])

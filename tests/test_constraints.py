@@ -17,7 +17,8 @@ from pydaemon.model_loader.demo_model import demo_model_dir
 from pydaemon.sampling.constraints.bitmask import apply_grammar_bitmask
 from pydaemon.sampling.constraints.compiler import GrammarCompiler
 from pydaemon.sampling.constraints.grammar_spec import build_grammar, grammar_key
-from pydaemon.sampling.constraints.matchers import ConstrainedRow, GrammarMatchers
+from pydaemon.sampling.constraints.bitmask import apply_grammar_bitmask
+from pydaemon.sampling.constraints.matchers import ConstrainedSeq, GrammarMatchers
 from pydaemon.sampling_params import SamplingParams, StructuredOutputsParams
 from pydaemon.tokenizer.hf import HFTokenizer
 from pydaemon.tokenizer.loader import load_tokenizer
@@ -180,12 +181,20 @@ def demo_compiler():
     return tok, GrammarCompiler(token_bytes(tok), 520, sorted(tok.eos_token_ids))
 
 
+def _mask(matchers, logits, logits_row, seq_id, request_id, spec):
+    """The engine side fills the row's bitmask; the worker side masks logits row
+    ``logits_row`` with it."""
+    rows = [ConstrainedSeq(seq_id, request_id, spec, matchers.outputs[seq_id])]
+    bitmask = torch.from_numpy(matchers.fill_bitmask(rows).copy())
+    apply_grammar_bitmask(logits, bitmask, torch.tensor([logits_row]))
+
+
 def _walk(matchers, spec, seq_id, gen, steps=120, greedy=False):
     """Samples one sequence under ``spec`` from random logits -> its token ids."""
     outputs = matchers.outputs.setdefault(seq_id, [])
     for _ in range(steps):
         logits = torch.randn(2, 520, generator=gen)
-        matchers.apply_grammar_bitmask(logits, [ConstrainedRow(1, seq_id, str(seq_id), spec)])
+        _mask(matchers, logits, 1, seq_id, str(seq_id), spec)
         row = logits[1]
         token = (
             int(row.argmax())
@@ -201,7 +210,7 @@ def _walk(matchers, spec, seq_id, gen, steps=120, greedy=False):
 
 def _matchers(compiler):
     outputs: dict[int, list[int]] = {}
-    matchers = GrammarMatchers(compiler, lambda s, start: outputs[s][start:], torch.device("cpu"))
+    matchers = GrammarMatchers(compiler)
     matchers.outputs = outputs
     return matchers
 
@@ -255,7 +264,7 @@ def test_rejected_token_only_lets_the_sequence_end(demo_compiler):
     matchers = _matchers(compiler)
     matchers.outputs[1] = tok.encode("zz", add_bos=False)
     logits = torch.zeros(1, 520)
-    matchers.apply_grammar_bitmask(logits, [ConstrainedRow(0, 1, "r", SO(regex="ab"))])
+    _mask(matchers, logits, 0, 1, "r", SO(regex="ab"))
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [2]
 
 

@@ -8,6 +8,7 @@ from engine_utils import hf_greedy, make_hf_model, random_prompts
 
 from pydaemon import LLM, SamplingParams
 from pydaemon._core import Device
+from pydaemon.generate_request import GenerateRequest
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
@@ -58,7 +59,7 @@ def test_requests_added_while_others_run(llama_gqa):
     while pending or engine.has_unfinished_requests():
         if pending and steps % 3 == 0:  # a new request every third step
             i, prompt = pending.pop(0)
-            engine.add_request(f"r{i}", prompt, GREEDY)
+            engine.add_request(GenerateRequest(f"r{i}", prompt, GREEDY))
         for out in engine.step():
             tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
             if out.finished:
@@ -74,7 +75,9 @@ def test_abort_frees_blocks_at_once(llama_gqa):
     path, _ = llama_gqa
     llm = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=64)
     engine = llm.engine
-    engine.add_request("a", list(range(3, 60)), SamplingParams(temperature=0, max_tokens=100))
+    engine.add_request(
+        GenerateRequest("a", list(range(3, 60)), SamplingParams(temperature=0, max_tokens=100))
+    )
     engine.step()
     engine.step()
     assert not _free_all(llm)
@@ -97,7 +100,7 @@ def test_bad_prompts_are_rejected(llama_gqa, prompt, match):
     path, _ = llama_gqa
     llm = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=64)
     with pytest.raises(ValueError, match=match):
-        llm.engine.add_request("x", prompt, GREEDY)
+        llm.engine.add_request(GenerateRequest("x", prompt, GREEDY))
     assert not llm.engine.has_unfinished_requests()
 
 
@@ -105,12 +108,12 @@ def test_prompt_larger_than_cache_and_duplicates(llama_gqa):
     path, _ = llama_gqa
     llm = LLM(str(path), device="cpu", dtype="float32", block_size=8, num_kv_blocks=4)
     with pytest.raises(ValueError, match="KV blocks"):
-        llm.engine.add_request("x", list(range(3, 60)), GREEDY)
-    llm.engine.add_request("y", [5, 6, 7], GREEDY)
+        llm.engine.add_request(GenerateRequest("x", list(range(3, 60)), GREEDY))
+    llm.engine.add_request(GenerateRequest("y", [5, 6, 7], GREEDY))
     with pytest.raises(ValueError, match="already running"):
-        llm.engine.add_request("y", [5, 6, 7], GREEDY)
+        llm.engine.add_request(GenerateRequest("y", [5, 6, 7], GREEDY))
     with pytest.raises(ValueError, match="tokenizer"):
-        llm.engine.add_request("z", "text prompt", GREEDY)
+        llm.engine.add_request(GenerateRequest("z", "text prompt", GREEDY))
 
 
 def test_demo_model_text_round_trip():

@@ -8,6 +8,7 @@ import torch
 
 from pydaemon import LLM, SamplingParams
 from pydaemon._core import Device
+from pydaemon.generate_request import GenerateRequest
 
 transformers = pytest.importorskip("transformers")
 
@@ -88,7 +89,11 @@ def test_beams_share_blocks(tmp_path):
     llm = LLM(str(tmp_path), device="cpu", dtype="float32", block_size=8, num_kv_blocks=64)
     engine = llm.engine
     engine.add_request(
-        "b", PROMPT, SamplingParams(beam_width=4, temperature=0.0, max_tokens=8, ignore_eos=True)
+        GenerateRequest(
+            "b",
+            PROMPT,
+            SamplingParams(beam_width=4, temperature=0.0, max_tokens=8, ignore_eos=True),
+        )
     )
     engine.step()
     engine.step()

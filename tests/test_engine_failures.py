@@ -8,6 +8,7 @@ from engine_utils import make_hf_model, random_prompts
 
 from pydaemon import LLM, SamplingParams
 from pydaemon._core import Device
+from pydaemon.generate_request import GenerateRequest
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -46,8 +47,8 @@ def test_stop_check_failure_fails_only_that_request(model_dir):
     llm = LLM(model_dir, device="cpu", dtype="float32", block_size=8, num_kv_blocks=64)
     alone = llm.generate(prompt_token_ids=prompts[:1], sampling_params=GREEDY)[0]
     engine = llm.engine
-    engine.add_request("good", prompts[0], GREEDY)
-    engine.add_request("bad", prompts[1], GREEDY)
+    engine.add_request(GenerateRequest("good", prompts[0], GREEDY))
+    engine.add_request(GenerateRequest("bad", prompts[1], GREEDY))
     engine.scheduler.requests["bad"].stop_checker = _ExplodingStopChecker()
     seen = _run(engine)
     (bad,) = seen["bad"]
@@ -65,8 +66,8 @@ def test_beam_step_failure_fails_only_that_request(model_dir):
     llm = LLM(model_dir, device="cpu", dtype="float32", block_size=8, num_kv_blocks=96)
     alone = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
     engine = llm.engine
-    engine.add_request("good", prompt, params)
-    engine.add_request("bad", prompt, params)
+    engine.add_request(GenerateRequest("good", prompt, params))
+    engine.add_request(GenerateRequest("bad", prompt, params))
 
     def exploding_step(rows):
         raise ValueError("boom in the beam step")
@@ -96,7 +97,9 @@ def test_request_outgrowing_the_cache_ends_with_the_reason_and_no_resend(model_d
     )
     engine = llm.engine
     engine.add_request(
-        "big", prompt, SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+        GenerateRequest(
+            "big", prompt, SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+        )
     )
     seen = _run(engine)["big"]
     final = seen[-1]
@@ -119,21 +122,20 @@ def test_a_failed_forward_leaves_no_step_pending(model_dir, monkeypatch, async_s
               async_scheduling=async_scheduling)  # fmt: skip
     alone = llm.generate(prompt_token_ids=prompts[1:], sampling_params=GREEDY)[0]
     engine = llm.engine
-    runner = engine.core.executor
-    name = "execute_model_async" if async_scheduling else "execute_model"
-    execute = getattr(runner, name)
+    executor = engine.core.executor
+    execute = executor.execute_model
 
     def fail_once(out):
-        monkeypatch.setattr(runner, name, execute)
+        monkeypatch.setattr(executor, "execute_model", execute)
         raise RuntimeError("boom in the forward")
 
-    monkeypatch.setattr(runner, name, fail_once)
-    engine.add_request("lost", prompts[0], GREEDY)
+    monkeypatch.setattr(executor, "execute_model", fail_once)
+    engine.add_request(GenerateRequest("lost", prompts[0], GREEDY))
     with pytest.raises(RuntimeError, match="boom in the forward"):
         engine.step()
     engine.abort_request("lost")
     assert _all_free(llm)
-    engine.add_request("after", prompts[1], GREEDY)
+    engine.add_request(GenerateRequest("after", prompts[1], GREEDY))
     seen = _run(engine)
     assert _tokens(seen["after"]) == alone.outputs[0].token_ids
     assert _all_free(llm)

@@ -174,7 +174,7 @@ def test_the_server_reaches_the_engine_only_through_engine_client():
     allowed_outside = {
         "pydaemon",  # __version__
         "pydaemon.engine.engine_client",
-        "pydaemon.entrypoints.common.validation",  # shared by gRPC and HTTP, no engine
+        "pydaemon.entrypoints.grpc.validation",  # shared by gRPC and HTTP, no engine
         "pydaemon.heap_freeze",  # the process's garbage-collector policy, no engine
         "pydaemon.proto.pagedd.v1.generation_pb2",
         "pydaemon.proto.pagedd.v1.generation_pb2_grpc",

@@ -50,7 +50,7 @@ def setup(tmp_path_factory):
     "kwargs",
     [
         dict(max_loras=4),  # all four adapters in slots at once
-        dict(max_loras=2, max_cpu_loras=2, async_scheduling=True),  # slots and host LRU churn
+        dict(max_loras=2, async_scheduling=True),  # slots churn: adapters back from host memory
         dict(max_loras=4, tensor_parallel_size=2),  # sharded A / B, delta before all-reduce
     ],
     ids=["4-slots", "2-slots-async", "tp2"],

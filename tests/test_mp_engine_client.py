@@ -12,6 +12,7 @@ import pytest
 from pydaemon import LLM, SamplingParams
 from pydaemon.config.engine import EngineConfig
 from pydaemon.engine.mp_client import MPEngineClient
+from pydaemon.generate_request import GenerateRequest
 from pydaemon.sampling_params import StructuredOutputsParams
 
 CONFIG = dict(model="demo", device="cpu", num_kv_blocks=128, max_num_seqs=16)
@@ -81,18 +82,18 @@ def test_same_outputs_as_in_process_and_clean_errors(offline, async_scheduling):
 
             async def one(key):
                 prompt, params = cases[key]
-                return [o async for o in client.generate(key, prompt, params)]
+                return [o async for o in client.generate(GenerateRequest(key, prompt, params))]
 
             got = dict(zip(cases, await asyncio.gather(*map(one, cases)), strict=True))
             with pytest.raises(ValueError, match="outside the vocabulary"):
                 await one_bad(client)
             bad_regex = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a(b"))
             with pytest.raises(ValueError, match="structured_outputs.regex: invalid regex"):
-                async for _ in client.generate("bad-regex", [3, 4], bad_regex):
+                async for _ in client.generate(GenerateRequest("bad-regex", [3, 4], bad_regex)):
                     pass
             # Leaving a stream early aborts the request and frees its blocks.
             long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-            async for _ in client.generate("long", [3, 4, 5], long):
+            async for _ in client.generate(GenerateRequest("long", [3, 4, 5], long)):
                 break
             deadline = asyncio.get_running_loop().time() + 20
             while asyncio.get_running_loop().time() < deadline:
@@ -107,7 +108,9 @@ def test_same_outputs_as_in_process_and_clean_errors(offline, async_scheduling):
             assert client.process.exitcode == 0
 
     async def one_bad(client):
-        async for _ in client.generate("bad", [10**6], SamplingParams(max_tokens=2)):
+        async for _ in client.generate(
+            GenerateRequest("bad", [10**6], SamplingParams(max_tokens=2))
+        ):
             pass
 
     got = asyncio.run(main())

@@ -7,6 +7,7 @@ import time
 
 from pydaemon.config.engine import EngineConfig
 from pydaemon.engine.llm_engine import LLMEngine
+from pydaemon.generate_request import GenerateRequest
 from pydaemon.sampling_params import SamplingParams
 
 STEP_S = 0.4
@@ -22,7 +23,9 @@ def test_first_scheduled_time_excludes_the_first_step():
         return execute(out)
 
     executor.execute_model = slow_execute
-    engine.add_request("r", [3, 4, 5], SamplingParams(max_tokens=1, ignore_eos=True))
+    engine.add_request(
+        GenerateRequest("r", [3, 4, 5], SamplingParams(max_tokens=1, ignore_eos=True))
+    )
     finished = []
     while engine.has_unfinished_requests():
         finished += [o for o in engine.step() if o.finished]

@@ -9,6 +9,7 @@ from engine_utils import make_hf_model, random_prompts
 
 from pydaemon import LLM, SamplingParams
 from pydaemon._core import Device
+from pydaemon.generate_request import GenerateRequest
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -157,7 +158,7 @@ def test_parallel_sampling_shares_prompt_blocks(model_dir):
     engine = llm.engine
     prompt = random_prompts(1, 256, 21, 21, seed=8)[0]  # 2 full blocks + 5 tokens
     params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
-    engine.add_request("p", prompt, params)
+    engine.add_request(GenerateRequest("p", prompt, params))
     engine.step()  # prefill + fork into 4 sequences
     request = engine.requests["p"]
     assert len(request.seqs) == 4

@@ -13,6 +13,7 @@ import torch
 from gguf_utils import transformers_gguf_model
 
 from pydaemon.entrypoints.llm import LLM
+from pydaemon.generate_request import GenerateRequest
 from pydaemon.model_loader.default_model import DEFAULT_MODEL, default_model_path
 from pydaemon.sampling_params import SamplingParams
 
@@ -117,7 +118,9 @@ def test_capital_of_france(llm):
 def test_streamed_text_equals_decode(llm):
     """The text deltas streamed step by step, joined, are the decode of the token ids."""
     prompt = _chat_prompt(llm, CONVERSATIONS[2])
-    llm.engine.add_request("stream", prompt, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
+    llm.engine.add_request(
+        GenerateRequest("stream", prompt, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
+    )
     deltas: list[str] = []
     token_ids: list[int] = []
     finished = False

@@ -133,10 +133,11 @@ def test_async_scheduling_and_prefix_caching():
     _free_blocks_are_back(llm)
 
 
-def test_async_scheduling_defers_masks_and_changes_nothing():
-    """Under async scheduling a constrained step samples only once the previous step's tokens
-    are on the host (its masks need them): the same tokens as synchronous steps, greedy and
-    seeded, and the masks really were deferred."""
+def test_async_scheduling_overlaps_constrained_steps_and_changes_nothing():
+    """Under async scheduling a constrained step is launched before the previous step's
+    tokens are on the host and sampled once they are (its bitmask needs them): the same
+    tokens as synchronous steps, greedy and seeded, with constrained steps really overlapped
+    and every bitmask made on the engine side."""
     checks = _few_checks()
     params = [
         SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=so) for so, _ in checks
@@ -152,8 +153,10 @@ def test_async_scheduling_defers_masks_and_changes_nothing():
         outs = llm.generate(prompts, params)
         _check_all(outs, checks + checks)
         runs[overlap] = [o.outputs[0].token_ids for o in outs]
-        stats = llm.engine.runner.step_sampler.grammar_matchers.stats
-        assert (stats.num_deferred_steps > 0) == overlap
+        core = llm.engine.core
+        assert core.structured_outputs.matchers.stats.num_steps > 0
+        stepper = core.async_stepper
+        assert (stepper is not None and stepper.num_overlapped_steps > 0) == overlap
         _free_blocks_are_back(llm)
     assert runs[True] == runs[False]
 

@@ -48,7 +48,8 @@ class EngineConfig:
     "fp8_emulated" (the same, emulated: any device).
     ``enable_lora`` serves LoRA adapters (pydaemon/worker/lora_manager.py): ``max_loras``
     device slots (the most distinct adapters in one batch), ranks up to ``max_lora_rank``, and
-    ``max_cpu_loras`` adapters kept in host memory (None: ``max_loras``).
+    at most ``max_cpu_loras`` adapters loaded at once (each loaded adapter's checked weights
+    stay in host memory until it is unloaded; None: no limit).
     """
 
     model: str = DEFAULT_MODEL
@@ -166,10 +167,6 @@ class EngineConfig:
             not isinstance(self.max_cpu_loras, int) or self.max_cpu_loras < self.max_loras
         ):
             raise bad("max_cpu_loras", "must be an integer >= max_loras, or None")
-
-    @property
-    def num_cpu_loras(self) -> int:
-        return self.max_cpu_loras or self.max_loras
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -6,7 +6,8 @@ the model taken out: the engine runs the model on every live beam, hands the ste
 with which token. The engine keeps one sequence (KV) per live beam, forks a parent for each
 child (sharing blocks) and frees dropped beams; this code never touches KV.
 
-transformers' semantics, reproduced operation for operation (float32, same tie-breaking):
+transformers' semantics, reproduced operation for operation in float32 numpy (no torch in
+core/); ties between equal scores go to the lower (parent, token) index, as a stable sort:
 - W live beams; before the first step only the prompt exists (beam 0 has score 0, the other
   W - 1 copies -1e9, so the first step chooses among beam 0's tokens).
 - Each step keeps the top K = max(2, 1 + num_eos) * W candidates (parent, token) by
@@ -29,25 +30,41 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
-_NEG = -1.0e9  # transformers' "very large negative" score
+_NEG = np.float32(-1.0e9)  # transformers' "very large negative" score
 # Below this |log(length ** length_penalty)| the power is a finite float32 and the score is
 # computed with transformers' own operations (bit-identical); above it, in log space.
 _MAX_LOG_DENOMINATOR = 80.0
 
 
-def length_normalized(values: torch.Tensor, length: int, length_penalty: float) -> torch.Tensor:
+def length_normalized(values: np.ndarray, length: int, length_penalty: float) -> np.ndarray:
     """values / length ** length_penalty, never raising OverflowError.
 
     values: [k] float32 cumulative logprobs (<= 0). For moderate penalties this is exactly
-    transformers' expression; otherwise sign(v) * exp(log|v| - length_penalty * log(length)),
-    which saturates to 0 or -inf instead of overflowing."""
+    transformers' expression (a float32 tensor divided by a Python float: the divisor rounded
+    to float32); otherwise sign(v) * exp(log|v| - length_penalty * log(length)), which
+    saturates to 0 or -inf instead of overflowing."""
     log_denominator = length_penalty * math.log(length)
     if abs(log_denominator) < _MAX_LOG_DENOMINATOR:
-        return values / (length**length_penalty)
-    v = values.to(torch.float64)
-    return (v.sign() * torch.exp(torch.log(v.abs()) - log_denominator)).to(values.dtype)
+        return values / np.float32(length**length_penalty)
+    v = values.astype(np.float64)
+    with np.errstate(divide="ignore", over="ignore"):
+        return (np.sign(v) * np.exp(np.log(np.abs(v)) - log_denominator)).astype(values.dtype)
+
+
+def top_k(values: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest of ``values`` ([n]), largest first, ties to the lower index
+    (a stable order, where torch.topk leaves it unspecified); O(n) selection, then a sort of
+    the k."""
+    n = values.shape[0]
+    if k >= n:
+        return np.argsort(-values, kind="stable")
+    kth = np.partition(values, n - k)[n - k]  # the k-th largest value
+    above = np.flatnonzero(values > kth)
+    ties = np.flatnonzero(values == kth)[: k - len(above)]
+    chosen = np.concatenate((above, ties))
+    return chosen[np.argsort(-values[chosen], kind="stable")]
 
 
 @dataclass
@@ -125,13 +142,13 @@ class BeamSearchState:
         self.num_generated = 0
         # Live beams: generated tokens, raw cumulative logprob (float32 as in transformers).
         self.running_token_ids: list[list[int]] = [[] for _ in range(beam_width)]
-        self.running_scores = torch.full((beam_width,), _NEG, dtype=torch.float32)
+        self.running_scores = np.full(beam_width, _NEG, dtype=np.float32)
         self.running_scores[0] = 0.0
         # Finished set: W slots, best first; unfilled slots hold -1e9.
         self.finished_token_ids: list[list[int]] = [[] for _ in range(beam_width)]
-        self.finished_scores = torch.full((beam_width,), _NEG, dtype=torch.float32)
+        self.finished_scores = np.full(beam_width, _NEG, dtype=np.float32)
         self.finished_cumulative: list[float] = [0.0] * beam_width
-        self.is_finished = torch.zeros(beam_width, dtype=torch.bool)
+        self.is_finished = np.zeros(beam_width, dtype=bool)
         self.can_improve = True  # transformers' is_early_stop_heuristic_unsatisfied
         self.is_done = False
 
@@ -139,13 +156,13 @@ class BeamSearchState:
     def num_live_beams(self) -> int:
         return 1 if self.num_generated == 0 else self.beam_width
 
-    def step(self, beam_logprobs: torch.Tensor) -> BeamStepResult:
+    def step(self, beam_logprobs: np.ndarray) -> BeamStepResult:
         """beam_logprobs: [num_live_beams, vocab] float32, the log_softmax of each live beam's
-        next-token logits (any device; one small device-to-host copy per step)."""
+        next-token logits."""
         if self.is_done:
             raise RuntimeError("BeamSearchState.step called after the search is done")
         width = self.beam_width
-        if beam_logprobs.dim() != 2 or beam_logprobs.shape[0] != self.num_live_beams:
+        if beam_logprobs.ndim != 2 or beam_logprobs.shape[0] != self.num_live_beams:
             raise ValueError(
                 f"BeamSearchState.step: beam_logprobs must be [{self.num_live_beams}, vocab], "
                 f"got {tuple(beam_logprobs.shape)}"
@@ -156,28 +173,28 @@ class BeamSearchState:
                 f"BeamSearchState.step: vocab {vocab_size} too small for {self.num_candidates} "
                 f"candidates"
             )
-        logprobs = beam_logprobs.to(torch.float32)
+        logprobs = np.asarray(beam_logprobs, dtype=np.float32)
         if self.num_generated == 0:
             # The W initial beams are identical copies of the prompt: expand the single row.
-            logprobs = logprobs.expand(width, vocab_size)
+            logprobs = np.broadcast_to(logprobs, (width, vocab_size))
         if self.num_generated < self.min_new_tokens and self.eos_token_ids:
-            logprobs = logprobs.clone()
-            logprobs[:, self.eos_token_ids] = float("-inf")
+            logprobs = logprobs.copy()
+            logprobs[:, self.eos_token_ids] = -np.inf
 
-        accumulated = logprobs + self.running_scores.to(logprobs.device)[:, None]
-        top_values, top_indices = accumulated.reshape(-1).topk(self.num_candidates)
-        top_values, top_indices = top_values.cpu(), top_indices.cpu()  # the per-step sync
+        accumulated = (logprobs + self.running_scores[:, None]).reshape(-1)
+        top_indices = top_k(accumulated, self.num_candidates)
+        top_values = accumulated[top_indices]
         parents = (top_indices // vocab_size).tolist()
         tokens = (top_indices % vocab_size).tolist()
         candidate_token_ids = [
             self.running_token_ids[p] + [t] for p, t in zip(parents, tokens, strict=True)
         ]
         at_max_len = self.num_generated + 1 >= self.max_new_tokens
-        hits_stop = torch.tensor([at_max_len or t in self._eos_set for t in tokens])
+        hits_stop = np.array([at_max_len or t in self._eos_set for t in tokens], dtype=bool)
 
         # Live beams for the next step: the best W candidates that did not hit a stop.
-        running_values = top_values + hits_stop.to(torch.float32) * _NEG
-        next_indices = running_values.topk(width).indices.tolist()
+        running_values = top_values + hits_stop.astype(np.float32) * _NEG
+        next_indices = top_k(running_values, width).tolist()
 
         self._update_finished(top_values, hits_stop, candidate_token_ids)
 
@@ -200,27 +217,27 @@ class BeamSearchState:
 
     def _update_finished(
         self,
-        top_values: torch.Tensor,
-        hits_stop: torch.Tensor,
+        top_values: np.ndarray,
+        hits_stop: np.ndarray,
         candidate_token_ids: list[list[int]],
     ) -> None:
         """top_values / hits_stop: [num_candidates]. transformers' _update_finished_beams."""
         width = self.beam_width
         # Only the top W candidates may finish; the rest exist to keep W beams alive.
-        top_w_mask = torch.zeros_like(hits_stop)
+        top_w_mask = np.zeros_like(hits_stop)
         top_w_mask[:width] = True
         just_finished = hits_stop & top_w_mask
         scores = length_normalized(top_values, self.num_generated + 1, self.length_penalty)
         beams_full = bool(self.is_finished.all()) and self.early_stopping is True
-        scores += torch.tensor(beams_full).to(torch.float32) * _NEG
-        scores += torch.tensor(not self.can_improve).to(torch.float32) * _NEG
-        scores += (~just_finished) * _NEG
+        scores = scores + np.float32(beams_full) * _NEG
+        scores = scores + np.float32(not self.can_improve) * _NEG
+        scores = scores + (~just_finished).astype(np.float32) * _NEG
 
-        merged_scores = torch.cat((self.finished_scores, scores))
+        merged_scores = np.concatenate((self.finished_scores, scores))
         merged_token_ids = self.finished_token_ids + candidate_token_ids
         merged_cumulative = self.finished_cumulative + top_values.tolist()
-        merged_is_finished = torch.cat((self.is_finished, just_finished))
-        keep = merged_scores.topk(width).indices
+        merged_is_finished = np.concatenate((self.is_finished, just_finished))
+        keep = top_k(merged_scores, width)
         self.finished_scores = merged_scores[keep]
         self.is_finished = merged_is_finished[keep]
         keep_list = keep.tolist()
@@ -234,9 +251,7 @@ class BeamSearchState:
         else:
             best_length = self.num_generated
         best_possible = length_normalized(self.running_scores[:1], best_length, self.length_penalty)
-        worst_finished = torch.where(
-            self.is_finished, self.finished_scores.min(), torch.tensor(_NEG)
-        )
+        worst_finished = np.where(self.is_finished, self.finished_scores.min(), _NEG)
         self.can_improve = self.can_improve and bool((best_possible > worst_finished).any())
 
     def finalize(self) -> list[BeamHypothesis]:

@@ -55,12 +55,31 @@ class EngineCoreOutput(msgspec.Struct, array_like=True):
     error: str | None = None  # the core failed or rejected the request
 
 
+class UtilityResult(msgspec.Struct, array_like=True):
+    """The answer to a ``UtilityCall``: ``result`` pickled, or the ValueError's message."""
+
+    call_id: int
+    result: bytes = b""
+    error: str | None = None
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True):
     outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
     # Below: only over the process transport (one message per step).
     rejected: list[tuple[str, str]] = msgspec.field(default_factory=list)  # (id, why) at add
     stats: EngineStats | None = None  # when asked for, and a few times a second
     fatal_error: str | None = None  # the core failed and exits after this message
+    utility_results: list[UtilityResult] = msgspec.field(default_factory=list)
+
+
+@dataclass
+class UtilityCall:
+    """Front end -> engine core: ``EngineCore.<method>(*args)`` between two steps (the LoRA
+    control calls); answered by a ``UtilityResult`` with the same ``call_id``."""
+
+    call_id: int
+    method: str  # "add_lora" | "remove_lora" | "list_loras"
+    args: tuple = ()
 
 
 @dataclass
@@ -70,14 +89,14 @@ class CoreCommands:
     adds: list[EngineCoreRequest] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
     finish_seqs: list[tuple[str, int]] = field(default_factory=list)  # stop strings matched
+    calls: list[UtilityCall] = field(default_factory=list)
     want_stats: bool = False
     shutdown: bool = False
 
     @property
     def is_empty(self) -> bool:
-        return not (self.adds or self.aborts or self.finish_seqs or self.want_stats) and (
-            not self.shutdown
-        )
+        has_work = self.adds or self.aborts or self.finish_seqs or self.calls or self.want_stats
+        return not has_work and not self.shutdown
 
 
 @dataclass

@@ -18,3 +18,17 @@ class ModelInfo:
     device: str  # the real one, e.g. "cuda:0", never "auto"
     dtype: str  # e.g. "bfloat16"
     eos_token_ids: list[int]  # from the model's config (the front end's tokenizer may add)
+
+
+@dataclass
+class RunnerInfo:
+    """What the rank that samples reports once its model and KV cache are built: the engine
+    core sizes its scheduler and checks requests with it (plain, picklable)."""
+
+    max_model_len: int
+    vocab_size: int
+    max_num_batched_tokens: int  # the step's token budget
+    num_gpu_blocks: int  # KV blocks on the device (the same on every rank)
+    num_cpu_blocks: int  # swap blocks in host memory
+    device: str  # the real one, e.g. "cuda:0", never "auto"
+    dtype: str  # e.g. "bfloat16"

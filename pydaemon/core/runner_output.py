@@ -1,13 +1,14 @@
-"""ModelRunnerOutput: what one step sampled, as plain host data (one device-to-host copy),
-and AsyncModelRunnerOutput, the same while that copy is still in flight."""
+"""ModelRunnerOutput: what one step sampled, as plain host data (one device-to-host copy).
+
+The rank that samples builds it (pydaemon/worker/async_output.py holds it while the copy is in
+flight); the scheduler reads it in ``update_from_output``. Plain data: lists and numpy.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from pydaemon.outputs import TokenLogprobs
 
@@ -24,133 +25,10 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     chosen_logprobs: list[list[float]] = field(default_factory=list)  # raw-logits logprob
     logprobs: list[list[TokenLogprobs | None]] = field(default_factory=list)  # top-k asks
-    # Beam search sequences are not sampled: their log_softmax rows, [vocab] float32 on the
-    # CPU each, go to the scheduler's beam step.
+    # Beam search sequences are not sampled: their log_softmax rows go to the scheduler's
+    # beam step.
     beam_seq_ids: list[int] = field(default_factory=list)
-    beam_logprobs: torch.Tensor | None = None  # [len(beam_seq_ids), vocab] float32, CPU
+    beam_logprobs: np.ndarray | None = None  # [len(beam_seq_ids), vocab] float32
     # Speculative decoding: seq_id -> drafts it verified this step; its sampled_token_ids
     # entry is then the accepted drafts and one sampled token (not n samples of a fork).
     num_draft_tokens: dict[int, int] = field(default_factory=dict)
-
-
-EMPTY_RUNNER_OUTPUT = ModelRunnerOutput()
-
-
-class AsyncModelRunnerOutput:
-    """A step's ModelRunnerOutput on its way to the host (vLLM v1's name).
-
-    The device-to-host copy of the sampler's packed results starts at construction: on a GPU
-    into pinned memory, non-blocking, with a CUDA event behind it, so that nothing waits for
-    the step until ``get_output()`` is called (async scheduling calls it after launching the
-    next step). ``sampled_token_ids`` stays on the device: the next step's input ids for
-    placeholder tokens are gathered from it there, with no host round trip.
-
-    Sampling itself may be deferred (``deferred``): a step with grammar-constrained rows
-    samples once the previous step's tokens are on the host (their masks need them), which the
-    runner arranges just before it launches the next forward pass (``launch_sampling``).
-    """
-
-    def __init__(
-        self,
-        output: ModelRunnerOutput,
-        sampled_token_ids: torch.Tensor | None = None,
-        packed: torch.Tensor | None = None,
-        fill: Callable[[list[list[float]]], None] | None = None,
-        sample_rows: dict[int, int] | None = None,
-    ) -> None:
-        """sampled_token_ids: [num_samples] int64 on the device; packed: [num_samples, cols]
-        float64 on the device, which ``fill`` turns into ``output``'s token lists;
-        sample_rows: seq_id -> its (first) row in both."""
-        self._output = output
-        self.sampled_token_ids = sampled_token_ids
-        self.num_samples = 0 if sampled_token_ids is None else int(sampled_token_ids.shape[0])
-        self._sample_rows = sample_rows or {}
-        self._fill = fill
-        self._launch: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._event = None
-        self._host: torch.Tensor | None = None
-        if packed is not None:
-            self._copy_to_host(packed)
-
-    @classmethod
-    def deferred(
-        cls,
-        output: ModelRunnerOutput,
-        launch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
-        fill: Callable[[list[list[float]]], None],
-        sample_rows: dict[int, int],
-        num_samples: int,
-    ) -> AsyncModelRunnerOutput:
-        """A step whose sampling is not launched yet: ``launch()`` launches it and returns
-        (sampled_token_ids, packed), as the constructor takes them."""
-        result = cls(output, fill=fill, sample_rows=sample_rows)
-        result.num_samples = num_samples
-        result._launch = launch
-        return result
-
-    def launch_sampling(self) -> None:
-        """Launches a deferred sampling (once; nothing if there is none)."""
-        launch, self._launch = self._launch, None
-        if launch is not None:
-            sampled, packed = launch()
-            self.sampled_token_ids = sampled
-            self._copy_to_host(packed)
-
-    @classmethod
-    def awaiting_samples(
-        cls, seq_ids: list[int], counts: list[int], sample_rows: dict[int, int]
-    ) -> AsyncModelRunnerOutput:
-        """On a tensor-parallel rank > 0, which does not sample: the step's output as rank 0
-        samples it (token ids only), the same rows (``StepSampler.plan``); its ids arrive by
-        ``receive_sampled_token_ids`` when the next step's placeholders need them."""
-        out = ModelRunnerOutput(seq_ids=list(seq_ids))
-
-        def fill(host_rows: list[list[int]]) -> None:  # one [token_id] row per sample
-            start = 0
-            for count in counts:
-                out.sampled_token_ids.append([row[0] for row in host_rows[start : start + count]])
-                start += count
-
-        result = cls(out, fill=fill, sample_rows=sample_rows)
-        result.num_samples = sum(counts)
-        return result
-
-    def receive_sampled_token_ids(self, sampled_token_ids: torch.Tensor) -> None:
-        """sampled_token_ids: [num_samples] int64 on the device, rank 0's, just broadcast to
-        this rank (``awaiting_samples``). The host copy starts now; ``get_output`` waits."""
-        if tuple(sampled_token_ids.shape) != (self.num_samples,):
-            raise RuntimeError(
-                f"received {tuple(sampled_token_ids.shape)} sampled ids for a step that "
-                f"sampled {self.num_samples}"
-            )
-        self.sampled_token_ids = sampled_token_ids
-        self._copy_to_host(sampled_token_ids[:, None])
-
-    def _copy_to_host(self, packed: torch.Tensor) -> None:
-        """Starts copying packed ([num_samples, cols], the device) to the host, not waited for."""
-        self._host = packed
-        if packed.is_cuda:
-            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            self._host.copy_(packed, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-
-    def get_output(self) -> ModelRunnerOutput:
-        """Waits for the copy (once) and returns the host output."""
-        self.launch_sampling()
-        if self._host is not None:
-            if self._event is not None:
-                self._event.synchronize()
-            self._fill(self._host.tolist())
-            self._host = self._event = self._fill = None
-        return self._output
-
-    def sample_rows(self, seq_ids: Sequence[int]) -> np.ndarray:
-        """[len(seq_ids)] int64: each sequence's row in ``sampled_token_ids``."""
-        try:
-            return np.fromiter((self._sample_rows[s] for s in seq_ids), np.int64, len(seq_ids))
-        except KeyError as e:
-            raise RuntimeError(
-                f"sequence {e.args[0]} decodes a placeholder token but sampled nothing in the "
-                "previous step"
-            ) from None

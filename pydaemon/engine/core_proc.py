@@ -37,6 +37,8 @@ from pydaemon.core.messages import (
     CoreReady,
     CoreStartupFailed,
     EngineCoreOutputs,
+    UtilityCall,
+    UtilityResult,
 )
 from pydaemon.engine.engine_client import IDLE_HEARTBEAT_S
 
@@ -131,7 +133,8 @@ class EngineCoreLoop:
             if want_stats or is_drained or now - self.last_stats_time > STATS_INTERVAL_S:
                 outputs.stats = core.get_stats()
                 self.last_stats_time = now
-            if outputs.outputs or outputs.rejected or outputs.stats is not None:
+            has_news = outputs.outputs or outputs.rejected or outputs.utility_results
+            if has_news or outputs.stats is not None:
                 self.output_queue.put(outputs)  # one message per step
 
     def _apply_commands(self, outputs: EngineCoreOutputs, block: bool) -> bool | None:
@@ -162,9 +165,23 @@ class EngineCoreLoop:
                     self.core.add_request(request)
                 except ValueError as e:
                     outputs.rejected.append((request.request_id, str(e)))
+            for call in commands.calls:
+                outputs.utility_results.append(self._call(call))
             if commands.shutdown:
                 return None
         return want_stats
+
+    _CALLS = frozenset({"add_lora", "remove_lora", "list_loras"})
+
+    def _call(self, call: UtilityCall) -> UtilityResult:
+        """A front end's control call; a ValueError is its answer, never the core's end."""
+        if call.method not in self._CALLS:
+            return UtilityResult(call.call_id, error=f"unknown engine call {call.method!r}")
+        try:
+            result = getattr(self.core, call.method)(*call.args)
+        except ValueError as e:
+            return UtilityResult(call.call_id, error=str(e))
+        return UtilityResult(call.call_id, result=_dumps(result))
 
     def _read(self) -> None:
         try:

@@ -7,11 +7,14 @@ stepped by a thread of this process: tests, embedding). A server imports this mo
 Surface (InprocEngineClient's, so code written against it moves over unchanged):
 
 - ``start()``: bind to the running event loop and begin serving (call once, on the loop).
-- ``async generate(request_id, prompt, params, priority=0, cache_salt=None,
-  lora_request=None)``: an async
-  iterator of RequestOutput deltas until the finished one. Raises ValueError for bad input
-  and EngineDeadError once the engine is gone; leaving the iteration early aborts.
+- ``async generate(request: GenerateRequest)``: an async iterator of RequestOutput deltas
+  until the finished one. Raises ValueError for bad input and EngineDeadError once the engine
+  is gone; leaving the iteration early aborts.
 - ``abort(request_id)``: the request's blocks are freed before the engine's next step.
+- ``async add_lora(lora_request)`` -> LoRAAdapterInfo, ``async remove_lora(lora_int_id)``,
+  ``async list_loras()``: the one control path of LoRA adapters, down to every worker (vLLM's
+  names). ``add_lora`` reads and checks the adapter once, in the engine core, and every worker
+  keeps its validated weights until ``remove_lora`` (deferred while requests use it).
 - ``async stats()`` -> a fresh EngineStats; ``latest_stats``: the last one seen.
 - ``is_alive``, ``seconds_since_progress()`` (for the watchdog), ``error``.
 - ``model_info`` (ServedModelInfo: the real device and dtype), ``tokenizer`` (or None).
@@ -29,7 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pydaemon.config.generation import GenerationDefaults
-from pydaemon.lora_request import LoRARequest
+from pydaemon.generate_request import GenerateRequest
+from pydaemon.lora_request import LoRAAdapterInfo, LoRARequest
 from pydaemon.outputs import RequestOutput
 from pydaemon.sampling_params import SamplingParams
 
@@ -72,18 +76,23 @@ class EngineClient(abc.ABC):
     def start(self) -> None: ...
 
     @abc.abstractmethod
-    def generate(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        lora_request: LoRARequest | None = None,
-    ) -> AsyncIterator[RequestOutput]: ...
+    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]: ...
 
     @abc.abstractmethod
     def abort(self, request_id: str) -> None: ...
+
+    @abc.abstractmethod
+    async def add_lora(self, lora_request: LoRARequest) -> LoRAAdapterInfo:
+        """Loads the adapter on every worker (ValueError naming what is wrong with it)."""
+
+    @abc.abstractmethod
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Unloads the adapter: at once if no request uses it, else when the last one ends
+        (new requests naming it are refused meanwhile). False if it is not loaded."""
+
+    @abc.abstractmethod
+    async def list_loras(self) -> list[LoRAAdapterInfo]:
+        """The loaded adapters, in load order (those being unloaded excluded)."""
 
     @abc.abstractmethod
     async def stats(self) -> Any: ...

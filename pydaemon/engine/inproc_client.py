@@ -3,7 +3,7 @@ of this process. ``pagedd serve`` runs the engine core in its own process instea
 (``pydaemon.engine.mp_client``); this one serves tests and in-process embedding.
 
 The engine is not thread-safe, so only the engine thread touches it. The asyncio side posts
-commands (add, abort, stats) on a queue guarded by a condition; the engine thread drains the
+commands (add, abort, stats, LoRA calls) on a queue guarded by a condition; the engine thread drains the
 queue before every step, sleeps on the condition when there is nothing to do, and hands each
 RequestOutput to its request's asyncio queue with ``loop.call_soon_threadsafe``. Neither side
 ever waits on the other: posting a command never blocks on a step, and delivering an output
@@ -33,9 +33,9 @@ from pydaemon.engine.engine_client import (
     stream_request,
 )
 from pydaemon.engine.prompt_input import first_eos_token_id
-from pydaemon.lora_request import LoRARequest
+from pydaemon.generate_request import GenerateRequest
+from pydaemon.lora_request import LoRAAdapterInfo, LoRARequest
 from pydaemon.outputs import RequestOutput
-from pydaemon.sampling_params import SamplingParams
 
 __all__ = ["InprocEngineClient", "EngineDeadError", "merge_deltas", "served_model_info"]
 
@@ -160,15 +160,7 @@ class InprocEngineClient(EngineClient):
 
     # ---- asyncio side ------------------------------------------------------------------
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        lora_request: LoRARequest | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Yields the request's RequestOutput deltas until the finished one.
 
         Raises ValueError (from the engine thread) for bad input, EngineDeadError when the
@@ -177,22 +169,37 @@ class InprocEngineClient(EngineClient):
         if self.error is not None:
             raise EngineDeadError(f"engine failed: {self.error!r}")
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
-        arrival = time.monotonic()
-        num_seqs = num_sequences(params)
+        num_seqs = num_sequences(request.params)
         self.num_unscheduled += num_seqs
-        self._post(
-            ("add", request_id, prompt, params, priority, cache_salt, lora_request, arrival, sink)
-        )
+        self._post(("add", request, time.monotonic(), sink))
 
         def scheduled() -> None:
             self.num_unscheduled -= num_seqs
 
+        request_id = request.request_id
         async for output in stream_request(sink.queue, scheduled, lambda: self.abort(request_id)):
             yield output
 
     def abort(self, request_id: str) -> None:
         """Aborts a request; its blocks are freed before the engine's next step."""
         self._post(("abort", request_id))
+
+    async def add_lora(self, lora_request: LoRARequest) -> LoRAAdapterInfo:
+        return await self._call("add_lora", lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return await self._call("remove_lora", lora_int_id)
+
+    async def list_loras(self) -> list[LoRAAdapterInfo]:
+        return await self._call("list_loras")
+
+    async def _call(self, method: str, *args) -> Any:
+        """``engine.<method>(*args)`` on the engine thread, between two steps."""
+        if not self.is_alive:
+            raise EngineDeadError("engine is not running")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._post(("call", method, args, future))
+        return await asyncio.wrap_future(future)
 
     async def stats(self) -> Any:
         """A fresh EngineStats, read by the engine thread between steps."""
@@ -253,6 +260,9 @@ class InprocEngineClient(EngineClient):
             if command[0] == "add":
                 sink = command[-1]
                 _send(sink, error)
+            elif command[0] == "call":
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    command[-1].set_exception(error)
             elif command[0] == "stats":
                 with contextlib.suppress(concurrent.futures.InvalidStateError):
                     command[1].set_result(self.latest_stats)
@@ -270,21 +280,23 @@ class InprocEngineClient(EngineClient):
     def _apply(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
-            _, request_id, prompt, params, priority, cache_salt, lora, arrival, sink = command
+            _, request, arrival, sink = command
             try:
-                self.engine.add_request(
-                    request_id,
-                    prompt,
-                    params,
-                    priority=priority,
-                    cache_salt=cache_salt,
-                    lora_request=lora,
-                    arrival_time=arrival,
-                )
+                self.engine.add_request(request, arrival_time=arrival)
             except ValueError as e:
                 _send(sink, e)
                 return
-            self._sinks[request_id] = sink
+            self._sinks[request.request_id] = sink
+        elif kind == "call":
+            _, method, args, future = command
+            try:
+                result = getattr(self.engine, method)(*args)
+            except ValueError as e:  # the caller's to report (a bad adapter, say)
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    future.set_exception(e)
+                return
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                future.set_result(result)
         elif kind == "abort":
             if self._sinks.pop(command[1], None) is not None:
                 self.engine.abort_request(command[1])

@@ -12,14 +12,14 @@ import time
 
 from pydaemon import _core
 from pydaemon.config.engine import EngineConfig
-from pydaemon.core.messages import EngineCoreRequest
 from pydaemon.core.model_info import ModelInfo
 from pydaemon.core.stats import EngineStats
 from pydaemon.engine.engine_core import EngineCore
 from pydaemon.engine.output_processor import OutputProcessor
-from pydaemon.engine.prompt_input import tokenize_prompt
+from pydaemon.engine.prompt_input import to_core_request, tokenize_prompt
 from pydaemon.engine.startup import prepare_front_end
-from pydaemon.lora_request import LoRARequest
+from pydaemon.generate_request import GenerateRequest
+from pydaemon.lora_request import LoRAAdapterInfo, LoRARequest
 from pydaemon.outputs import RequestMetrics, RequestOutput
 from pydaemon.sampling_params import SamplingParams
 
@@ -49,7 +49,8 @@ class LLMEngine:
 
     @property
     def runner(self):
-        return self.core.runner
+        """The rank-0 model runner in this process (tests and benchmarks look inside)."""
+        return self.core.executor.driver_runner
 
     @property
     def model_config(self):
@@ -65,50 +66,40 @@ class LLMEngine:
 
     @property
     def device(self) -> str:
-        return str(self.core.runner.device)
+        return self.core.executor.info.device
 
     @property
     def dtype(self) -> str:
-        return str(self.core.runner.dtype).removeprefix("torch.")
+        return self.core.executor.info.dtype
 
     def model_info(self) -> ModelInfo:
         return self.core.model_info(self.eos_token_ids)
 
     # ---- requests ---------------------------------------------------------------------------
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        *,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        lora_request: LoRARequest | None = None,
-        arrival_time: float | None = None,
-    ) -> None:
+    def add_request(self, request: GenerateRequest, arrival_time: float | None = None) -> None:
+        """Tokenizes and hands the request to the core (ValueError naming what is wrong). A
+        LoRA adapter not loaded yet is loaded first (offline use: the daemon's front ends load
+        adapters explicitly, through ``add_lora``)."""
+        params = request.params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if request_id in self.output_processor.requests:
-            raise ValueError(f"request id {request_id!r} is already running")
-        prompt_text, token_ids = tokenize_prompt(prompt, self.tokenizer)
-        request = EngineCoreRequest(
-            request_id=request_id,
-            prompt_token_ids=token_ids,
-            params=params,
-            eos_token_ids=self.eos_token_ids,
-            arrival_time=arrival_time or time.monotonic(),
-            priority=priority,
-            cache_salt=cache_salt or "",
-            lora_request=lora_request,
+        if request.request_id in self.output_processor.requests:
+            raise ValueError(f"request id {request.request_id!r} is already running")
+        prompt_text, token_ids = tokenize_prompt(request.prompt, self.tokenizer)
+        lora = request.lora_request
+        if lora is not None and not self.core.loras.is_loaded(lora):
+            self.core.add_lora(lora)
+        core_request = to_core_request(
+            request, token_ids, self.eos_token_ids, arrival_time or time.monotonic()
         )
-        self.core.add_request(request)
+        self.core.add_request(core_request)
         self.output_processor.add_request(
-            request_id,
+            request.request_id,
             prompt_text,
             token_ids,
             params,
             set(self.eos_token_ids),
-            RequestMetrics(arrival_time=request.arrival_time),  # the core's replace it
+            RequestMetrics(arrival_time=core_request.arrival_time),  # the core's replace it
         )
 
     def abort_request(self, request_id: str) -> bool:
@@ -118,6 +109,16 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
+
+    # ---- LoRA adapters ----------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> LoRAAdapterInfo:
+        return self.core.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.core.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[LoRAAdapterInfo]:
+        return self.core.list_loras()
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

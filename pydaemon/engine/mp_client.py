@@ -13,6 +13,7 @@ Transport and serialization: see ``pydaemon.engine.core_proc``.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import pickle
 import threading
@@ -29,6 +30,7 @@ from pydaemon.core.messages import (
     CoreReady,
     EngineCoreOutputs,
     EngineCoreRequest,
+    UtilityCall,
 )
 from pydaemon.engine.core_launch import start_engine_core
 from pydaemon.engine.engine_client import (
@@ -40,11 +42,11 @@ from pydaemon.engine.engine_client import (
     stream_request,
 )
 from pydaemon.engine.output_processor import OutputProcessor
-from pydaemon.engine.prompt_input import first_eos_token_id, tokenize_prompt
+from pydaemon.engine.prompt_input import first_eos_token_id, to_core_request, tokenize_prompt
 from pydaemon.engine.startup import prepare_front_end
-from pydaemon.lora_request import LoRARequest
+from pydaemon.generate_request import GenerateRequest
+from pydaemon.lora_request import LoRAAdapterInfo, LoRARequest
 from pydaemon.outputs import RequestMetrics, RequestOutput
-from pydaemon.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +71,8 @@ class MPEngineClient(EngineClient):
         self._pending = CoreCommands()
         self._is_flush_scheduled = False
         self._stats_waiters: list[asyncio.Future] = []
+        self._calls: dict[int, asyncio.Future] = {}  # UtilityCall.call_id -> its answer
+        self._call_ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._is_shut_down = False
 
@@ -109,20 +113,14 @@ class MPEngineClient(EngineClient):
     def seconds_since_progress(self) -> float:
         return time.monotonic() - self.last_progress_time
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        lora_request: LoRARequest | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if self.error is not None:
             raise self.error
+        request_id = request.request_id
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already running")
         arrival = time.monotonic()
+        prompt = request.prompt
         if isinstance(prompt, str) and self.tokenizer is not None:
             # Tokenizers release the GIL: encoding a long prompt never stalls the loop.
             loop = asyncio.get_running_loop()
@@ -139,24 +137,13 @@ class MPEngineClient(EngineClient):
             request_id,
             prompt_text,
             token_ids,
-            params,
+            request.params,
             set(self._eos_token_ids),
             RequestMetrics(arrival_time=arrival),
         )
-        num_seqs = num_sequences(params)
+        num_seqs = num_sequences(request.params)
         self.num_unscheduled += num_seqs
-        self._post_add(
-            EngineCoreRequest(
-                request_id=request_id,
-                prompt_token_ids=token_ids,
-                params=params,
-                eos_token_ids=self._eos_token_ids,
-                arrival_time=arrival,
-                priority=priority,
-                cache_salt=cache_salt or "",
-                lora_request=lora_request,
-            )
-        )
+        self._post_add(to_core_request(request, token_ids, self._eos_token_ids, arrival))
 
         def scheduled() -> None:
             self.num_unscheduled -= num_seqs
@@ -171,6 +158,27 @@ class MPEngineClient(EngineClient):
         self._processor.abort_request(request_id)
         self._pending.aborts.append(request_id)
         self._schedule_flush()
+
+    async def add_lora(self, lora_request: LoRARequest) -> LoRAAdapterInfo:
+        return await self._call("add_lora", lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return await self._call("remove_lora", lora_int_id)
+
+    async def list_loras(self) -> list[LoRAAdapterInfo]:
+        return await self._call("list_loras")
+
+    async def _call(self, method: str, *args) -> Any:
+        """``EngineCore.<method>(*args)`` in the core, between two steps; its ValueError is
+        raised here."""
+        if not self.is_alive:
+            raise self.error or EngineDeadError("engine is not running")
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        self._pending.calls.append(UtilityCall(call_id, method, args))
+        self._schedule_flush()
+        return await future
 
     async def stats(self) -> Any:
         if not self.is_alive:
@@ -249,6 +257,14 @@ class MPEngineClient(EngineClient):
             for future in waiters:
                 if not future.done():
                     future.set_result(outputs.stats)
+        for answer in outputs.utility_results:
+            future = self._calls.pop(answer.call_id, None)
+            if future is None or future.done():
+                continue
+            if answer.error is not None:
+                future.set_exception(ValueError(answer.error))
+            else:
+                future.set_result(pickle.loads(answer.result))
         for request_id, message in outputs.rejected:
             queue = self._queues.pop(request_id, None)
             self._processor.abort_request(request_id)
@@ -283,3 +299,7 @@ class MPEngineClient(EngineClient):
             if not future.done():
                 future.set_result(self.latest_stats)
         self._stats_waiters = []
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(error)
+        self._calls = {}

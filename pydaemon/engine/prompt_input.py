@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pydaemon.core.messages import EngineCoreRequest
+from pydaemon.generate_request import GenerateRequest
 from pydaemon.tokenizer.files import model_eos_token_ids
 
 
@@ -47,3 +49,19 @@ def tokenize_prompt(prompt: str | list[int], tokenizer) -> tuple[str | None, lis
     if not token_ids:
         raise ValueError("prompt_token_ids is empty")
     return None, token_ids
+
+
+def to_core_request(
+    request: GenerateRequest, token_ids: list[int], eos_token_ids: list[int], arrival_time: float
+) -> EngineCoreRequest:
+    """The engine core's form of a request: tokenized, with its stop ids and arrival time."""
+    return EngineCoreRequest(
+        request_id=request.request_id,
+        prompt_token_ids=token_ids,
+        params=request.params,
+        eos_token_ids=eos_token_ids,
+        arrival_time=arrival_time,
+        priority=request.priority,
+        cache_salt=request.cache_salt or "",
+        lora_request=request.lora_request,
+    )

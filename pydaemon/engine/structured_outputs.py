@@ -1,11 +1,12 @@
 """StructuredOutputManager: the engine core's side of constrained decoding (vLLM's name).
 
 It owns the grammar compiler (built on the first constrained request: the model's tokenizer
-is loaded in the core for its vocabulary) and the requests waiting for their grammar. A
-constrained request's grammar is built (its syntax checked: ValueError, before any KV block)
-when it arrives and compiled in a background thread; the request reaches the scheduler only
-once that compile is done, so the batch never waits for a grammar. Rank 0's runner gets the
-matchers (pydaemon.sampling.constraints.matchers) that mask its logits.
+is loaded in the core for its vocabulary), the requests waiting for their grammar and the
+matchers of the running ones. A constrained request's grammar is built (its syntax checked:
+ValueError, before any KV block) when it arrives and compiled in a background thread; the
+request reaches the scheduler only once that compile is done, so the batch never waits for a
+grammar. Each step's bitmask is made here (``grammar_output``) from the scheduler's sequences
+and goes down to the rank that samples as plain data: workers hold no grammar state.
 """
 
 from __future__ import annotations
@@ -16,22 +17,23 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pydaemon.core.messages import EngineCoreOutput
 from pydaemon.core.request import Request
 from pydaemon.core.sched.scheduler import Scheduler
+from pydaemon.core.sched.scheduler_output import GrammarOutput, SchedulerOutput
 from pydaemon.sampling.constraints.compiler import GrammarCompiler
-from pydaemon.sampling.constraints.matchers import GrammarMatchers
+from pydaemon.sampling.constraints.matchers import ConstrainedSeq, GrammarMatchers
 from pydaemon.tokenizer.loader import load_tokenizer
 from pydaemon.tokenizer.token_bytes import token_bytes
-from pydaemon.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 
 class StructuredOutputManager:
-    def __init__(self, model: str, runner: ModelRunner) -> None:
+    def __init__(self, model: str, vocab_size: int) -> None:
         """model: the model directory or GGUF file (its tokenizer spells the grammars);
-        runner: rank 0's, the one that samples."""
+        vocab_size: the model's (the logits' width)."""
         self.model = model
-        self.runner = runner
+        self.vocab_size = vocab_size
         self.compiler: GrammarCompiler | None = None
+        self.matchers: GrammarMatchers | None = None
         self._waiting: list[tuple[Request, Future]] = []  # in arrival order
 
     def add_request(self, request: Request) -> None:
@@ -42,6 +44,10 @@ class StructuredOutputManager:
 
     def has_waiting(self) -> bool:
         return bool(self._waiting)
+
+    @property
+    def waiting_requests(self) -> list[Request]:
+        return [request for request, _ in self._waiting]
 
     @property
     def num_waiting(self) -> int:
@@ -79,6 +85,36 @@ class StructuredOutputManager:
         self._waiting = waiting
         return failed
 
+    def forget(self, request_ids: list[str]) -> None:
+        """Drops the matchers of requests that ended (every step's finished_request_ids)."""
+        if self.matchers is not None and request_ids:
+            self.matchers.forget(request_ids)
+
+    def grammar_output(
+        self, scheduler_output: SchedulerOutput, requests: dict[str, Request]
+    ) -> GrammarOutput | None:
+        """The bitmask of the step's constrained sequences (None: none samples), from their
+        tokens as the scheduler holds them; call once the previous step's output is
+        processed (its tokens are the matchers' input). ``requests``: the scheduler's live
+        ones; a sequence whose request ended since the step was scheduled gets no row."""
+        matchers = self.matchers
+        wanted = scheduler_output.structured_output_seq_ids
+        if not wanted:
+            return None
+        if matchers is None:
+            raise RuntimeError("a constrained sequence was scheduled before any grammar")
+        rows: list[ConstrainedSeq] = []
+        for seq_id, request_id in wanted.items():
+            request = requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            seq = next((s for s in request.seqs if s.seq_id == seq_id), None)
+            if seq is None:  # retired since (a stop string, say)
+                continue
+            spec = request.params.structured_outputs
+            rows.append(ConstrainedSeq(seq_id, request_id, spec, seq.output_token_ids))
+        return GrammarOutput([r.seq_id for r in rows], matchers.fill_bitmask(rows))
+
     def wait(self, timeout_s: float) -> None:
         """Blocks until some waiting compile is done, at most ``timeout_s`` (nothing else to
         do: no request is running)."""
@@ -94,10 +130,6 @@ class StructuredOutputManager:
                 "structured outputs need the model's tokenizer (tokenizer.json, tokenizer.model "
                 "or a GGUF vocabulary), and this model has none"
             )
-        runner = self.runner
-        self.compiler = GrammarCompiler(token_bytes(tokenizer), runner.vocab_size, eos_token_ids)
-        sampler = runner.step_sampler
-        sampler.grammar_matchers = GrammarMatchers(
-            self.compiler, sampler.input_batch.host_output_token_ids, runner.device
-        )
+        self.compiler = GrammarCompiler(token_bytes(tokenizer), self.vocab_size, eos_token_ids)
+        self.matchers = GrammarMatchers(self.compiler)
         return self.compiler

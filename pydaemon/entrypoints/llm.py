@@ -11,6 +11,7 @@ from typing import Any
 from pydaemon.config.engine import EngineConfig
 from pydaemon.engine.llm_engine import LLMEngine
 from pydaemon.entrypoints.common.tool_choice import messages_for_template, tool_choice_constraint
+from pydaemon.generate_request import GenerateRequest
 from pydaemon.lora_request import LoRARequest
 from pydaemon.model_loader.default_model import DEFAULT_MODEL
 from pydaemon.outputs import CompletionOutput, RequestOutput
@@ -134,7 +135,7 @@ class LLM:
             request_id = str(self._counter)
             self._counter += 1
             self.engine.add_request(
-                request_id, item, params, priority=prio, cache_salt=salt, lora_request=lora
+                GenerateRequest(request_id, item, params, prio, salt, lora_request=lora)
             )
             ids.append(request_id)
         results = self._run(ids, use_tqdm if use_tqdm is not None else len(ids) >= 32)

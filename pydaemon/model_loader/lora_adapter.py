@@ -1,4 +1,5 @@
-"""The weights of a LoRA adapter in PEFT's format (checked first by pydaemon/config/lora.py)."""
+"""The weights of a LoRA adapter in PEFT's format (its config and header are checked first
+by pydaemon/config/lora.py), read whole and checked tensor by tensor."""
 
 from __future__ import annotations
 
@@ -7,22 +8,59 @@ from safetensors import safe_open
 
 from pydaemon.config.lora import LORA_KEY, WEIGHTS_FILE, LoRAAdapterConfig, LoRAAdapterError
 
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
 
 def load_lora_weights(
     config: LoRAAdapterConfig, dtype: torch.dtype
 ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     """-> (layer index, module name) -> (lora_A [r, in], lora_B [out, r] times the module's
-    scaling), on the CPU in ``dtype`` (the scaling applied in float32 first)."""
+    scaling), on the CPU in ``dtype`` (the scaling applied in float32 first).
+
+    Raises LoRAAdapterError when the file cannot be read whole (truncated, replaced, not
+    safetensors), a tensor is not floating point or holds a NaN or an infinity, or a shape
+    differs from the one ``config`` was checked with."""
+    where = f"LoRA adapter {str(config.path)!r}"
+    expected = {key: (a, b) for key, a, b in config.shapes}
     pairs: dict[tuple[int, str], list] = {}
-    with safe_open(str(config.path / WEIGHTS_FILE), framework="pt") as f:
-        for key in f.keys():
-            match = LORA_KEY.match(key)
-            if match is None:
-                raise LoRAAdapterError(f"LoRA adapter {str(config.path)!r}: unexpected {key!r}")
-            pair = pairs.setdefault((int(match[1]), match[2]), [None, None])
-            pair[0 if match[3] == "A" else 1] = f.get_tensor(key)
+    try:
+        with safe_open(str(config.path / WEIGHTS_FILE), framework="pt") as f:
+            for key in f.keys():
+                match = LORA_KEY.match(key)
+                if match is None:
+                    raise LoRAAdapterError(f"{where}: unexpected tensor {key!r}")
+                pair = pairs.setdefault((int(match[1]), match[2]), [None, None])
+                pair[0 if match[3] == "A" else 1] = f.get_tensor(key)
+    except LoRAAdapterError:
+        raise
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own errors for bad files
+        raise LoRAAdapterError(
+            f"{where}: {WEIGHTS_FILE} cannot be read ({type(e).__name__}); is it complete?"
+        ) from None
+    if set(pairs) != set(expected):
+        raise LoRAAdapterError(f"{where}: {WEIGHTS_FILE} changed since its header was checked")
     weights = {}
     for key, (lora_a, lora_b) in pairs.items():
+        name = f"{where}: layer {key[0]} {key[1]}"
+        for which, tensor, shape in (
+            ("A", lora_a, expected[key][0]),
+            ("B", lora_b, expected[key][1]),
+        ):
+            if tensor is None:
+                raise LoRAAdapterError(f"{name}: lora_{which} is missing")
+            if tensor.dtype not in _FLOAT_DTYPES:
+                raise LoRAAdapterError(
+                    f"{name}: lora_{which} is {tensor.dtype}, not floating point"
+                )
+            if tuple(tensor.shape) != tuple(shape):
+                raise LoRAAdapterError(
+                    f"{name}: lora_{which} is {list(tensor.shape)}, its header said {list(shape)}"
+                )
+            if not bool(torch.isfinite(tensor).all()):
+                raise LoRAAdapterError(f"{name}: lora_{which} holds NaN or infinite values")
         scaling = config.scaling(lora_a.shape[0])
-        weights[key] = (lora_a.to(dtype), (lora_b.float() * scaling).to(dtype))
+        a, b = lora_a.to(dtype), (lora_b.float() * scaling).to(dtype)
+        if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+            raise LoRAAdapterError(f"{name}: its weights (B times {scaling:g}) overflow {dtype}")
+        weights[key] = (a, b)
     return weights

@@ -1,12 +1,19 @@
-"""The adapters of one worker: ``max_loras`` device slots and an LRU of adapters in host memory.
+"""The adapters of one worker: the loaded adapters' weights in host memory, and ``max_loras``
+device slots.
+
+``add_adapter`` (the engine core's ``add_lora``, through the executor) reads this rank's
+shard of the adapter once, checks every tensor (shape, dtype, finite values; a truncated or
+unreadable file is a ValueError naming it) and keeps it in host memory (pinned on CUDA) until
+``remove_adapter``: what was checked is what runs, and nothing is read from disk in a step, so
+files replaced or removed after loading change nothing and cannot fail a step.
+``max_cpu_loras`` (None: no limit) caps how many adapters may be loaded at once.
 
 The model runner calls ``set_step`` once per step with each sequence's ``LoRARequest``
-(None: the base model): every adapter of the step gets a slot (an adapter new to this
-worker is read from its PEFT directory into the host LRU first, this rank's shard only), the
-least recently used adapter not in the step gives its slot up, and the per-token slot
-indices go to the device (``LoRASlots.token_slots``), where every LoRA layer reads them.
-The scheduler never puts more distinct adapters in the running batch than there are slots
-(``max_loras``), so a step always fits.
+(None: the base model): every adapter of the step gets a slot, the least recently used
+adapter not in the step gives its slot up, and the per-token slot indices go to the device
+(``LoRASlots.token_slots``), where every LoRA layer reads them. The scheduler never puts more
+distinct adapters in the running batch than there are slots (``max_loras``), and the engine
+core sends no request with an adapter it has not loaded, so a step always fits.
 
 Slot copies and the token indices are issued on the compute stream, after the previous
 step's kernels: an adapter replaced in a slot is never read half-written.
@@ -22,7 +29,7 @@ import torch
 from torch import nn
 
 from pydaemon.config.engine import EngineConfig
-from pydaemon.config.lora import read_lora_config
+from pydaemon.config.lora import LoRAAdapterConfig, LoRAAdapterError
 from pydaemon.layers.lora.lora_linear import LoRALinear, LoRASlots, wrap_lora_layers
 from pydaemon.lora_request import LoRARequest
 from pydaemon.model_loader.lora_adapter import load_lora_weights
@@ -44,7 +51,7 @@ def make_lora_manager(
         model,
         max_loras=config.max_loras,
         max_lora_rank=config.max_lora_rank,
-        max_cpu_loras=config.num_cpu_loras,
+        max_cpu_loras=config.max_cpu_loras,
         max_num_tokens=max(max_num_batched_tokens, config.max_num_seqs),
         dtype=param.dtype,
         device=param.device,
@@ -58,7 +65,7 @@ class LoRAManager:
         *,
         max_loras: int,
         max_lora_rank: int,
-        max_cpu_loras: int,
+        max_cpu_loras: int | None,
         max_num_tokens: int,
         dtype: torch.dtype,
         device: torch.device,
@@ -70,7 +77,7 @@ class LoRAManager:
         self.slots = LoRASlots(max_loras, max_lora_rank, max_num_tokens, device)
         self.layers = wrap_lora_layers(model, self.slots, dtype)
         self._wrappers = list(dict.fromkeys(w for w, _ in self.layers.values()))
-        self._host: OrderedDict[int, HostAdapter] = OrderedDict()  # LRU: oldest first
+        self._host: dict[int, HostAdapter] = {}  # lora_int_id -> weights, in load order
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, LRU
         self._free_slots = list(range(max_loras - 1, -1, -1))
         self._has_stale_slots = False  # token_slots holds adapters' slots (else all -1)
@@ -81,23 +88,37 @@ class LoRAManager:
         return list(self._slot_of)
 
     @property
-    def cached_lora_ids(self) -> list[int]:
-        """Adapters in host memory, least recently used first."""
+    def loaded_lora_ids(self) -> list[int]:
+        """Adapters held in host memory, in load order."""
         return list(self._host)
 
-    def add_adapter(self, lora_request: LoRARequest) -> None:
-        """Reads the adapter into the host LRU (if not there yet)."""
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the loaded adapters' weights take."""
+        return sum(
+            a.numel() * a.element_size() + b.numel() * b.element_size()
+            for adapter in self._host.values()
+            for parts in adapter.values()
+            for a, b in parts.values()
+        )
+
+    def add_adapter(self, lora_request: LoRARequest, config: LoRAAdapterConfig) -> None:
+        """Reads this rank's shard of the adapter, checks it and keeps it (idempotent per id).
+        ValueError (LoRAAdapterError) naming what is wrong: nothing is kept then."""
         lora_id = lora_request.lora_int_id
         if lora_id in self._host:
-            self._host.move_to_end(lora_id)
             return
-        config = read_lora_config(lora_request.lora_path, self.max_lora_rank)
+        if self.max_cpu_loras is not None and len(self._host) >= self.max_cpu_loras:
+            raise LoRAAdapterError(
+                f"LoRA adapter {lora_request.lora_name!r}: {len(self._host)} adapters are "
+                f"loaded, the most max_cpu_loras ({self.max_cpu_loras}) allows: unload one first"
+            )
         pin = self.device.type == "cuda"
         adapter: HostAdapter = {}
         for (layer, module), (a, b) in load_lora_weights(config, self.dtype).items():
             found = self.layers.get((layer, module))
             if found is None:
-                raise ValueError(
+                raise LoRAAdapterError(
                     f"LoRA adapter {lora_request.lora_name!r}: the model has no layer {layer} "
                     f"{module}"
                 )
@@ -107,15 +128,15 @@ class LoRAManager:
             if pin:
                 a, b = a.pin_memory(), b.pin_memory()
             adapter.setdefault(wrapper, {})[module] = (a, b)
-        while len(self._host) >= self.max_cpu_loras:
-            self._evict_host()
         self._host[lora_id] = adapter
         logger.info(
-            "LoRA adapter %r (id %d) read from %s", lora_request.lora_name, lora_id, config.path
+            "LoRA adapter %r (id %d) loaded from %s", lora_request.lora_name, lora_id, config.path
         )
 
     def remove_adapter(self, lora_int_id: int) -> None:
-        """Forgets the adapter here (slot and host memory); a later request reads it again."""
+        """Frees the adapter's slot and host memory (no-op if unknown). A step in flight that
+        reads the slot is not disturbed: the next adapter's copy into the slot is issued on
+        the compute stream, after it."""
         self._host.pop(lora_int_id, None)
         slot = self._slot_of.pop(lora_int_id, None)
         if slot is not None:
@@ -149,29 +170,20 @@ class LoRAManager:
 
     def _activate(self, request: LoRARequest, needed: dict[int, LoRARequest]) -> None:
         lora_id = request.lora_int_id
-        if lora_id in self._host:
-            self._host.move_to_end(lora_id)
         if lora_id in self._slot_of:
             self._slot_of.move_to_end(lora_id)
             return
-        if not self._free_slots:  # first, so that the host LRU may drop the slot's old adapter
+        adapter = self._host.get(lora_id)
+        if adapter is None:  # the engine core sends no request with an adapter not loaded
+            raise RuntimeError(f"LoRA adapter {request.lora_name!r} (id {lora_id}) is not loaded")
+        if not self._free_slots:
             victim = next((i for i in self._slot_of if i not in needed), None)
             if victim is None:
                 raise RuntimeError(
                     f"a step uses more LoRA adapters than max_loras ({self.slots.max_loras})"
                 )
             self._free_slots.append(self._slot_of.pop(victim))
-        if lora_id not in self._host:
-            self.add_adapter(request)
         slot = self._free_slots.pop()
-        adapter = self._host[lora_id]
         for wrapper in self._wrappers:
             wrapper.set_lora(slot, adapter.get(wrapper, {}))
         self._slot_of[lora_id] = slot
-
-    def _evict_host(self) -> None:
-        """Drops the least recently used adapter held in host memory that holds no slot."""
-        victim = next((i for i in self._host if i not in self._slot_of), None)
-        if victim is None:
-            victim = next(iter(self._host))  # every one has a slot: its slot keeps it on the device
-        del self._host[victim]

@@ -8,17 +8,22 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 
 from pydaemon.config.engine import EngineConfig
-from pydaemon.core.runner_output import AsyncModelRunnerOutput, ModelRunnerOutput
-from pydaemon.core.sched.scheduler_output import SchedulerOutput
+from pydaemon.config.lora import LoRAAdapterConfig
+from pydaemon.core.model_info import RunnerInfo
+from pydaemon.core.runner_output import ModelRunnerOutput
+from pydaemon.core.sched.scheduler_output import GrammarOutput, SchedulerOutput
 from pydaemon.distributed import parallel_state as ps
 from pydaemon.layers.attention import uses_kernels
 from pydaemon.layers.attention_metadata import AttentionMetadata, to_device
+from pydaemon.lora_request import LoRARequest
 from pydaemon.model_loader.loader import load_model
 from pydaemon.quantization.kv_cache_fp8 import is_fp8, resolve_kv_cache_dtype
+from pydaemon.worker.async_output import AsyncModelRunnerOutput
 from pydaemon.worker.cuda_graph_inputs import cuda_graph_plan
 from pydaemon.worker.cuda_graphs import CUDAGraphRunner, capture_all, measure_graph_memory
 from pydaemon.worker.draft_model import DraftModelProposer
@@ -26,11 +31,22 @@ from pydaemon.worker.eagle_proposer import EagleProposer
 from pydaemon.worker.input_batch import InputBatch, StepInput
 from pydaemon.worker.kv_cache import GiB, KVCacheSpec
 from pydaemon.worker.kv_scale_calibration import KVScales
-from pydaemon.worker.lora_manager import make_lora_manager
-from pydaemon.worker.spec_decoder import SpecDecoder
+from pydaemon.worker.lora_manager import LoRAManager, make_lora_manager
+from pydaemon.worker.spec_decoder import SpecDecoder, VerifyPlan
 from pydaemon.worker.step_sampler import StepSampler
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _PendingSample:
+    """A step launched by ``execute_model``, awaiting ``sample_tokens``."""
+
+    scheduler_output: SchedulerOutput
+    step: StepInput | None  # None: the step ran no sequence
+    logits: torch.Tensor | None  # [num_sampled_rows, vocab] float32; None on ranks > 0
+    verify: VerifyPlan | None
+    hidden: torch.Tensor | None = None  # [>= num_tokens, hidden_size], for EAGLE heads
 
 
 def resolve_device(device: str, tp_rank: int = 0, tp_size: int = 1) -> torch.device:
@@ -117,6 +133,7 @@ class ModelRunner:
                 self.draft.allocate_cache(self.num_gpu_blocks)
             self.spec_decoder = SpecDecoder(spec, self.input_batch, self.step_sampler, self.draft)
         self._last_output: AsyncModelRunnerOutput | None = None  # the previous step's
+        self._pending: _PendingSample | None = None  # launched, not sampled yet
         self.swap_stream = None
         if uses_kernels(self.kv_cache):
             from pydaemon.ops import SwapStream
@@ -144,6 +161,34 @@ class ModelRunner:
             self.num_gpu_blocks * self.spec.block_bytes / GiB,
             self.num_cpu_blocks,
         )
+
+    def runner_info(self) -> RunnerInfo:
+        """What the engine core sizes its scheduler with (plain data)."""
+        return RunnerInfo(
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            num_gpu_blocks=self.num_gpu_blocks,
+            num_cpu_blocks=self.num_cpu_blocks,
+            device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."),
+        )
+
+    # ---- LoRA adapters (the executor's control calls) ---------------------------------------
+    def add_lora(self, lora_request: LoRARequest, adapter: LoRAAdapterConfig) -> None:
+        """Reads this rank's shard of the adapter and checks it (ValueError: not kept)."""
+        self._lora_manager("add_lora").add_adapter(lora_request, adapter)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self._lora_manager("remove_lora").remove_adapter(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return [] if self.lora_manager is None else self.lora_manager.loaded_lora_ids
+
+    def _lora_manager(self, what: str) -> LoRAManager:
+        if self.lora_manager is None:
+            raise ValueError(f"{what}: LoRA is not enabled (EngineConfig.enable_lora)")
+        return self.lora_manager
 
     # ---- sizing -----------------------------------------------------------------------------
     def _profile_num_blocks(self) -> int:
@@ -204,57 +249,74 @@ class ModelRunner:
         self.model.compute_logits(hidden[-1:])
 
     # ---- the step ---------------------------------------------------------------------------
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Updates the cached state, moves blocks, runs the forward pass and samples.
-
-        Returns None on tensor-parallel ranks > 0 (rank 0 samples from the gathered logits).
-        """
-        result = self.execute_model_async(out)
-        return None if result is None else result.get_output()
-
     @torch.inference_mode()
-    def execute_model_async(self, out: SchedulerOutput) -> AsyncModelRunnerOutput | None:
-        """As execute_model, but returns as soon as the step is launched: the sampled ids
-        come back through ``get_output()`` (async scheduling)."""
+    def execute_model(self, out: SchedulerOutput) -> None:
+        """Updates the cached state, moves blocks and launches the forward pass; returns at
+        once. ``sample_tokens`` samples it (every step: the two calls alternate)."""
+        if self._pending is not None:
+            raise RuntimeError("execute_model: the previous step was never sampled (sample_tokens)")
         last = self._last_output
         self.input_batch.update(out, None if last is None else last.get_output)
         self.step_sampler.forget(out.finished_request_ids)
         if self.spec_decoder is not None:
             self.spec_decoder.forget(out.finished_seq_ids)
         self._move_blocks(out)
-        is_driver = ps.get_tp_rank() == 0
         if out.num_seqs == 0:
-            result = AsyncModelRunnerOutput(ModelRunnerOutput())
+            self._pending = _PendingSample(out, None, None, None)
+            return
+        verify = None  # speculative decoding: drafts proposed for this step
+        if out.num_draft_tokens and self.spec_decoder is not None:
+            verify = self.spec_decoder.propose(out)
+        if verify is None:
+            step = self.input_batch.prepare(out)
         else:
-            verify = None  # speculative decoding: drafts proposed for this step
-            if out.num_draft_tokens and self.spec_decoder is not None:
-                verify = self.spec_decoder.propose(out)
-            if verify is None:
-                step = self.input_batch.prepare(out)
-            else:
-                step = self.spec_decoder.prepare(verify)
-            if self.lora_manager is not None:
-                seqs = self.input_batch.seqs
-                loras = [seqs[seq_id].lora_request for seq_id in step.seq_ids]
-                self.lora_manager.set_step(loras, step.query_lens)
-            if last is not None:  # a deferred sampling (grammar masks) goes first
-                last.launch_sampling()
-            if len(step.placeholder_index) and ps.is_tensor_parallel():
-                self._share_sampled_ids(last)
-            measures_kv_scales = self.kv_scales is not None and self.kv_scales.arm_for(out)
-            hidden, logits = self._forward(step)
-            if measures_kv_scales:
-                self._finish_kv_scales()
-            if is_driver and verify is not None:
-                result = self.spec_decoder.sample(logits, step, verify, out.num_samples, last)
-            elif is_driver:
-                result = self.step_sampler.sample(logits, step, out.num_samples, last)
-            else:  # rank 0 samples; this rank receives its ids if the next step needs them
-                result = self.step_sampler.expect(step, out.num_samples)
-            if self.draft is not None and self.draft.needs_target_hidden_states:
-                self.spec_decoder.observe(step, hidden, self._input_ids(step), verify)
+            step = self.spec_decoder.prepare(verify)
+        if self.lora_manager is not None:
+            seqs = self.input_batch.seqs
+            loras = [seqs[seq_id].lora_request for seq_id in step.seq_ids]
+            self.lora_manager.set_step(loras, step.query_lens)
+        if len(step.placeholder_index) and ps.is_tensor_parallel():
+            self._share_sampled_ids(last)
+        measures_kv_scales = self.kv_scales is not None and self.kv_scales.arm_for(out)
+        hidden, logits = self._forward(step)
+        if measures_kv_scales:
+            self._finish_kv_scales()
+        self._pending = _PendingSample(out, step, logits, verify, hidden)
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar: GrammarOutput | None = None) -> AsyncModelRunnerOutput | None:
+        """Samples the step ``execute_model`` launched, with the grammar bitmask of its
+        constrained rows, and starts the one device-to-host copy. -> the output on the way
+        to the host; None on tensor-parallel ranks > 0 (rank 0 samples from the gathered
+        logits; this rank receives its ids when the next step's placeholders need them)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            raise RuntimeError("sample_tokens: no step was launched (execute_model)")
+        out, step = pending.scheduler_output, pending.step
+        is_driver = ps.get_tp_rank() == 0
+        if step is None:
+            result = AsyncModelRunnerOutput(ModelRunnerOutput())
+        elif not is_driver:
+            result = self.step_sampler.expect(step, out.num_samples)
+        elif pending.verify is not None:
+            result = self.spec_decoder.sample(
+                pending.logits, step, pending.verify, out.num_samples, grammar
+            )
+        else:
+            result = self.step_sampler.sample(pending.logits, step, out.num_samples, grammar)
+        if step is not None and self.draft is not None and self.draft.needs_target_hidden_states:
+            # After sampling: a verified sequence's valid rows are its accepted run.
+            self.spec_decoder.observe(step, pending.hidden, self._input_ids(step), pending.verify)
         self._last_output = result
         return result if is_driver else None
+
+    def execute_model_sync(
+        self, out: SchedulerOutput, grammar: GrammarOutput | None = None
+    ) -> ModelRunnerOutput | None:
+        """Both halves of a step, waiting for its output (tests, benchmarks, tools)."""
+        self.execute_model(out)
+        result = self.sample_tokens(grammar)
+        return None if result is None else result.get_output()
 
     def _finish_kv_scales(self) -> None:
         """After the step whose forward measured the KV scales: the decode graphs, which

@@ -31,9 +31,10 @@ import numpy as np
 import torch
 
 from pydaemon.config.speculative import SpeculativeConfig
-from pydaemon.core.runner_output import AsyncModelRunnerOutput, ModelRunnerOutput
-from pydaemon.core.sched.scheduler_output import SchedulerOutput
+from pydaemon.core.runner_output import ModelRunnerOutput
+from pydaemon.core.sched.scheduler_output import GrammarOutput, SchedulerOutput
 from pydaemon.sampling.sampling_metadata import SamplingMetadata
+from pydaemon.worker.async_output import AsyncModelRunnerOutput
 from pydaemon.worker.input_batch import InputBatch, StepInput
 from pydaemon.worker.spec.ngram_proposer import NgramProposer
 from pydaemon.worker.spec.proposer import DraftRequest, Proposer, TargetStep
@@ -171,16 +172,17 @@ class SpecDecoder:
         step: StepInput,
         plan: VerifyPlan,
         num_samples: dict[int, int],
-        last: AsyncModelRunnerOutput | None = None,
+        grammar: GrammarOutput | None = None,
     ) -> AsyncModelRunnerOutput:
         """logits: [len(step.sample_index), vocab] float32 -> the step's output, on the host
-        (a verify step is synchronous)."""
+        (a verify step is synchronous). grammar: the bitmask of its constrained rows (they
+        never have drafts: pydaemon/core/sched/spec_slots.py)."""
         num_verify_rows = sum(len(d) + 1 for d in plan.drafts.values())
         # Logits rows in batch order: the prefills' before the verified, the decodes' after.
         num_before = int(step.is_sampled[: plan.first].sum())
         verify = logits[num_before : num_before + num_verify_rows]
         others = torch.cat([logits[:num_before], logits[num_before + num_verify_rows :]])
-        out = self.step_sampler.sample(others, step, num_samples, last).get_output()
+        out = self.step_sampler.sample(others, step, num_samples, grammar).get_output()
         self._verify(verify, plan, out)
         return AsyncModelRunnerOutput(out)
 
@@ -194,7 +196,7 @@ class SpecDecoder:
             if state.params.has_penalties or state.params.min_tokens:
                 prompt = batch.prompt_token_ids(seq_id)
                 output = batch.output_token_ids(seq_id)
-            generator = step_sampler._generator(state, state.index)
+            generator = step_sampler.generator(state, state.index)
             for j in range(len(drafts) + 1):  # row j follows drafts[:j]
                 params.append(state.params)
                 prompts.append(prompt)

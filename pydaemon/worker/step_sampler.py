@@ -5,12 +5,10 @@ It picks the sampling parameters, token history and random stream of every sampl
 the runner's InputBatch (token ids are read only for rows that use penalties or min_tokens),
 repeats the row of a sequence that forks at this sample (n > 1) once per output index, and
 hands beam-search rows back as log-probabilities. Rows under a constraint (structured
-outputs) get their grammar's token bitmask first, applied on the device in one batched
-operation. Under async scheduling their masks need the previous step's samples, which the
-host has not seen when this step is launched: sampling is then deferred
-(``AsyncModelRunnerOutput.deferred``) until the runner launches the next step, so the host
-fills the masks while the device runs this step's forward pass. Seeded random streams live
-here, one per (request, output index), until the request finishes.
+outputs) get the token bitmask the engine core sent for them (``GrammarOutput``, keyed by
+sequence), copied to the device from pinned memory and applied in one batched operation: the
+worker holds no grammar state. Seeded random streams live here, one per (request, output
+index), until the request finishes.
 """
 
 from __future__ import annotations
@@ -18,12 +16,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from pydaemon.core.runner_output import AsyncModelRunnerOutput, ModelRunnerOutput
-from pydaemon.sampling.constraints.matchers import ConstrainedRow, GrammarMatchers
+from pydaemon.core.runner_output import ModelRunnerOutput
+from pydaemon.core.sched.scheduler_output import GrammarOutput
+from pydaemon.sampling.constraints.bitmask import apply_grammar_bitmask
 from pydaemon.sampling.sampler import Sampler
 from pydaemon.sampling.sampling_metadata import SamplingMetadata, make_generator
+from pydaemon.worker.async_output import AsyncModelRunnerOutput
 from pydaemon.worker.input_batch import CachedSeqState, InputBatch, StepInput
 
 
@@ -39,7 +40,7 @@ class SamplePlan:
     indices: list[int] = field(default_factory=list)  # output index (random stream) of each
     beam_seq_ids: list[int] = field(default_factory=list)  # beam search: not sampled
     beam_rows: list[int] = field(default_factory=list)  # their logits rows
-    constrained: list[ConstrainedRow] = field(default_factory=list)  # structured outputs
+    logits_rows: dict[int, int] = field(default_factory=dict)  # seq_id -> its logits row
 
 
 class StepSampler:
@@ -49,12 +50,10 @@ class StepSampler:
         self.sampler = Sampler()
         self._generators: dict[tuple[str, int], torch.Generator] = {}
         self._generator_indices: dict[str, list[int]] = {}  # request_id -> its indices
-        # Set by the engine core with its grammar compiler on the first constrained request.
-        self.grammar_matchers: GrammarMatchers | None = None
+        self._bitmask_host: torch.Tensor | None = None  # [capacity, words] int32, pinned
+        self._bitmask_copied: torch.cuda.Event | None = None  # the last copy out of it
 
     def forget(self, request_ids: list[str]) -> None:
-        if self.grammar_matchers is not None:
-            self.grammar_matchers.forget(request_ids)
         for request_id in request_ids:
             for index in self._generator_indices.pop(request_id, ()):
                 self._generators.pop((request_id, index), None)
@@ -75,9 +74,7 @@ class StepSampler:
                 plan.beam_rows.append(logits_row)
                 continue
             count = num_samples.get(seq_id, 1)
-            spec = state.params.structured_outputs
-            if spec is not None:  # a fork's samples share the row, hence the mask
-                plan.constrained.append(ConstrainedRow(logits_row, seq_id, state.request_id, spec))
+            plan.logits_rows[seq_id] = logits_row  # a fork's samples share the row (and mask)
             plan.sample_rows[seq_id] = len(plan.rows)
             plan.seq_ids.append(seq_id)
             plan.counts.append(count)
@@ -97,19 +94,19 @@ class StepSampler:
         logits: torch.Tensor,
         step: StepInput,
         num_samples: dict[int, int],
-        last: AsyncModelRunnerOutput | None = None,
+        grammar: GrammarOutput | None = None,
     ) -> AsyncModelRunnerOutput:
         """logits: [num_sampled_seqs, vocab] float32, one row per sequence that samples;
-        last: the previous step's output (its samples are this step's placeholders).
-        Nothing here waits for the device, unless a row reads token history (penalties,
-        min_tokens) that holds the previous step's not-yet-copied sample."""
+        grammar: the bitmask of the constrained ones (None: none is constrained). Nothing
+        here waits for the device, unless a row reads token history (penalties, min_tokens)
+        that holds the previous step's not-yet-copied sample."""
         batch = self.input_batch
         plan = self.plan(step, num_samples)
         out = ModelRunnerOutput(seq_ids=plan.seq_ids, beam_seq_ids=plan.beam_seq_ids)
         if plan.beam_rows:
             # Beam search reads whole rows: a second, rare device-to-host copy.
             chosen = logits[torch.tensor(plan.beam_rows, device=logits.device)]
-            out.beam_logprobs = torch.log_softmax(chosen, dim=-1).cpu()
+            out.beam_logprobs = torch.log_softmax(chosen, dim=-1).cpu().numpy()
         rows, states = plan.rows, plan.states
         if not rows:
             return AsyncModelRunnerOutput(out)
@@ -118,26 +115,16 @@ class StepSampler:
             params=[s.params for s in states],
             prompt_token_ids=_LazyTokens(batch.prompt_token_ids, ids),
             output_token_ids=_LazyTokens(batch.output_token_ids, ids),
-            generators=[self._generator(s, i) for s, i in zip(states, plan.indices, strict=True)],
+            generators=[self.generator(s, i) for s, i in zip(states, plan.indices, strict=True)],
             device=logits.device,
             stop_ids_for_min_tokens=[s.min_tokens_stop_ids for s in states],
         )
-        matchers = self.grammar_matchers
-        mask = None
-        if plan.constrained:
-            if matchers is None:
-                raise RuntimeError("a constrained request reached the runner without its grammar")
-            mask = matchers.prepare(plan.constrained)
+        if grammar is not None and grammar.seq_ids:
+            self._apply_bitmask(logits, grammar, plan)
+        if rows != list(range(logits.shape[0])):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        sampled, packed = self.sampler.sample_packed(logits, metadata)
         counts = plan.counts
-
-        @torch.inference_mode()  # may run from get_output(), outside the runner's step
-        def launch() -> tuple[torch.Tensor, torch.Tensor]:
-            nonlocal logits
-            if mask is not None:
-                matchers.apply(logits, mask, None if last is None else _last_tokens(last))
-            if rows != list(range(logits.shape[0])):
-                logits = logits[torch.tensor(rows, device=logits.device)]
-            return self.sampler.sample_packed(logits, metadata)
 
         def fill(host_rows: list[list[float]]) -> None:
             result = self.sampler.unpack(host_rows, metadata)
@@ -149,13 +136,53 @@ class StepSampler:
                 out.logprobs.append(result.logprobs[start:end])
                 start = end
 
-        if mask is not None and mask.awaiting:  # the masks wait for last's samples
-            return AsyncModelRunnerOutput.deferred(out, launch, fill, plan.sample_rows, len(rows))
-        sampled, packed = launch()
         # The step's one device-to-host copy, started here and waited for by get_output().
         return AsyncModelRunnerOutput(out, sampled, packed, fill, plan.sample_rows)
 
-    def _generator(self, state: CachedSeqState, index: int) -> torch.Generator | None:
+    def _apply_bitmask(
+        self, logits: torch.Tensor, grammar: GrammarOutput, plan: SamplePlan
+    ) -> None:
+        """Masks the constrained rows of logits ([num_logits_rows, vocab] float32, in place):
+        one host copy into pinned memory, one copy to the device in stream order (no host
+        sync), one batched masking launch. A sequence the engine sent no row for samples
+        unconstrained (its request ended since the step was scheduled: its token is dropped)."""
+        logits_rows = plan.logits_rows
+        keep = [i for i, seq_id in enumerate(grammar.seq_ids) if seq_id in logits_rows]
+        if not keep:
+            return
+        bitmask = grammar.bitmask if len(keep) == len(grammar.seq_ids) else grammar.bitmask[keep]
+        rows = [logits_rows[grammar.seq_ids[i]] for i in keep]
+        device = logits.device
+        is_cuda = device.type == "cuda"
+        host = self._pinned_bitmask(bitmask.shape) if is_cuda else None
+        if host is not None:
+            np.copyto(host.numpy(), bitmask)
+            device_mask = host.to(device, non_blocking=True)
+            self._bitmask_copied = torch.cuda.Event()
+            self._bitmask_copied.record()
+        else:
+            device_mask = torch.from_numpy(np.ascontiguousarray(bitmask))
+        index = None  # every row, in order: no gather
+        if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
+            index = torch.tensor(rows, dtype=torch.int64, pin_memory=is_cuda)
+            index = index.to(device, non_blocking=True)
+        apply_grammar_bitmask(logits, device_mask, index)
+
+    def _pinned_bitmask(self, shape: tuple[int, int]) -> torch.Tensor:
+        """[rows, words] int32 pinned host memory, reused across steps once the previous
+        step's copy out of it is done (no allocation, no page-locking per step)."""
+        num_rows, num_words = shape
+        host = self._bitmask_host
+        if host is None or host.shape[0] < num_rows or host.shape[1] != num_words:
+            capacity = max(num_rows, 2 * (0 if host is None else host.shape[0]))
+            self._bitmask_host = torch.empty((capacity, num_words), dtype=torch.int32)
+            self._bitmask_host = self._bitmask_host.pin_memory()
+            self._bitmask_copied = None
+        if self._bitmask_copied is not None:
+            self._bitmask_copied.synchronize()  # normally long done: it ran before last sampling
+        return self._bitmask_host[:num_rows]
+
+    def generator(self, state: CachedSeqState, index: int) -> torch.Generator | None:
         """The seeded random stream of (request, output index), kept until the request ends."""
         params = state.params
         if params.seed is None or params.is_greedy:
@@ -167,20 +194,6 @@ class StepSampler:
             self._generators[key] = generator
             self._generator_indices.setdefault(state.request_id, []).append(index)
         return generator
-
-
-def _last_tokens(last: AsyncModelRunnerOutput):
-    """seq_id -> the tokens ``last`` sampled for the sequence (waits for its copy)."""
-    tokens: dict[int, list[int]] | None = None
-
-    def read(seq_id: int) -> list[int]:
-        nonlocal tokens
-        if tokens is None:
-            out = last.get_output()
-            tokens = dict(zip(out.seq_ids, out.sampled_token_ids, strict=True))
-        return tokens[seq_id]
-
-    return read
 
 
 class _LazyTokens(Sequence):

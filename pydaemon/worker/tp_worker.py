@@ -1,9 +1,11 @@
 """The tensor-parallel worker process (ranks 1..N-1): joins the group, builds its shard of
 the model and of the KV cache, then runs every step rank 0 sends until told to stop.
 
-Messages on the pipe from rank 0: a pickled SchedulerOutput per step, a pickled None to stop.
+Messages on the pipe from rank 0: a pickled SchedulerOutput per step, a ``ControlCall``
+(LoRA adapters: a runner method and its arguments), a pickled None to stop.
 Messages to rank 0: ("hello", pid) before joining the group, ("ready", num_gpu_blocks)
-once loaded, ("error", traceback) when anything failed. EOF on the pipe means rank 0 is
+once loaded, ("ok", result) or ("value_error", message) after each control call, ("error",
+traceback) when anything failed. EOF on the pipe means rank 0 is
 gone: the worker exits, so it never outlives the daemon. SIGINT and SIGTERM are ignored
 (rank 0 stops the workers itself, after its drain); SIGKILL is the hard stop.
 """
@@ -20,6 +22,14 @@ from multiprocessing.connection import Connection
 
 from pydaemon import heap_freeze
 from pydaemon.config.engine import EngineConfig
+
+
+@dataclass
+class ControlCall:
+    """Rank 0 -> worker: run ``ModelRunner.<method>(*args)`` between two steps and reply."""
+
+    method: str  # "add_lora" | "remove_lora"
+    args: tuple
 
 
 @dataclass
@@ -59,10 +69,17 @@ def worker_main(args: WorkerArgs, conn: Connection) -> None:
         heap_freeze.freeze_startup_heap()  # no full collection walks the model in the loop
         conn.send(("ready", runner.num_gpu_blocks))
         while True:
-            scheduler_output = pickle.loads(conn.recv_bytes())
-            if scheduler_output is None:
+            message = pickle.loads(conn.recv_bytes())
+            if message is None:
                 break
-            runner.execute_model(scheduler_output)  # builds its inputs itself, as rank 0 does
+            if isinstance(message, ControlCall):
+                try:
+                    conn.send(("ok", getattr(runner, message.method)(*message.args)))
+                except ValueError as e:  # a bad adapter: rank 0 refuses it, the worker lives
+                    conn.send(("value_error", str(e)))
+                continue
+            runner.execute_model(message)  # builds its inputs itself, as rank 0 does
+            runner.sample_tokens(None)  # rank 0 samples; this rank takes its ids later
     except EOFError:  # rank 0 is gone
         pass
     except BaseException:  # noqa: BLE001 - reported to rank 0, then the worker exits

@@ -16,6 +16,7 @@ from engine_utils import make_hf_model, random_prompts  # noqa: E402
 
 from pydaemon import LLM, SamplingParams  # noqa: E402
 from pydaemon._core import Device  # noqa: E402
+from pydaemon.generate_request import GenerateRequest
 
 VOCAB = 512
 
@@ -121,7 +122,7 @@ def test_launching_a_step_never_waits_for_the_gpu(model):
         SamplingParams(temperature=0.5, seed=6, max_tokens=64, logprobs=3, ignore_eos=True),
     ]
     for i, prompt in enumerate(prompts):
-        llm.engine.add_request(str(i), prompt, kinds[i % len(kinds)])
+        llm.engine.add_request(GenerateRequest(str(i), prompt, kinds[i % len(kinds)]))
     for _ in range(4):  # prefill, then decodes with a step in flight
         llm.engine.step()
     stepper = core.async_stepper

@@ -18,6 +18,7 @@ import torch
 
 from pydaemon._core import Device
 from pydaemon.entrypoints.llm import LLM
+from pydaemon.generate_request import GenerateRequest
 from pydaemon.sampling_params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
@@ -167,7 +168,7 @@ def test_nccl_tp2_async_launch_never_waits_for_the_gpu(async_model):
         prompts = random_prompts(8, ASYNC_VOCAB, 20, 40, seed=4)
         params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
         for i, prompt in enumerate(prompts):
-            llm.engine.add_request(str(i), prompt, params)
+            llm.engine.add_request(GenerateRequest(str(i), prompt, params))
         for _ in range(4):  # prefill, then decodes with a step in flight
             llm.engine.step()
         stepper = llm.engine.core.async_stepper

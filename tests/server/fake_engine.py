@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from pydaemon.config.generation import GenerationDefaults
+from pydaemon.generate_request import GenerateRequest
 from pydaemon.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pydaemon.sampling_params import SamplingParams
 from pydaemon.tokenizer.chat_template import render_chat_template
@@ -124,18 +125,10 @@ class FakeEngine:
     def warmup(self) -> None:
         self.warmed_up = True
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        *,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        lora_request=None,  # LLMEngine's interface; the fake has no adapters
-        arrival_time: float | None = None,
-    ) -> None:
-        if lora_request is not None:
+    def add_request(self, request: GenerateRequest, arrival_time: float | None = None) -> None:
+        """LLMEngine's interface."""
+        request_id, prompt, params = request.request_id, request.prompt, request.params
+        if request.lora_request is not None:
             raise ValueError("the fake engine serves no LoRA adapters")
         if request_id in self._reqs:
             raise ValueError(f"request_id {request_id!r} is already live")
@@ -166,6 +159,15 @@ class FakeEngine:
         )
         self.stats.num_prompt_tokens += len(ids)
         self.added.append((ids, params))
+
+    def add_lora(self, lora_request):
+        raise ValueError("the fake engine serves no LoRA adapters")
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return False
+
+    def list_loras(self) -> list:
+        return []
 
     def abort_request(self, request_id: str) -> bool:
         req = self._reqs.pop(request_id, None)

@@ -105,8 +105,7 @@ def test_http_batch_stream_holds_a_bounded_number_of_deltas(monkeypatch):
     class EndlessClient:
         is_alive = True
 
-        async def generate(self, request_id, prompt, params, priority=0, cache_salt=None,
-                           lora_request=None):  # fmt: skip
+        async def generate(self, request):
             nonlocal produced
             while True:
                 produced += 1
@@ -115,7 +114,8 @@ def test_http_batch_stream_holds_a_bounded_number_of_deltas(monkeypatch):
 
     async def main() -> int:
         prompts = [engine_stream.EnginePrompt([1]) for _ in range(4)]
-        outputs = engine_stream.generate_all(EndlessClient(), "r", prompts, None)
+        requests = engine_stream.engine_requests("r", prompts, None)
+        outputs = engine_stream.generate_all(EndlessClient(), requests)
         await outputs.__anext__()
         await asyncio.sleep(0.2)  # a reader that stopped reading
         held = produced - 1

@@ -8,6 +8,7 @@ import pytest
 from fake_engine import FakeEngine
 
 from pydaemon.engine.inproc_client import EngineDeadError, InprocEngineClient
+from pydaemon.generate_request import GenerateRequest
 from pydaemon.sampling_params import SamplingParams
 
 
@@ -27,7 +28,9 @@ def test_concurrent_requests_stream_their_own_deltas():
     async def body(ae: InprocEngineClient):
         async def one(rid, prompt, n):
             ids = []
-            async for out in ae.generate(rid, prompt, SamplingParams(max_tokens=n)):
+            async for out in ae.generate(
+                GenerateRequest(rid, prompt, SamplingParams(max_tokens=n))
+            ):
                 ids += out.outputs[0].token_ids
             return ids
 
@@ -40,7 +43,7 @@ def test_concurrent_requests_stream_their_own_deltas():
 def test_bad_input_raises_value_error_from_the_engine_thread():
     async def body(ae: InprocEngineClient):
         with pytest.raises(ValueError, match="prompt is empty"):
-            async for _ in ae.generate("a", [], SamplingParams()):
+            async for _ in ae.generate(GenerateRequest("a", [], SamplingParams())):
                 pass
         return await ae.stats()
 
@@ -49,7 +52,7 @@ def test_bad_input_raises_value_error_from_the_engine_thread():
 
 def test_leaving_early_aborts_and_frees_blocks():
     async def body(ae: InprocEngineClient):
-        async for _ in ae.generate("a", [1], SamplingParams(max_tokens=100)):
+        async for _ in ae.generate(GenerateRequest("a", [1], SamplingParams(max_tokens=100))):
             break
         for _ in range(100):
             stats = await ae.stats()
@@ -66,11 +69,11 @@ def test_leaving_early_aborts_and_frees_blocks():
 def test_engine_failure_fails_live_and_new_requests():
     async def body(ae: InprocEngineClient):
         with pytest.raises(EngineDeadError, match="simulated internal failure"):
-            async for _ in ae.generate("a", [1], SamplingParams(max_tokens=4)):
+            async for _ in ae.generate(GenerateRequest("a", [1], SamplingParams(max_tokens=4))):
                 pass
         assert not ae.is_alive
         with pytest.raises(EngineDeadError):
-            async for _ in ae.generate("b", [1], SamplingParams(max_tokens=4)):
+            async for _ in ae.generate(GenerateRequest("b", [1], SamplingParams(max_tokens=4))):
                 pass
 
     run(body, FakeEngine(fail_on_step=1))
@@ -104,7 +107,9 @@ def test_one_engine_thread_per_engine():
         second.start()
         try:
             ids = []
-            async for out in second.generate("a", [10], SamplingParams(max_tokens=2)):
+            async for out in second.generate(
+                GenerateRequest("a", [10], SamplingParams(max_tokens=2))
+            ):
                 ids += out.outputs[0].token_ids
             return ids
         finally:

@@ -95,9 +95,9 @@ def test_too_many_prompt_ids_named_before_the_engine(start_server):
     engine = FakeEngine(num_gpu_blocks=256, max_model_len=64)
     reached: list[str] = []
     add_request = engine.add_request
-    engine.add_request = lambda request_id, *a, **kw: (
-        reached.append(request_id),
-        add_request(request_id, *a, **kw),
+    engine.add_request = lambda request, *a, **kw: (
+        reached.append(request.request_id),
+        add_request(request, *a, **kw),
     )
     st = start_server(lambda: engine)
     client = BidiClient(st.stub())

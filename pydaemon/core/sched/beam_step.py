@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from pydaemon.core.messages import SeqOutput
 from pydaemon.core.request import Request, Sequence
@@ -24,16 +24,16 @@ class BeamStepResult:
 
 
 def advance_beams(
-    blocks: SeqBlocks, request: Request, seqs: list[Sequence], logprobs: torch.Tensor
+    blocks: SeqBlocks, request: Request, seqs: list[Sequence], logprobs: np.ndarray
 ) -> BeamStepResult:
     """logprobs: [len(seqs), vocab] float32 log_softmax rows of the beams run this step."""
-    pending: dict[int, torch.Tensor] = request.beam_pending
+    pending: dict[int, np.ndarray] = request.beam_pending
     for seq, row in zip(seqs, logprobs, strict=True):
         pending[seq.seq_id] = row
     live = request.seqs
     if any(s.seq_id not in pending for s in live):
         return BeamStepResult()  # some beams are still re-prefilling after a preemption
-    rows = torch.stack([pending.pop(s.seq_id) for s in live])
+    rows = np.stack([pending.pop(s.seq_id) for s in live])
     state = request.beam
     result = state.step(rows)
     children = []

@@ -52,6 +52,8 @@ def build_scheduler_output(
         is_sampled = seq.num_computed_tokens + scheduled.num_new_tokens == num_tokens
         if is_sampled and request.forks_at_first_sample:
             out.num_samples[seq.seq_id] = request.num_expected_seqs
+        if is_sampled and request.params.structured_outputs is not None:
+            out.structured_output_seq_ids[seq.seq_id] = request.request_id
     return out
 
 

@@ -15,7 +15,7 @@ Policy lives here; memory lives in the C++ block manager; tensors never appear. 
 the live sequences it scheduled to itself; ``update_from_output()`` records what the runner
 computed and sampled (``pydaemon.core.sched.seq_updates``). The scheduler builds and alone owns
 the one ``_core.BlockManager``: every change goes through ``SeqBlocks``, and the engine core
-reads its figures through ``kv_cache_stats()``.
+reads its figures through ``make_stats()``.
 
 Async scheduling (pydaemon.core.sched.async_stepper): ``advance()`` records a launched step as computed,
 with a placeholder for each token it samples; ``schedule(overlap=True)`` then plans the next
@@ -40,7 +40,7 @@ from pydaemon.core.sched.seq_updates import SeqUpdater
 from pydaemon.core.sched.spec_slots import DraftSlots
 from pydaemon.core.sched.step_plan import ScheduledSeq, StepPlan
 from pydaemon.core.seq_blocks import SeqBlocks
-from pydaemon.core.stats import KVCacheStats, SchedulerStats
+from pydaemon.core.stats import EngineStats, SchedulerStats
 
 
 class Scheduler:
@@ -105,9 +105,34 @@ class Scheduler:
         drafting = self.drafts and self.drafts.is_due(self.running, self.num_running_seqs())
         return self._num_sync_only_requests == 0 and not self.swapped and not drafting
 
-    def kv_cache_stats(self) -> KVCacheStats:
-        """The block manager's figures, for the engine core's stats."""
-        return self.blocks.kv_cache_stats()
+    def make_stats(self, num_waiting_elsewhere: int = 0) -> EngineStats:
+        """The engine's figures as plain data; ``num_waiting_elsewhere``: requests the engine
+        holds outside the scheduler's queues (waiting for their grammar)."""
+        kv = self.blocks.kv_cache_stats()
+        drafts = self.drafts
+        return EngineStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting) + num_waiting_elsewhere,
+            num_swapped=len(self.swapped),
+            num_gpu_blocks=kv.num_gpu_blocks,
+            num_free_gpu_blocks=kv.num_free_gpu_blocks,
+            num_cpu_blocks=kv.num_cpu_blocks,
+            num_free_cpu_blocks=kv.num_free_cpu_blocks,
+            kv_waste_slots=kv.kv_waste_slots,
+            num_shared_blocks=kv.num_shared_blocks,
+            prefix_cache_query_tokens=kv.prefix_cache_query_tokens,
+            prefix_cache_hit_tokens=kv.prefix_cache_hit_tokens,
+            num_preemptions=self.stats.num_preemptions,
+            num_swapped_out_blocks=self.stats.num_swapped_out_blocks,
+            num_swapped_in_blocks=self.stats.num_swapped_in_blocks,
+            num_prompt_tokens=self.updater.num_prompt_tokens,
+            num_generation_tokens=self.updater.num_generation_tokens,
+            spec_decode=drafts.stats(self.updater.spec_stats) if drafts else None,
+            lora_requests=self.loras.count_by_adapter(self.running, self.waiting + self.swapped)
+            if self.loras.max_loras
+            else {},
+            max_loras=self.loras.max_loras or 0,
+        )
 
     def num_running_seqs(self) -> int:
         return sum(len(r.seqs) for r in self.running)

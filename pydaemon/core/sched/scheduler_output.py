@@ -8,11 +8,18 @@ arrives whole as ``NewSeqData``; a sequence it holds arrives as one column entry
 ``CachedSeqData``: the tokens it has not seen, the block ids that changed, and where its
 computed prefix ends. ``finished_seq_ids`` are sequences the runner must forget before it
 adds new ones (finished, aborted, preempted, swapped out, or replaced beams).
+
+``GrammarOutput`` is the step's other half for structured outputs: the engine core owns the
+grammar matchers and sends, once the forward is launched, the bitmask of every constrained
+sequence that samples (``SchedulerOutput.structured_output_seq_ids``); the rank that samples
+only applies it (vLLM's GrammarOutput).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from pydaemon.lora_request import LoRARequest
 from pydaemon.sampling_params import SamplingParams
@@ -71,6 +78,9 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) on GPU
+    # Structured outputs: the constrained sequences that sample this step, in batch order
+    # (seq_id -> request_id). The sampling waits for their GrammarOutput.
+    structured_output_seq_ids: dict[int, str] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
@@ -83,3 +93,12 @@ class SchedulerOutput:
     @property
     def has_block_moves(self) -> bool:
         return bool(self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)
+
+
+@dataclass
+class GrammarOutput:
+    """The token bitmask of a step's constrained sequences (xgrammar's layout: bit ``t % 32``
+    of word ``t // 32`` set when token ``t`` is allowed; a row of -1 is unconstrained)."""
+
+    seq_ids: list[int]  # row i of the bitmask is sequence seq_ids[i]'s
+    bitmask: np.ndarray  # [len(seq_ids), ceil(vocab_size / 32)] int32, host memory

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 
-import torch
+import numpy as np
 
 from pydaemon.core.messages import EngineCoreOutput, EngineCoreOutputs, SeqOutput
 from pydaemon.core.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus, Sequence
@@ -117,7 +117,7 @@ class SeqUpdater:
             request = by_seq_id[items[0][1].seq_id].request
             touched[request_id] = request
             output = outputs.setdefault(request_id, EngineCoreOutput(request_id, []))
-            rows = ro.beam_logprobs[torch.tensor([row for row, _ in items])]
+            rows = ro.beam_logprobs[[row for row, _ in items]]
             try:
                 self._beam_step(request, [seq for _, seq in items], rows, output)
             except Exception as e:  # noqa: BLE001 - one request's failure is that request's
@@ -220,7 +220,7 @@ class SeqUpdater:
         return child
 
     def _beam_step(
-        self, request: Request, seqs: list[Sequence], rows: torch.Tensor, output: EngineCoreOutput
+        self, request: Request, seqs: list[Sequence], rows: np.ndarray, output: EngineCoreOutput
     ) -> None:
         """rows: [len(seqs), vocab] float32 log-probabilities of the beams run this step."""
         result = advance_beams(self.blocks, request, seqs, rows)

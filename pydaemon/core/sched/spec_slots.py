@@ -24,6 +24,7 @@ from pydaemon.core.runner_output import ModelRunnerOutput
 from pydaemon.core.sched.spec_governor import SpecGovernor
 from pydaemon.core.sched.step_plan import StepPlan
 from pydaemon.core.seq_blocks import SeqBlocks
+from pydaemon.core.stats import SpecDecodeStats
 
 
 def allows_drafts(request: Request) -> bool:
@@ -40,6 +41,10 @@ class DraftSlots:
         self.blocks = blocks
         self.max_model_len = max_model_len
         self.governor = SpecGovernor(enabled=spec.auto_disable)
+
+    def stats(self, counters: SpecDecodeStats) -> SpecDecodeStats:
+        """The verify counters, with where the governor turned drafts off."""
+        return counters.snapshot(self.governor.drafts_off_at())
 
     def is_due(self, running: list[Request], num_running_seqs: int) -> bool:
         """Whether the next step would reserve draft slots: few enough sequences run and one

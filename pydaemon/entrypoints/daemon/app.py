@@ -163,7 +163,9 @@ class PageddServer:
         self.metrics.model_name = client.model_info.model_name
         self.servicer.engine = client
         o = self.options
-        self.servicer.adapters = LoRAAdapters.start(client.model_info.model_name, o.lora)
+        self.servicer.adapters = await LoRAAdapters.start(
+            client.model_info.model_name, client, o.lora
+        )
         if o.metrics_port is not None:
             self.metrics_server = MetricsServer(
                 self.metrics.render,

@@ -61,7 +61,7 @@ ENGINE_FLAGS: tuple[tuple[str, Any, str], ...] = (
     ),
     ("--max-loras", int, "LoRA: the most distinct adapters in one batch (device slots)"),
     ("--max-lora-rank", int, "LoRA: the largest adapter rank served"),
-    ("--max-cpu-loras", int, "LoRA: adapters kept in host memory (default: --max-loras)"),
+    ("--max-cpu-loras", int, "LoRA: the most adapters loaded at once (default: no limit)"),
 )
 ENGINE_BOOL_FLAGS = (
     ("--enable-prefix-caching", "automatic prefix caching"),
@@ -173,7 +173,6 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config", metavar="FILE.toml", help="settings file (same keys as the flags)"
     )
-    from pydaemon.config.engine import EngineConfig
 
     defaults = EngineConfig()
     group = parser.add_argument_group("engine")
@@ -301,7 +300,6 @@ def resolve(args: argparse.Namespace) -> tuple[dict[str, Any], ServerOptions, st
         lora=LoRAOptions(
             lora_modules,
             is_enabled=bool(engine_kwargs.get("enable_lora")),
-            max_lora_rank=engine_kwargs.get("max_lora_rank") or EngineConfig.max_lora_rank,
         ),
     )
     return engine_kwargs, options, values["log_level"]

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import grpc
 
-from pydaemon.entrypoints.common.lora_adapters import AdapterNotFound, LoRAAdapters, ServedAdapter
-from pydaemon.entrypoints.common.validation import RequestInvalid
-from pydaemon.lora_request import LoRARequest
+from pydaemon.entrypoints.common.lora_adapters import AdapterNotFound, LoRAAdapters
+from pydaemon.entrypoints.grpc.validation import RequestInvalid
+from pydaemon.lora_request import LoRAAdapterInfo, LoRARequest
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 
 
 class AdapterCalls:
     # The LoRA adapters requests may name: none until the daemon sets its own (LoRA on).
-    adapters: LoRAAdapters = LoRAAdapters("", max_lora_rank=0, is_enabled=False)
+    adapters: LoRAAdapters = LoRAAdapters("", engine=None, is_enabled=False)
 
     def lora_request_for(self, adapter: str) -> LoRARequest | None:
         """StartRequest.adapter -> its LoRARequest (None: the base model); an unknown name is
@@ -35,16 +35,16 @@ class AdapterCalls:
                 "LoRA adapters are not enabled: start the daemon with --enable-lora",
             )
         try:
-            self.adapters.load(request.name, request.path)
+            info = await self.adapters.load(request.name, request.path)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return self._info(self.adapters.served(request.name))
+        return self._info(info)
 
     async def UnloadAdapter(
         self, request: pb.UnloadAdapterRequest, context
     ) -> pb.UnloadAdapterResponse:
         try:
-            self.adapters.unload(request.name)
+            await self.adapters.unload(request.name)
         except AdapterNotFound as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         return pb.UnloadAdapterResponse()
@@ -60,11 +60,11 @@ class AdapterCalls:
             for name, (running, waiting) in sorted(stats.lora_requests.items())
         ]
 
-    def _info(self, served: ServedAdapter) -> pb.AdapterInfo:
+    def _info(self, info: LoRAAdapterInfo) -> pb.AdapterInfo:
         return pb.AdapterInfo(
-            name=served.request.lora_name,
-            path=served.request.lora_path,
-            rank=served.config.rank,
-            target_modules=list(served.config.target_modules),
+            name=info.lora_name,
+            path=info.lora_path,
+            rank=info.rank,
+            target_modules=list(info.target_modules),
             base_model=self.adapters.base_model_name,
         )

@@ -9,13 +9,13 @@ import grpc
 
 from pydaemon.engine.engine_client import EngineClient, num_sequences
 from pydaemon.entrypoints.common.tool_parsers import ToolParser
-from pydaemon.entrypoints.common.validation import (
+from pydaemon.entrypoints.grpc.model_prompt import apply_model_prompt, chat_tools
+from pydaemon.entrypoints.grpc.validation import (
     EngineArgs,
     RequestInvalid,
     check_text_size,
     to_engine_args,
 )
-from pydaemon.entrypoints.grpc.model_prompt import apply_model_prompt, chat_tools
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 
 

@@ -17,7 +17,7 @@ from pydaemon.entrypoints.common.tool_choice import (
     tool_choice_constraint,
 )
 from pydaemon.entrypoints.common.tool_parsers import ToolParser, detect_tool_call_parser
-from pydaemon.entrypoints.common.validation import RequestInvalid
+from pydaemon.entrypoints.grpc.validation import RequestInvalid
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 from pydaemon.tokenizer.chat_encoding import encode_chat
 from pydaemon.tokenizer.loader import AnyTokenizer

@@ -23,16 +23,16 @@ from google.protobuf.message import DecodeError
 
 from pydaemon import __version__
 from pydaemon.engine.engine_client import EngineClient, EngineCoreDiedError, EngineDeadError
-from pydaemon.entrypoints.common.validation import (
+from pydaemon.entrypoints.grpc.adapters import AdapterCalls
+from pydaemon.entrypoints.grpc.admission import admit, check_chat_size, render_chat
+from pydaemon.entrypoints.grpc.frames import RequestAccount, error_frame
+from pydaemon.entrypoints.grpc.tokenize import tokenize
+from pydaemon.entrypoints.grpc.validation import (
     EngineArgs,
     RequestInvalid,
     check_request_id,
     check_text_size,
 )
-from pydaemon.entrypoints.grpc.adapters import AdapterCalls
-from pydaemon.entrypoints.grpc.admission import admit, check_chat_size, render_chat
-from pydaemon.entrypoints.grpc.frames import RequestAccount, error_frame
-from pydaemon.entrypoints.grpc.tokenize import tokenize
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 from pydaemon.proto.pagedd.v1 import generation_pb2_grpc as pb_grpc
 
@@ -283,7 +283,7 @@ class GenerationServicer(AdapterCalls, pb_grpc.GenerationServicer):
                 args.tool_parser = account.tool_parser = tool_parser
                 account.num_sequences = args.params.n
                 self._arm_time_limit(live, args)
-            async for output in self.engine.generate(live.engine_request_id, *args.generate_args):
+            async for output in self.engine.generate(args.engine_request(live.engine_request_id)):
                 for frame in account.frames(output):
                     stream.out.put_nowait(frame)
                 if stream.out.qsize() >= _MAX_BUFFERED_FRAMES:

@@ -80,7 +80,7 @@ def build_app(serving: OpenAIServing) -> web.Application:
         return web.Response(text=model.model_dump_json(), content_type="application/json")
 
     async def list_models(request: web.Request) -> web.Response:
-        adapters = [card(a.request.lora_name) for a in serving.adapters.list()]
+        adapters = [card(a.lora_name) for a in serving.adapters.list()]
         return as_json(ModelList(data=[card(), *adapters]))
 
     async def get_model(request: web.Request) -> web.Response:

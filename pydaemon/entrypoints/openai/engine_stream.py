@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from pydaemon.generate_request import GenerateRequest
 from pydaemon.lora_request import LoRARequest
 from pydaemon.outputs import RequestOutput
 from pydaemon.sampling_params import SamplingParams
@@ -35,15 +36,7 @@ class EnginePrompt:
 class GenerateClient(Protocol):
     """What the HTTP layer uses of the engine client (InprocEngineClient / EngineClient)."""
 
-    def generate(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        lora_request: LoRARequest | None = None,
-    ) -> AsyncIterator[RequestOutput]: ...
+    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]: ...
 
     @property
     def is_alive(self) -> bool: ...
@@ -53,38 +46,37 @@ class EngineRequestFailed(ValueError):
     """The engine refused or failed a request (e.g. a prompt that can never fit)."""
 
 
-async def _one(
-    engine: GenerateClient,
+def engine_requests(
     request_id: str,
-    prompt: EnginePrompt,
+    prompts: list[EnginePrompt],
     params: SamplingParams,
-    cache_salt: str | None,
-    lora_request: LoRARequest | None,
-) -> AsyncIterator[RequestOutput]:
-    async for output in engine.generate(
-        request_id, prompt.token_ids, params, cache_salt=cache_salt, lora_request=lora_request
-    ):
+    cache_salt: str | None = None,
+    lora_request: LoRARequest | None = None,
+) -> list[GenerateRequest]:
+    """One engine request per prompt: ``request_id`` (one prompt) or ``request_id-<i>``."""
+    if len(prompts) == 1:
+        return [
+            GenerateRequest(request_id, prompts[0].token_ids, params, 0, cache_salt, lora_request)
+        ]
+    return [
+        GenerateRequest(f"{request_id}-{i}", p.token_ids, params, 0, cache_salt, lora_request)
+        for i, p in enumerate(prompts)
+    ]
+
+
+async def _one(engine: GenerateClient, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    async for output in engine.generate(request):
         if output.error is not None:
             raise EngineRequestFailed(output.error)
         yield output
 
 
 async def generate_all(
-    engine: GenerateClient,
-    request_id: str,
-    prompts: list[EnginePrompt],
-    params: SamplingParams,
-    cache_salt: str | None = None,
-    lora_request: LoRARequest | None = None,
+    engine: GenerateClient, requests: list[GenerateRequest]
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Yields (prompt index, delta) until every prompt's request finished.
-
-    Engine request ids are ``request_id`` (one prompt) or ``request_id-<i>``.
-    """
-    if len(prompts) == 1:
-        async with contextlib.aclosing(
-            _one(engine, request_id, prompts[0], params, cache_salt, lora_request)
-        ) as outputs:
+    """Yields (request index, delta) until every request finished."""
+    if len(requests) == 1:
+        async with contextlib.aclosing(_one(engine, requests[0])) as outputs:
             async for output in outputs:
                 yield 0, output
         return
@@ -94,8 +86,7 @@ async def generate_all(
 
     async def pump(i: int) -> None:
         try:
-            sub_id = f"{request_id}-{i}"
-            async for output in _one(engine, sub_id, prompts[i], params, cache_salt, lora_request):
+            async for output in _one(engine, requests[i]):
                 queue.put_nowait((i, output))
                 if queue.qsize() >= MAX_BUFFERED_DELTAS:
                     has_room.clear()
@@ -105,7 +96,7 @@ async def generate_all(
         finally:
             queue.put_nowait(_DONE)
 
-    tasks = [asyncio.create_task(pump(i)) for i in range(len(prompts))]
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(requests))]
     try:
         num_running = len(tasks)
         while num_running:

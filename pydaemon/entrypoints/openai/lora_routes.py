@@ -3,8 +3,9 @@
 - ``POST /v1/load_lora_adapter`` ``{"lora_name": ..., "lora_path": ...}``: registers the PEFT
   adapter at ``lora_path`` (a directory on the server) under ``lora_name``; 200 with a
   sentence, 400 when the name is taken or the adapter cannot be served.
-- ``POST /v1/unload_lora_adapter`` ``{"lora_name": ...}``: forgets it (requests running with
-  it finish; new ones get 404); 404 when no adapter has that name.
+- ``POST /v1/unload_lora_adapter`` ``{"lora_name": ...}``: unloads it (new requests get 404 at
+  once; requests running with it finish, then the engine frees its memory); 404 when no
+  adapter has that name.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def add_lora_routes(app: web.Application, serving: OpenAIServing) -> None:
     async def load(request: web.Request) -> web.Response:
         body = LoadLoRAAdapterRequest.model_validate_json(await request.read())
         try:
-            serving.adapters.load(body.lora_name, body.lora_path)
+            await serving.adapters.load(body.lora_name, body.lora_path)
         except ValueError as e:
             raise bad_request(str(e), "lora_path") from None
         return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' added successfully.")
@@ -41,7 +42,7 @@ def add_lora_routes(app: web.Application, serving: OpenAIServing) -> None:
     async def unload(request: web.Request) -> web.Response:
         body = UnloadLoRAAdapterRequest.model_validate_json(await request.read())
         try:
-            serving.adapters.unload(body.lora_name)
+            await serving.adapters.unload(body.lora_name)
         except AdapterNotFound as e:
             raise ApiError(404, str(e), param="lora_name", code="lora_adapter_not_found") from None
         return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

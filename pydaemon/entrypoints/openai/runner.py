@@ -20,7 +20,7 @@ from typing import Protocol
 from aiohttp import web
 
 from pydaemon.entrypoints.openai.accumulator import Accumulator, ChoiceDelta, ChoiceState
-from pydaemon.entrypoints.openai.engine_stream import EnginePrompt, generate_all
+from pydaemon.entrypoints.openai.engine_stream import EnginePrompt, engine_requests, generate_all
 from pydaemon.entrypoints.openai.errors import ApiError, bad_request, error_event
 from pydaemon.entrypoints.openai.responses import Usage
 from pydaemon.entrypoints.openai.serving import LiveRequest, OpenAIServing
@@ -58,9 +58,8 @@ async def respond(
 ) -> web.StreamResponse:
     acc = Accumulator(prompts, params.n, serving.tokenizer)
     with serving.track() as live:
-        outputs = generate_all(
-            serving.engine, formatter.request_id, prompts, params, cache_salt, lora_request
-        )
+        requests = engine_requests(formatter.request_id, prompts, params, cache_salt, lora_request)
+        outputs = generate_all(serving.engine, requests)
         try:
             async with contextlib.aclosing(outputs):
                 try:

@@ -92,7 +92,7 @@ class OpenAIServing:
         self.metrics = metrics
         self.num_queued = num_queued or (lambda: 0)
         self.is_stalled = is_stalled or (lambda: False)  # the engine core missed its heartbeat
-        self.adapters = adapters or LoRAAdapters(model.name, max_lora_rank=0, is_enabled=False)
+        self.adapters = adapters or LoRAAdapters(model.name, engine=None, is_enabled=False)
         self.is_admitting = True
         self.live: set[LiveRequest] = set()
 

@@ -1,14 +1,17 @@
-"""TensorParallelExecutor: runs the model over N ranks; this process is rank 0.
+"""MultiprocExecutor: runs the model over N tensor-parallel ranks on this host; this process
+is rank 0 (the ``mp`` backend).
 
-It starts ranks 1..N-1 as spawned worker processes (one per GPU; gloo on CPUs), joins the
-process group as rank 0, builds rank 0's ModelRunner (its shard of the weights and of the
-KV cache, with the same number of blocks on every rank) and, for every step, sends the
-step's plain SchedulerOutput to each worker before running it itself. Every rank builds its
-inputs from it in its own runner (no rank is special until sampling); the collectives
-inside the model keep the ranks in lockstep, and the logits are gathered on rank 0, which
-samples. Under async scheduling a step's placeholder tokens (the last step's samples, not yet
-on the host) are filled on every rank from rank 0's sampled ids, broadcast device to device
-(``ModelRunner._share_sampled_ids``).
+It starts ranks 1..N-1 as spawned worker processes (one per GPU; gloo on CPUs:
+pydaemon/worker/tp_worker.py), joins the process group as rank 0, builds rank 0's ModelRunner
+(its shard of the weights and of the KV cache, with the same number of blocks on every rank)
+and, for every step, sends the step's plain SchedulerOutput to each worker before running it
+itself. Every rank builds its inputs from it in its own runner (no rank is special until
+sampling); the collectives inside the model keep the ranks in lockstep, and the logits are
+gathered on rank 0, which samples (``sample_tokens`` runs there alone: the grammar bitmask
+never needs to travel). Under async scheduling a step's placeholder tokens (the last step's
+samples, not yet on the host) are filled on every rank from rank 0's sampled ids, broadcast
+device to device (``ModelRunner._share_sampled_ids``). LoRA adapters are loaded and unloaded
+on every rank by control calls on the same pipes, in order with the steps.
 
 Why a pipe per worker and not a broadcast collective for the metadata: a worker waits for
 the next step for as long as the daemon is idle, which a collective with a timeout cannot
@@ -32,13 +35,15 @@ import time
 import torch
 
 from pydaemon.config.engine import EngineConfig
-from pydaemon.core.runner_output import AsyncModelRunnerOutput, ModelRunnerOutput
-from pydaemon.core.sched.scheduler_output import SchedulerOutput
+from pydaemon.config.lora import LoRAAdapterConfig
+from pydaemon.core.sched.scheduler_output import GrammarOutput, SchedulerOutput
 from pydaemon.distributed import parallel_state as ps
+from pydaemon.executor.abstract import AsyncOutput, Executor, ExecutorFailed
+from pydaemon.lora_request import LoRARequest
 from pydaemon.model_loader.loader import load_model_config
 from pydaemon.models import get_model_class
 from pydaemon.worker.model_runner import ModelRunner, resolve_device
-from pydaemon.worker.tp_worker import WorkerArgs, worker_main
+from pydaemon.worker.tp_worker import ControlCall, WorkerArgs, worker_main
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +52,7 @@ START_TIMEOUT_S = 120.0  # for a spawned worker to import torch and say hello
 STOP_TIMEOUT_S = 5.0
 
 
-class TensorParallelError(RuntimeError):
+class TensorParallelError(ExecutorFailed):
     """A tensor-parallel worker failed; the engine cannot run any more steps."""
 
 
@@ -57,11 +62,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class TensorParallelExecutor:
+class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         tp = config.tensor_parallel_size
         if tp < 2:
-            raise ValueError(f"TensorParallelExecutor needs tensor_parallel_size >= 2, got {tp}")
+            raise ValueError(f"MultiprocExecutor needs tensor_parallel_size >= 2, got {tp}")
         model_config = load_model_config(config.model)
         get_model_class(model_config.architecture).check_tensor_parallel(model_config, tp)
         device = resolve_device(config.device, 0, tp)
@@ -69,7 +74,8 @@ class TensorParallelExecutor:
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.world_size = tp
         self.failure: str | None = None  # set once a worker failed
-        self.runner: ModelRunner | None = None  # rank 0's, once built
+        # Rank 0's runner, once built (tests and benchmarks look inside; the engine never does).
+        self.driver_runner: ModelRunner | None = None
         self._is_closed = False
         self._lock = threading.Lock()
         self._probe_lock = threading.Lock()
@@ -98,7 +104,9 @@ class TensorParallelExecutor:
         try:
             self._wait_for("hello", START_TIMEOUT_S)
             ps.init_tensor_parallel(0, tp, backend, init_method, COLLECTIVE_TIMEOUT_S)
-            self.runner = ModelRunner(config)
+            self.driver_runner = ModelRunner(config)
+            self.info = self.driver_runner.runner_info()
+            self.model_config = self.driver_runner.model_config
             self._wait_for("ready", COLLECTIVE_TIMEOUT_S)
         except BaseException as e:
             failure = None if isinstance(e, TensorParallelError) else self._find_failure()
@@ -116,25 +124,85 @@ class TensorParallelExecutor:
         )
 
     # ---- the step ---------------------------------------------------------------------------
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """ModelRunner.execute_model over every rank; rank 0's output."""
-        return self.execute_model_async(out).get_output()
-
-    def execute_model_async(self, out: SchedulerOutput) -> AsyncModelRunnerOutput:
-        """ModelRunner.execute_model_async over every rank: returns once rank 0 launched the
-        step (async scheduling). A worker never waits for its GPU either: it launches its part
-        and reads the next step from its pipe while this one runs."""
-        if self.failure is not None:  # set by the monitor thread; no probing on the hot path
-            raise TensorParallelError(self.failure)
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        """Every rank launches the step: returns once rank 0 has. A worker never waits for
+        its GPU either: it launches its part and reads the next message while this one runs."""
+        self._raise_if_failed()
         try:
-            self._broadcast(out)
-            return self.runner.execute_model_async(out)
+            self._broadcast(scheduler_output)
+            self.driver_runner.execute_model(scheduler_output)
         except Exception as e:
             failure = self._wait_failure()
             raise TensorParallelError(failure or f"tensor-parallel step failed: {e!r}") from e
 
-    def _broadcast(self, out: SchedulerOutput | None, ignore_errors: bool = False) -> None:
-        """Sends the step (None: stop) to every worker; pickled once."""
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> AsyncOutput:
+        """Rank 0 samples (the workers took their part of the step in ``execute_model``)."""
+        self._raise_if_failed()
+        try:
+            return self.driver_runner.sample_tokens(grammar_output)
+        except Exception as e:
+            failure = self._wait_failure()
+            raise TensorParallelError(failure or f"tensor-parallel step failed: {e!r}") from e
+
+    @property
+    def is_failed(self) -> bool:
+        return self.failure is not None
+
+    def _raise_if_failed(self) -> None:
+        if self.failure is not None:  # set by the monitor thread; no probing on the hot path
+            raise TensorParallelError(self.failure)
+
+    # ---- LoRA: control calls, on every rank -------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest, adapter: LoRAAdapterConfig) -> None:
+        try:
+            self._call_all("add_lora", lora_request, adapter)
+        except ValueError:
+            self._call_all("remove_lora", lora_request.lora_int_id)  # no rank keeps half of it
+            raise
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self._call_all("remove_lora", lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        return self.driver_runner.list_loras()
+
+    def _call_all(self, method: str, *args):
+        """Runs ``method`` on every rank's runner, workers first (their replies are awaited
+        here, in order with the steps on the same pipes); ValueError if any rank raised it."""
+        self._raise_if_failed()
+        with self._probe_lock:  # the replies are read here, not by a failure probe
+            self._broadcast(ControlCall(method, args))
+            problems = []
+            for rank, (proc, conn) in enumerate(zip(self.workers, self.conns, strict=True), 1):
+                kind, payload = self._reply(rank, proc, conn)
+                if kind == "value_error":
+                    problems.append(payload)
+                elif kind != "ok":
+                    self.failure = f"tensor-parallel worker rank {rank} failed:\n{payload}"
+                    raise TensorParallelError(self.failure)
+        try:
+            result = getattr(self.driver_runner, method)(*args)
+        except ValueError as e:
+            problems.insert(0, str(e))
+        if problems:
+            raise ValueError(problems[0])
+        return result
+
+    def _reply(self, rank: int, proc, conn) -> tuple[str, object]:
+        while not conn.poll(0.1):
+            if not proc.is_alive():
+                self.failure = f"tensor-parallel worker rank {rank} (pid {proc.pid}) died"
+                raise TensorParallelError(self.failure)
+        try:
+            return conn.recv()
+        except EOFError:
+            self.failure = f"tensor-parallel worker rank {rank} (pid {proc.pid}) died"
+            raise TensorParallelError(self.failure) from None
+
+    def _broadcast(
+        self, out: SchedulerOutput | ControlCall | None, ignore_errors: bool = False
+    ) -> None:
+        """Sends the step, a control call or None (stop) to every worker; pickled once."""
         data = pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
         for conn in self.conns:
             try:
@@ -239,8 +307,8 @@ class TensorParallelExecutor:
             self._is_closed = True
         atexit.unregister(self.shutdown)
         self._stop_workers(graceful=True)
-        if self.runner is not None:
-            self.runner.release_cuda_graphs()  # before the communicator they captured goes
+        if self.driver_runner is not None:
+            self.driver_runner.release_cuda_graphs()  # before the communicator they captured goes
         ps.destroy_tensor_parallel()
 
     def _stop_workers(self, graceful: bool) -> None:

@@ -17,6 +17,7 @@ from pydaemon.entrypoints.common.limits import (
     check_token_ids,
 )
 from pydaemon.entrypoints.common.tool_parsers import ToolParser
+from pydaemon.generate_request import GenerateRequest
 from pydaemon.lora_request import LoRARequest
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 from pydaemon.sampling_params import SamplingParams, StructuredOutputsParams
@@ -66,13 +67,13 @@ class EngineArgs:
     cache_salt: str | None
     time_limit_s: float | None
     lora_request: LoRARequest | None = None  # set by the servicer from StartRequest.adapter
-
-    @property
-    def generate_args(self) -> tuple:
-        """EngineClient.generate's arguments after the request id, in its order."""
-        return self.prompt, self.params, self.priority, self.cache_salt, self.lora_request
-
     tool_parser: ToolParser | None = None  # chat with tools: reads the calls of the output
+
+    def engine_request(self, request_id: str) -> GenerateRequest:
+        """The engine's request, under the servicer's unique ``request_id``."""
+        return GenerateRequest(
+            request_id, self.prompt, self.params, self.priority, self.cache_salt, self.lora_request
+        )
 
 
 def check_request_id(request_id: str) -> str | None:

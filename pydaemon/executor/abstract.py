@@ -1,0 +1,80 @@
+"""Executor: the one interface between the engine core and the workers that run the model.
+
+The engine core (pydaemon/engine/engine_core.py) never touches a worker, a tensor or a rank:
+it hands each step down as plain data and gets plain data back, through these calls only:
+
+- ``execute_model(scheduler_output)``: every rank updates its cached state from the
+  ``SchedulerOutput``, moves KV blocks and launches the forward pass. Returns at once.
+- ``sample_tokens(grammar_output)``: the rank that samples applies the step's grammar bitmask
+  (structured outputs: ``GrammarOutput``, computed by the engine core while the forward
+  runs; None when no row is constrained), samples and starts the one device-to-host copy.
+  Returns an ``AsyncOutput`` whose ``get_output()`` waits for that copy.
+- ``add_lora`` / ``remove_lora`` / ``list_loras``: the LoRA control plane, to every rank.
+- ``check_health`` / ``shutdown``.
+
+Implementations: ``UniProcExecutor`` (one ModelRunner in this process) and
+``MultiprocExecutor`` (tensor-parallel ranks as spawned processes on this host, rank 0 in
+this process). A backend that places ranks elsewhere implements the same calls.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Protocol
+
+from pydaemon.config.lora import LoRAAdapterConfig
+from pydaemon.config.model import ModelConfig
+from pydaemon.core.model_info import RunnerInfo
+from pydaemon.core.runner_output import ModelRunnerOutput
+from pydaemon.core.sched.scheduler_output import GrammarOutput, SchedulerOutput
+from pydaemon.lora_request import LoRARequest
+
+
+class AsyncOutput(Protocol):
+    """A step's sampled output on its way to the host."""
+
+    def get_output(self) -> ModelRunnerOutput:
+        """Waits for the device-to-host copy (once) and returns the host output."""
+        ...
+
+
+class ExecutorFailed(RuntimeError):
+    """A rank failed; the engine cannot run any more steps."""
+
+
+class Executor(abc.ABC):
+    # Set by the constructor, from the rank that samples: sizes the scheduler.
+    info: RunnerInfo
+    model_config: ModelConfig
+
+    @abc.abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        """Launches the step on every rank (see the module docstring)."""
+
+    @abc.abstractmethod
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> AsyncOutput:
+        """Samples the step launched last; call once after each ``execute_model``."""
+
+    @abc.abstractmethod
+    def add_lora(self, lora_request: LoRARequest, adapter: LoRAAdapterConfig) -> None:
+        """Every rank reads its shard of the adapter's weights, checks them and keeps them
+        (ValueError naming what is wrong; then no rank keeps it)."""
+
+    @abc.abstractmethod
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Every rank frees the adapter's slot and weights (no-op if unknown)."""
+
+    @abc.abstractmethod
+    def list_loras(self) -> list[int]:
+        """The adapter ids the ranks hold, in load order."""
+
+    def check_health(self) -> None:  # noqa: B027 - nothing to check with one process
+        """Raises ExecutorFailed once a rank has failed."""
+
+    @property
+    def is_failed(self) -> bool:
+        return False
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Stops the ranks (idempotent)."""
