@@ -6,8 +6,8 @@ logits with the HF model on every step, fork/free by the parent indices the stat
 
 from __future__ import annotations
 
-import pytest
 import numpy as np
+import pytest
 import torch
 
 from pydaemon.core.beam_search import BeamSearchState, length_normalized, top_k

@@ -17,7 +17,6 @@ from pydaemon.model_loader.demo_model import demo_model_dir
 from pydaemon.sampling.constraints.bitmask import apply_grammar_bitmask
 from pydaemon.sampling.constraints.compiler import GrammarCompiler
 from pydaemon.sampling.constraints.grammar_spec import build_grammar, grammar_key
-from pydaemon.sampling.constraints.bitmask import apply_grammar_bitmask
 from pydaemon.sampling.constraints.matchers import ConstrainedSeq, GrammarMatchers
 from pydaemon.sampling_params import SamplingParams, StructuredOutputsParams
 from pydaemon.tokenizer.hf import HFTokenizer
