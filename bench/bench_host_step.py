@@ -9,7 +9,7 @@ the GPU waits for. A batch of ``--num-seqs`` sequences with W1-like prompt lengt
     PYTHONPATH=. python bench/bench_host_step.py --num-seqs 256
     PYTHONPATH=. python bench/bench_host_step.py --async-scheduling  # the overlapped order
 
-``--async-scheduling`` runs the phases in async scheduling's order (pydaemon.core.sched.async_stepper):
+``--async-scheduling`` runs the phases in async scheduling's order (pydaemon/engine/async_stepper.py):
 schedule(overlap=True) on placeholder tokens, the inputs with placeholders, then the update of
 the step before, then ``advance``; this host time is what hides behind the GPU's step.
 """

@@ -10,7 +10,7 @@ prompts, steps until every prompt is prefilled, then times ``--steps`` decode st
   other), and the share of the step's wall time the GPU was busy.
 
 ``--async-scheduling both`` then times the same engine, in the same batch state, with async
-scheduling (pydaemon.core.sched.async_stepper: step N+1 scheduled and launched while step N runs), one
+scheduling (pydaemon/engine/async_stepper.py: step N+1 scheduled and launched while step N runs), one
 block of steps of each kind after the other, and reports both walls and the ratio.
 
 The summary is printed as a table and written as JSON (``--out``).
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from pydaemon.config.engine import EngineConfig
     from pydaemon.core.messages import EngineCoreRequest
-    from pydaemon.core.sched.async_stepper import AsyncStepper
+    from pydaemon.engine.async_stepper import AsyncStepper
     from pydaemon.engine.engine_core import EngineCore
     from pydaemon.sampling_params import SamplingParams
 
@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         out = core.scheduler.schedule()
         t1 = time.perf_counter()
-        runner_output = core.executor.execute_model(out)
+        core.executor.execute_model(out)
+        runner_output = core.executor.sample_tokens(None).get_output()
         t2 = time.perf_counter()
         core.scheduler.update_from_output(out, runner_output)
         t3 = time.perf_counter()
@@ -187,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         for k, v in prefill_profile["top_kernels_ms_per_step"].items():
             print(f"    {v:8.3f} ms  {k[:90]}")
     if args.async_scheduling == "both":
-        result["async"] = _time_async(core, AsyncStepper(core.scheduler, core.executor), args.steps)
+        stepper = AsyncStepper(core.scheduler, core.executor, core.structured_outputs)
+        result["async"] = _time_async(core, stepper, args.steps)
         sync_ms, async_ms = _time_sync_again(step_parts, args.steps), result["async"]["wall_ms"]
         result["async"]["sync_wall_ms_same_run"] = sync_ms
         print(f"  async scheduling: {async_ms:8.2f} ms per step (sync, same run: {sync_ms:.2f} ms)")

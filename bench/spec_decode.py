@@ -189,7 +189,7 @@ def _install(llm, args, prompts, reference, k: int) -> None:
     from pydaemon.worker.spec.oracle_proposer import OracleProposer
     from pydaemon.worker.spec.rejection_sampler import RejectionSampler
 
-    decoder = llm.engine.core.runner.spec_decoder
+    decoder = llm.engine.runner.spec_decoder
     if args.oracle_accept_all:
         decoder.proposer = ForcedOracleProposer(prompts, reference["tokens"], max_drafts=k)
         decoder.rejection_sampler = AcceptAllRejectionSampler()
@@ -213,7 +213,7 @@ def _dummy_eagle_head(model_dir: Path) -> Path:
 
 def _graph_replays(llm) -> tuple[int, int]:
     """(replays, of which verify graphs) so far; (0, 0) without graphs."""
-    graphs = llm.engine.core.runner.cuda_graphs
+    graphs = llm.engine.runner.cuda_graphs
     return (0, 0) if graphs is None else (graphs.num_replays, graphs.num_verify_replays)
 
 

@@ -157,7 +157,7 @@ def run_pagedd(
         )
         for r in requests
     ]
-    matchers = engine.core.runner.step_sampler.grammar_matchers
+    matchers = engine.core.structured_outputs.matchers
     mask_before = None if matchers is None else dataclasses.replace(matchers.stats)
     stats = StepStats(engine)
     before = engine.get_stats()
@@ -221,9 +221,7 @@ def _mask_figures(before, after) -> dict:
         "schema": WORKLOAD_SCHEMA,
         "num_masked_steps": after.num_steps - before.num_steps,
         "mean_constrained_rows_per_step": (after.num_rows - before.num_rows) / num_steps,
-        "prepare_ms_per_step": (after.prepare_s - before.prepare_s) * 1e3 / num_steps,
         "fill_ms_per_step": (after.fill_s - before.fill_s) * 1e3 / num_steps,
-        "apply_host_ms_per_step": (after.apply_s - before.apply_s) * 1e3 / num_steps,
     }
 
 

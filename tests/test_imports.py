@@ -1,17 +1,73 @@
-"""Import structure, read with ``ast``: no import cycle between modules and no loop between
-folders (each folder is a layer: it imports only folders below it), ``ops/`` imports nothing
-above itself, nothing below the entry points imports them, the top-level modules are leaves,
-the gRPC servicer and the daemon app reach the engine only through the EngineClient interface,
-and the package keeps its size rules."""
+"""Layer contracts, read from the source with ``ast``: every import counts (relative ones, and
+those inside functions or under ``if TYPE_CHECKING:``: a cycle in the types is a cycle in the
+design).
+
+The rules, each a function from the import graph to its violations, each with a canary (a
+small graph or source that breaks it) proving that it can fail:
+
+- LAYERS declares the folders from the top down; a folder imports only folders below its own
+  rank (never one above, nor another of the same rank), the top-level leaves at the bottom.
+- No import cycle between modules.
+- core/ imports no torch: not directly, and importing every core module loads none.
+- The engine reaches the workers only through the executor interface (``executor.abstract``
+  and ``executor.factory``), never a worker, model, layer or kernel module.
+- The front end (gRPC and HTTP servers, the daemon, the CLI, the engine clients) loads no
+  torch, and the gRPC servicer and the daemon app reach the engine only through
+  ``engine_client``.
+- One module builds the one BlockManager (the scheduler, its owner).
+"""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "pydaemon"
 
+# From the top down. A folder may import folders of a larger rank (below it) only; a rank may
+# hold several folders, which then must not import one another. Top-level modules (the plain
+# data every layer shares) sit at the bottom; the generated protobuf code beside them.
+LAYERS: list[tuple[str, ...]] = [
+    ("entrypoints",),  # cli, the offline LLM
+    ("entrypoints.daemon",),
+    ("entrypoints.grpc", "entrypoints.openai"),
+    ("entrypoints.common",),
+    ("engine",),
+    ("executor",),
+    ("worker",),
+    ("worker.spec",),
+    ("model_loader",),
+    ("models",),
+    ("layers.lora",),
+    ("layers.moe",),
+    ("layers",),
+    ("quantization",),
+    ("ops",),
+    ("tokenizer",),
+    ("gguf",),
+    ("sampling", "sampling.constraints"),
+    ("core.sched",),
+    ("core",),
+    ("distributed",),
+    ("config",),
+    ("leaves",),  # sampling_params, lora_request, generate_request, outputs, heap_freeze
+    ("proto", "proto.pagedd", "proto.pagedd.v1"),  # generated; the packages are empty
+]
+LEAF_FOLDER = "leaves"
+# The package's own façade and ``python -m pydaemon``: above every layer by definition.
+ENTRY_MODULES = {"pydaemon", "pydaemon.__main__"}
+# The compiled module (cpp/bindings): an editable or wheel install keeps it, and its stub,
+# outside the source tree, so it is named here as well as found by its stub.
+EXTENSION_MODULES = {"pydaemon._core"}
+# What the engine may import of the executor/ folder: its interface and factory.
+EXECUTOR_INTERFACE = {"pydaemon.executor.abstract", "pydaemon.executor.factory"}
+# Folders the engine never imports: the device side, reached through the executor only.
+DEVICE_SIDE = ("worker", "models", "layers", "ops", "quantization", "distributed", "executor")
 
+
+# ---- reading the graph ---------------------------------------------------------------------
 def _module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -21,43 +77,83 @@ def _modules() -> dict[str, Path]:
     return {_module_name(p): p for p in PACKAGE_DIR.rglob("*.py")}
 
 
-# The compiled module (cpp/bindings): an editable or wheel install keeps it, and its stub,
-# outside the source tree, so it is named here as well as found by its stub.
-EXTENSION_MODULES = {"pydaemon._core"}
-
-
 def _extension_modules() -> set[str]:
     """Compiled modules: imported, never importing."""
     return EXTENSION_MODULES | {_module_name(p) for p in PACKAGE_DIR.rglob("*.pyi")}
 
 
-def _imports(path: Path, modules: set[str]) -> set[str]:
-    """The pydaemon modules ``path`` imports anywhere (inside functions and under
-    ``if TYPE_CHECKING:`` too: a cycle in the types is a cycle in the design);
-    ``from pkg import name`` counts as pkg.name when that is a module."""
+def imports_of(source: str, module: str, is_package: bool, modules: set[str]) -> set[str]:
+    """The pydaemon modules ``source`` (module ``module``) imports, anywhere in it: relative
+    imports resolved against its package; ``from pkg import name`` counts as pkg.name when
+    that is a module."""
+    package = module if is_package else module.rpartition(".")[0]
     found: set[str] = set()
-
-    def visit(node: ast.AST) -> None:
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                anchor = ".".join(parts[: len(parts) - node.level + 1])
+                base = f"{anchor}.{base}" if base else anchor
             for alias in node.names:
-                child = f"{node.module}.{alias.name}"
-                found.add(child if child in modules else node.module)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(ast.parse(path.read_text()))
+                child = f"{base}.{alias.name}"
+                found.add(child if child in modules else base)
     return {m for m in found if m == "pydaemon" or m.startswith("pydaemon.")}
 
 
 def _graph() -> dict[str, set[str]]:
     modules = _modules()
     known = set(modules) | _extension_modules()
-    return {name: _imports(path, known) & set(modules) for name, path in modules.items()}
+    return {
+        name: imports_of(path.read_text(), name, path.name == "__init__.py", known) & set(modules)
+        for name, path in modules.items()
+    }
 
 
-def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+def folder_of(module: str) -> str:
+    """pydaemon.core.sched.scheduler -> core.sched; a top-level module -> "leaves"; a package
+    __init__ belongs to its own folder (callers pass the folder for packages)."""
+    parts = module.split(".")[1:]
+    return ".".join(parts[:-1]) or LEAF_FOLDER
+
+
+def _folders_of_graph(graph: dict[str, set[str]]) -> dict[str, str]:
+    modules = _modules()
+    out = {}
+    for name in graph:
+        if name in ENTRY_MODULES:
+            continue
+        path = modules.get(name)
+        is_package = path is not None and path.name == "__init__.py"
+        out[name] = ".".join(name.split(".")[1:]) if is_package else folder_of(name)
+    return out
+
+
+# ---- the rules -----------------------------------------------------------------------------
+def layer_violations(
+    graph: dict[str, set[str]], folders: dict[str, str], layers: list[tuple[str, ...]]
+) -> list[str]:
+    """Imports that go up the declared layers or sideways within a rank; folders not declared."""
+    rank = {folder: i for i, tier in enumerate(layers) for folder in tier}
+    problems = []
+    for folder in sorted(set(folders.values()) - set(rank)):
+        problems.append(f"folder {folder!r} is not in LAYERS")
+    for name, deps in sorted(graph.items()):
+        src = folders.get(name)
+        if src is None or src not in rank:
+            continue
+        for dep in sorted(deps):
+            dst = folders.get(dep)
+            if dst is None or dst == src or dst not in rank:
+                continue
+            if rank[dst] <= rank[src]:
+                problems.append(f"{name} ({src}) imports {dep} ({dst}): not below it")
+    return problems
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     state: dict[str, int] = {}  # 1: on the stack, 2: done
     stack: list[str] = []
 
@@ -83,68 +179,136 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_the_cycle_finder_finds_a_cycle():
-    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
-    assert _find_cycle({"a": {"b"}, "b": set()}) is None
-
-
-def test_pydaemon_has_no_import_cycle():
-    graph = _graph()
-    # the graph is read at all
-    assert "pydaemon.engine.engine_core" in graph["pydaemon.engine.llm_engine"]
-    assert _find_cycle(graph) is None, " -> ".join(_find_cycle(graph))
-
-
-# The package's own façade and ``python -m pydaemon``: above every layer by definition.
-ENTRY_MODULES = {"pydaemon", "pydaemon.__main__"}
-
-
-def _folder(module: str, modules: dict[str, Path]) -> str:
-    """The folder (package) a module sits in: pydaemon.core.sched.scheduler -> core.sched; a
-    package's __init__ belongs to the package itself; a top-level module is its own node."""
-    parts = module.split(".")[1:]
-    if modules[module].name == "__init__.py":
-        return ".".join(parts)
-    return ".".join(parts[:-1]) or parts[-1]
-
-
-def _folder_graph() -> dict[str, set[str]]:
-    modules = _modules()
-    graph: dict[str, set[str]] = {}
-    for name, deps in _graph().items():
-        if name in ENTRY_MODULES:
+def engine_violations(graph: dict[str, set[str]], folders: dict[str, str]) -> list[str]:
+    """engine/ modules importing device-side modules other than the executor interface."""
+    problems = []
+    for name, deps in sorted(graph.items()):
+        if folders.get(name) != "engine":
             continue
-        src = _folder(name, modules)
-        for dep in deps:
-            if dep in ENTRY_MODULES:
+        for dep in sorted(deps):
+            if dep in EXECUTOR_INTERFACE:
                 continue
-            dst = _folder(dep, modules)
-            if dst != src:
-                graph.setdefault(src, set()).add(dst)
-    return graph
+            top = folders.get(dep, "").split(".")[0]
+            if top in DEVICE_SIDE:
+                problems.append(f"{name} imports {dep}")
+    return problems
 
 
-def test_no_folder_loop():
-    graph = _folder_graph()
-    assert "core.sched" in graph["worker"]  # the graph is read at all: the runner reads it
-    assert _find_cycle(graph) is None, " -> ".join(_find_cycle(graph))
+def direct_torch_imports(sources: dict[str, str]) -> list[str]:
+    """Modules (name -> source) with an ``import torch`` or ``from torch ...`` anywhere."""
+    found = []
+    for name, source in sorted(sources.items()):
+        for node in ast.walk(ast.parse(source)):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            if any(n == "torch" or n.startswith("torch.") for n in names):
+                found.append(name)
+                break
+    return found
 
 
-def test_top_level_modules_are_leaves():
-    """The plain data at the top (sampling_params, outputs) imports no folder."""
-    modules = _modules()
+def torch_loaded_by(modules: list[str]) -> list[str]:
+    """The torch modules that importing ``modules`` (in a fresh interpreter) loads."""
+    code = (
+        "import importlib, sys\n"
+        f"for m in {modules!r}: importlib.import_module(m)\n"
+        "print('\\n'.join(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=str(PACKAGE_DIR.parent),
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+# ---- the contracts --------------------------------------------------------------------------
+def test_every_import_goes_down_the_declared_layers():
     graph = _graph()
-    top = {m for m in modules if m.count(".") == 1 and modules[m].name != "__init__.py"}
-    for name in sorted(top - ENTRY_MODULES):
-        outside = graph[name] - top
-        assert not outside, f"{name} imports {sorted(outside)}"
+    folders = _folders_of_graph(graph)
+    assert "pydaemon.engine.engine_core" in graph["pydaemon.engine.llm_engine"]  # read at all
+    assert layer_violations(graph, folders, LAYERS) == []
 
 
-def test_ops_imports_nothing_above_itself():
-    for name, deps in _graph().items():
-        if name.startswith("pydaemon.ops"):
-            above = {d for d in deps if not d.startswith("pydaemon.ops") and d != "pydaemon"}
-            assert not above, f"{name} imports {sorted(above)}"
+def test_the_layer_rule_can_fail():
+    layers = [("top",), ("mid_a", "mid_b"), ("low",)]
+    folders = {"a": "top", "b": "mid_a", "c": "mid_b", "d": "low", "e": "nowhere"}
+    graph = {"a": {"b", "d"}, "b": {"d"}, "d": {"b"}, "c": {"b"}, "e": set()}
+    problems = layer_violations(graph, folders, layers)
+    assert any("d (low) imports b (mid_a)" in p for p in problems)  # up
+    assert any("c (mid_b) imports b (mid_a)" in p for p in problems)  # sideways
+    assert any("'nowhere' is not in LAYERS" in p for p in problems)
+    assert len(problems) == 3
+
+
+def test_relative_and_function_level_imports_are_read():
+    source = (
+        "from __future__ import annotations\n"
+        "def f():\n"
+        "    from ..worker import model_runner\n"
+        "    from . import request\n"
+        "    import pydaemon.ops\n"
+    )
+    modules = {"pydaemon.worker.model_runner", "pydaemon.core.request", "pydaemon.ops"}
+    found = imports_of(source, "pydaemon.core.sched_x", False, modules)
+    assert found == modules
+    # a package's own relative import resolves against the package itself
+    assert imports_of("from .request import Request", "pydaemon.core", True, modules) == {
+        "pydaemon.core.request"
+    }
+
+
+def test_no_import_cycle():
+    graph = _graph()
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_the_cycle_finder_can_fail():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_core_imports_no_torch():
+    """core/ is plain state: the scheduler, requests, messages run in a process without torch."""
+    modules = _modules()
+    core = {n: p.read_text() for n, p in modules.items() if n.startswith("pydaemon.core")}
+    assert len(core) > 10
+    assert direct_torch_imports(core) == []
+    assert torch_loaded_by(sorted(core)) == []
+
+
+def test_the_torch_rule_can_fail():
+    assert direct_torch_imports({"a": "def f():\n    from torch import nn\n", "b": "x = 1"}) == [
+        "a"
+    ]
+    assert "torch" in torch_loaded_by(["pydaemon.worker.async_output"])
+
+
+def test_the_engine_reaches_workers_only_through_the_executor_interface():
+    graph = _graph()
+    folders = _folders_of_graph(graph)
+    assert "pydaemon.executor.abstract" in graph["pydaemon.engine.engine_core"]  # read at all
+    assert engine_violations(graph, folders) == []
+
+
+def test_the_executor_rule_can_fail():
+    folders = {
+        "pydaemon.engine.x": "engine",
+        "pydaemon.worker.model_runner": "worker",
+        "pydaemon.executor.multiproc_executor": "executor",
+        "pydaemon.executor.abstract": "executor",
+    }
+    graph = {"pydaemon.engine.x": set(folders) - {"pydaemon.engine.x"}}
+    assert engine_violations(graph, folders) == [
+        "pydaemon.engine.x imports pydaemon.executor.multiproc_executor",
+        "pydaemon.engine.x imports pydaemon.worker.model_runner",
+    ]
 
 
 def test_nothing_below_the_entry_points_imports_them():
@@ -155,14 +319,9 @@ def test_nothing_below_the_entry_points_imports_them():
         assert not below, f"{name} imports {sorted(below)}"
 
 
-def test_package_size_rules():
-    """At most 12 top-level modules, none over 400 lines, and one module builds the one
-    BlockManager (the scheduler, its owner)."""
+def test_one_module_builds_the_block_manager():
+    """The scheduler builds and alone owns the BlockManager."""
     files = [p for p in PACKAGE_DIR.rglob("*.py") if "proto" not in p.parts]
-    top = sorted(p.name for p in PACKAGE_DIR.glob("*.py"))
-    assert len(top) <= 12, top
-    lines = {p.relative_to(PACKAGE_DIR).as_posix(): len(p.read_text().splitlines()) for p in files}
-    assert not {k: n for k, n in lines.items() if n > 400}
     builders = [
         p.relative_to(PACKAGE_DIR).as_posix() for p in files if "BlockManager(" in p.read_text()
     ]
@@ -174,7 +333,7 @@ def test_the_server_reaches_the_engine_only_through_engine_client():
     allowed_outside = {
         "pydaemon",  # __version__
         "pydaemon.engine.engine_client",
-        "pydaemon.entrypoints.grpc.validation",  # shared by gRPC and HTTP, no engine
+        "pydaemon.generate_request",  # plain data: the request the server hands the engine
         "pydaemon.heap_freeze",  # the process's garbage-collector policy, no engine
         "pydaemon.proto.pagedd.v1.generation_pb2",
         "pydaemon.proto.pagedd.v1.generation_pb2_grpc",
@@ -189,19 +348,14 @@ def test_the_front_end_does_not_load_torch():
     """The daemon's front-end process (gRPC and HTTP servers, the engine client, the CLI) reads
     model configs, GGUF metadata and tokenizers but never tensors: importing it must not load
     torch (about a second and a few hundred MB at every start; the engine core loads it)."""
-    import subprocess
-    import sys
-
-    code = (
-        "import sys\n"
-        "import pydaemon.entrypoints.cli, pydaemon.engine.mp_client, pydaemon.entrypoints.daemon.app\n"
-        "import pydaemon.entrypoints.openai.app, pydaemon.tokenizer.sentencepiece, pydaemon.config.model\n"
-        "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
-        "print(len(loaded))\n"
-    )
-    env_root = str(PACKAGE_DIR.parent)
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=env_root, timeout=120
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "0", "torch was imported by the front end"
+    front_end = [
+        "pydaemon.entrypoints.cli",
+        "pydaemon.engine.mp_client",
+        "pydaemon.engine.inproc_client",
+        "pydaemon.entrypoints.daemon.app",
+        "pydaemon.entrypoints.openai.app",
+        "pydaemon.entrypoints.grpc.servicer",
+        "pydaemon.tokenizer.sentencepiece",
+        "pydaemon.config.model",
+    ]
+    assert torch_loaded_by(front_end) == []

@@ -31,7 +31,7 @@ def _llm(model, spec=None, **kwargs) -> LLM:
 
 
 def _runner(llm: LLM):
-    return llm.engine.core.runner
+    return llm.engine.runner
 
 
 def _stats(llm: LLM):

@@ -59,7 +59,7 @@ def _tokens(outputs) -> list[list[int]]:
 
 
 def _proposer(llm: LLM):
-    return llm.engine.core.runner.spec_decoder.proposer
+    return llm.engine.runner.spec_decoder.proposer
 
 
 def test_head_forward_matches_the_reference(target, head, tmp_path):

@@ -251,3 +251,28 @@ def test_beside_speculative_decoding():
     _check_all(outputs[:-1], checks)
     assert len(outputs[-1].outputs[0].token_ids) == 24
     _free_blocks_are_back(llm)
+
+
+def test_tensor_parallel_gives_the_tokens_of_one_rank():
+    """The engine core fills the bitmask and the rank that samples applies it: under TP=2
+    (gloo, one spawned worker) constrained requests, greedy and seeded, with async
+    scheduling on, give TP=1's tokens."""
+    checks = _few_checks()
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=so) for so, _ in checks
+    ]
+    params += [
+        SamplingParams(temperature=0.8, max_tokens=40, structured_outputs=so, seed=5)
+        for so, _ in checks[:2]
+    ]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
+    ref = [o.outputs[0].token_ids for o in _llm().generate(prompts, params)]
+    tp2 = _llm(tensor_parallel_size=2, async_scheduling=True)
+    try:
+        outs = tp2.generate(prompts, params)
+        _check_all(outs, checks + checks[:2])
+        assert [o.outputs[0].token_ids for o in outs] == ref
+        assert tp2.engine.core.async_stepper.num_overlapped_steps > 0
+        _free_blocks_are_back(tp2)
+    finally:
+        tp2.engine.shutdown()

@@ -120,7 +120,7 @@ def test_tensor_parallel_size_is_validated(bad):
 
 
 def test_worker_killed_mid_generation_fails_the_engine_without_hanging(tmp_path):
-    from pydaemon.worker.tp_executor import TensorParallelError
+    from pydaemon.executor.multiproc_executor import TensorParallelError
 
     model_dir, _ = make_hf_model(tmp_path / "m")
     llm = LLM(str(model_dir), tensor_parallel_size=2, **COMMON, num_kv_blocks=256)

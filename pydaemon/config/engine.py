@@ -39,7 +39,7 @@ class EngineConfig:
     ``calculate_kv_scales`` (fp8 cache only) measures the scales the checkpoint lacks on the
     first step, then keeps them (pydaemon/worker/kv_scale_calibration.py).
     ``async_scheduling`` schedules and launches each step while the previous one runs on the
-    GPU (pydaemon.core.sched.async_stepper); ``None`` turns it on for CUDA with one GPU and off otherwise (on
+    GPU (pydaemon/engine/async_stepper.py); ``None`` turns it on for CUDA with one GPU and off otherwise (on
     a CPU there is nothing to overlap, but ``True`` runs the same path, for tests). With
     tensor parallelism ``True`` turns it on (every rank fills placeholders from rank 0's
     sampled ids, broadcast on the device); ``None`` leaves it off there until it has been

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import struct
 from dataclasses import dataclass
@@ -65,16 +66,22 @@ class LoRAAdapterConfig:
 def read_lora_config(path: str | Path, max_lora_rank: int) -> LoRAAdapterConfig:
     """Checks the adapter at ``path``: its config, and its tensors' names and shapes."""
     path = Path(path)
-    where = f"LoRA adapter {str(path)!r}"
+    shown = str(path) if len(str(path)) <= 200 else f"{str(path)[:200]}..."
+    where = f"LoRA adapter {shown!r}"
     config_file, weights_file = path / CONFIG_FILE, path / WEIGHTS_FILE
-    if not config_file.is_file():
+    try:
+        has_config, has_weights = config_file.is_file(), weights_file.is_file()
+    except OSError as e:  # a name too long, say
+        raise LoRAAdapterError(f"{where}: cannot be read ({e.strerror})") from None
+    if not has_config:
         raise LoRAAdapterError(f"{where}: no {CONFIG_FILE}")
-    if not weights_file.is_file():
+    if not has_weights:
         raise LoRAAdapterError(f"{where}: no {WEIGHTS_FILE} (only safetensors are read)")
     try:
         config = json.loads(config_file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise LoRAAdapterError(f"{where}: unreadable {CONFIG_FILE}: {e}") from e
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        # The reason only, never the file's text (a path may point at any file).
+        raise LoRAAdapterError(f"{where}: unreadable {CONFIG_FILE}: not JSON") from None
     if not isinstance(config, dict):
         raise LoRAAdapterError(f"{where}: {CONFIG_FILE} is not a JSON object")
     _check_options(config, where)
@@ -99,8 +106,12 @@ def read_lora_config(path: str | Path, max_lora_rank: int) -> LoRAAdapterConfig:
         max_rank = max(max_rank, a_shape[0])
     if not targets:
         raise LoRAAdapterError(f"{where}: {WEIGHTS_FILE} holds no LoRA weights")
-    if max_rank > max_lora_rank:
-        raise LoRAAdapterError(f"{where}: rank {max_rank} exceeds max_lora_rank ({max_lora_rank})")
+    config_ranks = [config.get("r", 0), *(config.get("rank_pattern") or {}).values()]
+    for rank in (max_rank, *config_ranks):
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise LoRAAdapterError(f"{where}: rank {rank!r} in {CONFIG_FILE} is not an integer")
+        if rank > max_lora_rank:
+            raise LoRAAdapterError(f"{where}: rank {rank} exceeds max_lora_rank ({max_lora_rank})")
     alpha = config.get("lora_alpha", 8)
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
         raise LoRAAdapterError(f"{where}: lora_alpha must be a positive number (got {alpha!r})")
@@ -139,9 +150,21 @@ def check_lora_fits_model(adapter: LoRAAdapterConfig, model: ModelConfig) -> Non
             )
 
 
+# PEFT initialisations that rewrite the base model's weights (the adapter is trained against a
+# residual base): served as plain LoRA on the unchanged base, their output would be wrong.
+_BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq")
+
+
 def _check_options(config: dict, where: str) -> None:
     if config.get("peft_type", "LORA") != "LORA":
         raise LoRAAdapterError(f"{where}: peft_type {config.get('peft_type')!r} is not LORA")
+    init = config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
+        raise LoRAAdapterError(
+            f"{where}: init_lora_weights {init!r} changes the base model's weights, which "
+            "pagedd serves unchanged; convert the adapter to plain LoRA first (PEFT's "
+            "save_pretrained(path_initial_model_for_weight_conversion=...))"
+        )
     for key, what in (
         ("use_dora", "DoRA"),
         ("modules_to_save", "modules_to_save"),
@@ -162,11 +185,18 @@ def _lora_shapes(weights_file: Path, where: str) -> dict[tuple[int, str], list]:
     try:
         with weights_file.open("rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
-            if size > _MAX_HEADER_BYTES:
-                raise ValueError(f"header of {size} bytes")
+            file_size = os.fstat(f.fileno()).st_size
+            if size > min(_MAX_HEADER_BYTES, max(0, file_size - 8)):
+                raise ValueError("header size")
             header = json.loads(f.read(size))
-    except (OSError, ValueError, struct.error) as e:
-        raise LoRAAdapterError(f"{where}: unreadable {WEIGHTS_FILE}: {e}") from e
+        if not isinstance(header, dict):
+            raise ValueError("header type")
+    except (OSError, ValueError, struct.error, UnicodeDecodeError):
+        # The reason only, never the file's bytes (a path may point at any file).
+        raise LoRAAdapterError(
+            f"{where}: unreadable {WEIGHTS_FILE}: not a safetensors file (its header is "
+            "missing, too large or not JSON)"
+        ) from None
     shapes: dict[tuple[int, str], list] = {}
     for key, entry in header.items():
         if key == "__metadata__":

@@ -30,7 +30,8 @@ def load_lora_weights(
                 if match is None:
                     raise LoRAAdapterError(f"{where}: unexpected tensor {key!r}")
                 pair = pairs.setdefault((int(match[1]), match[2]), [None, None])
-                pair[0 if match[3] == "A" else 1] = f.get_tensor(key)
+                # A copy: the tensor may map the file, which could be replaced under it.
+                pair[0 if match[3] == "A" else 1] = f.get_tensor(key).clone()
     except LoRAAdapterError:
         raise
     except Exception as e:  # noqa: BLE001 - safetensors raises its own errors for bad files

@@ -19,7 +19,7 @@ for every sequence). Fillers are drafts like any other: verification keeps the t
 distribution whatever the drafts are; the counters count them. Verify steps run synchronously
 (the scheduler must see the accepted run before planning the next step); under async
 scheduling the steps without draft slots (more than ``disable_by_batch_size`` sequences)
-still overlap (pydaemon/core/sched/async_stepper.py).
+still overlap (pydaemon/engine/async_stepper.py).
 """
 
 from __future__ import annotations

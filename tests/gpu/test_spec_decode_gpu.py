@@ -48,7 +48,7 @@ def test_oracle_drafts_follow_fp32_argmax(model, block_size):
     )
     refs = [p + o.outputs[0].token_ids for p, o in zip(prompts, plain, strict=True)]
     llm = _llm(path, SPEC, block_size=block_size)
-    llm.engine.core.runner.spec_decoder.proposer = OracleProposer(refs, 5, 512)
+    llm.engine.runner.spec_decoder.proposer = OracleProposer(refs, 5, 512)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     hf32 = hf.to("cuda", torch.float32)
     gaps = gaps_of_outputs(hf32, prompts, outputs)
@@ -82,9 +82,7 @@ def test_seeded_sampling_repeats_on_the_device(model):
     runs = []
     for _ in range(2):
         llm = _llm(path, SPEC)
-        llm.engine.core.runner.spec_decoder.proposer = OracleProposer(
-            [p + p for p in prompts], 0, 512
-        )
+        llm.engine.runner.spec_decoder.proposer = OracleProposer([p + p for p in prompts], 0, 512)
         runs.append(
             [
                 o.outputs[0].token_ids

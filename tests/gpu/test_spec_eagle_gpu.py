@@ -48,7 +48,7 @@ def test_exact_head_is_accepted_and_follows_fp32_argmax(tmp_path, async_scheduli
     assert float(gaps.max()) < 0.05, f"largest gap {float(gaps.max()):.3f} logit std"
     stats = llm.engine.core.get_stats().spec_decode
     assert stats.num_draft_tokens > 100 and stats.acceptance_rate > 0.9
-    assert llm.engine.core.runner.cuda_graphs.num_verify_replays > 0
+    assert llm.engine.runner.cuda_graphs.num_verify_replays > 0
     assert all_blocks_free(llm)
 
 
@@ -58,7 +58,7 @@ def test_random_head_drafts_follow_the_reference(tmp_path):
     head_dir = save_head(tmp_path / "head", w, 512, 512, num_heads=8, num_kv_heads=2)
     llm = _llm(path, head_dir, k=3)
     calls = []
-    proposer = llm.engine.core.runner.spec_decoder.proposer
+    proposer = llm.engine.runner.spec_decoder.proposer
     propose = proposer.propose
 
     def spy(requests):

@@ -47,7 +47,7 @@ def test_constrained_outputs_with_graphs(model, is_async):
         num_kv_blocks=512,
         seed=0,
     )
-    assert llm.engine.core.runner.cuda_graphs is not None
+    assert llm.engine.runner.cuda_graphs is not None
     specs = [StructuredOutputsParams(json=s, disable_any_whitespace=True) for s in SCHEMAS]
     specs.append(StructuredOutputsParams(regex="[a-z]{2}-[0-9]{3}"))
     prompts = ["Once upon a time", "Hello world!"] * 16

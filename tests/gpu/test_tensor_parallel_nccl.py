@@ -84,7 +84,7 @@ def _generate(path, prompts, params, **kwargs) -> tuple[list, dict]:
     try:
         outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
         core = llm.engine.core
-        stepper, graphs = core.async_stepper, core.runner.cuda_graphs
+        stepper, graphs = core.async_stepper, core.executor.driver_runner.cuda_graphs
         bm = core.scheduler.block_manager
         info = {
             "overlapped": 0 if stepper is None else stepper.num_overlapped_steps,

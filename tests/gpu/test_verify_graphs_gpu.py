@@ -72,8 +72,8 @@ def engines(request, model):
 
 def test_verify_graphs_are_captured_for_the_configured_k_only(engines):
     k, llm, eager = engines
-    graphs = llm.engine.core.runner.cuda_graphs
-    assert eager.engine.core.runner.cuda_graphs is None
+    graphs = llm.engine.runner.cuda_graphs
+    assert eager.engine.runner.cuda_graphs is None
     plain = make_graph_plan(MAX_NUM_SEQS, MAX_LEN, BLOCK_SIZE, num_kv_heads=2, num_q_heads=8,
                             head_dim=64)  # fmt: skip
     tier = plain.seq_len_tiers[-1]
@@ -114,7 +114,7 @@ def verify_step(seq_lens: list[int], q: int, rng: np.random.Generator) -> StepIn
 @pytest.mark.parametrize("batch_size", [1, 3, 8, 16])
 def test_verify_graph_logits_equal_eager(engines, batch_size):
     k, llm, _ = engines
-    runner = llm.engine.core.runner
+    runner = llm.engine.runner
     rng = np.random.default_rng(batch_size + 10 * k)
     # Contexts across block boundaries (the drafts spill into a new block at 17 + k) and up
     # to the model's length.
@@ -158,7 +158,7 @@ def test_verify_graph_logits_equal_eager(engines, batch_size):
 
 
 def _generate(llm: LLM, prompts, proposer) -> list[list[int]]:
-    llm.engine.core.runner.spec_decoder.proposer = proposer
+    llm.engine.runner.spec_decoder.proposer = proposer
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     bm = llm.engine.block_manager
@@ -193,9 +193,9 @@ def test_greedy_generation_with_verify_graphs_equals_eager(model, engines, batch
         def make():
             return NgramProposer(k, 1, 5)
 
-    graphs = llm.engine.core.runner.cuda_graphs
+    graphs = llm.engine.runner.cuda_graphs
     replays = graphs.num_verify_replays
-    decoder = llm.engine.core.runner.spec_decoder
+    decoder = llm.engine.runner.spec_decoder
     plans = []
     propose = decoder.propose
     decoder.propose = lambda out: _kept(plans, propose(out))
@@ -212,8 +212,8 @@ def test_greedy_generation_with_verify_graphs_equals_eager(model, engines, batch
     # n-gram proposer drafts fewer than k tokens in most steps of these prompts; the graph
     # engine pads decode-only steps to k drafts a sequence (SpecDecoder.pad_drafts), so they
     # replay verify graphs too (the eager engine does not pad: the tokens must still agree).
-    assert llm.engine.core.runner.spec_decoder.pad_drafts
-    assert not eager.engine.core.runner.spec_decoder.pad_drafts
+    assert llm.engine.runner.spec_decoder.pad_drafts
+    assert not eager.engine.runner.spec_decoder.pad_drafts
     assert num_replays >= (2 if proposer == "oracle" else 1), f"{num_replays} verify replays"
     if proposer == "ngram":  # every decode step drafts; padded, most replay a verify graph
         num_plans = sum(p is not None for p in plans)

@@ -21,11 +21,11 @@ def test_lora_modules_flag_and_toml(tmp_path):
     engine, options, _ = resolve(args)
     assert engine["enable_lora"] is True and engine["max_loras"] == 4
     assert options.lora.lora_modules == {"a": "/x/a", "b": "/x/b"}
-    assert options.lora.is_enabled and options.lora.max_lora_rank == 16
+    assert options.lora.is_enabled and "max_lora_rank" not in engine  # EngineConfig's default
     toml = tmp_path / "pagedd.toml"
     toml.write_text('max-lora-rank = 64\n[lora_modules]\nc = "/x/c"\n')
     engine, options, _ = resolve(build_parser().parse_args(["serve", "--config", str(toml)]))
-    assert engine["enable_lora"] is True and options.lora.max_lora_rank == 64
+    assert engine["enable_lora"] is True and engine["max_lora_rank"] == 64
     assert options.lora.lora_modules == {"c": "/x/c"}
     for bad in (["a"], ["a=/x", "a=/y"], ["=/x"]):
         with pytest.raises(ValueError, match="--lora-modules"):

@@ -64,7 +64,7 @@ def server(setup):
         lambda: engine,
         http_port=0,
         api_key=KEY,
-        lora=LoRAOptions({"a0": paths["a0"]}, is_enabled=True, max_lora_rank=16),
+        lora=LoRAOptions({"a0": paths["a0"]}, is_enabled=True),
     )
     yield st
     st.close()

@@ -17,7 +17,7 @@ computed and sampled (``pydaemon.core.sched.seq_updates``). The scheduler builds
 the one ``_core.BlockManager``: every change goes through ``SeqBlocks``, and the engine core
 reads its figures through ``make_stats()``.
 
-Async scheduling (pydaemon.core.sched.async_stepper): ``advance()`` records a launched step as computed,
+Async scheduling (pydaemon/engine/async_stepper.py): ``advance()`` records a launched step as computed,
 with a placeholder for each token it samples; ``schedule(overlap=True)`` then plans the next
 step while that one runs, or returns None (changing nothing) when the next step might
 preempt, swap, fork or run beams: those steps wait for the results first.

@@ -11,7 +11,7 @@ while processing one request fails that request alone (its blocks are freed, its
 carries the error); the step and every other request go on.
 
 Synchronous steps run both halves back to back (no placeholders: ``update`` appends the
-tokens). Async scheduling (pydaemon.core.sched.async_stepper) runs ``advance`` as soon as the step is
+tokens). Async scheduling (pydaemon/engine/async_stepper.py) runs ``advance`` as soon as the step is
 launched, so that the next step can be scheduled with the placeholders, and ``update`` one
 step later; a request that finished or was aborted in between
 has its token of the step discarded.

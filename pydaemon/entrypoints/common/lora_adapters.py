@@ -112,8 +112,10 @@ class LoRAAdapters:
     async def load(self, name: str, path: str) -> LoRAAdapterInfo:
         """Loads adapter ``name`` from the PEFT directory ``path`` on the engine. ValueError
         when LoRA is off, the name is taken or bad, or the adapter cannot be served."""
-        if not self.is_enabled or self.engine is None:
+        if not self.is_enabled:
             raise ValueError("LoRA adapters are not enabled: start the daemon with --enable-lora")
+        if self.engine is None:
+            raise ValueError("the server is shutting down")
         check_adapter_name(name)
         check_adapter_path(path)
         if name == self.base_model_name:
@@ -131,6 +133,10 @@ class LoRAAdapters:
             if info is None:
                 raise AdapterNotFound(name)
             await self.engine.remove_lora(info.lora_int_id)
+
+    def close(self) -> None:
+        """Lets go of the engine client (the daemon drained)."""
+        self.engine = None
 
     def get(self, name: str) -> LoRARequest:
         info = self.served(name)

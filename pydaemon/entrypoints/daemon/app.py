@@ -298,6 +298,7 @@ class PageddServer:
             self._watchdog_task.cancel()
         if self.async_engine is not None:
             await self.async_engine.shutdown()
+        self.servicer.adapters.close()
         if self.metrics_server is not None:
             await self.metrics_server.stop()
         if self.async_engine is not None:
