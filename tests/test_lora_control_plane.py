@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pydaemon import LLM, SamplingParams  # noqa: E402
+from pydaemon.engine.prompt_input import to_core_request  # noqa: E402
 from pydaemon.generate_request import GenerateRequest  # noqa: E402
 from pydaemon.lora_request import LoRARequest  # noqa: E402
 
@@ -115,13 +116,11 @@ def test_files_replaced_or_removed_after_load_change_nothing(setup, tmp_path):
     path = shutil.copytree(good, tmp_path / "moving")
     first = LoRARequest("first", 1, str(path))
     second = LoRARequest("second", 2, str(other))
-    run = lambda lora: (
-        llm.generate(  # noqa: E731
-            prompt_token_ids=[prompt], sampling_params=GREEDY, lora_request=lora
-        )[0]
-        .outputs[0]
-        .token_ids
-    )
+
+    def run(lora: LoRARequest) -> list[int]:
+        out = llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY, lora_request=lora)
+        return out[0].outputs[0].token_ids
+
     assert run(first) == expected["good"]
     shutil.copy(other / WEIGHTS, path / WEIGHTS)  # replaced by another adapter's weights
     assert run(second) == expected["other"]  # takes the only slot
@@ -171,15 +170,9 @@ def test_unload_of_an_idle_adapter_is_immediate_and_ids_are_not_reused(setup):
         engine.add_lora(LoRARequest("c", 2, str(good)))
     assert engine.remove_lora(1) and engine.runner.lora_manager.loaded_lora_ids == [2]
     assert not engine.remove_lora(1) and not engine.remove_lora(99)
-    with pytest.raises(ValueError, match="not loaded"):
-        engine.core.add_request(
-            __import__("pydaemon.engine.prompt_input", fromlist=["x"]).to_core_request(
-                GenerateRequest("x", [5, 6], GREEDY, lora_request=LoRARequest("a", 1, str(good))),
-                [5, 6],
-                [],
-                0.0,
-            )
-        )
+    unloaded = GenerateRequest("x", [5, 6], GREEDY, lora_request=LoRARequest("a", 1, str(good)))
+    with pytest.raises(ValueError, match="not loaded"):  # the core never loads on its own
+        engine.core.add_request(to_core_request(unloaded, [5, 6], [], 0.0))
 
 
 def test_tensor_parallel_ranks_load_and_refuse_together(setup, tmp_path):
