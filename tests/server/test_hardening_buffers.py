@@ -13,7 +13,7 @@ from pathlib import Path
 from fake_engine import FakeEngine
 from server_helpers import BidiClient, joined_ids
 
-from pydaemon.entrypoints.grpc import servicer as servicer_module
+from pydaemon.entrypoints.grpc import generate_calls
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 
 NUM_REQUESTS = 24
@@ -21,7 +21,7 @@ MAX_TOKENS = 3000
 
 
 def test_slow_reader_stream_buffer_is_bounded(start_server, monkeypatch):
-    monkeypatch.setattr(servicer_module, "_MAX_BUFFERED_FRAMES", 512, raising=False)
+    monkeypatch.setattr(generate_calls, "_MAX_BUFFERED_FRAMES", 512)
     engine = FakeEngine(num_gpu_blocks=1 << 16, max_model_len=8192, step_delay_s=0.0005)
     st = start_server(lambda: engine)
     client = BidiClient(st.stub())
