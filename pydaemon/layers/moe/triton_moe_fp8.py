@@ -11,25 +11,29 @@ with dq(w) the FP8 weights times their scales: per output channel ([E, N]) or pe
 the checkpoint ([E, ceil(N / bn), ceil(K / bk)], HF FP8's 128 x 128), both applied inside the
 kernel (nothing is dequantized in memory). Two ways to run the products:
 
-- **w8a8** (steps of more than ``W8A16_MAX_TOKENS`` tokens): x quantized per token (one
-  kernel), the SiLU-and-mul output quantized per slot in the same kernel as the product
-  (``SiluAndMul(fp8_out=True)``), FP8 x FP8 tensor-core dots, scales in the epilogue: the
-  dense FP8 layers' scheme (pydaemon/quantization/fp8.py), at twice bf16's tensor-core rate;
+- **w8a8** (steps of more than ``W8A16_MAX_TOKENS`` tokens, tiles of 64 rows and more): x
+  quantized per token (one kernel), the SiLU-and-mul output quantized per slot in the same
+  kernel as the product (``SiluAndMul(fp8_out=True)``), FP8 x FP8 tensor-core dots, scales
+  in the epilogue: the dense FP8 layers' scheme (pydaemon/quantization/fp8.py), at twice
+  bf16's tensor-core rate;
 - **w8a16** (decode-sized steps): activations stay bf16 / fp16 and each FP8 weight tile is
   widened in registers: no quantization kernels, the same bytes of weights read, and closer
   to the unquantized model (only the weights are rounded).
 
-Why this path exists: FP8 experts used to take the grouped path for every step (per-token
-quantization, a gather, ``torch._scaled_grouped_mm`` twice, a combine: 5 more launches than
-the Triton path and no decode kernels), so FP8 MoE ran slower than bf16 (Qwen3-30B-A3B shape
-on the H200, 2026-12-04: W1 15.31 s against 13.28 s bf16, TPOT 5.77 / 18.81 ms at batch 1 /
-64 against 4.49 / 19.23 ms), although its weights are half the bytes.
+Why this path exists: FP8 experts used to take the grouped path for every step size (per-token
+quantization, two gathers, ``torch._scaled_grouped_mm`` twice, SiLU-and-mul, a combine: 8
+launches a layer where the Triton path takes 5, and nothing shaped for decode where bf16 has
+its decode kernels), so FP8 MoE ran slower than bf16 although its weights are half the bytes
+(Qwen3-30B-A3B shape on the H200, 2026-12-04: W1 15.31 s against 13.28 s, TPOT 5.77 / 18.81
+ms at batch 1 / 64 against 4.49 / 19.23 ms).
 
 Tiles: ``FP8_TILE_CONFIGS`` by the number of tokens, then ``triton_moe.spread_block_n`` for
 steps whose tiles would leave SMs idle (few experts hit, e.g. Mixtral at one token). The
-values are UNMEASURED starting points (vLLM's published H200 fp8_w8a8 tables for these
-shapes, rounded to five buckets): tune with bench/bench_moe.py --quantization fp8
---triton-tile. With block scales BLOCK_K is cut to divide the scale block's K (128).
+values are UNMEASURED starting points (the bf16 table's shapes with BLOCK_K 128, the K of an
+FP8 wgmma's 4 steps and of HF's scale blocks; vLLM's H200 fp8_w8a8 table for Mixtral's
+experts uses BLOCK_M 64-128 and BLOCK_K 128-256 the same way): tune with bench/bench_moe.py
+--quantization fp8 --triton-tile. With block scales BLOCK_K is cut to divide the scale
+block's K.
 """
 
 from __future__ import annotations
@@ -44,9 +48,12 @@ from pydaemon.quantization.fp8 import FP8_DTYPE, quantize_per_token
 _act = SiluAndMul()
 
 # Steps of at most this many tokens run w8a16 (no activation quantization); larger ones w8a8.
-# UNMEASURED: 16 keeps decode batches up to 16 off the two quantization launches; the A/B is
-# bench/bench_moe.py --quantization fp8 --fp8-w8a16-max-tokens 0|16|64 (bench/issue41_suite.sh).
-W8A16_MAX_TOKENS = 16
+# The tiles of these steps have BLOCK_M 16, under a warp group's 64 rows: Triton then runs FP8
+# x FP8 dots as mma.sync on fp16 operands anyway (m16n8k16.f16, sm_90 PTX from Triton 3.9;
+# tests/test_moe_triton_fp8.py), so w8a8 would only add the quantization launches. From BLOCK_M
+# 64 the w8a8 dots are wgmma e4m3 (m64nNk32), twice bf16's rate. Speed UNMEASURED: the A/B is
+# bench/bench_moe.py --quantization fp8 --fp8-w8a16-max-tokens 0|96 (bench/issue41_suite.sh).
+W8A16_MAX_TOKENS = 96
 
 # (at most this many tokens, config), first match. UNMEASURED (see the module docstring).
 FP8_TILE_CONFIGS: tuple[tuple[int, TileConfig], ...] = (
@@ -77,18 +84,19 @@ def supports(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
 def _fit_fp8(
     cfg: TileConfig, n: int, k: int, block_shape: tuple[int, int] | None, a_fp8: bool
 ) -> TileConfig:
-    """triton_moe._fit, then BLOCK_K no larger than a scale block's K and dividing it, and at
-    least 32 for FP8 x FP8 dots (the mma's k for 8-bit operands)."""
+    """triton_moe._fit, then BLOCK_K at least 32 for FP8 x FP8 dots (an 8-bit mma's K) and,
+    with block scales, dividing the scale block's K (each K step inside one block)."""
     cfg = triton_moe._fit(cfg, n, k)
-    block_k = cfg.block_k
+    block_k = max(cfg.block_k, 32) if a_fp8 else cfg.block_k
     if block_shape is not None:
         bk = block_shape[1]
         while block_k > 16 and bk % block_k:
             block_k //= 2
-        if bk % block_k:
-            raise ValueError(f"FP8 block scales of K block {bk}: not a multiple of 16")
-    if a_fp8:
-        block_k = max(block_k, 32)
+        if bk % block_k or (a_fp8 and block_k < 32):
+            raise ValueError(
+                f"FP8 block scales of K block {bk}: need a multiple of 16 (of 32 with FP8 "
+                "activations)"
+            )
     return cfg._replace(block_k=block_k)
 
 
