@@ -32,7 +32,9 @@ from pydaemon.quantization.fp8 import (
 )
 
 if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("run by tests/test_moe_triton_fp8.py under TRITON_INTERPRET=1", allow_module_level=True)
+    pytest.skip(
+        "run by tests/test_moe_triton_fp8.py under TRITON_INTERPRET=1", allow_module_level=True
+    )
 pytest.importorskip("triton", reason="triton is not installed")
 from pydaemon.layers.moe import triton_moe_kernels  # noqa: E402
 
