@@ -57,7 +57,8 @@ def _compile(cfg: TileConfig, n: int, k: int, a_fp8: bool, block, row_div: int, 
     constexprs = {"A_ROW_DIV": row_div, "MUL_WEIGHT": mul, "A_FP8": a_fp8,
                   "SCALE_BN": block[0] if block else 0, "SCALE_BK": block[1] if block else 0,
                   "DOT_F32": False, "EVEN_K": k % cfg.block_k == 0, "BLOCK_M": cfg.block_m,
-                  "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m}  # fmt: skip
+                  "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+                  "GROUP_M": cfg.group_m}  # fmt: skip
     kernel = compile_sm90(triton_moe_fp8_kernels.moe_gemm_fp8_kernel, _signature(a_fp8),
                           constexprs, cfg.num_warps, cfg.num_stages)  # fmt: skip
     return cfg, kernel
