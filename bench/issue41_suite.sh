@@ -13,12 +13,14 @@
 #   STEPS=profile bash bench/issue41_suite.sh OUT          # W1 + MoE decode-step profiles (~5 min)
 #
 # The groups:
-#   check:   GPU tests of the FP8 Triton MoE path (tests/gpu/test_moe_triton_fp8_gpu.py), the
-#            bf16 Triton path (spread tiles) and the grouped FP8 path
+#   check:   GPU tests of the FP8 MoE decode kernels and the FP8 Triton path
+#            (tests/gpu/test_moe_decode_fp8_gpu.py, test_moe_triton_fp8_gpu.py), the bf16 Triton
+#            path (spread tiles), the bf16 decode kernels and the grouped FP8 path
 #   layer:   bench_moe.py, the MoE layer alone per token count (CUDA graphs, uniform routing,
 #            experts hit and the weight floor): Qwen3-30B-A3B bf16 / FP8 per channel / FP8
 #            128x128 blocks / FP8 on the grouped path (before) / FP8 all w8a8; Mixtral-8x7B
-#            bf16 (decode kernels, and the Triton path with spread tiles) and FP8
+#            bf16 and FP8; at 1-4 tokens the decode kernels (bf16 and FP8) against the Triton
+#            path with spread tiles (--decode-max-slots 0)
 #   qwen3, mixtral: pagedd W1 + TPOT at batch 1 and 64 with the routers re-drawn from
 #            ROUTER_SEED (bench/moe_routing.py: experts touched per step and the per-expert
 #            histogram in each JSON), bf16 and FP8 weights + FP8 KV
@@ -62,7 +64,8 @@ fp8=(--quantization fp8 --kv-cache-dtype fp8)
 
 if has check; then
   step check 200 "${pagedd[@]}" -- "$py" -m pytest -q -p no:cacheprovider \
-    tests/gpu/test_moe_triton_fp8_gpu.py tests/gpu/test_moe_triton_gpu.py \
+    tests/gpu/test_moe_decode_fp8_gpu.py tests/gpu/test_moe_triton_fp8_gpu.py \
+    tests/gpu/test_moe_triton_gpu.py tests/gpu/test_moe_decode_gpu.py \
     "tests/gpu/test_moe_gpu.py::test_fp8_layer_against_emulated"
   tail -n 1 "$out/check.log" >&2
 fi
@@ -78,6 +81,11 @@ if has layer; then  # the most telling rows first: a cut budget drops the last o
     --decode-max-slots 0 --out "$out/layer_mixtral_bf16_triton.json"
   step layer_mixtral_fp8 60 "${pagedd[@]}" -- "$py" "${mx[@]}" --tokens 1,2,4,8,64,1024 \
     --quantization fp8 --out "$out/layer_mixtral_fp8.json"
+  step layer_mixtral_fp8_triton 60 "${pagedd[@]}" -- "$py" "${mx[@]}" --tokens 1,2,4 \
+    --quantization fp8 --decode-max-slots 0 --out "$out/layer_mixtral_fp8_triton.json"
+  step layer_qwen3_fp8_triton 50 "${pagedd[@]}" -- "$py" bench/bench_moe.py \
+    --shape qwen3-30b-a3b --tokens 1 --iters 30 --quantization fp8 --decode-max-slots 0 \
+    --out "$out/layer_qwen3_fp8_triton.json"
   step layer_qwen3_fp8_block 60 "${pagedd[@]}" -- "$py" "${q[@]}" --quantization fp8-block \
     --out "$out/layer_qwen3_fp8_block.json"
   step layer_qwen3_fp8_grouped 50 "${pagedd[@]}" -- "$py" bench/bench_moe.py \

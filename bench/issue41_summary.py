@@ -31,6 +31,12 @@ LAYERS = (  # file stem, label; bf16 reference of the same shape
     ("layer_mixtral_bf16", "Mixtral-8x7B bf16", None),
     ("layer_mixtral_bf16_triton", "Mixtral-8x7B bf16 Triton (spread)", "layer_mixtral_bf16"),
     ("layer_mixtral_fp8", "Mixtral-8x7B FP8 (channel)", "layer_mixtral_bf16"),
+    (
+        "layer_mixtral_fp8_triton",
+        "Mixtral-8x7B FP8 Triton (no decode kernels)",
+        "layer_mixtral_bf16",
+    ),
+    ("layer_qwen3_fp8_triton", "Qwen3-30B-A3B FP8 Triton (no decode kernels)", "layer_qwen3_bf16"),
 )
 ENGINES = [(m, q) for m in ("qwen3", "mixtral") for q in ("bf16", "fp8")]
 DENSE = ("dense_bf16", "dense_fp8_scaled_mm", "dense_fp8_gemv16", "dense_fp8_swap16")

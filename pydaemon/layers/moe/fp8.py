@@ -14,9 +14,12 @@ their float32 scales, one of two layouts (``Fp8MoEMethod.block_shape``):
   Qwen3-30B-A3B's 768 and Mixtral's 14336 are); otherwise the loader re-quantizes per
   channel, as for linear layers.
 
-Three ways to run them (``FP8_MOE_BACKEND``):
+Four ways to run them:
 
-- ``"triton"`` (CUDA, triton importable): the FP8 Triton fused-MoE GEMMs of
+- a few tokens (``0 < T * k <= experts.MOE_DECODE_MAX_SLOTS``, as for bf16, on CUDA with
+  pagedd's kernels): the two FP8 decode kernels (``ops.moe_decode_gate_up_fp8``,
+  ``ops.moe_decode_down_combine_fp8``: w8a16, 2 launches a layer where the Triton path takes 5);
+- ``FP8_MOE_BACKEND = "triton"`` (CUDA, triton importable): the FP8 Triton fused-MoE GEMMs of
   triton_moe_fp8.py, w8a16 for decode-sized steps and w8a8 above, either scale layout;
 - ``"grouped"`` (per-channel scales on Hopper, the path before): activations quantized per
   token before the gather, the SiLU-and-mul output per row (one kernel with the product on
@@ -34,8 +37,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pydaemon import ops
 from pydaemon.layers.activation import SiluAndMul
-from pydaemon.layers.moe import triton_moe_fp8
+from pydaemon.layers.moe import experts, triton_moe_fp8
 from pydaemon.layers.moe.align import moe_align
 from pydaemon.layers.moe.experts import _capability_major, moe_combine, per_expert
 from pydaemon.quantization.fp8 import (
@@ -61,6 +65,31 @@ def _scaled_grouped_mm_ok(x: torch.Tensor) -> bool:
         x.is_cuda
         and hasattr(torch, "_scaled_grouped_mm")
         and _capability_major(x.device.index if x.device.index is not None else 0) == 9
+    )
+
+
+def use_fp8_decode_kernels(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2 * I, H] fp8
+    topk_ids: torch.Tensor,  # [T, k]
+    block_shape: tuple[int, int] | None,
+) -> bool:
+    """The two FP8 decode kernels serve this step: few slots (the bf16 decode kernels' bound),
+    fp16/bf16 activations on CUDA in 16-byte rows, sizes multiples of 16, kernels built. By
+    shapes, dtype and device only (a captured CUDA graph holds one path for its shapes)."""
+    h, i = x.shape[1], w13.shape[1] // 2
+    return (
+        0 < topk_ids.numel() <= experts.MOE_DECODE_MAX_SLOTS
+        and x.is_cuda
+        and x.dtype in (torch.float16, torch.bfloat16)
+        and x.stride(-1) == 1
+        and (x.shape[0] == 1 or x.stride(0) % 8 == 0)
+        and x.data_ptr() % 16 == 0
+        and h % 16 == 0
+        and i % 16 == 0
+        and h <= ops.MOE_DECODE_MAX_HIDDEN
+        and (block_shape is None or block_shape[1] % 16 == 0)
+        and ops.moe_decode_fp8_kernels_available()
     )
 
 
