@@ -13,8 +13,8 @@
 // dominated by launches (Qwen3-30B-A3B FP8 at batch 1: ~0.8 ms of weights in a 4-6 ms step).
 //
 // Layout of the work as in moe_decode_kernels.cu: gate_up, a block per (slot, kFp8Cols columns),
-// x[t] staged in shared memory, each warp two columns (their gate and up rows); down_combine, a
-// block per (token, kFp8DownTileH outputs), warps taking (expert, two rows) items. Each lane
+// x[t] read from global memory (L1), each warp two columns (their gate and up rows); down_combine,
+// a block per (token, kFp8DownTileH outputs), warps taking (expert, two rows) items. Each lane
 // keeps kFp8Batch vectors of every row in flight. Graph-capturable, any routing.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -131,12 +131,12 @@ __device__ __forceinline__ bool is_expert(int e, int num_experts) {
   return e >= 0 && e < num_experts;
 }
 
-// grid (ceil(intermediate / kFp8Cols), num_tokens * top_k); dynamic shared memory: x[t].
+// grid (ceil(intermediate / kFp8Cols), num_tokens * top_k). x[t] is read from global memory
+// by every warp (8 KB at H 4096: L1 serves the block's other warps), not staged in shared
+// memory: no barrier stands between a block's start and its first weight loads.
 template <typename T, bool BLOCK>
 __global__ void __launch_bounds__(kFp8Warps * 32)
     moe_decode_gate_up_fp8_kernel(MoeDecodeGateUpParams p, Fp8Scales s) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  T* xs = reinterpret_cast<T*>(smem);
   const int slot = blockIdx.y, t = slot / p.top_k;
   const int H = p.hidden, I = p.intermediate;
   const int e = p.topk_ids[slot];
@@ -148,11 +148,8 @@ __global__ void __launch_bounds__(kFp8Warps * 32)
     return;
   }
   const T* x = static_cast<const T*>(p.x) + (int64_t)t * p.x_stride;
-  for (int i = threadIdx.x; i < H / 8; i += blockDim.x)
-    reinterpret_cast<Vec<T, 8>*>(xs)[i] = reinterpret_cast<const Vec<T, 8>*>(x)[i];
-  __syncthreads();
   const int c_first = c0 + (threadIdx.x / 32) * kFp8ColsPerWarp;
-  if (c_first >= I) return;  // uniform over the warp, after the block's only barrier
+  if (c_first >= I) return;  // uniform over the warp
   const uint8_t* w13 = static_cast<const uint8_t*>(p.w13) + (int64_t)e * 2 * I * H;
   constexpr int R = 2 * kFp8ColsPerWarp;
   const uint8_t* rows[R];
@@ -166,7 +163,7 @@ __global__ void __launch_bounds__(kFp8Warps * 32)
     rows[2 * cc + 1] = w13 + (int64_t)(I + c) * H;
   }
   float sums[R];
-  warp_dots_fp8<T, R, BLOCK>(rows, row_ids, e, s, xs, H, sums);
+  warp_dots_fp8<T, R, BLOCK>(rows, row_ids, e, s, x, H, sums);
   if (threadIdx.x % 32 != 0) return;
 #pragma unroll
   for (int cc = 0; cc < kFp8ColsPerWarp; ++cc) {
@@ -236,11 +233,10 @@ template <typename T>
 cudaError_t launch_gate_up_fp8(const MoeDecodeGateUpParams& p, const Fp8Scales& s,
                                cudaStream_t stream) {
   const dim3 grid((p.intermediate + kFp8Cols - 1) / kFp8Cols, p.num_tokens * p.top_k);
-  const size_t smem = (size_t)p.hidden * sizeof(T);
   if (s.block_n > 0)
-    moe_decode_gate_up_fp8_kernel<T, true><<<grid, kFp8Warps * 32, smem, stream>>>(p, s);
+    moe_decode_gate_up_fp8_kernel<T, true><<<grid, kFp8Warps * 32, 0, stream>>>(p, s);
   else
-    moe_decode_gate_up_fp8_kernel<T, false><<<grid, kFp8Warps * 32, smem, stream>>>(p, s);
+    moe_decode_gate_up_fp8_kernel<T, false><<<grid, kFp8Warps * 32, 0, stream>>>(p, s);
   return cudaGetLastError();
 }
 
