@@ -110,7 +110,13 @@ def run_vllm(
     llm.reset_prefix_cache()
     load_s = time.perf_counter() - t_load
     params = [_sampling(r.output_len) for r in requests]
-    routing = _routing_phases(llm) if routing_env else None
+    routing, routing_error = None, None
+    if routing_env:  # the plugin answers in the engine's processes, or the run goes on without
+        try:
+            llm.collective_rpc("pagedd_routing", args=("reset",))
+            routing = _routing_phases(llm)
+        except Exception as exc:  # e.g. vLLM never loaded the plugin there
+            routing_error = f"the routing plugin did not answer: {exc!r}"
     if routing is not None:
         routing.start()
     with Profiled(profile) as profiled:
@@ -176,13 +182,16 @@ def run_vllm(
     if routing is not None:
         hooks = llm.collective_rpc("pagedd_routing", args=("reset",))[0]
         figures["moe_routing"] = {**moe_routing.settings(args), **routing.results, **hooks}
+    elif routing_error is not None:
+        figures["moe_routing"] = {**moe_routing.settings(args), "error": routing_error}
     return figures
 
 
 def _routing_plugin(args) -> bool:
     """bench/vllm_routing_plugin.py as a vLLM general plugin in every vLLM process, when
     --moe-router-seed or --routing-stats ask: its dist-info in a temp dir on sys.path and
-    PYTHONPATH (inherited by the engine core), its settings in the environment."""
+    PYTHONPATH (inherited by the engine core), its settings in the environment. (An
+    environment that sets VLLM_PLUGINS must name pagedd_bench_moe_routing in it.)"""
     seed, spec = moe_routing.requested(args)
     if seed is None and spec == "none":
         return False

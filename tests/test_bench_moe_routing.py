@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -161,3 +163,78 @@ def test_vllm_plugin_finds_the_routers():
     assert [g.data_ptr() for g in gates] == [
         layer.mlp.gate.weight.data_ptr() for layer in model.model.layers
     ]  # layers 0..11 in number order (not the names' string order), no shared-expert gates
+
+
+class _FakeLLM:
+    """Just enough of vLLM's offline LLM for throughput_vllm.run_vllm, whose worker side is
+    the plugin's own RPC entry (as vLLM's collective_rpc would call it in the engine core)."""
+
+    rpc_fails = False
+
+    def __init__(self, **kwargs) -> None:
+        self.llm_engine = types.SimpleNamespace(vllm_config=None)
+
+    def generate(self, prompts, params, use_tqdm=True):
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        stats = vllm_routing_plugin._State.stats
+        if stats is not None:  # the engine's MoE layers route each prompt's tokens
+            for p in prompts:
+                stats.record(1, torch.zeros(len(p["prompt_token_ids"]), 2, dtype=torch.int64))
+        return [
+            types.SimpleNamespace(prompt_token_ids=p["prompt_token_ids"],
+                                  outputs=[types.SimpleNamespace(token_ids=[7] * sp.max_tokens)])
+            for p, sp in zip(prompts, params, strict=True)
+        ]  # fmt: skip
+
+    def reset_prefix_cache(self) -> None:
+        pass
+
+    def collective_rpc(self, method, args=()):
+        if _FakeLLM.rpc_fails:
+            raise AttributeError(f"'Worker' object has no attribute {method!r}")
+        return [vllm_routing_plugin.pagedd_routing(None, *args)]
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    module = types.ModuleType("vllm")
+    module.__version__ = "0.26.0-fake"
+    module.LLM = _FakeLLM
+    module.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    monkeypatch.setattr(vllm_routing_plugin._State, "stats",
+                        moe_routing.RoutingStats([0], num_experts=4, top_k=2))  # fmt: skip
+    monkeypatch.setattr(vllm_routing_plugin._State, "hooks", {"stats": "fake"})
+    for name in (moe_routing.ENV_SEED, moe_routing.ENV_LAYERS, "PYTHONPATH"):
+        monkeypatch.setenv(name, "")  # recorded: whatever the run sets is undone afterwards
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(_FakeLLM, "rpc_fails", False)
+    return module
+
+
+def _vllm_run(tiny_moe: Path, out: Path, *extra: str) -> dict:
+    argv = ["--backend", "vllm", "--model", str(tiny_moe), "--load-format", "dummy",
+            "--workload", "fixed", "--input-len", "8", "--output-len", "4",
+            "--num-requests", "3", "--no-progress", "--out", str(out), *extra]  # fmt: skip
+    assert throughput.main(argv) == 0
+    return json.loads(out.read_text())["results"][0]
+
+
+def test_vllm_run_installs_the_plugin_and_reports_routing(fake_vllm, tiny_moe, tmp_path):
+    r = _vllm_run(tiny_moe, tmp_path / "out.json", "--moe-router-seed", "9")
+    assert os.environ[moe_routing.ENV_SEED] == "9"
+    assert os.environ[moe_routing.ENV_LAYERS] == "auto"
+    plugin_dir = os.environ["PYTHONPATH"].split(os.pathsep)[0]
+    assert (Path(plugin_dir) / f"{vllm_routing_plugin.DIST_NAME}-0.0.dist-info").is_dir()
+    routing = r["moe_routing"]
+    assert routing["router_seed"] == 9 and routing["hooks"] == {"stats": "fake"}
+    # the workload only (the warm-up's routing was reset): 3 prompts of 8 tokens, 2 slots each
+    assert routing["workload"]["histogram"][0]["slots"] == 3 * 8 * 2
+
+
+def test_vllm_run_goes_on_when_the_plugin_is_missing(fake_vllm, tiny_moe, tmp_path):
+    _FakeLLM.rpc_fails = True
+    r = _vllm_run(tiny_moe, tmp_path / "out.json", "--moe-router-seed", "1")
+    assert r["num_output_tokens"] == 12
+    assert "did not answer" in r["moe_routing"]["error"]
