@@ -171,3 +171,55 @@ def test_supports_needs_cuda():
 
     w = torch.zeros(2, 32, 32, dtype=torch.float8_e4m3fn)
     assert not triton_moe_fp8.supports(torch.zeros(1, 32, dtype=torch.bfloat16), w, w)
+
+
+def test_fp8_layer_sends_decode_steps_to_the_decode_kernels(monkeypatch):
+    """FP8 steps the decode kernels serve (use_fp8_decode_kernels: CUDA only, forced here by
+    slot count) go to ops.moe_decode_gate_up_fp8 / moe_decode_down_combine_fp8 with the layer's
+    weights, scales and block shape; larger ones do not. The kernels are stood in for by their
+    float math (tests/gpu/test_moe_decode_fp8_gpu.py checks the real ones)."""
+    import torch
+    import torch.nn.functional as F
+
+    from pydaemon import ops
+    from pydaemon.layers.moe import FusedMoE
+    from pydaemon.layers.moe import fp8 as moe_fp8
+    from pydaemon.quantization.config import Fp8Config
+    from pydaemon.quantization.fp8 import quantize_per_channel
+
+    e, k, h, i = 8, 2, 64, 32
+    layer = FusedMoE(e, k, h, i, renormalize=True, quant_config=Fp8Config(None, emulate=False))
+    g = torch.Generator().manual_seed(0)
+    for name, (n, kk) in (("w13", (2 * i, h)), ("w2", (h, i))):
+        qs = [quantize_per_channel(torch.randn(n, kk, generator=g) * 0.2) for _ in range(e)]
+        getattr(layer, f"{name}_weight").data = torch.stack([q for q, _ in qs])
+        getattr(layer, f"{name}_weight_scale").data = torch.stack([s for _, s in qs])
+    calls = []
+
+    def dq(w, s, e_):
+        return w[e_].float() * s[e_][:, None]
+
+    def gate_up(x, ids, w13, s13, block_shape):
+        calls.append(("gate_up", x.shape[0], block_shape))
+        rows = [dq(w13, s13, e_) @ x[0] for e_ in ids.tolist()[0]]  # token 0's slots
+        hh = torch.stack(rows)
+        return F.silu(hh[:, :i]) * hh[:, i:]
+
+    def down(act, ids, weights, w2, s2, block_shape):
+        calls.append(("down", act.shape[0], block_shape))
+        ys = [dq(w2, s2, e_) @ act[j] for j, e_ in enumerate(ids.tolist()[0])]
+        return (torch.stack(ys) * weights[0][:, None]).sum(0, keepdim=True)
+
+    monkeypatch.setattr(moe_fp8, "use_fp8_decode_kernels", lambda x, w13, ids, bs: ids.numel() <= 2)
+    monkeypatch.setattr(ops, "moe_decode_gate_up_fp8", gate_up)
+    monkeypatch.setattr(ops, "moe_decode_down_combine_fp8", down)
+    x = torch.randn(1, h, generator=g)
+    logits = torch.randn(1, e, generator=g)
+    out = layer(x, logits)
+    assert calls == [("gate_up", 1, None), ("down", 2, None)]
+    layer.quant_method.emulate = True  # the emulated path, activations quantized: close
+    ref = layer(x, logits)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0.1 * ref.abs().max().item())
+    layer.quant_method.emulate = False
+    layer(torch.randn(3, h, generator=g), torch.randn(3, e, generator=g))  # 6 slots: not them
+    assert len(calls) == 2

@@ -155,6 +155,13 @@ class Fp8MoEMethod:
         topk_ids: torch.Tensor,  # [T, k] int32
     ) -> torch.Tensor:  # [T, H], x's dtype
         w13, w2 = layer.w13_weight, layer.w2_weight
+        if not self.emulate and use_fp8_decode_kernels(x, w13, topk_ids, self.block_shape):
+            act = ops.moe_decode_gate_up_fp8(
+                x, topk_ids, w13, layer.w13_weight_scale, self.block_shape
+            )  # [T * k, I]
+            return ops.moe_decode_down_combine_fp8(
+                act, topk_ids, topk_weights, w2, layer.w2_weight_scale, self.block_shape
+            )
         if not self.emulate and FP8_MOE_BACKEND == "triton" and triton_moe_fp8.supports(x, w13, w2):
             return triton_moe_fp8.fused_experts_triton_fp8(
                 x, w13, layer.w13_weight_scale, w2, layer.w2_weight_scale,
