@@ -5,22 +5,25 @@
 # it is skipped, the summary always prints). From a built checkout (scripts/dev_build.sh with
 # the CUDA kernels):
 #
-#   bash bench/issue41_suite.sh OUT                        # STEPS="check layer"  (~5 min)
+# In order of what they decide (times are estimates, not measured: BUDGET_S guards them):
+#   bash bench/issue41_suite.sh OUT                        # STEPS="check layer"   (~4.5 min)
 #   STEPS="qwen3 mixtral" bash bench/issue41_suite.sh OUT  # pagedd, controlled routing (~5.5 min)
-#   STEPS=vllm VLLM_SITE=DIR bash bench/issue41_suite.sh OUT         # vLLM Qwen3 (~5.5 min)
-#   STEPS=vllm_mixtral VLLM_SITE=DIR bash bench/issue41_suite.sh OUT # vLLM Mixtral (~5 min)
-#   STEPS="dense prefill" bash bench/issue41_suite.sh OUT  # FP8 GEMV A/B, short prefill (~5 min)
+#   STEPS=vllm BUDGET_S=420 VLLM_SITE=DIR bash bench/issue41_suite.sh OUT  # vLLM Qwen3 (~6 min)
+#   STEPS="layer_ab prefill" bash bench/issue41_suite.sh OUT  # layer A/B rows, short prefill (~5 min)
+#   STEPS=dense bash bench/issue41_suite.sh OUT            # FP8 GEMV / swap A/B (~3.5 min)
+#   STEPS=vllm_mixtral BUDGET_S=420 VLLM_SITE=DIR bash bench/issue41_suite.sh OUT  # (~6 min)
 #   STEPS=profile bash bench/issue41_suite.sh OUT          # W1 + MoE decode-step profiles (~5 min)
 #
 # The groups:
 #   check:   GPU tests of the FP8 MoE decode kernels and the FP8 Triton path
 #            (tests/gpu/test_moe_decode_fp8_gpu.py, test_moe_triton_fp8_gpu.py), the bf16 Triton
-#            path (spread tiles), the bf16 decode kernels and the grouped FP8 path
+#            path (spread tiles) and the grouped FP8 path
 #   layer:   bench_moe.py, the MoE layer alone per token count (CUDA graphs, uniform routing,
-#            experts hit and the weight floor): Qwen3-30B-A3B bf16 / FP8 per channel / FP8
-#            128x128 blocks / FP8 on the grouped path (before) / FP8 all w8a8; Mixtral-8x7B
-#            bf16 and FP8; at 1-4 tokens the decode kernels (bf16 and FP8) against the Triton
-#            path with spread tiles (--decode-max-slots 0)
+#            experts hit and the weight floor): Qwen3-30B-A3B and Mixtral-8x7B, bf16 and FP8
+#   layer_ab: the same for the A/B rows: at 1-4 tokens the decode kernels (bf16 and FP8)
+#            against the Triton path with spread tiles (--decode-max-slots 0); FP8 128x128
+#            blocks; FP8 on the grouped path (the path before, no decode kernels); FP8 w8a8 at
+#            8 and 64 tokens (--fp8-w8a16-max-tokens 0)
 #   qwen3, mixtral: pagedd W1 + TPOT at batch 1 and 64 with the routers re-drawn from
 #            ROUTER_SEED (bench/moe_routing.py: experts touched per step and the per-expert
 #            histogram in each JSON), bf16 and FP8 weights + FP8 KV
@@ -30,10 +33,12 @@
 #            (--fp8-swap-ab-max-tokens 16); W1 bf16 for calibration
 #   prefill: bench_prefill.py at short prompts, MHA 32/32 and GQA 32/8, every backend
 #   profile: W1 bf16 under torch.profiler (GPU time by kernel kind, idle), a decode step of
-#            Llama-3-8B at batch 256 and of Qwen3-30B-A3B bf16 / FP8 at batch 64 and 256
+#            Llama-3-8B at batch 256, of Mixtral-8x7B at batch 1 and of Qwen3-30B-A3B bf16 /
+#            FP8 at batch 64 and 256
 #
-# Environment: PYTHON (python3), STEPS, BUDGET_S (340), ROUTER_SEED (0), VLLM_SITE (vLLM's
-# install dir, for the vllm groups), TPOT_RUNS (3). Each step is its own process under
+# Environment: PYTHON (python3), STEPS, BUDGET_S (340; the vllm groups want 420: two vLLM
+# start-ups of ~2 min), ROUTER_SEED (0), VLLM_SITE (vLLM's install dir, for the vllm groups),
+# TPOT_RUNS (3). Each step is its own process under
 # `timeout`; its log and JSON land in OUT; bench/issue41_summary.py prints the table at the end.
 set -uo pipefail
 out=$(realpath -m "${1:-${OUT:-/tmp/issue41}}")
@@ -65,7 +70,7 @@ fp8=(--quantization fp8 --kv-cache-dtype fp8)
 if has check; then
   step check 200 "${pagedd[@]}" -- "$py" -m pytest -q -p no:cacheprovider \
     tests/gpu/test_moe_decode_fp8_gpu.py tests/gpu/test_moe_triton_fp8_gpu.py \
-    tests/gpu/test_moe_triton_gpu.py tests/gpu/test_moe_decode_gpu.py \
+    tests/gpu/test_moe_triton_gpu.py \
     "tests/gpu/test_moe_gpu.py::test_fp8_layer_against_emulated"
   tail -n 1 "$out/check.log" >&2
 fi
@@ -77,10 +82,14 @@ if has layer; then  # the most telling rows first: a cut budget drops the last o
     --out "$out/layer_qwen3_fp8.json"
   step layer_mixtral_bf16 60 "${pagedd[@]}" -- "$py" "${mx[@]}" --tokens 1,2,4,8,64,1024 \
     --out "$out/layer_mixtral_bf16.json"
-  step layer_mixtral_bf16_triton 50 "${pagedd[@]}" -- "$py" "${mx[@]}" --tokens 1,2,4 \
-    --decode-max-slots 0 --out "$out/layer_mixtral_bf16_triton.json"
   step layer_mixtral_fp8 60 "${pagedd[@]}" -- "$py" "${mx[@]}" --tokens 1,2,4,8,64,1024 \
     --quantization fp8 --out "$out/layer_mixtral_fp8.json"
+fi
+if has layer_ab; then  # the A/B rows of the layer: decode kernels vs Triton, blocks, before
+  q=(bench/bench_moe.py --shape qwen3-30b-a3b --tokens 1,8,64,256,1024,4096 --iters 30)
+  mx=(bench/bench_moe.py --shape mixtral-8x7b --iters 30)
+  step layer_mixtral_bf16_triton 50 "${pagedd[@]}" -- "$py" "${mx[@]}" --tokens 1,2,4 \
+    --decode-max-slots 0 --out "$out/layer_mixtral_bf16_triton.json"
   step layer_mixtral_fp8_triton 60 "${pagedd[@]}" -- "$py" "${mx[@]}" --tokens 1,2,4 \
     --quantization fp8 --decode-max-slots 0 --out "$out/layer_mixtral_fp8_triton.json"
   step layer_qwen3_fp8_triton 50 "${pagedd[@]}" -- "$py" bench/bench_moe.py \
@@ -90,9 +99,9 @@ if has layer; then  # the most telling rows first: a cut budget drops the last o
     --out "$out/layer_qwen3_fp8_block.json"
   step layer_qwen3_fp8_grouped 50 "${pagedd[@]}" -- "$py" bench/bench_moe.py \
     --shape qwen3-30b-a3b --tokens 1,64,4096 --iters 30 --quantization fp8 \
-    --moe-fp8-backend grouped --out "$out/layer_qwen3_fp8_grouped.json"
+    --moe-fp8-backend grouped --decode-max-slots 0 --out "$out/layer_qwen3_fp8_grouped.json"
   step layer_qwen3_fp8_w8a8 50 "${pagedd[@]}" -- "$py" bench/bench_moe.py \
-    --shape qwen3-30b-a3b --tokens 1,8,64 --iters 30 --quantization fp8 \
+    --shape qwen3-30b-a3b --tokens 8,64 --iters 30 --quantization fp8 \
     --fp8-w8a16-max-tokens 0 --out "$out/layer_qwen3_fp8_w8a8.json"
 fi
 if has qwen3; then
@@ -153,6 +162,9 @@ if has profile; then
   step profile_step_llama_256 90 "${pagedd[@]}" -- "$py" bench/profile_step.py \
     --model "$models/llama3-8b" --load-format dummy --num-seqs 256 --steps 10 \
     --out "$out/profile_step_llama_256.json"
+  step profile_step_mixtral_bf16_1 80 "${pagedd[@]}" -- "$py" bench/profile_step.py \
+    --model "$models/mixtral-8x7b" --load-format dummy --num-seqs 1 --steps 20 \
+    --prefill-steps 0 --moe-router-seed "$seed" --out "$out/profile_step_mixtral_bf16_1.json"
   for q in bf16 fp8; do
     for b in 64 256; do
       qflags=(); [ $q = fp8 ] && qflags=(--quantization fp8 --kv-cache-dtype fp8)
