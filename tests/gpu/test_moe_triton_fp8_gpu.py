@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from pydaemon import ops
-from pydaemon.layers.moe import FusedMoE, triton_moe, triton_moe_fp8
+from pydaemon.layers.moe import FusedMoE, experts, triton_moe, triton_moe_fp8
 from pydaemon.layers.moe import fp8 as moe_fp8
 from pydaemon.layers.moe.router import select_experts
 from pydaemon.quantization.config import Fp8Config
@@ -179,6 +179,9 @@ def test_cuda_graph_replay_follows_new_routing(shape, t):
 
 
 def test_fused_moe_layer_takes_the_fp8_triton_path(monkeypatch):
+    """Off the decode kernels' bound (0 here; at one token they take the step by default:
+    tests/gpu/test_moe_decode_fp8_gpu.py), every FP8 step runs this path."""
+    monkeypatch.setattr(experts, "MOE_DECODE_MAX_SLOTS", 0)
     calls = []
     real = triton_moe_fp8.fused_experts_triton_fp8
 
