@@ -11,7 +11,7 @@ and map global ids to local ones before the align step.
 Loading: the checkpoint keeps one tensor per expert and projection (``experts.{e}.gate_proj``
 or Mixtral's ``experts.{e}.w1`` ...); ``checkpoint_parts`` says where each goes (the loader,
 pydaemon/model_loader/weight_targets.py, stacks them). Quantized (``quant_config``): FP8
-weights and per-channel scales (fp8.py).
+weights and per-channel or block scales (fp8.py).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from pydaemon.distributed import parallel_state as ps
-from pydaemon.layers.moe.align import moe_align
 from pydaemon.layers.moe.experts import fused_experts
 from pydaemon.layers.moe.fp8 import Fp8MoEMethod
 from pydaemon.layers.moe.router import SCORING_FUNCS, select_experts
@@ -87,27 +86,29 @@ class FusedMoE(nn.Module):
         if self.quant_method is None:
             out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         else:
-            sorted_token_ids, inverse, offsets = moe_align(topk_ids, self.num_experts)
-            out = self.quant_method.apply(self, x, topk_weights, sorted_token_ids, inverse, offsets)
+            out = self.quant_method.apply(self, x, topk_weights, topk_ids)
         return ps.all_reduce(out) if self.reduce_results else out
 
     def checkpoint_parts(
         self,
     ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None, tuple[int, int, int, int]]]:
         """-> (checkpoint module under this one, e.g. ``3.gate_proj``; the weight rows it fills
-        [rows, cols]; their scales [rows] (FP8) or None; the slice (dim, start, stop,
-        full_size) of the checkpoint tensor this rank reads), expert by expert, gate, up,
-        down: the order dummy weights are drawn in."""
+        [rows, cols]; their scales (FP8: [rows] per channel, or [rows / bn, col blocks] per
+        block, fp8.py) or None; the slice (dim, start, stop, full_size) of the checkpoint
+        tensor this rank reads), expert by expert, gate, up, down: the order dummy weights
+        are drawn in."""
         i, full = self.intermediate_per_rank, self.intermediate_size
         start = ps.get_tp_rank() * i
         gate, up, down = self.expert_names
-        fp8 = self.quant_method is not None
+        quant = self.quant_method
         for e in range(self.num_experts):
             for name, offset in ((gate, 0), (up, i)):
                 weight = self.w13_weight.data[e].narrow(0, offset, i)
-                scale = self.w13_weight_scale.data[e].narrow(0, offset, i) if fp8 else None
+                scale = None
+                if quant is not None:
+                    scale = quant.scale_rows(self.w13_weight_scale.data[e], "w13", offset, i)
                 yield f"{e}.{name}", weight, scale, (0, start, start + i, full)
-            scale = self.w2_weight_scale.data[e] if fp8 else None
+            scale = None if quant is None else self.w2_weight_scale.data[e]
             yield f"{e}.{down}", self.w2_weight.data[e], scale, (1, start, start + i, full)
 
     def extra_repr(self) -> str:
