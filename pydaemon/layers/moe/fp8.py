@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from pydaemon.layers.activation import SiluAndMul
+from pydaemon.layers.moe.align import moe_align
 from pydaemon.layers.moe.experts import _capability_major, moe_combine, per_expert
 from pydaemon.quantization.fp8 import (
     FP8_DTYPE,
@@ -74,10 +75,9 @@ class Fp8MoEMethod:
         layer: nn.Module,
         x: torch.Tensor,  # [T, H]
         topk_weights: torch.Tensor,  # [T, k] float32
-        sorted_token_ids: torch.Tensor,  # [T * k] int32
-        inverse: torch.Tensor,  # [T * k] int32
-        expert_offsets: torch.Tensor,  # [E] int32
+        topk_ids: torch.Tensor,  # [T, k] int32
     ) -> torch.Tensor:  # [T, H], x's dtype
+        sorted_token_ids, inverse, expert_offsets = moe_align(topk_ids, layer.num_experts)
         xq, x_scale = quantize_per_token(x)  # [T, H] fp8, [T, 1]
         index = sorted_token_ids
         rows_q = xq.view(torch.uint8).index_select(0, index).view(FP8_DTYPE)  # [T * k, H]
