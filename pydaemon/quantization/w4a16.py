@@ -7,9 +7,12 @@ per row, CUDA cores), larger ones the tensor-core GEMM. Tiles by rows: ``gemv_co
 SMs and the byte counts below, not timed): ``bench/bench_int4_gemm.py --sweep`` times the
 alternatives on the GPU and prints the table to put here.
 
-- GEMV: BLOCK_N 8 rows x BLOCK_K 2048 columns a tile (8 KB of int32 words, 16 per thread of
-  4 warps, four 16-byte loads in flight each), so that a Llama-3-8B o_proj (N 4096) has 512
-  programs (~4 per SM) and ~32 KB of loads in flight per SM without split-K.
+- GEMV: BLOCK_N 16 rows x BLOCK_K 1024 columns a tile (8 KB of int32 words: two 16-byte
+  loads per thread of 8 warps, and as many prefetched for the next tile), so that a Llama-3-8B
+  o_proj (N 4096) has 256 programs (~2 per SM, 57 registers a thread: up to 4 fit) and ~32 KB
+  of loads in flight per SM without split-K. BLOCK_K / 8 must stay within the program's
+  threads (32 x num_warps): the activations are then loaded straight into the layout of the
+  weight tile (checked on the sm_90 compile: one layout conversion, outside the loop).
 - GEMM: the shapes of a usual Triton bf16 GEMM by M, with BLOCK_K <= the group size (one
   group's scale per K tile).
 
@@ -52,7 +55,7 @@ GEMM_CONFIGS: tuple[tuple[int, GemmConfig], ...] = (
     (128, GemmConfig(64, 128, 128, 8, 4, 4)),
     (1 << 62, GemmConfig(128, 128, 64, 8, 8, 3)),
 )
-GEMV_CONFIG = GemvConfig(8, 2048, 4)
+GEMV_CONFIG = GemvConfig(16, 1024, 8)
 
 
 @functools.cache
@@ -86,7 +89,8 @@ def gemv_config(n: int, k: int, group: int, config: GemvConfig | None = None) ->
     is masked). A tile holds whole groups (power-of-two G below BLOCK_K) or lies in one
     (G a multiple of BLOCK_K, or G = K: one group per channel)."""
     cfg = config or GEMV_CONFIG
-    return cfg._replace(block_k=min(cfg.block_k, max(64, 1 << (k - 1).bit_length())))
+    block_k = min(cfg.block_k, max(64, 1 << (k - 1).bit_length()), 8 * 32 * cfg.num_warps)
+    return cfg._replace(block_k=block_k)
 
 
 class PackedWeights(NamedTuple):

@@ -16,8 +16,9 @@ BLOCK_N outputs of one row, streaming BLOCK_N weight rows of BLOCK_K columns per
 without an int-to-float conversion: ``(word & (0xF << 4j)) | 0x4B000000`` read as float32 is
 2^23 + code * 2^4j (j < 4; the upper four nibbles come from ``word >> 16``), so one AND-OR and
 one subtraction give code * 2^4j exactly, and the activation is pre-scaled by 2^-4j (once a
-tile, shared by the BLOCK_N rows). The group's scale and zero point are applied once per
-(row, group): sum_k (code_k - z) * s * x_k = s * (sum_k code_k x_k - z * sum_k x_k).
+tile, shared by the BLOCK_N rows). The group's scale and zero point are applied per word
+(8 columns) rather than per column: sum_k (code_k - z) s x_k = s (sum_k code_k x_k - z sum_k
+x_k), and the partial sums are reduced across threads once, after the loop.
 Rows: a dense layer's tokens, or (MOE) the (token, expert) slots, each with its expert's
 weights (``expert_ids``) and its token's activation row (slot // A_ROW_DIV).
 
@@ -44,7 +45,7 @@ try:
 except AttributeError:  # triton < 3.4 has no knobs
     INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-MAGIC = 0x4B000000  # float32 2^23: its mantissa holds small integers exactly
+MAGIC = tl.constexpr(0x4B000000)  # float32 2^23: its mantissa holds small integers exactly
 
 
 @triton.jit
@@ -110,15 +111,24 @@ def w4a16_gemv_kernel(
     word = offs_g[:, None] * PG + offs_p[None, :]  # [NG, PG] word index within the tile
     w_rows = w_ptr + expert * N * KW + rows_n.to(tl.int64) * KW  # [BLOCK_N]
     s_rows = expert * N * NUM_GROUPS + rows_n.to(tl.int64) * NUM_GROUPS  # [BLOCK_N]
-    acc = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
+    # Accumulated per (row, group, word) and reduced once at the end: no cross-thread
+    # reduction (shared memory, barriers) inside the loop.
+    acc = tl.zeros((BLOCK_N, NG, PG), dtype=tl.float32)
+    # The next tile's words are loaded before this tile is computed (a register prefetch:
+    # Triton pipelines only the loads that feed tl.dot), doubling the bytes in flight.
+    in_next = word < KW
+    q_next = tl.load(w_rows[:, None, None] + word[None, :, :], mask=in_next[None, :, :], other=0)
     for k0 in range(0, K, BLOCK_K):
         w_idx = k0 // 8 + word  # [NG, PG]
         in_k = w_idx < KW
-        q = tl.load(w_rows[:, None, None] + w_idx[None, :, :], mask=in_k[None, :, :], other=0)
+        q = q_next
+        in_next = w_idx + BLOCK_K // 8 < KW
+        q_next = tl.load(w_rows[:, None, None] + (w_idx + BLOCK_K // 8)[None, :, :],
+                         mask=in_next[None, :, :], other=0)  # fmt: skip
         group = (k0 + offs_g * PG * 8) // GROUP  # [NG]
-        in_g = group < NUM_GROUPS
-        s_idx = s_rows[:, None] + group[None, :]  # [BLOCK_N, NG]
-        scale = tl.load(scale_ptr + s_idx, mask=in_g[None, :], other=0)
+        in_g = (group < NUM_GROUPS)[None, :, None]
+        s_idx = s_rows[:, None, None] + group[None, :, None]  # [BLOCK_N, NG, 1]
+        scale = tl.load(scale_ptr + s_idx, mask=in_g, other=0)
         part = tl.zeros((BLOCK_N, NG, PG), dtype=tl.float32)
         x_sum = tl.zeros((NG, PG), dtype=tl.float32)
         for j in tl.static_range(8):
@@ -137,16 +147,15 @@ def w4a16_gemv_kernel(
             else:
                 value = _e2m1((q >> (4 * j)) & 0xF)
                 part += value * x[None, :, :]
-        dot = tl.sum(part, axis=2)  # [BLOCK_N, NG]
         if FORMAT == 0:
             if HAS_ZP:
-                zero = tl.load(zero_ptr + s_idx, mask=in_g[None, :], other=0).to(tl.float32)
+                zero = tl.load(zero_ptr + s_idx, mask=in_g, other=0).to(tl.float32)
             else:
                 zero = 8.0
-            acc += scale.to(tl.float32) * (dot - zero * tl.sum(x_sum, axis=1)[None, :])
+            acc += scale.to(tl.float32) * (part - zero * x_sum[None, :, :])
         else:
-            acc += _e8m0(scale) * dot
-    out = tl.sum(acc, axis=1)  # [BLOCK_N]
+            acc += _e8m0(scale) * part
+    out = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BLOCK_N]
     if HAS_BIAS:
         out += tl.load(bias_ptr + expert * N + rows_n).to(tl.float32)
     if MUL_WEIGHT:
