@@ -286,9 +286,11 @@ def write_dequantized_checkpoint(src: Path, dst: Path, reference: dict[str, torc
     save_file(tensors, str(dst / "model.safetensors"))
 
 
-def logit_error(ref: torch.Tensor, got: torch.Tensor) -> float:
-    """max |got - ref| over the logits, relative to ref's standard deviation."""
-    return float((got.double() - ref.double()).abs().max() / ref.double().std())
+def logit_error(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
+    """(root-mean-square, max) of |got - ref| over the logits, relative to ref's standard
+    deviation."""
+    diff, std = (got.double() - ref.double()), ref.double().std()
+    return float(diff.pow(2).mean().sqrt() / std), float(diff.abs().max() / std)
 
 
 def num_groups(k: int, group: int | None) -> int:
