@@ -76,9 +76,8 @@ def dense(args, ceiling: float) -> list[dict]:
             rel = float((got - want).abs().max() / want.abs().max())
             nbytes = _bytes(m, n, k, args.group, args.zero_points)
             t_bf16 = bench_ms(lambda x=x, w=w_bf16: x @ w.t())["median_ms"]
-            t_int4 = bench_ms(lambda x=x: w4a16.linear(x, qweight, scales, zeros, None))[
-                "median_ms"
-            ]
+            run = functools.partial(w4a16.linear, x, qweight, scales, zeros, None)
+            t_int4 = bench_ms(run)["median_ms"]
             row = dict(shape=name, n=n, k=k, m=m, bf16_ms=t_bf16, int4_ms=t_int4,
                        speedup=t_bf16 / t_int4, int4_gbs=nbytes / t_int4 / 1e6,
                        bf16_gbs=(n * k * 2 + m * (n + k) * 2) / t_bf16 / 1e6,
@@ -121,34 +120,31 @@ def sweep(x, packed, m: int, n: int, k: int, group: int) -> dict:
     return {"best": best, "times_ms": out}
 
 
+def _expert_weights(fmt: str, e: int, n: int, k: int, gen: torch.Generator):
+    """-> (E experts' [n, k] weights packed as ``fmt``, the bytes of one expert)."""
+    from pydaemon.layers.moe.w4a16_moe import ExpertWeights
+    from pydaemon.quantization.int4 import pack_int4
+    from pydaemon.quantization.mxfp4 import quantize_mxfp4
+
+    if fmt == "mxfp4":
+        packed, scales = quantize_mxfp4(torch.randn(e, n, k, device="cuda", generator=gen) * 0.02)
+        return ExpertWeights(packed, scales, None, None, None, "mxfp4"), n * k // 2 + n * k // 32
+    q = torch.randint(0, 16, (e, n, k), device="cuda", dtype=torch.int32, generator=gen)
+    scales = (torch.rand(e, n, k // 128, device="cuda", generator=gen) * 0.01).half()
+    return ExpertWeights(pack_int4(q), scales, None, None, None, "int4"), n * k // 2 + n * k // 64
+
+
 def moe(args, ceiling: float) -> list[dict]:
     from pydaemon.layers.activation import SiluAndMul
     from pydaemon.layers.moe import triton_moe, w4a16_moe
     from pydaemon.layers.moe.router import select_experts
-    from pydaemon.layers.moe.w4a16_moe import ExpertWeights
-    from pydaemon.quantization.int4 import pack_int4
-    from pydaemon.quantization.mxfp4 import quantize_mxfp4
 
     act = SiluAndMul()
     rows = []
     for name, e, h, inter, top_k, fmt in MOE_SHAPES:
         gen = torch.Generator(device="cuda").manual_seed(0)
-
-        def weights(n, k):
-            if fmt == "mxfp4":
-                w = torch.randn(e, n, k, device="cuda", generator=gen) * 0.02
-                packed, scales = quantize_mxfp4(w)
-                return ExpertWeights(
-                    packed, scales, None, None, None, "mxfp4"
-                ), n * k // 2 + n * k // 32
-            q = torch.randint(0, 16, (e, n, k), device="cuda", dtype=torch.int32, generator=gen)
-            scales = (torch.rand(e, n, k // 128, device="cuda", generator=gen) * 0.01).half()
-            return ExpertWeights(
-                pack_int4(q), scales, None, None, None, "int4"
-            ), n * k // 2 + n * k // 64
-
-        w13, b13 = weights(2 * inter, h)
-        w2, b2 = weights(h, inter)
+        w13, b13 = _expert_weights(fmt, e, 2 * inter, h, gen)
+        w2, b2 = _expert_weights(fmt, e, h, inter, gen)
         w13_bf16 = torch.randn(e, 2 * inter, h, device="cuda", dtype=torch.bfloat16) * 0.02
         w2_bf16 = torch.randn(e, h, inter, device="cuda", dtype=torch.bfloat16) * 0.02
         router = torch.randn(h, e, device="cuda", generator=gen)
