@@ -109,6 +109,35 @@ def test_tp2_gptq_act_order_equals_tp1(llama, tmp_path):
     assert outs[0] == outs[1]
 
 
+@pytest.mark.parametrize("case", ["awq-dense", "gptq-experts", "mxfp4-experts"])
+def test_tp2_int4_and_mxfp4_shards_equal_tp1(tmp_path, case):
+    """Whole groups per rank: a dense AWQ Llama (o_proj / down_proj sliced by groups of 32),
+    GPTQ experts (the down projection's 32 intermediate columns as two groups of 16) and
+    MXFP4 experts (64 intermediate columns: one 32-column block per rank)."""
+    if case == "awq-dense":
+        src = save_hf_model(tmp_path, "llama", seed=6)
+        write_int4_checkpoint(src, tmp_path / "q", "awq", group=32)
+    elif case == "gptq-experts":
+        src = save_hf_moe_model(tmp_path, "qwen3_moe", seed=6)
+        write_int4_checkpoint(src, tmp_path / "q", "gptq", group=16, sym=True)
+    else:
+        from w4_checkpoints import write_mxfp4_checkpoint
+
+        src = save_hf_moe_model(tmp_path, "qwen3_moe", seed=6, moe_intermediate_size=64)
+        write_mxfp4_checkpoint(src, tmp_path / "q")
+    prompts = [[5, 6, 7, 8, 9], list(range(40, 60)), [3] * 7]
+    outs = []
+    for tp in (1, 2):
+        llm = LLM(str(tmp_path / "q"), device="cpu", dtype="float32", num_kv_blocks=64,
+                  tensor_parallel_size=tp)  # fmt: skip
+        try:
+            got = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+            outs.append([o.outputs[0].token_ids for o in got])
+        finally:
+            llm.engine.shutdown()
+    assert outs[0] == outs[1]
+
+
 def test_tp_that_splits_a_group_is_refused(llama, tmp_path):
     write_int4_checkpoint(llama, tmp_path / "q", "awq", group=64)
     # o_proj: 64 input columns, one group; two ranks would hold half a group each.
