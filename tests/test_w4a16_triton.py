@@ -88,8 +88,8 @@ def test_gemv_compiles_for_hopper(n, k, group, fmt, moe):
 
 
 @needs_triton
-@pytest.mark.parametrize("rows", [16, 64, 512])
-@pytest.mark.parametrize("n,k,group,fmt,moe", SHAPES[::2] + SHAPES[-1:])
+@pytest.mark.parametrize("rows", [16, 512])
+@pytest.mark.parametrize("n,k,group,fmt,moe", SHAPES[1::2] + SHAPES[-2:-1])
 def test_gemm_compiles_for_hopper(n, k, group, fmt, moe, rows):
     from pydaemon.quantization.w4a16_kernels import w4a16_gemm_kernel
 

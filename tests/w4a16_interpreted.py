@@ -55,12 +55,11 @@ def _reference_dense(x, qweight, scales, zeros, perm):
     return xs @ w.t()
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n,k,group,zp,act_order", [
-    (40, 256, 32, True, False), (24, 128, None, False, False), (16, 96, 16, True, True),
-    (32, 512, 128, False, False),
+@pytest.mark.parametrize("n,k,group,zp,act_order,dtype", [
+    (40, 256, 32, True, False, torch.bfloat16), (24, 128, None, False, False, torch.float16),
+    (16, 96, 16, True, True, torch.bfloat16), (32, 512, 128, False, False, torch.float16),
 ])  # fmt: skip
-@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("rows", [1, 5])  # the GEMV, the GEMM
 def test_dense_kernels(dtype, n, k, group, zp, act_order, rows):
     gen = torch.Generator().manual_seed(n * k + rows)
     qweight, scales, zeros, perm = _int4_layer(n, k, group, zp, act_order, gen)
@@ -116,13 +115,14 @@ def _moe_weights(kind, e, n, k, gen, zp=True, act_order=False, bias=False):
 @pytest.mark.parametrize("kind,zp,act_order,bias", [
     ("int4", True, False, False), ("int4", False, True, False), ("mxfp4", False, False, True),
 ])  # fmt: skip
-@pytest.mark.parametrize("tokens", [1, 3, 9])
+@pytest.mark.parametrize("tokens", [2, 9])
 def test_moe_paths(kind, zp, act_order, bias, tokens, monkeypatch):
     e, h, inter, top_k = 6, 64, 32, 2
     gen = torch.Generator().manual_seed(tokens * 11 + len(kind))
     w13 = _moe_weights(kind, e, 2 * inter, h, gen, zp, act_order, bias)
     w2 = _moe_weights(kind, e, h, inter, gen, zp, act_order, bias)
-    x = torch.randn(tokens, h, generator=gen).to(torch.bfloat16)
+    # float16: the interpreter emulates bfloat16 by truncation (numpy has none), ~3x the error
+    x = torch.randn(tokens, h, generator=gen).to(torch.float16)
     logits = torch.randn(tokens, e, generator=gen)
     topk_weights, topk_ids = select_experts(logits, top_k, "softmax", True)
     want = _moe_reference(x, w13, w2, topk_weights, topk_ids)
@@ -131,5 +131,8 @@ def test_moe_paths(kind, zp, act_order, bias, tokens, monkeypatch):
     for bound in (0, 1 << 20):  # the GEMM path, then the per-slot GEMV path
         monkeypatch.setattr(w4a16_moe, "MOE_GEMV_MAX_TOKENS", bound)
         got = w4a16_moe.fused_experts(x, w13, w2, topk_weights, topk_ids, SiluAndMul())
-        err = (got.double() - want).abs().max() / want.abs().max()
-        assert err < 3e-2, (bound, err)
+        diff = got.double() - want
+        rms = float(diff.pow(2).mean().sqrt() / want.pow(2).mean().sqrt())
+        worst = float(diff.abs().max() / want.abs().max())
+        # fp16 roundings of the weights, of h and of the output, through the SiLU product
+        assert rms < 3e-3 and worst < 1e-2, (bound, rms, worst)

@@ -125,8 +125,11 @@ def test_moe_against_float64(fmt, tokens):
                                             top_k, "softmax", True)  # fmt: skip
     want = _moe_reference(x, w13, w2, topk_weights, topk_ids)
     got = w4a16_moe.fused_experts(x, w13, w2, topk_weights, topk_ids, SiluAndMul())
-    err = float((got.double() - want).abs().max() / want.abs().max())
-    assert err < 3e-2, err
+    diff = got.double() - want
+    rms = float(diff.pow(2).mean().sqrt() / want.pow(2).mean().sqrt())
+    worst = float(diff.abs().max() / want.abs().max())
+    # bf16 roundings of the weights, of h and of the output, through the SiLU product
+    assert rms < 1.5e-2 and worst < 6e-2, (rms, worst)
 
 
 @pytest.mark.parametrize("fmt,kw", [
