@@ -15,7 +15,6 @@ gate/up rows interleaved, _scales, and down_proj_*; only the experts are quantiz
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from pathlib import Path
 
@@ -65,15 +64,6 @@ def pack_words(values: torch.Tensor, dim: int, order=tuple(range(8))) -> torch.T
     for i, j in enumerate(order):
         out |= v[..., j::8] << (4 * i)
     out = torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
-    return out.movedim(-1, dim).contiguous()
-
-
-def unpack_words(words: torch.Tensor, dim: int, order=tuple(range(8))) -> torch.Tensor:
-    """pack_words' inverse, by plain shifts (int64: no sign games)."""
-    w = words.movedim(dim, -1).long() & 0xFFFFFFFF
-    out = torch.zeros(*w.shape[:-1], w.shape[-1] * 8, dtype=torch.int64)
-    for i, j in enumerate(order):
-        out[..., j::8] = (w >> (4 * i)) & 0xF
     return out.movedim(-1, dim).contiguous()
 
 
@@ -291,7 +281,3 @@ def logit_error(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
     deviation."""
     diff, std = (got.double() - ref.double()), ref.double().std()
     return float(diff.pow(2).mean().sqrt() / std), float(diff.abs().max() / std)
-
-
-def num_groups(k: int, group: int | None) -> int:
-    return 1 if group is None else math.ceil(k / group)

@@ -43,7 +43,6 @@ class Int4Checkpoint:
     zero_offset: int = 0  # GPTQ v1 stores zero - 1: add this back
     ignored_layers: tuple[str, ...] = ()  # as the format writes them (see is_ignored)
     targets: tuple[str, ...] = ("Linear",)  # CT config group targets, GPTQ block modules
-    weight_type = "int4"
 
     @property
     def skip_source(self) -> str:
@@ -78,7 +77,6 @@ class Mxfp4Checkpoint:
 
     ignored_layers: tuple[str, ...] = ()  # modules_to_not_convert (``*`` per component)
     quant_method = "mxfp4"
-    weight_type = "mxfp4"
     skip_source = "modules_to_not_convert"
     skips_layers = False  # linear layers are never MXFP4: nothing to skip among them
 

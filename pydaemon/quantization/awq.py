@@ -28,16 +28,6 @@ def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
     return nibbles.index_select(2, order).reshape(packed.shape[0], -1)
 
 
-def pack_awq(q: torch.Tensor) -> torch.Tensor:
-    """[R, N] 0..15 -> [R, N / 8] int32 in AWQ's order (unpack_awq's inverse)."""
-    r, n = q.shape
-    cols = q.to(torch.int32).reshape(r, n // 8, 8)
-    words = torch.zeros(r, n // 8, dtype=torch.int32, device=q.device)
-    for i, column in enumerate(AWQ_ORDER):
-        words |= cols[..., column] << (4 * i)
-    return words
-
-
 class _AwqReader:
     def roles(self, fmt: Int4Checkpoint) -> tuple[str, ...]:
         return ("qweight", "qzeros", "scales")
