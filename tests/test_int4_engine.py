@@ -166,7 +166,7 @@ def _all_logits(model_dir: Path, tokens: list[int]) -> torch.Tensor:
                                   dict(fmt="gptq", group=128, sym=True, desc_act=True),
                                   dict(fmt="ct", group=32, sym=True), dict(fmt="ct", group=None)],
                          ids=["awq-g128", "gptq-g128", "gptq-g128-act", "ct-g32-sym", "ct-channel"])  # fmt: skip
-def test_logit_error_against_the_unquantized_model(tmp_path_factory, case, capsys):
+def test_logit_error_against_the_unquantized_model(tmp_path_factory, case):
     """The figures of docs/models.md: a tiny Llama (hidden 256, 2 layers) quantized into each
     format, logits over 64 random tokens against the float32 model's."""
     tmp = tmp_path_factory.mktemp("acc")
@@ -180,10 +180,9 @@ def test_logit_error_against_the_unquantized_model(tmp_path_factory, case, capsy
     kl = torch.nn.functional.kl_div(got.log_softmax(-1), ref.log_softmax(-1), log_target=True,
                                     reduction="none").sum(-1)  # fmt: skip
     agree = float((ref.argmax(-1) == got.argmax(-1)).float().mean())
-    with capsys.disabled():
-        print(f"\n{case}: logit error / std(logits): rms {rms:.3f}, max {worst:.3f}; "
-              f"KL mean {float(kl.mean()):.4f}, max {float(kl.max()):.4f}; "
-              f"argmax agreement {agree:.3f}")  # fmt: skip
+    print(f"\n{case}: logit error / std(logits): rms {rms:.3f}, max {worst:.3f}; "
+          f"KL mean {float(kl.mean()):.4f}, max {float(kl.max()):.4f}; "
+          f"argmax agreement {agree:.3f}")  # fmt: skip  (shown with pytest -s)
     # A random model's logits are flat (argmax flips easily); bounds at ~2x the measured.
     assert rms < 0.7 and float(kl.mean()) < 0.1
 
