@@ -180,9 +180,11 @@ def test_logit_error_against_the_unquantized_model(tmp_path_factory, case):
     kl = torch.nn.functional.kl_div(got.log_softmax(-1), ref.log_softmax(-1), log_target=True,
                                     reduction="none").sum(-1)  # fmt: skip
     agree = float((ref.argmax(-1) == got.argmax(-1)).float().mean())
-    print(f"\n{case}: logit error / std(logits): rms {rms:.3f}, max {worst:.3f}; "
-          f"KL mean {float(kl.mean()):.4f}, max {float(kl.max()):.4f}; "
-          f"argmax agreement {agree:.3f}")  # fmt: skip  (shown with pytest -s)
+    print(
+        f"\n{case}: logit error / std(logits): rms {rms:.3f}, max {worst:.3f}; "
+        f"KL mean {float(kl.mean()):.4f}, max {float(kl.max()):.4f}; "
+        f"argmax agreement {agree:.3f}"
+    )  # fmt: skip  (shown with pytest -s)
     # A random model's logits are flat (argmax flips easily); bounds at ~2x the measured.
     assert rms < 0.7 and float(kl.mean()) < 0.1
 
