@@ -44,6 +44,9 @@ from bench.workloads import add_workload_flags, build_workload, summarize  # noq
 BACKENDS = ("pagedd", "pagedd-sync", "pagedd-fp8", "vllm", "vllm-fp8", "hf-continuous", "hf-static")
 
 
+QUANTIZATIONS = ("fp8", "fp8_emulated", "awq", "gptq", "compressed-tensors", "mxfp4")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="throughput", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -73,8 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json-schema-workload", action="store_true",
                    help="every request carries a JSON schema (structured outputs; a synthetic "
                    "tokenizer is written for a model without one); compile cache warmed first")  # fmt: skip
-    e.add_argument("--quantization", choices=("fp8", "fp8_emulated"), default=None,
-                   help="FP8 weights (fp8: CUDA sm_89+); default: as the checkpoint is")  # fmt: skip
+    e.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                   help="FP8 weights (fp8: CUDA sm_89+), or 4-bit weights in a checkpoint "
+                   "format's layout (awq / gptq / compressed-tensors: int4 group 128; mxfp4: "
+                   "MoE experts; with dummy weights); default: as the checkpoint is")  # fmt: skip
     kernel_switches.add_arguments(p)
     moe_routing.add_arguments(p)
     h = p.add_argument_group("transformers peers")

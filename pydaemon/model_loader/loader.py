@@ -20,7 +20,11 @@ TP size (nor on the packing).
 Quantization (``quantization="fp8"``, or a checkpoint whose config.json says it is FP8; see
 pydaemon/quantization/): the linear layers hold FP8 weights with per-channel scales, filled
 from the checkpoint's FP8 tensors or quantized from unquantized ones as they are copied
-(dummy weights too: the same draws as the unquantized model, then quantized). The layers a
+(dummy weights too: the same draws as the unquantized model, then quantized). A 4-bit
+checkpoint (AWQ, GPTQ, compressed-tensors pack-quantized; gpt-oss's MXFP4 experts) is
+repacked at load into the engine's layout (model_loader/int4_loading.py, mxfp4_loading.py);
+``load_format="dummy"`` with ``quantization="awq"`` (or another 4-bit method) quantizes the
+unquantized model's draws into that layout. The layers a
 quantized checkpoint lists as left unquantized (pydaemon/model_loader/ignored_layers.py)
 stay in the model's dtype and load their checkpoint weights as they are.
 """
@@ -36,11 +40,15 @@ from safetensors import safe_open
 from torch import nn
 
 from pydaemon.config.model import ModelConfig, resolve_dtype
+from pydaemon.distributed import parallel_state as ps
 from pydaemon.gguf import GGUFFile, is_gguf_file, load_gguf_config
 from pydaemon.gguf.weights import iter_gguf_weights
 from pydaemon.layers.rotary_embedding import RotaryEmbedding
+from pydaemon.model_loader import mxfp4_loading
 from pydaemon.model_loader.fp8_loading import Fp8Target
 from pydaemon.model_loader.ignored_layers import skip_ignored_layers
+from pydaemon.model_loader.int4_loading import Int4Target
+from pydaemon.model_loader.mxfp4_loading import Mxfp4Target
 from pydaemon.model_loader.weight_targets import WeightLoader, weight_targets
 from pydaemon.models import get_model_class
 from pydaemon.quantization.config import resolve_quantization
@@ -73,7 +81,15 @@ def load_model(
     else:
         config = ModelConfig.from_model_dir(model_dir)
     torch_dtype = resolve_dtype(config, dtype)
-    quant_config = resolve_quantization(quantization, config.quantization, device)
+    quant_config = resolve_quantization(
+        quantization,
+        config.quantization,
+        device,
+        model_dtype=torch_dtype,
+        checkpoint_dtype=resolve_dtype(config, "auto") if gguf is None else None,
+        load_format=load_format,
+        tp_size=ps.get_tp_world_size(),
+    )
     with torch.device("meta"):
         model = get_model_class(config.architecture)(config, quant_config)
     if quant_config is not None:
@@ -132,8 +148,19 @@ def fill_dummy(model: nn.Module, seed: int, dtype: torch.dtype) -> None:
     device = next(model.parameters()).device
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
+    drawn: set[int] = set()  # int4 parts and MXFP4 layers already drawn
     for name, target in weight_targets(model).items():
-        if isinstance(target, Fp8Target):
+        if isinstance(target, Int4Target):
+            if id(target.part) not in drawn:  # the unquantized model's draws, quantized
+                drawn.add(id(target.part))
+                full = torch.empty(target.checkpoint_shape, dtype=dtype, device=device)
+                target.part.load_float(full.normal_(0.0, 0.02, generator=gen))
+                del full
+        elif isinstance(target, Mxfp4Target):
+            if id(target.module) not in drawn:
+                drawn.add(id(target.module))
+                mxfp4_loading.fill_dummy(target.module, gen, dtype)
+        elif isinstance(target, Fp8Target):
             if target.required:  # the unquantized model's draws, quantized as they load
                 full = torch.empty(target.checkpoint_shape, dtype=dtype, device=device)
                 target.load(name, full.normal_(0.0, 0.02, generator=gen), full.shape, "dummy")

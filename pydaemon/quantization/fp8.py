@@ -177,6 +177,7 @@ class Fp8LinearMethod:
     ``checkpoint``: how the checkpoint stores the weights (None: unquantized)."""
 
     own_dtype_params = ("weight", "weight_scale")
+    takes_fp8_input = True  # the op before may hand it an Fp8Activation
 
     def __init__(self, emulate: bool, checkpoint: CheckpointQuantization | None = None) -> None:
         self.emulate = emulate
