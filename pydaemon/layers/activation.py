@@ -1,4 +1,5 @@
-"""SwiGLU activation on the fused gate/up projection's output.
+"""Gated activations on the fused gate/up projection's output: SwiGLU (``SiluAndMul``) and
+Gemma's GeGLU with the tanh-approximated GeLU (``GeluTanhAndMul``).
 
 CUDA tensors run the pagedd ``silu_and_mul`` kernel (pydaemon/ops/activation.py) when
 ``_core`` has it; everything else runs the torch expression, which the kernel is tested
@@ -36,3 +37,27 @@ class SiluAndMul(nn.Module):
     def forward_native(x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
+
+
+class GeluTanhAndMul(nn.Module):
+    """``gelu_tanh(gate) * up`` for ``x = cat([gate, up], -1)``: [..., 2*d] -> [..., d], as
+    transformers' ``gelu_pytorch_tanh`` (each of the two ops rounded to x's dtype)."""
+
+    def forward(self, x: torch.Tensor, fp8_out: bool = False) -> torch.Tensor | Fp8Activation:
+        if fp8_out:
+            return Fp8Activation(*quantize_per_token(self.forward(x)), x.dtype)
+        return self.forward_native(x)
+
+    @staticmethod
+    def forward_native(x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
+
+
+def gated_activation(hidden_act: str) -> nn.Module:
+    """The fused-gate/up activation module for config.json's ``hidden_act``."""
+    if hidden_act == "silu":
+        return SiluAndMul()
+    if hidden_act == "gelu_pytorch_tanh":
+        return GeluTanhAndMul()
+    raise ValueError(f"unsupported hidden_act {hidden_act!r}")

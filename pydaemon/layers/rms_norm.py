@@ -1,5 +1,9 @@
 """RMSNorm, computed exactly as transformers' LlamaRMSNorm, optionally fused with the residual
-add before it (vLLM's ``fused_add_rms_norm``).
+add before it (vLLM's ``fused_add_rms_norm``); and the two variants other checkpoints need:
+
+- ``round_once`` (gpt-oss's GptOssRMSNorm): ``(weight * x_normalised).to(dtype)``, the
+  product in float32 and one rounding, where Llama rounds the normalised x first;
+- ``GemmaRMSNorm`` (Gemma 2 / 3): the same with ``(1 + weight)`` (weights stored around 0).
 
 CUDA tensors of the kernels' dtypes run one pagedd kernel (pydaemon/ops/layernorm.py) when
 ``_core`` has them; everything else (CPU, a build without kernels) runs the torch code below,
@@ -16,10 +20,22 @@ from pydaemon.quantization.fp8 import Fp8Activation, quantize_per_token
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        round_once: bool = False,
+        weight_offset: float = 0.0,
+    ) -> None:
+        """``round_once``: scale the float32 normalised x by ``weight + weight_offset`` (in
+        float32) and round once (gpt-oss, Gemma); else Llama's rounding."""
         super().__init__()
+        if weight_offset and not round_once:
+            raise ValueError("a weight offset is only defined with round_once (Gemma)")
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
+        self.round_once = round_once
+        self.weight_offset = weight_offset
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None, fp8_out: bool = False
@@ -63,11 +79,14 @@ class RMSNorm(nn.Module):
         x = hidden_states.to(torch.float32)
         variance = x.pow(2).mean(-1, keepdim=True)
         x = x * torch.rsqrt(variance + self.variance_epsilon)
+        if self.round_once:
+            return (x * (self.weight.float() + self.weight_offset)).to(input_dtype)
         return self.weight * x.to(input_dtype)
 
     def _uses_kernel(self, x: torch.Tensor) -> bool:
         return (
-            x.is_cuda
+            not self.round_once
+            and x.is_cuda
             and x.dtype in ops.LAYER_KERNEL_DTYPES
             and self.weight.dtype == x.dtype
             and ops.is_available()
@@ -79,3 +98,11 @@ class RMSNorm(nn.Module):
         rows = x.reshape(-1, x.shape[-1])
         out = ops.rms_norm(rows, self.weight, self.variance_epsilon)
         return out.view(x.shape)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """transformers' Gemma2RMSNorm / Gemma3RMSNorm: ``(x_normalised * (1 + weight)).to(dtype)``,
+    all in float32 (the checkpoint's weights sit around 0)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__(hidden_size, eps, round_once=True, weight_offset=1.0)

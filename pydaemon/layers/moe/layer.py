@@ -10,8 +10,14 @@ and map global ids to local ones before the align step.
 
 Loading: the checkpoint keeps one tensor per expert and projection (``experts.{e}.gate_proj``
 or Mixtral's ``experts.{e}.w1`` ...); ``checkpoint_parts`` says where each goes (the loader,
-pydaemon/model_loader/weight_targets.py, stacks them). Quantized (``quant_config``): FP8
-weights and per-channel scales (fp8.py).
+pydaemon/model_loader/weight_targets.py, stacks them). gpt-oss's checkpoint stacks them per
+layer with gate and up interleaved (``checkpoint_layout == "gpt_oss"``:
+pydaemon/model_loader/stacked_experts.py de-interleaves and transposes). Quantized
+(``quant_config``): FP8 weights and per-channel scales (fp8.py).
+
+gpt-oss also has expert biases (``has_bias``: ``w13_bias`` [E, 2 * I / tp], this rank's slice
+of gate then up as the weight; ``w2_bias`` [E, H], replicated, added by rank 0 only so that
+the all-reduced sum holds it once) and its clamped SwiGLU (``activation``: activation.py).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch
 from torch import nn
 
 from pydaemon.distributed import parallel_state as ps
+from pydaemon.layers.moe.activation import MoeActivation
 from pydaemon.layers.moe.align import moe_align
 from pydaemon.layers.moe.experts import fused_experts
 from pydaemon.layers.moe.fp8 import Fp8MoEMethod
@@ -49,6 +56,9 @@ class FusedMoE(nn.Module):
         expert_names: tuple[str, str, str] = QWEN_EXPERT_NAMES,
         reduce_results: bool = True,
         quant_config: Fp8Config | None = None,
+        activation: MoeActivation | None = None,
+        has_bias: bool = False,
+        checkpoint_layout: str = "per_expert",
     ) -> None:
         super().__init__()
         if scoring not in SCORING_FUNCS:
@@ -67,8 +77,17 @@ class FusedMoE(nn.Module):
         self.renormalize, self.scoring = renormalize, scoring
         self.expert_names = expert_names
         self.reduce_results = reduce_results
+        self.activation = activation or MoeActivation()
+        self.checkpoint_layout = checkpoint_layout
         self.quant_method: Fp8MoEMethod | None = None
         e, h, i = num_experts, hidden_size, self.intermediate_per_rank
+        self.w13_bias: nn.Parameter | None = None
+        self.w2_bias: nn.Parameter | None = None
+        if has_bias:
+            self.w13_bias = nn.Parameter(torch.empty(e, 2 * i), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.empty(e, h), requires_grad=False)
+        if (has_bias or not self.activation.is_silu) and quant_config is not None:
+            raise ValueError("quantized experts with biases or a non-SiLU activation")
         if quant_config is None:
             self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
             self.w2_weight = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
@@ -85,7 +104,12 @@ class FusedMoE(nn.Module):
             router_logits, self.top_k, self.scoring, self.renormalize
         )
         if self.quant_method is None:
-            out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+            # The replicated down bias belongs to the sum over ranks once: rank 0 adds it.
+            w2_bias = self.w2_bias if ps.get_tp_rank() == 0 else None
+            out = fused_experts(
+                x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation,
+                self.w13_bias, w2_bias,
+            )  # fmt: skip
         else:
             sorted_token_ids, inverse, offsets = moe_align(topk_ids, self.num_experts)
             out = self.quant_method.apply(self, x, topk_weights, sorted_token_ids, inverse, offsets)
@@ -114,5 +138,6 @@ class FusedMoE(nn.Module):
         return (
             f"num_experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
             f"intermediate={self.intermediate_per_rank}, scoring={self.scoring}, "
-            f"renormalize={self.renormalize}, fp8={self.quant_method is not None}"
+            f"renormalize={self.renormalize}, fp8={self.quant_method is not None}, "
+            f"activation={self.activation.name}, bias={self.w13_bias is not None}"
         )
