@@ -41,11 +41,18 @@ class SiluAndMul(nn.Module):
 
 class GeluTanhAndMul(nn.Module):
     """``gelu_tanh(gate) * up`` for ``x = cat([gate, up], -1)``: [..., 2*d] -> [..., d], as
-    transformers' ``gelu_pytorch_tanh`` (each of the two ops rounded to x's dtype)."""
+    transformers' ``gelu_pytorch_tanh`` (each of the two ops rounded to x's dtype); one pagedd
+    kernel on CUDA."""
 
     def forward(self, x: torch.Tensor, fp8_out: bool = False) -> torch.Tensor | Fp8Activation:
+        kernel = x.is_cuda and x.dtype in ops.LAYER_KERNEL_DTYPES and ops.is_available()
         if fp8_out:
+            if kernel and x.stride(-1) == 1:
+                return Fp8Activation(*ops.silu_and_mul_fp8_quant(x, "gelu_tanh"), x.dtype)
             return Fp8Activation(*quantize_per_token(self.forward(x)), x.dtype)
+        if kernel:
+            rows = x.reshape(-1, x.shape[-1])  # [rows, 2*d]
+            return ops.gated_act_and_mul(rows, "gelu_tanh").view(*x.shape[:-1], x.shape[-1] // 2)
         return self.forward_native(x)
 
     @staticmethod

@@ -56,7 +56,9 @@ class RMSNorm(nn.Module):
                 return self._forward_kernel(x)
             return self.forward_native(x)
         if self._uses_kernel(x):
-            out = ops.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon)
+            out = ops.fused_add_rms_norm(
+                x, residual, self.weight, self.variance_epsilon, None, *self._rounding()
+            )
             return out, residual
         hidden_states = x + residual
         return self.forward_native(hidden_states), hidden_states
@@ -65,7 +67,9 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> Fp8Activation | tuple[Fp8Activation, torch.Tensor]:
         if self._uses_kernel(x) and x.stride(-1) == 1:
-            xq, scale = ops.rms_norm_fp8_quant(x, self.weight, self.variance_epsilon, residual)
+            xq, scale = ops.rms_norm_fp8_quant(
+                x, self.weight, self.variance_epsilon, residual, *self._rounding()
+            )
             out = Fp8Activation(xq, scale, x.dtype)
             return out if residual is None else (out, residual)
         if residual is None:
@@ -83,10 +87,12 @@ class RMSNorm(nn.Module):
             return (x * (self.weight.float() + self.weight_offset)).to(input_dtype)
         return self.weight * x.to(input_dtype)
 
+    def _rounding(self) -> tuple[bool, float]:
+        return self.round_once, self.weight_offset
+
     def _uses_kernel(self, x: torch.Tensor) -> bool:
         return (
-            not self.round_once
-            and x.is_cuda
+            x.is_cuda
             and x.dtype in ops.LAYER_KERNEL_DTYPES
             and self.weight.dtype == x.dtype
             and ops.is_available()
@@ -96,7 +102,7 @@ class RMSNorm(nn.Module):
         # The kernel takes rows: [..., hidden_size] -> [rows, hidden_size] (a copy only when
         # x's rows are not evenly strided, e.g. Qwen3's per-head q/k norm on a qkv slice).
         rows = x.reshape(-1, x.shape[-1])
-        out = ops.rms_norm(rows, self.weight, self.variance_epsilon)
+        out = ops.rms_norm(rows, self.weight, self.variance_epsilon, None, *self._rounding())
         return out.view(x.shape)
 
 

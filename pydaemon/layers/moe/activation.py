@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pydaemon import ops
 from pydaemon.config.moe import MOE_ACTIVATIONS
 from pydaemon.layers.activation import SiluAndMul
 
@@ -38,6 +39,8 @@ class MoeActivation:
     def __call__(self, h: torch.Tensor) -> torch.Tensor:  # [rows, 2 * I] -> [rows, I]
         if self.is_silu:
             return _silu_and_mul(h)
+        if h.is_cuda and h.dtype in ops.LAYER_KERNEL_DTYPES and ops.is_available():
+            return ops.gated_act_and_mul(h, "swigluoai", self.alpha, self.limit)  # one kernel
         return swiglu_oai(h, self.alpha, self.limit)
 
 
