@@ -457,10 +457,20 @@ template <typename scalar_t, typename cache_t, int HEAD_DIM, bool MODS>
 cudaError_t launch_paged_decode_typed(const PagedDecodeParams& p, cudaStream_t stream) {
   const int group = p.num_q_heads / p.num_kv_heads;
   const dim3 grid(p.num_kv_heads, p.num_seqs, p.num_partitions);
-  PAGEDD_DISPATCH_BLOCK_SIZE(p.block_size, BLOCK_SIZE, PAGEDD_DISPATCH_HEADS(group, HEADS, {
-    paged_decode_kernel<scalar_t, cache_t, HEAD_DIM, BLOCK_SIZE, HEADS, MODS>
-        <<<grid, kDecodeWarps * 32, 0, stream>>>(p);
-  }));
+  if constexpr (MODS) {
+    // Layers with modifiers reach this kernel only above 16 query heads per kv head (the
+    // tensor-core kernel takes the others): passes of 8 heads serve every group, and one
+    // head count keeps the instances (and the build) small.
+    PAGEDD_DISPATCH_BLOCK_SIZE(p.block_size, BLOCK_SIZE, {
+      paged_decode_kernel<scalar_t, cache_t, HEAD_DIM, BLOCK_SIZE, 8, true>
+          <<<grid, kDecodeWarps * 32, 0, stream>>>(p);
+    });
+  } else {
+    PAGEDD_DISPATCH_BLOCK_SIZE(p.block_size, BLOCK_SIZE, PAGEDD_DISPATCH_HEADS(group, HEADS, {
+      paged_decode_kernel<scalar_t, cache_t, HEAD_DIM, BLOCK_SIZE, HEADS, false>
+          <<<grid, kDecodeWarps * 32, 0, stream>>>(p);
+    }));
+  }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || p.num_partitions == 1) return err;
   constexpr int kAnyLength = 0x7fffffff;  // the bound is on the span
