@@ -93,6 +93,7 @@ class GemmaModel(nn.Module):
         super().__init__()
         self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size)
         self.normalizer = config.hidden_size**0.5
+        self._rounded_normalizers: dict[torch.dtype, float] = {}
         self.layers = nn.ModuleList(
             [GemmaDecoderLayer(config, i, quant_config) for i in range(config.num_hidden_layers)]
         )
@@ -110,6 +111,13 @@ class GemmaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         ]
 
+    def _normalizer(self, dtype: torch.dtype) -> float:
+        """sqrt(hidden_size) rounded to the activation dtype first, as transformers does
+        (55.5 in bf16 for 3,072), as a Python number: no tensor per step."""
+        if dtype not in self._rounded_normalizers:
+            self._rounded_normalizers[dtype] = float(torch.tensor(self.normalizer, dtype=dtype))
+        return self._rounded_normalizers[dtype]
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T] int64
@@ -118,9 +126,7 @@ class GemmaModel(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden_size]
         hidden_states = self.embed_tokens(input_ids)
-        # As transformers: the factor rounded to the activation dtype first (55.5 in bf16).
-        normalizer = torch.tensor(self.normalizer, dtype=hidden_states.dtype)
-        hidden_states = hidden_states * normalizer
+        hidden_states = hidden_states * self._normalizer(hidden_states.dtype)
         ropes = [self.rotary_emb(positions)]
         if self.rotary_emb_local is not None:
             ropes.append(self.rotary_emb_local(positions))
