@@ -4,6 +4,12 @@
     # the decode kernels side by side (GQA 32/8 and 32/4, bf16 and fp8 caches):
     PYTHONPATH=. python bench/bench_attention.py --kernel all --heads gqa32/8 gqa32/4 \
         --kv-cache-dtype auto fp8 --batches 1 8 32 64 256 [--quick]
+    # windowed decode (Mistral-7B: 4096; gpt-oss: 128 with sinks, head 64), against the same
+    # context without a window and SDPA over the window's keys:
+    PYTHONPATH=. python bench/bench_attention.py --kernel tc --heads gqa32/8 \
+        --sliding-window 4096 --contexts 4096 16384 32768 --batches 1 8 64
+    PYTHONPATH=. python bench/bench_attention.py --kernel tc --heads gqa64/8 --head-dim 64 \
+        --sliding-window 128 --sinks --contexts 1024 8192 --batches 1 64 256
 
 Kernels (``--kernel``): ``decode`` = the CUDA-core split-KV kernel (ops.paged_attention_decode),
 ``tc`` = the tensor-core GQA decode kernel (ops.paged_attention_decode_tc, default partition
@@ -16,6 +22,9 @@ Bytes counted per call: every K and V element of every sequence read once, plus 
 and the outputs. The SDPA peer reads the same K/V stored contiguously ([batch, kv_heads,
 context, head_dim]), with enable_gqa for grouped heads. ``--kv-cache-dtype fp8``: our cache is
 e4m3 (1 byte an element, counted so); the peer reads the dequantized K/V in the query dtype.
+``--sliding-window W``: our kernels skip the keys before the window (counted: min(context, W)
+keys a sequence), the peer attends over the last W keys; ``--sinks`` / ``--softcap C`` add the
+other score modifiers to ours (the peer has none: its error column is then not comparable).
 """
 
 from __future__ import annotations
@@ -36,7 +45,9 @@ from pydaemon import ops  # noqa: E402
 from pydaemon.quantization.kv_cache_fp8 import quantize_fp8  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-HEADS = {"gqa32/8": (32, 8), "gqa32/4": (32, 4), "mha32/32": (32, 32)}
+HEADS = {"gqa32/8": (32, 8), "gqa32/4": (32, 4), "mha32/32": (32, 32),
+         "gqa64/8": (64, 8), "gqa32/16": (32, 16), "gqa16/8": (16, 8)}  # fmt: skip
+# gqa64/8: gpt-oss (head 64); gqa32/16: Gemma-3-27B (head 128); gqa16/8: Gemma-2-9B (head 256)
 KERNELS = ("decode", "tc", "prefill")
 
 
@@ -48,8 +59,15 @@ def git_commit() -> str:
 
 
 def bench_shape(
-    dtype, num_q_heads, num_kv_heads, batch, ctx, head_dim, block_size, kv_fp8, kernels, copy_gbs
-):
+    dtype, num_q_heads, num_kv_heads, batch, ctx, head_dim, block_size, kv_fp8, kernels, copy_gbs,
+    mods=None,
+):  # fmt: skip
+    """mods: the score modifiers ours get (sliding_window, softcap, sinks), or None."""
+    mods = dict(mods or {})
+    if mods.pop("sinks", False):
+        mods["sinks"] = torch.randn(num_q_heads, device="cuda").to(dtype)
+    window = mods.get("sliding_window")
+    keys = min(ctx, window) if window else ctx  # what a sequence's decode reads
     blocks_per_seq = ctx // block_size
     num_blocks = batch * blocks_per_seq
     kv_cache = torch.randn(
@@ -66,17 +84,17 @@ def bench_shape(
     key_cache, value_cache = kv_cache[:, 0, 0], kv_cache[:, 0, 1]
     args = (query, key_cache, value_cache, block_tables, seq_lens)
     calls = {
-        "decode": lambda: ops.paged_attention_decode(*args, ctx, out=out),
-        "tc": lambda: ops.paged_attention_decode_tc(*args, ctx, out=out),
+        "decode": lambda: ops.paged_attention_decode(*args, ctx, out=out, **mods),
+        "tc": lambda: ops.paged_attention_decode_tc(*args, ctx, out=out, **mods),
         "prefill": lambda: ops.paged_attention_prefill(
-            *args, starts, 1, out=out, block_m=64, block_n=64
+            *args, starts, 1, out=out, block_m=64, block_n=64, **mods
         ),
     }
     for name in kernels:  # "tc@P": the tensor-core kernel with P keys per partition
         if name.startswith("tc@"):
             size = int(name[3:])
             calls[name] = lambda size=size: ops.paged_attention_decode_tc(
-                *args, ctx, out=out, partition_size=size
+                *args, ctx, out=out, partition_size=size, **mods
             )
 
     # The same K/V, contiguous: [batch, num_kv_heads, ctx, head_dim].
@@ -84,7 +102,8 @@ def bench_shape(
         g = cache[block_tables.long()]  # [batch, blocks, heads, bs, D]
         return g.permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, ctx, head_dim).to(dtype)
 
-    k, v = contiguous(key_cache), contiguous(value_cache)
+    # The window's keys only: the peer reads what ours does.
+    k, v = contiguous(key_cache)[:, :, ctx - keys :], contiguous(value_cache)[:, :, ctx - keys :]
     q4 = query.unsqueeze(2)  # [batch, num_q_heads, 1, head_dim]
     gqa = num_q_heads != num_kv_heads
 
@@ -93,14 +112,15 @@ def bench_shape(
 
     ref = sdpa().squeeze(2).float()
     t_sdpa = bench_ms(sdpa)
-    num_bytes = 2 * batch * ctx * num_kv_heads * head_dim * kv_bytes + 2 * query.numel() * 2
+    num_bytes = 2 * batch * keys * num_kv_heads * head_dim * kv_bytes + 2 * query.numel() * 2
     row = {
         "bytes": num_bytes,
         "sdpa_ms": t_sdpa["median_ms"],
         "sdpa_gbs": num_bytes / (t_sdpa["median_ms"] * 1e6),
     }
     if "tc" in kernels:
-        row["tc_partition_size"] = ops.decode_tc_partition_size(batch, num_kv_heads, ctx, kv_fp8)
+        span = ops.decode_span(ctx, window, 16)
+        row["tc_partition_size"] = ops.decode_tc_partition_size(batch, num_kv_heads, span, kv_fp8)
     for name in kernels:
         out.fill_(float("nan"))
         calls[name]()
@@ -146,6 +166,10 @@ def main() -> None:
                     help="contexts 1024 and 16384 only, batches 1 8 64 256")  # fmt: skip
     ap.add_argument("--max-gb", type=float, default=90.0, help="skip shapes whose two K/V "
                     "copies (paged + contiguous) exceed this many GB")  # fmt: skip
+    ap.add_argument("--sliding-window", type=int, default=None,
+                    help="our kernels attend over the last W keys (skipping the others)")  # fmt: skip
+    ap.add_argument("--softcap", type=float, default=None, help="logit soft-cap for ours")
+    ap.add_argument("--sinks", action="store_true", help="attention sinks for ours (random)")
     args = ap.parse_args()
     if not ops.is_available():
         sys.exit(f"GPU kernels unavailable: {ops.unavailable_reason()}")
@@ -154,6 +178,7 @@ def main() -> None:
     if args.quick:
         args.contexts, args.batches = [1024, 16384], [1, 8, 64, 256]
 
+    mods = {"sliding_window": args.sliding_window, "softcap": args.softcap, "sinks": args.sinks}
     copy = copy_bandwidth_gbs()
     print(f"device copy bandwidth: {copy['gbs']:.0f} GB/s (read + write)", flush=True)
     rows = []
@@ -174,10 +199,12 @@ def main() -> None:
                         torch.cuda.empty_cache()  # the previous shape's tensors are gone
                         r = bench_shape(DTYPES[dname], hq, hkv, batch, ctx, args.head_dim,
                                         args.block_size, kv_dtype == "fp8", kernels,
-                                        copy["gbs"])  # fmt: skip
+                                        copy["gbs"], mods)  # fmt: skip
                         r.update(dtype=dname, heads=hname, num_q_heads=hq, num_kv_heads=hkv,
                                  batch=batch, context=ctx, head_dim=args.head_dim,
-                                 block_size=args.block_size, kv_cache_dtype=kv_dtype)  # fmt: skip
+                                 block_size=args.block_size, kv_cache_dtype=kv_dtype,
+                                 sliding_window=args.sliding_window, softcap=args.softcap,
+                                 sinks=args.sinks)  # fmt: skip
                         rows.append(r)
                         times = " ".join(
                             f"{r[k + '_ms'] * 1e3:10.1f} {100 * r[k + '_fraction_of_copy_bw']:5.1f}%"

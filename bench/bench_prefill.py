@@ -1,6 +1,11 @@
 """Paged prefill attention vs torch SDPA's flash kernel (shapes: shared BENCH.md), TFLOP/s.
 
     PYTHONPATH=. python bench/bench_prefill.py --out bench/results/prefill.json
+    # windowed prefill (Mistral-7B's 4096 window on 16k prompts; gpt-oss's 128 with sinks):
+    PYTHONPATH=. python bench/bench_prefill.py --backend auto,mma --sliding-window 4096 \
+        --q-lens 4096 16384 --tokens 16384 --decode-batches
+    PYTHONPATH=. python bench/bench_prefill.py --backend mma,wgmma --heads 64 8 --head-dim 64 \
+        --sliding-window 128 --sinks --q-lens 1024 4096 --decode-batches
 
 FLOPs counted per call: 4 * head_dim * num_q_heads * (keys each query token sees), i.e. the
 causal half only (a query at position p sees p + 1 keys, the cached prefix included). The
@@ -14,7 +19,9 @@ against the split-KV decode kernel, to pick per shape. ``--kv-cache-dtype fp8``:
 cache is e4m3 (scale 1; decode bytes counted at 1 byte an element), the peer reads the
 dequantized K/V in the query dtype. ``--backend auto,mma,wgmma``: the prefill kernels to time
 (mma: each of --tiles; auto: the default tile; wgmma: each of --wgmma-block-n), each with its
-x flash.
+x flash. ``--sliding-window W``: ours attend over each query's last W keys (tiles before the
+window skipped), FLOPs count min(p + 1, W) keys at position p, and the peer is aten's flash
+forward with window_size_left = W - 1; ``--sinks`` / ``--softcap C`` add those to ours only.
 """
 
 from __future__ import annotations
@@ -62,10 +69,19 @@ def contiguous_kv(cache, block_tables, ctx, dtype):
     return g.permute(0, 2, 1, 3, 4).reshape(b, h, nb * bs, d)[:, :, :ctx].to(dtype).contiguous()
 
 
-def flash_peer(q4, k, v, scale):
-    """aten flash forward, causal lower-right; GQA heads natively, else expanded K/V."""
+def flash_peer(q4, k, v, scale, window=None):
+    """aten flash forward, causal lower-right; GQA heads natively, else expanded K/V. With a
+    window: aten's _flash_attention_forward with window_size_left = window - 1 (its layout
+    [batch, len, heads, dim])."""
 
     def run(kk, vv):
+        if window:
+            out = torch.ops.aten._flash_attention_forward(
+                q4.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), None, None,
+                q4.shape[2], kk.shape[2], 0.0, True, False, scale=scale,
+                window_size_left=window - 1, window_size_right=0,
+            )[0]  # fmt: skip
+            return out.transpose(1, 2)
         return torch.ops.aten._scaled_dot_product_flash_attention(
             q4, kk, vv, 0.0, True, False, scale=scale
         )[0]
@@ -113,10 +129,15 @@ def sdpa_peers(q4, k, v, scale, prefix: int, names) -> dict:
 
 def bench_prefill_shape(dtype, hq, hkv, head_dim, block_size, batch, prefix, q_len, tiles,
                         kv_fp8=False, backends=("mma",), wgmma_block_n=(0,),
-                        sdpa=()):  # fmt: skip
+                        sdpa=(), mods=None):  # fmt: skip
     """Times the peer, the mma kernel at each tile (when "mma" is in backends), "auto" with
     the default tile and "wgmma" at each of wgmma_block_n; row keys f"{name}_..." with the
-    names of other_runs."""
+    names of other_runs. mods: the score modifiers ours get (sliding_window, softcap,
+    sinks: True for random ones), or None."""
+    mods = dict(mods or {})
+    if mods.pop("sinks", False):
+        mods["sinks"] = torch.randn(hq, device="cuda").to(dtype)
+    window = mods.get("sliding_window")
     kv_cache, tables, seq_lens, starts, query = make_step(
         dtype, hq, hkv, head_dim, block_size, batch, prefix, q_len, kv_fp8
     )
@@ -126,16 +147,20 @@ def bench_prefill_shape(dtype, hq, hkv, head_dim, block_size, batch, prefix, q_l
     ctx = prefix + q_len
     k, v = (contiguous_kv(c, tables, ctx, dtype) for c in (key_cache, value_cache))
     q4 = query.view(batch, q_len, hq, head_dim).transpose(1, 2).contiguous()
-    peer, peer_mode = flash_peer(q4, k, v, scale)
+    peer, peer_mode = flash_peer(q4, k, v, scale, window)
     ref = peer().transpose(1, 2).reshape(batch * q_len, hq, head_dim).float()
-    keys_seen = batch * (q_len * prefix + q_len * (q_len + 1) // 2)
+    if window:  # the query at position p sees min(p + 1, window) keys
+        seen = torch.arange(prefix, ctx, dtype=torch.int64).add(1).clamp(max=window)
+        keys_seen = batch * int(seen.sum())
+    else:
+        keys_seen = batch * (q_len * prefix + q_len * (q_len + 1) // 2)
     flops = 4 * head_dim * hq * keys_seen
     row = {"peer": peer_mode, "flops": flops}
     t_peer = bench_ms(peer)["median_ms"]
     row.update(peer_ms=t_peer, peer_tflops=flops / (t_peer * 1e9))
-    # torch SDPA, each backend alone: the fastest is BENCH.md's bar
+    # torch SDPA, each backend alone: the fastest is BENCH.md's bar (no window in SDPA's API)
     best_peer_ms = t_peer
-    for name, call in sdpa_peers(q4, k, v, scale, prefix, sdpa).items():
+    for name, call in sdpa_peers(q4, k, v, scale, prefix, () if window else sdpa).items():
         t = bench_ms(call)["median_ms"]
         row[f"sdpa_{name}_tflops"] = flops / (t * 1e9)
         best_peer_ms = min(best_peer_ms, t)
@@ -149,7 +174,7 @@ def bench_prefill_shape(dtype, hq, hkv, head_dim, block_size, batch, prefix, q_l
         def ours(bm=bm, bn=bn, backend=backend):
             ops.paged_attention_prefill(
                 query, key_cache, value_cache, tables, seq_lens, starts, q_len,
-                scale=scale, out=out, block_m=bm, block_n=bn, backend=backend,
+                scale=scale, out=out, block_m=bm, block_n=bn, backend=backend, **mods,
             )  # fmt: skip
 
         out.fill_(float("nan"))
@@ -237,7 +262,12 @@ def main() -> None:
     ap.add_argument("--decode-tile", default="64x64", help="prefill-kernel tile for decodes")
     ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                     help="fp8: the paged cache in e4m3 (scale 1)")  # fmt: skip
+    ap.add_argument("--sliding-window", type=int, default=None,
+                    help="ours (and the flash peer) attend over each query's last W keys")  # fmt: skip
+    ap.add_argument("--softcap", type=float, default=None, help="logit soft-cap for ours")
+    ap.add_argument("--sinks", action="store_true", help="attention sinks for ours (random)")
     args = ap.parse_args()
+    mods = {"sliding_window": args.sliding_window, "softcap": args.softcap, "sinks": args.sinks}
     if not ops.is_available():
         sys.exit(f"GPU kernels unavailable: {ops.unavailable_reason()}")
     hq, hkv = args.heads
@@ -265,11 +295,12 @@ def main() -> None:
                 r = bench_prefill_shape(DTYPES[dname], hq, hkv, args.head_dim, args.block_size,
                                         batch, prefix, q_len, args.tiles, kv_fp8,
                                         backends, args.wgmma_block_n,
-                                        args.sdpa_backends)  # fmt: skip
+                                        args.sdpa_backends, mods)  # fmt: skip
                 r.update(dtype=dname, q_len=q_len, prefix=prefix, batch=batch,
                          kv_cache_dtype=args.kv_cache_dtype,
                          num_q_heads=hq, num_kv_heads=hkv, head_dim=args.head_dim,
-                         block_size=args.block_size)  # fmt: skip
+                         block_size=args.block_size, sliding_window=args.sliding_window,
+                         softcap=args.softcap, sinks=args.sinks)  # fmt: skip
                 rows.append(r)
                 tf = " ".join(f"{r[f'{n}_tflops']:10.1f}" for n in names)
                 xs = " ".join(f"{r[f'{n}_x_peer']:8.2f}" for n in x_names)

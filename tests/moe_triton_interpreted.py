@@ -161,6 +161,45 @@ def test_half_precision_near_the_torch_path(dtype, e, k, t):
     torch.testing.assert_close(out.float(), torch_path.float(), rtol=0, atol=8 * eps * scale)
 
 
+def _reference_swiglu_oai(x, w13, w2, b13, b2, weights, ids, alpha, limit) -> torch.Tensor:
+    """gpt-oss's experts token by token in float64 (transformers' GptOssExperts, on the
+    de-interleaved [gate | up] halves)."""
+    x, w13, w2, b13, b2 = (a.double() for a in (x, w13, w2, b13, b2))
+    i = w2.shape[2]
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j, e in enumerate(ids[t].tolist()):
+            h = w13[e] @ x[t] + b13[e]
+            gate, up = h[:i].clamp(max=limit), h[i:].clamp(-limit, limit)
+            act = (up + 1) * gate * torch.sigmoid(gate * alpha)
+            out[t] += weights[t, j].double() * (w2[e] @ act + b2[e])
+    return out
+
+
+@pytest.mark.parametrize("t", [1, 17])
+def test_biases_and_clamped_swiglu_match_float64(t):
+    """gpt-oss: expert biases and the clamped SwiGLU, on the Triton path and the grouped torch
+    path, against float64; the clamp (limit 0.5) bites on these activations."""
+    from pydaemon.layers.moe.activation import MoeActivation
+
+    e, k, h, i = 8, 2, 64, 32
+    g = torch.Generator().manual_seed(t)
+    x = torch.randn(t, h, generator=g)
+    w13, w2 = _weights(e, h, i, g)
+    b13, b2 = torch.randn(e, 2 * i, generator=g) * 0.3, torch.randn(e, h, generator=g) * 0.3
+    weights, ids = select_experts(torch.randn(t, e, generator=g), k, "softmax", True)
+    act = MoeActivation("swigluoai", 1.702, 0.5)
+    ref = _reference_swiglu_oai(x, w13, w2, b13, b2, weights, ids, 1.702, 0.5)
+    out = triton_moe.fused_experts_triton(
+        x, w13, w2, weights, ids, activation=act, w13_bias=b13, w2_bias=b2
+    )
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    grouped = experts.fused_experts(x, w13, w2, weights, ids, act, b13, b2)
+    torch.testing.assert_close(grouped.double(), ref, rtol=1e-5, atol=1e-5)
+    plain = experts.fused_experts(x, w13, w2, weights, ids)
+    assert (plain - grouped).abs().max() > 1e-2  # the biases and the clamp matter here
+
+
 def test_deterministic_and_empty():
     g = torch.Generator().manual_seed(5)
     x = torch.randn(33, 64, generator=g).to(torch.bfloat16)
@@ -178,9 +217,9 @@ def test_switch_routes_fused_experts_to_triton(monkeypatch):
     calls = []
     real = triton_moe.fused_experts_triton
 
-    def spy(*args):
+    def spy(*args, **kwargs):
         calls.append(args[0].shape[0])
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(triton_moe, "fused_experts_triton", spy)
     g = torch.Generator().manual_seed(2)

@@ -78,7 +78,10 @@ def test_config_rope_formats():
     [
         ({"architectures": ["GPT2LMHeadModel"]}, "GPT2LMHeadModel"),
         ({"hidden_act": "gelu"}, "gelu"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "yarn"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "longrope"),
+        ({"partial_rotary_factor": 0.1}, "partial_rotary_factor"),  # 0 dims of head_dim 8
+        ({"partial_rotary_factor": 1.5}, "partial_rotary_factor"),
         ({"architectures": ["MistralForCausalLM"], "sliding_window": 0}, "sliding_window"),
         (
             {

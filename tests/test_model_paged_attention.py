@@ -1,5 +1,7 @@
 """The torch paged-attention path against a dense float64 reference, with scrambled
-(non-sequential) block tables and a mix of full prefills, chunked prefills and decodes."""
+(non-sequential) block tables and a mix of full prefills, chunked prefills and decodes; with
+sliding windows, logit soft-capping and attention sinks (and the same through the CUDA
+kernels on a GPU)."""
 
 from __future__ import annotations
 
@@ -13,21 +15,28 @@ from pydaemon.layers.attention_metadata import AttentionMetadata
 from pydaemon.layers.paged_attention_torch import write_kv_cache_torch
 
 
-def _reference(q, k, v, scale, sliding_window=None):
+def _reference(q, k, v, scale, sliding_window=None, softcap=None, sinks=None):
     # q: [q_len, Hq, D]; k, v: [s_len, Hkv, D] (whole context), float64, causal at the end;
-    # with a window, query position p sees keys (p - sliding_window, p].
+    # with a window, query position p sees keys (p - sliding_window, p]; softcap bends the
+    # scaled scores; sinks [Hq] join each row's softmax as a dropped column.
     q_len, num_heads, _ = q.shape
     s_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     q_pos = torch.arange(s_len - q_len, s_len)[:, None]
     k_pos = torch.arange(s_len)[None, :]
     scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
     if sliding_window is not None:
         scores = scores.masked_fill(k_pos <= q_pos - sliding_window, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    if sinks is None:
+        return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    col = sinks.double()[:, None, None].expand(num_heads, q_len, 1)
+    probs = torch.cat([scores, col], dim=-1).softmax(-1)[..., :-1]
+    return torch.einsum("hqk,khd->qhd", probs, v)
 
 
 @pytest.mark.parametrize("sliding_window", [None, 6, 24])
@@ -57,13 +66,45 @@ def test_paged_attention_matches_dense(
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("sliding_window", [None, 6])
 def test_windowed_layer_where_kernels_apply(sliding_window):
-    """head_dim 64 in bf16 on CUDA: the kernels write the cache; a window routes the
-    attention to the torch path."""
+    """head_dim 64 in bf16 on CUDA: the kernels write the cache and apply the window."""
     _check_against_dense(16, 8, 2, torch.bfloat16, "cuda", sliding_window, head_dim=64)
 
 
+@pytest.mark.parametrize("sliding_window", [None, 6])
+@pytest.mark.parametrize("softcap,sinks", [(0.8, False), (None, True), (0.8, True)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize(
+    "device,dtype,head_dim",
+    [
+        ("cpu", torch.float32, 32),
+        ("cpu", torch.bfloat16, 32),
+        pytest.param(
+            "cuda", torch.bfloat16, 64,  # the kernels' path
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+            ],
+        ),
+    ],
+)  # fmt: skip
+def test_softcap_and_sinks_match_dense(
+    device, dtype, head_dim, num_heads, num_kv_heads, softcap, sinks, sliding_window
+):
+    _check_against_dense(
+        8, num_heads, num_kv_heads, dtype, device, sliding_window, head_dim, softcap, sinks
+    )
+
+
 def _check_against_dense(
-    block_size, num_heads, num_kv_heads, dtype, device, sliding_window, head_dim=32
+    block_size,
+    num_heads,
+    num_kv_heads,
+    dtype,
+    device,
+    sliding_window,
+    head_dim=32,
+    softcap=None,
+    use_sinks=False,
 ):
     torch.manual_seed(0)
     num_blocks = 64
@@ -120,7 +161,9 @@ def _check_against_dense(
         query_lens_cpu=query_lens,
     )
     scale = 1 / math.sqrt(head_dim)
-    layer = PagedAttention(num_heads, num_kv_heads, head_dim, scale, sliding_window)
+    # Sinks comparable to the scores (scores ~ N(0, 1) here): they take real weight.
+    sinks = (1.5 * torch.randn(num_heads)).to(dtype) if use_sinks else None
+    layer = PagedAttention(num_heads, num_kv_heads, head_dim, scale, sliding_window, softcap)
     out = layer(
         torch.cat(queries).to(device, dtype),
         torch.stack(new_k).to(device, dtype),
@@ -128,6 +171,7 @@ def _check_against_dense(
         key_cache,
         value_cache,
         md,
+        sinks=None if sinks is None else sinks.to(device),
     )
     assert out.shape == (sum(query_lens), num_heads * head_dim) and out.dtype == dtype
     # The reference sees the cache's rounding of K/V, so only the attention math differs.
@@ -139,6 +183,8 @@ def _check_against_dense(
                 v.to(dtype).double(),
                 scale,
                 sliding_window,
+                softcap,
+                sinks,
             )
             for q, (k, v) in zip(queries, contexts, strict=True)
         ]

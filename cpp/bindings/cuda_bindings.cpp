@@ -8,6 +8,8 @@
 //
 // An fp8 (e4m3) KV cache arrives as its uint8 storage (torch: cache.view(torch.uint8)), with
 // per-layer k_scale / v_scale; a cache of the query's dtype ignores the scales.
+// Every attention kernel also takes the layer's score modifiers (AttentionMods): a sliding
+// window (0: none), a soft-cap (0: none) and sinks (None, or [num_q_heads] of the query's dtype).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
@@ -99,6 +101,34 @@ int64_t check_attention_args(const Array& out, const Array& query, const Array& 
   return head_dim;
 }
 
+// The layer's score modifiers, checked: window >= 0, a finite softcap >= 0, sinks None or a
+// contiguous [num_q_heads] tensor of the query's dtype on its device.
+pagedd::cuda::AttentionMods attention_mods(int sliding_window, double softcap,
+                                           nb::object sinks_obj, const Array& query, int dev) {
+  if (sliding_window < 0)
+    throw nb::value_error(("sliding_window must be >= 0 (0: none), got " +
+                           std::to_string(sliding_window))
+                              .c_str());
+  if (!(softcap >= 0.0) || !std::isfinite(softcap))
+    throw nb::value_error(
+        ("softcap must be a finite number >= 0 (0: none), got " + std::to_string(softcap))
+            .c_str());
+  pagedd::cuda::AttentionMods mods;
+  mods.sliding_window = sliding_window;
+  mods.softcap = (float)softcap;
+  if (!sinks_obj.is_none()) {
+    Array sinks = nb::cast<Array>(sinks_obj);
+    check_same_dtype(sinks, "sinks", query, "query");
+    check_cuda(sinks, "sinks", dev);
+    check_ndim(sinks, "sinks", 1);
+    check_dim(sinks, "sinks", 0, query.shape(1), "num_q_heads (query.shape[1])");
+    if (sinks.stride(0) != 1 && sinks.shape(0) > 1)
+      throw nb::value_error("sinks must be contiguous");
+    mods.sinks = sinks.data();
+  }
+  return mods;
+}
+
 // The split-KV workspaces of a decode with num_partitions > 1 (checked; null otherwise).
 void decode_workspaces(float* (&ws)[3], nb::object tmp_out_obj, nb::object exp_sums_obj,
                        nb::object max_logits_obj, int64_t num_seqs, int64_t num_q_heads,
@@ -166,11 +196,13 @@ void paged_attention_decode(Array out, Array query, Array key_cache, Array value
                             Array block_tables, Array seq_lens, double scale, int max_seq_len,
                             nb::object tmp_out_obj, nb::object exp_sums_obj,
                             nb::object max_logits_obj, double k_scale, double v_scale,
+                            int sliding_window, double softcap, nb::object sinks,
                             uintptr_t stream) {
   const int dev = current_device();
   const int64_t head_dim =
       check_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, dev);
   check_kv_scales(k_scale, v_scale);
+  const auto mods = attention_mods(sliding_window, softcap, sinks, query, dev);
   const int64_t num_seqs = query.shape(0), num_q_heads = query.shape(1);
   const int64_t block_size = key_cache.shape(2);
   check_dim(block_tables, "block_tables", 0, num_seqs, "num_seqs");
@@ -182,15 +214,20 @@ void paged_attention_decode(Array out, Array query, Array key_cache, Array value
                            ") exceeds block_tables.shape[1] * block_size (" +
                            std::to_string(block_tables.shape(1) * block_size) + ")")
                               .c_str());
-  const int num_partitions = pagedd::cuda::num_partitions_for(max_seq_len);
+  // With a window the partitions cover its keys only.
+  const int num_partitions =
+      pagedd::cuda::num_partitions_for(pagedd::cuda::decode_span(max_seq_len, sliding_window, 1));
 
   float* ws[3];
   decode_workspaces(ws, tmp_out_obj, exp_sums_obj, max_logits_obj, num_seqs, num_q_heads,
                     head_dim, num_partitions,
-                    "max_seq_len > " + std::to_string(pagedd::cuda::kPartitionSize), dev);
+                    "min(max_seq_len, sliding_window or max_seq_len) > " +
+                        std::to_string(pagedd::cuda::kPartitionSize),
+                    dev);
   pagedd::cuda::PagedDecodeParams p{};
   fill_decode_params(p, out, query, key_cache, value_cache, block_tables, seq_lens, ws,
                      num_partitions, scale, k_scale, v_scale);
+  p.mods = mods;
   launch_without_gil("paged_attention_decode", [&] {
     return pagedd::cuda::paged_attention_decode(p, as_stream(stream));
   });
@@ -200,11 +237,13 @@ void paged_attention_decode_tc(Array out, Array query, Array key_cache, Array va
                                Array block_tables, Array seq_lens, double scale, int max_seq_len,
                                int partition_size, nb::object tmp_out_obj,
                                nb::object exp_sums_obj, nb::object max_logits_obj,
-                               double k_scale, double v_scale, uintptr_t stream) {
+                               double k_scale, double v_scale, int sliding_window,
+                               double softcap, nb::object sinks, uintptr_t stream) {
   const int dev = current_device();
   const int64_t head_dim =
       check_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, dev);
   check_kv_scales(k_scale, v_scale);
+  const auto mods = attention_mods(sliding_window, softcap, sinks, query, dev);
   const int64_t num_seqs = query.shape(0), num_q_heads = query.shape(1);
   const int64_t num_kv_heads = key_cache.shape(1), block_size = key_cache.shape(2);
   if (!pagedd::cuda::decode_tc_is_built((int)head_dim))
@@ -233,23 +272,26 @@ void paged_attention_decode_tc(Array out, Array query, Array key_cache, Array va
                               .c_str());
   if (num_seqs == 0) return;
   if (num_seqs > 65535) throw nb::value_error("at most 65535 sequences per call");
-  const int64_t parts64 =
-      max_seq_len <= 0 ? 1 : ((int64_t)max_seq_len + partition_size - 1) / partition_size;
+  // With a window the partitions cover its keys only (from a 16-aligned first key).
+  const int span = pagedd::cuda::decode_span(max_seq_len, sliding_window,
+                                             pagedd::cuda::kDecodeTcWindowAlign);
+  const int64_t parts64 = span <= 0 ? 1 : ((int64_t)span + partition_size - 1) / partition_size;
   if (parts64 > 65535)
-    throw nb::value_error(("max_seq_len / partition_size gives " + std::to_string(parts64) +
-                           " partitions, at most 65535")
+    throw nb::value_error(("the keys a sequence spans / partition_size gives " +
+                           std::to_string(parts64) + " partitions, at most 65535")
                               .c_str());
   const int num_partitions = (int)parts64;
   float* ws[3];
   decode_workspaces(ws, tmp_out_obj, exp_sums_obj, max_logits_obj, num_seqs, num_q_heads,
                     head_dim, num_partitions,
-                    "max_seq_len > partition_size (num_partitions = ceil(max_seq_len / "
-                    "partition_size))",
+                    "min(max_seq_len, sliding_window + 15) > partition_size (num_partitions = "
+                    "ceil(that / partition_size))",
                     dev);
 
   pagedd::cuda::PagedDecodeTcParams p{};
   fill_decode_params(p, out, query, key_cache, value_cache, block_tables, seq_lens, ws,
                      num_partitions, scale, k_scale, v_scale);
+  p.mods = mods;
   p.partition_size = partition_size;
   p.max_seq_len = max_seq_len;
   launch_without_gil("paged_attention_decode_tc", [&] {
@@ -260,11 +302,13 @@ void paged_attention_decode_tc(Array out, Array query, Array key_cache, Array va
 void paged_attention_prefill(Array out, Array query, Array key_cache, Array value_cache,
                              Array block_tables, Array seq_lens, Array query_start_loc,
                              double scale, int max_query_len, int block_m, int block_n,
-                             double k_scale, double v_scale, int backend, uintptr_t stream) {
+                             double k_scale, double v_scale, int backend, int sliding_window,
+                             double softcap, nb::object sinks, uintptr_t stream) {
   const int dev = current_device();
   const int64_t head_dim =
       check_attention_args(out, query, key_cache, value_cache, block_tables, seq_lens, dev);
   check_kv_scales(k_scale, v_scale);
+  const auto mods = attention_mods(sliding_window, softcap, sinks, query, dev);
   if (backend < 0 || backend > 2)
     throw nb::value_error(("backend must be 0 (auto), 1 (mma) or 2 (wgmma), got " +
                            std::to_string(backend))
@@ -328,6 +372,7 @@ void paged_attention_prefill(Array out, Array query, Array key_cache, Array valu
   p.k_scale = (float)k_scale;
   p.v_scale = (float)v_scale;
   p.backend = static_cast<pagedd::cuda::PrefillBackend>(backend);
+  p.mods = mods;
   launch_without_gil("paged_attention_prefill", [&] {
     return pagedd::cuda::paged_attention_prefill(p, as_stream(stream));
   });
@@ -481,28 +526,35 @@ void bind_cuda_ops(nb::module_& m) {
         nb::arg("query"), nb::arg("key_cache"), nb::arg("value_cache"), nb::arg("block_tables"),
         nb::arg("seq_lens"), nb::arg("scale"), nb::arg("max_seq_len"),
         nb::arg("tmp_out").none(), nb::arg("exp_sums").none(), nb::arg("max_logits").none(),
-        nb::arg("k_scale"), nb::arg("v_scale"), nb::arg("stream"),
+        nb::arg("k_scale"), nb::arg("v_scale"), nb::arg("sliding_window"), nb::arg("softcap"),
+        nb::arg("sinks").none(), nb::arg("stream"),
         "Paged decode attention (one query token per sequence), split-KV and GQA-aware.\n"
         "out, query: [num_seqs, num_q_heads, head_dim]; key_cache, value_cache: [num_blocks,\n"
         "num_kv_heads, block_size, head_dim]; block_tables: [num_seqs, max_blocks] int32;\n"
         "seq_lens: [num_seqs] int32 (each <= max_seq_len); tmp_out: [num_seqs, num_q_heads,\n"
         "num_partitions, head_dim] f32, exp_sums / max_logits: [num_seqs, num_q_heads,\n"
         "num_partitions] f32 (None when max_seq_len <= partition_size). An fp8 e4m3 cache\n"
-        "is passed as uint8 storage and read as e4m3 * k_scale / v_scale.");
+        "is passed as uint8 storage and read as e4m3 * k_scale / v_scale. sliding_window:\n"
+        "keys a query sees (0: all; num_partitions then covers min(max_seq_len, window));\n"
+        "softcap: scores s -> softcap * tanh(s / softcap) (0: none); sinks: None or\n"
+        "[num_q_heads] of the query's dtype, a logit per head in the softmax's denominator.");
   m.def("paged_attention_decode_tc", &paged_attention_decode_tc, nb::arg("out").noconvert(),
         nb::arg("query"), nb::arg("key_cache"), nb::arg("value_cache"), nb::arg("block_tables"),
         nb::arg("seq_lens"), nb::arg("scale"), nb::arg("max_seq_len"), nb::arg("partition_size"),
         nb::arg("tmp_out").none(), nb::arg("exp_sums").none(), nb::arg("max_logits").none(),
-        nb::arg("k_scale"), nb::arg("v_scale"), nb::arg("stream"),
+        nb::arg("k_scale"), nb::arg("v_scale"), nb::arg("sliding_window"), nb::arg("softcap"),
+        nb::arg("sinks").none(), nb::arg("stream"),
         "Paged decode attention on tensor cores for grouped query heads (<= 16 per kv head),\n"
         "split-KV with partition_size keys (a multiple of 64) per partition. Arguments as\n"
-        "paged_attention_decode; num_partitions = ceil(max_seq_len / partition_size), and the\n"
-        "workspaces are needed when it is > 1. head_dim 64, 80, 96, 128 or 256.");
+        "paged_attention_decode; num_partitions = ceil(max_seq_len / partition_size) (with a\n"
+        "window: ceil(min(max_seq_len, window + 15) / partition_size)), and the workspaces\n"
+        "are needed when it is > 1. head_dim 64, 80, 96, 128 or 256.");
   m.def("paged_attention_prefill", &paged_attention_prefill, nb::arg("out").noconvert(),
         nb::arg("query"), nb::arg("key_cache"), nb::arg("value_cache"), nb::arg("block_tables"),
         nb::arg("seq_lens"), nb::arg("query_start_loc"), nb::arg("scale"),
         nb::arg("max_query_len"), nb::arg("block_m"), nb::arg("block_n"), nb::arg("k_scale"),
-        nb::arg("v_scale"), nb::arg("backend"), nb::arg("stream"),
+        nb::arg("v_scale"), nb::arg("backend"), nb::arg("sliding_window"), nb::arg("softcap"),
+        nb::arg("sinks").none(), nb::arg("stream"),
         "Causal paged attention of a packed batch of new tokens (prefill chunks and decodes),\n"
         "tensor cores, GQA-packed. out, query: [num_tokens, num_q_heads, head_dim]; key_cache,\n"
         "value_cache: [num_blocks, num_kv_heads, block_size, head_dim]; block_tables:\n"
@@ -510,7 +562,8 @@ void bind_cuda_ops(nb::module_& m) {
         "query_start_loc: [num_seqs + 1] int32; max_query_len: host int >= every query length;\n"
         "block_m, block_n: tile shape (tuning), 0 = default. An fp8 e4m3 cache is passed as\n"
         "uint8 storage and read as e4m3 * k_scale / v_scale. backend: 0 auto, 1 mma.sync,\n"
-        "2 wgmma (sm_90a build on a compute capability 9.0 GPU, head_dim 64 / 128).");
+        "2 wgmma (sm_90a build on a compute capability 9.0 GPU, head_dim 64 / 128).\n"
+        "sliding_window, softcap, sinks: as paged_attention_decode.");
   m.def("prefill_wgmma_unavailable_reason", &prefill_wgmma_unavailable_reason,
         nb::arg("head_dim"), nb::arg("fp8_cache"),
         "Why backend 'wgmma' cannot run this head size / cache on the current device, or ''.");

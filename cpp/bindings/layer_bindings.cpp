@@ -53,7 +53,8 @@ void check_fp8_out(const Array& out, const Array& scale, int64_t num_tokens, int
 
 // scale == nullptr: out has input's dtype; otherwise out holds e4m3 codes, scale the rows' scales.
 void run_rms_norm(Array& out, Array* scale, const Array& input, Array* residual,
-                  const Array& weight, double eps, uintptr_t stream) {
+                  const Array& weight, double eps, bool round_once, double weight_offset,
+                  uintptr_t stream) {
   const int dev = current_device();
   const DType dtype = layer_dtype(input, "input");
   if (scale == nullptr) check_same_dtype(out, "out", input, "input");
@@ -73,8 +74,14 @@ void run_rms_norm(Array& out, Array* scale, const Array& input, Array* residual,
     throw nb::value_error("weight must be contiguous");
   if (!std::isfinite(eps) || eps < 0.0)
     throw nb::value_error(("eps must be finite and >= 0, got " + std::to_string(eps)).c_str());
+  if (!std::isfinite(weight_offset) || (weight_offset != 0.0 && !round_once))
+    throw nb::value_error(("weight_offset must be finite, and 0 unless round_once, got " +
+                           std::to_string(weight_offset))
+                              .c_str());
 
   pagedd::cuda::RMSNormParams p{};
+  p.round_once = round_once;
+  p.weight_offset = (float)weight_offset;
   if (residual != nullptr) {
     check_same_dtype(*residual, "residual", input, "input");
     check_rows(*residual, "residual", num_tokens, hidden_size, dev, true);
@@ -107,26 +114,29 @@ void run_rms_norm(Array& out, Array* scale, const Array& input, Array* residual,
   check_cuda_error(err, what[scale != nullptr][residual != nullptr]);
 }
 
-void rms_norm(Array out, Array input, Array weight, double eps, uintptr_t stream) {
-  run_rms_norm(out, nullptr, input, nullptr, weight, eps, stream);
+void rms_norm(Array out, Array input, Array weight, double eps, uintptr_t stream,
+              bool round_once, double weight_offset) {
+  run_rms_norm(out, nullptr, input, nullptr, weight, eps, round_once, weight_offset, stream);
 }
 
 void fused_add_rms_norm(Array out, Array input, Array residual, Array weight, double eps,
-                        uintptr_t stream) {
-  run_rms_norm(out, nullptr, input, &residual, weight, eps, stream);
+                        uintptr_t stream, bool round_once, double weight_offset) {
+  run_rms_norm(out, nullptr, input, &residual, weight, eps, round_once, weight_offset, stream);
 }
 
 void rms_norm_fp8(Array out, Array scale, Array input, Array weight, double eps,
-                  uintptr_t stream) {
-  run_rms_norm(out, &scale, input, nullptr, weight, eps, stream);
+                  uintptr_t stream, bool round_once, double weight_offset) {
+  run_rms_norm(out, &scale, input, nullptr, weight, eps, round_once, weight_offset, stream);
 }
 
 void fused_add_rms_norm_fp8(Array out, Array scale, Array input, Array residual, Array weight,
-                            double eps, uintptr_t stream) {
-  run_rms_norm(out, &scale, input, &residual, weight, eps, stream);
+                            double eps, uintptr_t stream, bool round_once,
+                            double weight_offset) {
+  run_rms_norm(out, &scale, input, &residual, weight, eps, round_once, weight_offset, stream);
 }
 
-void run_silu_and_mul(Array& out, Array* scale, const Array& input, uintptr_t stream) {
+void run_silu_and_mul(Array& out, Array* scale, const Array& input, int activation,
+                      double alpha, double limit, uintptr_t stream) {
   const int dev = current_device();
   const DType dtype = layer_dtype(input, "input");
   if (scale == nullptr) check_same_dtype(out, "out", input, "input");
@@ -145,8 +155,17 @@ void run_silu_and_mul(Array& out, Array* scale, const Array& input, uintptr_t st
     check_fp8_out(out, *scale, num_tokens, d, dev);
   if (out.data() == input.data())
     throw nb::value_error("out must not be input (the kernel reads input while writing out)");
+  if (activation < 0 || activation > 2)
+    throw nb::value_error(("activation must be 0 (silu), 1 (gelu_tanh) or 2 (swigluoai), got " +
+                           std::to_string(activation))
+                              .c_str());
+  if (!(alpha > 0.0) || !(limit > 0.0) || !std::isfinite(alpha) || !std::isfinite(limit))
+    throw nb::value_error("alpha and limit must be finite and > 0");
 
   pagedd::cuda::SiluAndMulParams p{};
+  p.activation = static_cast<pagedd::cuda::GatedActivation>(activation);
+  p.alpha = (float)alpha;
+  p.limit = (float)limit;
   if (scale != nullptr) {
     p.out_fp8 = out.data();
     p.out_scale = static_cast<float*>(scale->data());
@@ -167,12 +186,14 @@ void run_silu_and_mul(Array& out, Array* scale, const Array& input, uintptr_t st
   check_cuda_error(err, scale != nullptr ? "silu_and_mul_fp8" : "silu_and_mul");
 }
 
-void silu_and_mul(Array out, Array input, uintptr_t stream) {
-  run_silu_and_mul(out, nullptr, input, stream);
+void silu_and_mul(Array out, Array input, uintptr_t stream, int activation, double alpha,
+                  double limit) {
+  run_silu_and_mul(out, nullptr, input, activation, alpha, limit, stream);
 }
 
-void silu_and_mul_fp8(Array out, Array scale, Array input, uintptr_t stream) {
-  run_silu_and_mul(out, &scale, input, stream);
+void silu_and_mul_fp8(Array out, Array scale, Array input, uintptr_t stream, int activation,
+                      double alpha, double limit) {
+  run_silu_and_mul(out, &scale, input, activation, alpha, limit, stream);
 }
 
 // a: [num_tokens, heads, head_dim] on the device, last dim contiguous, heads not overlapping.
@@ -189,7 +210,8 @@ void check_heads(const Array& a, const char* name, int64_t num_tokens, int64_t h
 }
 
 // The rotary arguments checked: query [num_tokens, num_heads, head_dim] and key
-// [num_tokens, num_kv_heads, head_dim] of one dtype, cos / sin [num_tokens, head_dim] float32.
+// [num_tokens, num_kv_heads, head_dim] of one dtype, cos / sin [num_tokens, rotary_dim]
+// float32 (rotary_dim even, <= head_dim: a partial rotary embedding below head_dim).
 pagedd::cuda::RotaryParams rotary_params(const Array& query, const Array& key, const Array& cos,
                                          const Array& sin, int dev) {
   const DType dtype = layer_dtype(query, "query");
@@ -202,12 +224,18 @@ pagedd::cuda::RotaryParams rotary_params(const Array& query, const Array& key, c
   check_heads(query, "query", num_tokens, head_dim, dev);
   check_heads(key, "key", num_tokens, head_dim, dev);
   if (query.shape(1) + key.shape(1) > kMaxInt) throw nb::value_error("too many heads");
+  check_ndim(cos, "cos", 2);
+  const int64_t rotary_dim = cos.shape(1);
+  if (rotary_dim < 2 || rotary_dim % 2 != 0 || rotary_dim > head_dim)
+    throw nb::value_error(("cos.shape[1] (rotary_dim) must be even, >= 2 and <= head_dim (" +
+                           std::to_string(head_dim) + "), got " + std::to_string(rotary_dim))
+                              .c_str());
   for (const Array* a : {&cos, &sin}) {
     const char* name = a == &cos ? "cos" : "sin";
     if (!is_dtype(*a, kFloat, 32))
       throw nb::type_error((std::string(name) + " must be float32, got " +
                             dtype_name(a->dtype())).c_str());
-    check_rows(*a, name, num_tokens, head_dim, dev, false);
+    check_rows(*a, name, num_tokens, rotary_dim, dev, false, "rotary_dim");
   }
   if (num_tokens > 1 && cos.stride(0) != sin.stride(0))
     throw nb::value_error("cos and sin must have the same row stride");
@@ -227,6 +255,7 @@ pagedd::cuda::RotaryParams rotary_params(const Array& query, const Array& key, c
   p.num_kv_heads = (int)key.shape(1);
   p.head_dim = (int)head_dim;
   p.dtype = dtype;
+  p.rotary_dim = (int)rotary_dim;
   return p;
 }
 
@@ -334,37 +363,49 @@ void per_token_fp8_quant(Array out, Array scale, Array input, uintptr_t stream) 
 
 void bind_layer_ops(nb::module_& m) {
   m.def("rms_norm", &rms_norm, nb::arg("out").noconvert(), nb::arg("input"), nb::arg("weight"),
-        nb::arg("eps"), nb::arg("stream"),
+        nb::arg("eps"), nb::arg("stream"), nb::arg("round_once") = false,
+        nb::arg("weight_offset") = 0.0,
         "out = weight * rmsnorm(input). out, input: [num_tokens, hidden_size] (out may be\n"
-        "input); weight: [hidden_size]; float16, bfloat16 or float32, all one dtype.");
+        "input); weight: [hidden_size]; float16, bfloat16 or float32, all one dtype.\n"
+        "round_once: out = round(rmsnorm_f32(input) * (weight + weight_offset)) (gpt-oss: offset\n"
+        "0; Gemma: 1).");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, nb::arg("out").noconvert(), nb::arg("input"),
         nb::arg("residual").noconvert(), nb::arg("weight"), nb::arg("eps"), nb::arg("stream"),
+        nb::arg("round_once") = false, nb::arg("weight_offset") = 0.0,
         "residual = input + residual (in place), then out = weight * rmsnorm(residual), in one\n"
         "kernel. out, input, residual: [num_tokens, hidden_size] (out may be input, residual\n"
-        "is its own tensor); weight: [hidden_size]; float16, bfloat16 or float32.");
+        "is its own tensor); weight: [hidden_size]; float16, bfloat16 or float32.\n"
+        "round_once, weight_offset: as rms_norm.");
   m.def("silu_and_mul", &silu_and_mul, nb::arg("out").noconvert(), nb::arg("input"),
-        nb::arg("stream"),
+        nb::arg("stream"), nb::arg("activation") = 0, nb::arg("alpha") = 1.702,
+        nb::arg("limit") = 7.0,
         "out = silu(input[:, :d]) * input[:, d:]. input: [num_tokens, 2 * d]; out:\n"
-        "[num_tokens, d]; float16, bfloat16 or float32.");
+        "[num_tokens, d]; float16, bfloat16 or float32. activation 1: gelu_tanh(gate) * up\n"
+        "(GeGLU); 2: gpt-oss's clamped SwiGLU (clamp(up, -limit, limit) + 1) * g *\n"
+        "sigmoid(alpha * g), g = min(gate, limit).");
   m.def("rms_norm_fp8", &rms_norm_fp8, nb::arg("out").noconvert(), nb::arg("scale").noconvert(),
         nb::arg("input"), nb::arg("weight"), nb::arg("eps"), nb::arg("stream"),
+        nb::arg("round_once") = false, nb::arg("weight_offset") = 0.0,
         "rms_norm with its rows quantized per token to FP8 e4m3 in the same kernel (bit for\n"
         "bit per_token_fp8_quant of rms_norm's out). out: [num_tokens, hidden_size] uint8 (a\n"
         "float8_e4m3fn tensor's bytes); scale: [num_tokens] float32.");
   m.def("fused_add_rms_norm_fp8", &fused_add_rms_norm_fp8, nb::arg("out").noconvert(),
         nb::arg("scale").noconvert(), nb::arg("input"), nb::arg("residual").noconvert(),
-        nb::arg("weight"), nb::arg("eps"), nb::arg("stream"),
+        nb::arg("weight"), nb::arg("eps"), nb::arg("stream"), nb::arg("round_once") = false,
+        nb::arg("weight_offset") = 0.0,
         "fused_add_rms_norm with its output rows quantized per token to FP8 e4m3 in the same\n"
         "kernel. out: [num_tokens, hidden_size] uint8; scale: [num_tokens] float32.");
   m.def("silu_and_mul_fp8", &silu_and_mul_fp8, nb::arg("out").noconvert(),
         nb::arg("scale").noconvert(), nb::arg("input"), nb::arg("stream"),
+        nb::arg("activation") = 0, nb::arg("alpha") = 1.702, nb::arg("limit") = 7.0,
         "silu_and_mul with its rows quantized per token to FP8 e4m3 in the same kernel. input:\n"
         "[num_tokens, 2 * d]; out: [num_tokens, d] uint8; scale: [num_tokens] float32.");
   m.def("rotary_embedding", &rotary_embedding, nb::arg("query").noconvert(),
         nb::arg("key").noconvert(), nb::arg("cos"), nb::arg("sin"), nb::arg("stream"),
         "Rotates query [num_tokens, num_heads, head_dim] and key [num_tokens, num_kv_heads,\n"
         "head_dim] in place (rotate_half convention, rounded as transformers does); cos, sin:\n"
-        "[num_tokens, head_dim] float32. query and key: float16, bfloat16 or float32.");
+        "[num_tokens, rotary_dim] float32 (rotary_dim <= head_dim: the first rotary_dim dims\n"
+        "rotate, the rest pass). query and key: float16, bfloat16 or float32.");
   m.def("rotary_embedding_and_cache", &rotary_embedding_and_cache, nb::arg("query").noconvert(),
         nb::arg("key").noconvert(), nb::arg("value"), nb::arg("key_cache").noconvert(),
         nb::arg("value_cache").noconvert(), nb::arg("slot_mapping"), nb::arg("cos"),

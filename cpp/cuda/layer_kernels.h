@@ -35,14 +35,25 @@ struct RMSNormParams {
   // (out_stride then counts its bytes; out is unused); out_scale: [num_tokens] float32.
   void* out_fp8 = nullptr;
   float* out_scale = nullptr;
+  // gpt-oss / Gemma: out = round((x * rsqrt(...)) * (weight + weight_offset)) in float32, one
+  // rounding (transformers' GptOssRMSNorm: offset 0; Gemma2/3RMSNorm: offset 1).
+  bool round_once = false;
+  float weight_offset = 0.f;
 };
 
 // Without residual:  out = weight * rmsnorm(input).
 // With residual:     residual = input + residual (in place, rounded to dtype), then
 //                    out = weight * rmsnorm(residual), as vLLM's fused_add_rms_norm.
 // rmsnorm(x) = round(x * rsqrt(mean(x^2) + eps)) in float32, then the product with weight is
-// rounded again (transformers' LlamaRMSNorm). One thread block per token row.
+// rounded again (transformers' LlamaRMSNorm); with round_once as described above. One thread
+// block per token row.
 cudaError_t rms_norm(const RMSNormParams& p, cudaStream_t stream);
+
+// The gated activation on [gate | up]: kSilu silu(gate) * up; kGeluTanh gelu_tanh(gate) * up
+// (Gemma's GeGLU); kSwigluOai (gpt-oss's clamped SwiGLU, vLLM's "swigluoai"): g = min(gate,
+// limit), u = clamp(up, -limit, limit), out = (u + 1) * (g * sigmoid(alpha * g)). Each op
+// rounded to the dtype where torch's expression rounds.
+enum class GatedActivation : int { kSilu = 0, kGeluTanh = 1, kSwigluOai = 2 };
 
 struct SiluAndMulParams {
   void* out;             // [num_tokens, d], last dim contiguous
@@ -55,16 +66,19 @@ struct SiluAndMulParams {
   // Optional FP8 output in place of out, as RMSNormParams::out_fp8 / out_scale.
   void* out_fp8 = nullptr;
   float* out_scale = nullptr;
+  GatedActivation activation = GatedActivation::kSilu;
+  float alpha = 1.702f, limit = 7.f;  // kSwigluOai only
 };
 
-// out = round(silu(gate)) * up, silu(x) = x / (1 + exp(-x)) in float32. One block per row.
+// out = round(silu(gate)) * up, silu(x) = x / (1 + exp(-x)) in float32 (or the activation
+// p.activation names). One block per row.
 cudaError_t silu_and_mul(const SiluAndMulParams& p, cudaStream_t stream);
 
 struct RotaryParams {
   void* query;                 // [num_tokens, num_heads, head_dim], last dim contiguous
   void* key;                   // [num_tokens, num_kv_heads, head_dim], last dim contiguous
-  const float* cos;            // [num_tokens, head_dim] float32, last dim contiguous
-  const float* sin;            // [num_tokens, head_dim] float32, same strides as cos
+  const float* cos;            // [num_tokens, rotary_dim] float32, last dim contiguous
+  const float* sin;            // [num_tokens, rotary_dim] float32, same strides as cos
   int64_t query_token_stride;  // elements
   int64_t query_head_stride;
   int64_t key_token_stride;
@@ -75,9 +89,13 @@ struct RotaryParams {
   int num_kv_heads;
   int head_dim;                // even
   DType dtype;                 // of query and key: kFloat16, kBFloat16 or kFloat32
+  // Dims rotated, from the start of each head (even, <= head_dim; 0: head_dim): a partial
+  // rotary embedding passes the others through.
+  int rotary_dim = 0;
 };
 
-// In place, for every head h of query and of key (the rotate_half convention):
+// In place, for every head h of query and of key (the rotate_half convention on x =
+// head[:rotary_dim], half = rotary_dim / 2; head[rotary_dim:] unchanged):
 //   x[:half], x[half:] = x[:half] * cos[:half] - x[half:] * sin[:half],
 //                        x[half:] * cos[half:] + x[:half] * sin[half:]
 // with cos and sin rounded to dtype first and every product and the sum rounded to dtype, as
@@ -101,7 +119,7 @@ struct RotaryCacheParams {
   float k_scale = 1.f, v_scale = 1.f;
 };
 
-// The fused kernel stages a token's cos and sin in shared memory (2 * head_dim floats).
+// The fused kernel stages a token's cos and sin in shared memory (2 * rotary_dim floats).
 constexpr int kMaxRotaryCacheHeadDim = 4096;
 
 // rotary_embedding, then reshape_and_cache of the rotated key and the value, in one launch:

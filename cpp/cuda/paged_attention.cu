@@ -12,6 +12,7 @@ cudaError_t paged_attention_decode(const PagedDecodeParams& p, cudaStream_t stre
     return cudaErrorInvalidValue;
   if (p.num_partitions > 1 && (!p.tmp_out || !p.exp_sums || !p.max_logits))
     return cudaErrorInvalidValue;
+  if (p.mods.sliding_window < 0 || p.mods.softcap < 0.f) return cudaErrorInvalidValue;
   switch (p.head_dim) {
     case 64: return launch_paged_decode<64>(p, stream);
     case 80: return launch_paged_decode<80>(p, stream);

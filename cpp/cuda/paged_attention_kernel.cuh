@@ -15,10 +15,15 @@
 // partial outputs + (max, sum) and paged_decode_reduce_kernel merges the partitions.
 // An fp8 (e4m3) cache keeps the same lane layout with 8-byte loads (8 elements); K and V are
 // converted to float in registers, k_scale is folded into the query and v_scale into the output.
+// MODS instances apply the layer's AttentionMods: with a window the partitions start at the
+// window's first key (partition p holds keys [seq_start + p * P, ...), seq_start = seq_len -
+// window: no block before it is touched), the soft-cap bends each logit as it is stored, and
+// a sink joins the normalisation (here with one partition, else in the reduce kernel).
 #pragma once
 
 #include <cfloat>
 
+#include "attention_mods.cuh"
 #include "dtype_utils.cuh"
 #include "pagedd_cuda.h"
 #include "pdl.cuh"
@@ -88,7 +93,8 @@ constexpr int decode_min_blocks() {
   return HEADS >= 8 ? 3 : (HEADS >= 2 ? 5 : 8);
 }
 
-template <typename scalar_t, typename cache_t, int HEAD_DIM, int BLOCK_SIZE, int HEADS>
+template <typename scalar_t, typename cache_t, int HEAD_DIM, int BLOCK_SIZE, int HEADS,
+          bool MODS>
 __global__ void __launch_bounds__(kDecodeWarps * 32, decode_min_blocks<HEADS>())
     paged_decode_kernel(const PagedDecodeParams p) {
   using L = DecodeLayout<scalar_t, HEAD_DIM>;
@@ -107,7 +113,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, decode_min_blocks<HEADS>())
   constexpr int STAGES = PIPELINED ? 2 : 1, STAGE_ROWS = PIPELINED ? UNROLL : 1;
   __shared__ vec_t s_stage[STAGES][STAGE_ROWS][kDecodeWarps * 32];
 
-  __shared__ int s_block_ids[P / BLOCK_SIZE];
+  // A window's partitions start anywhere inside a block: one more block may be touched.
+  __shared__ int s_block_ids[P / BLOCK_SIZE + (MODS ? 1 : 0)];
   __shared__ float s_logits[HEADS][P];
   __shared__ float s_out[HEADS][HEAD_DIM];
   __shared__ float s_max[HEADS], s_sum[HEADS];
@@ -117,11 +124,13 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, decode_min_blocks<HEADS>())
   const int group = p.num_q_heads / p.num_kv_heads;
   pdl_launch_dependents();  // the reduce kernel (if any) may be scheduled now
   const int seq_len = p.seq_lens[seq];
-  const int start = part * P;
+  // The first key of the window (0 without one): partitions count from it.
+  const int seq_start = MODS ? window_first_key(seq_len - 1, p.mods.sliding_window) : 0;
+  const int start = seq_start + part * P;
   const bool single = p.num_partitions == 1;
   scalar_t* out = static_cast<scalar_t*>(p.out);
 
-  if (start >= seq_len || (single && seq_len > P)) {
+  if (start >= seq_len || (single && seq_len - seq_start > P)) {
     // Nothing to attend to. Only the single-partition path owns `out` here (zeros for length
     // 0, NaN for a sequence longer than the workspace); with partitions, the reduce kernel
     // ignores partitions past the sequence end.
@@ -136,7 +145,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, decode_min_blocks<HEADS>())
   }
   const int num_tokens = min(P, seq_len - start);
   const int first_block = start / BLOCK_SIZE;
-  const int num_blocks = (num_tokens + BLOCK_SIZE - 1) / BLOCK_SIZE;
+  const int num_blocks = (start + num_tokens - 1) / BLOCK_SIZE - first_block + 1;
   for (int i = tid; i < num_blocks; i += blockDim.x)
     s_block_ids[i] = p.block_tables[(int64_t)seq * p.block_table_stride + first_block + i];
 
@@ -150,6 +159,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, decode_min_blocks<HEADS>())
   // fp8: K = e4m3 * k_scale folds into the query, V = e4m3 * v_scale into the output.
   const float q_scale = FP8 ? p.scale * p.k_scale : p.scale;
   const float out_scale = FP8 ? p.v_scale : 1.f;
+  const float softcap = MODS ? p.mods.softcap : 0.f;
 
   // Address of token t (partition-relative) in this lane's chunk, from the staged block table.
   auto token_offset = [&](int t) -> int64_t {
@@ -239,7 +249,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, decode_min_blocks<HEADS>())
       for (int i = 0; i < N_OUT; ++i) {
         const int j = base + i, u = j / HEADS, h = j % HEADS;
         const int t = t0 + u * ROWS + row;
-        if (t < num_tokens) s_logits[h][t] = dots[i];
+        if (t < num_tokens)
+          s_logits[h][t] = MODS && softcap > 0.f ? softcap_score(dots[i], softcap) : dots[i];
       }
     });
     __syncthreads();
@@ -302,8 +313,12 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, decode_min_blocks<HEADS>())
       const int h = i / HEAD_DIM, d = i % HEAD_DIM;
       const int64_t row_idx = (int64_t)seq * p.num_q_heads + kv_head * group + h0 + h;
       if (single) {
+        float l = s_sum[h], factor = 1.f;
+        if (MODS && p.mods.sinks != nullptr)
+          factor = fold_sink<false>(s_max[h], l,
+                                    sink_logit<scalar_t>(p.mods.sinks, kv_head * group + h0 + h));
         out[row_idx * HEAD_DIM + d] =
-            Convert<scalar_t>::from_float(s_out[h][d] * out_scale / s_sum[h]);
+            Convert<scalar_t>::from_float(s_out[h][d] * out_scale * factor / l);
       } else {
         p.tmp_out[(row_idx * p.num_partitions + part) * HEAD_DIM + d] = s_out[h][d] * out_scale;
       }
@@ -317,12 +332,15 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, decode_min_blocks<HEADS>())
 }
 
 // Merge the partitions of one (sequence, query head): grid (num_q_heads, num_seqs).
-// Partitions hold partition_size keys each; a sequence longer than max_len (at most
-// num_partitions * partition_size) gets NaN. The tensor-core decode kernel
-// (paged_decode_tc_kernel.cuh) writes the same workspace with its own partition size.
+// Partitions hold partition_size keys each from the sequence's first key, or with a window
+// from its first key rounded down to a multiple of start_align (the decode kernel's choice);
+// a sequence longer than max_len, or spanning more than max_span keys (num_partitions *
+// partition_size), gets NaN. A sink (p.mods.sinks) joins the sum here. The tensor-core decode
+// kernel (paged_decode_tc_kernel.cuh) writes the same workspace with its own partition size.
 template <typename scalar_t, int HEAD_DIM>
 __global__ void __launch_bounds__(128)
-    paged_decode_reduce_kernel(const PagedDecodeParams p, int partition_size, int max_len) {
+    paged_decode_reduce_kernel(const PagedDecodeParams p, int partition_size, int max_len,
+                               int max_span, int start_align) {
   extern __shared__ float s_weights[];  // [num_partitions]
   __shared__ float s_red[32];
   const int qh = blockIdx.x, seq = blockIdx.y, tid = threadIdx.x;
@@ -330,13 +348,15 @@ __global__ void __launch_bounds__(128)
   pdl_wait_primary();  // launched as the decode kernel's dependent (launch_paged_decode_reduce)
   const int64_t row_idx = (int64_t)seq * p.num_q_heads + qh;
   scalar_t* out = static_cast<scalar_t*>(p.out) + row_idx * HEAD_DIM;
-  if (seq_len <= 0 || seq_len > max_len) {
+  const int seq_start =
+      window_first_key(seq_len - 1, p.mods.sliding_window) / start_align * start_align;
+  if (seq_len <= 0 || seq_len > max_len || seq_len - seq_start > max_span) {
     // Length 0: zeros. Too long for the workspace: NaN, loudly, rather than a truncated answer.
     const float fill = seq_len <= 0 ? 0.f : __int_as_float(0x7fc00000);
     for (int d = tid; d < HEAD_DIM; d += blockDim.x) out[d] = Convert<scalar_t>::from_float(fill);
     return;
   }
-  const int num_parts = (seq_len + partition_size - 1) / partition_size;
+  const int num_parts = (seq_len - seq_start + partition_size - 1) / partition_size;
   const float* max_logits = p.max_logits + row_idx * p.num_partitions;
   const float* exp_sums = p.exp_sums + row_idx * p.num_partitions;
 
@@ -364,7 +384,12 @@ __global__ void __launch_bounds__(128)
     s += w * exp_sums[i];
   }
   s = block_reduce(s, false);  // its barriers also publish s_weights
-  const float inv = 1.f / s;
+  // With a sink: the partials' weights are relative to m, the factor moves them to the max
+  // over the scores and the sink.
+  const float factor = p.mods.sinks != nullptr
+                           ? fold_sink<false>(m, s, sink_logit<scalar_t>(p.mods.sinks, qh))
+                           : 1.f;
+  const float inv = factor / s;
   const float* tmp = p.tmp_out + row_idx * p.num_partitions * HEAD_DIM;
   for (int d = tid; d < HEAD_DIM; d += blockDim.x) {
     float acc = 0.f;
@@ -410,7 +435,8 @@ __global__ void __launch_bounds__(128)
 // The reduce launch of a split-KV decode (num_partitions > 1).
 template <typename scalar_t, int HEAD_DIM>
 cudaError_t launch_paged_decode_reduce(const PagedDecodeParams& p, int partition_size,
-                                       int max_len, cudaStream_t stream) {
+                                       int max_len, int max_span, int start_align,
+                                       cudaStream_t stream) {
   // Padded by 4 floats: ptxas merges the guarded tail reads of s_weights into one wider
   // load (compute-sanitizer memcheck flagged a 12-byte read past the end).
   const size_t smem = sizeof(float) * (p.num_partitions + 4);
@@ -424,32 +450,49 @@ cudaError_t launch_paged_decode_reduce(const PagedDecodeParams& p, int partition
   // reduce blocks wait in pdl_wait_primary for its partials, and the launch gap is hidden.
   return launch_after_primary(paged_decode_reduce_kernel<scalar_t, HEAD_DIM>,
                               dim3(p.num_q_heads, p.num_seqs), dim3(128), smem, stream, p,
-                              partition_size, max_len);
+                              partition_size, max_len, max_span, start_align);
 }
 
-template <typename scalar_t, typename cache_t, int HEAD_DIM>
+template <typename scalar_t, typename cache_t, int HEAD_DIM, bool MODS>
 cudaError_t launch_paged_decode_typed(const PagedDecodeParams& p, cudaStream_t stream) {
   const int group = p.num_q_heads / p.num_kv_heads;
   const dim3 grid(p.num_kv_heads, p.num_seqs, p.num_partitions);
-  PAGEDD_DISPATCH_BLOCK_SIZE(p.block_size, BLOCK_SIZE, PAGEDD_DISPATCH_HEADS(group, HEADS, {
-    paged_decode_kernel<scalar_t, cache_t, HEAD_DIM, BLOCK_SIZE, HEADS>
-        <<<grid, kDecodeWarps * 32, 0, stream>>>(p);
-  }));
+  if constexpr (MODS) {
+    // Layers with modifiers reach this kernel only above 16 query heads per kv head (the
+    // tensor-core kernel takes the others): passes of 8 heads serve every group, and one
+    // head count keeps the instances (and the build) small.
+    PAGEDD_DISPATCH_BLOCK_SIZE(p.block_size, BLOCK_SIZE, {
+      paged_decode_kernel<scalar_t, cache_t, HEAD_DIM, BLOCK_SIZE, 8, true>
+          <<<grid, kDecodeWarps * 32, 0, stream>>>(p);
+    });
+  } else {
+    PAGEDD_DISPATCH_BLOCK_SIZE(p.block_size, BLOCK_SIZE, PAGEDD_DISPATCH_HEADS(group, HEADS, {
+      paged_decode_kernel<scalar_t, cache_t, HEAD_DIM, BLOCK_SIZE, HEADS, false>
+          <<<grid, kDecodeWarps * 32, 0, stream>>>(p);
+    }));
+  }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || p.num_partitions == 1) return err;
-  return launch_paged_decode_reduce<scalar_t, HEAD_DIM>(p, kPartitionSize,
-                                                        p.num_partitions * kPartitionSize, stream);
+  constexpr int kAnyLength = 0x7fffffff;  // the bound is on the span
+  return launch_paged_decode_reduce<scalar_t, HEAD_DIM>(
+      p, kPartitionSize, kAnyLength, p.num_partitions * kPartitionSize, 1, stream);
+}
+
+template <typename scalar_t, typename cache_t, int HEAD_DIM>
+cudaError_t launch_paged_decode_mods(const PagedDecodeParams& p, cudaStream_t stream) {
+  return p.mods.any() ? launch_paged_decode_typed<scalar_t, cache_t, HEAD_DIM, true>(p, stream)
+                      : launch_paged_decode_typed<scalar_t, cache_t, HEAD_DIM, false>(p, stream);
 }
 
 template <int HEAD_DIM>
 cudaError_t launch_paged_decode(const PagedDecodeParams& p, cudaStream_t stream) {
   if (p.cache_dtype == DType::kFp8E4M3)
     return p.dtype == DType::kFloat16
-               ? launch_paged_decode_typed<__half, fp8_e4m3, HEAD_DIM>(p, stream)
-               : launch_paged_decode_typed<__nv_bfloat16, fp8_e4m3, HEAD_DIM>(p, stream);
+               ? launch_paged_decode_mods<__half, fp8_e4m3, HEAD_DIM>(p, stream)
+               : launch_paged_decode_mods<__nv_bfloat16, fp8_e4m3, HEAD_DIM>(p, stream);
   return p.dtype == DType::kFloat16
-             ? launch_paged_decode_typed<__half, __half, HEAD_DIM>(p, stream)
-             : launch_paged_decode_typed<__nv_bfloat16, __nv_bfloat16, HEAD_DIM>(p, stream);
+             ? launch_paged_decode_mods<__half, __half, HEAD_DIM>(p, stream)
+             : launch_paged_decode_mods<__nv_bfloat16, __nv_bfloat16, HEAD_DIM>(p, stream);
 }
 
 }  // namespace pagedd::cuda

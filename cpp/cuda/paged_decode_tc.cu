@@ -13,8 +13,10 @@ cudaError_t paged_attention_decode_tc(const PagedDecodeTcParams& p, cudaStream_t
       p.partition_size <= 0 || p.partition_size % 64 != 0)
     return cudaErrorInvalidValue;
   if (p.block_size != 8 && p.block_size != 16 && p.block_size != 32) return cudaErrorInvalidValue;
-  // Every sequence within max_seq_len must fit the partitions.
-  if ((int64_t)p.num_partitions * p.partition_size < p.max_seq_len) return cudaErrorInvalidValue;
+  // Every sequence within max_seq_len must fit the partitions (from its window's first key).
+  const int span = decode_span(p.max_seq_len, p.mods.sliding_window, kDecodeTcWindowAlign);
+  if ((int64_t)p.num_partitions * p.partition_size < span) return cudaErrorInvalidValue;
+  if (p.mods.sliding_window < 0 || p.mods.softcap < 0.f) return cudaErrorInvalidValue;
   if (p.num_partitions > 1 && (!p.tmp_out || !p.exp_sums || !p.max_logits))
     return cudaErrorInvalidValue;
   switch (p.head_dim) {

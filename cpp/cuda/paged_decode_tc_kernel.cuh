@@ -31,10 +31,17 @@
 //     dims' bytes are the B fragment of an n tile of the segment's 8 even dims, the odd ones of
 //     its 8 odd dims. O's n tiles are thus (segment, parity) pairs, unscrambled at the merge.
 // k_scale is folded into the softmax scale, v_scale into the final normalisation.
+// MODS instances apply the layer's AttentionMods: with a window the partitions start at the
+// window's first key rounded down to a multiple of 16 (kDecodeTcWindowAlign, a sub-tile), the
+// keys of that first sub-tile before the window are zero-filled and masked, and no block
+// wholly before the window is read (nor its block-table entry); the soft-cap bends S before
+// the mask (the scale is then applied inside it); a sink joins the normalisation (here with
+// one partition, else in the reduce kernel).
 #pragma once
 
 #include <cmath>
 
+#include "attention_mods.cuh"
 #include "dtype_utils.cuh"
 #include "mma_utils.cuh"
 #include "paged_attention_kernel.cuh"  // paged_decode_reduce_kernel, launch_paged_decode_reduce
@@ -115,7 +122,8 @@ __device__ __forceinline__ void for_each_fp8_segment(ChunkFn&& chunk, int half, 
   }
 }
 
-template <typename scalar_t, typename cache_t, int HEAD_DIM, int WARPS, int STAGES, int MIN_BLOCKS>
+template <typename scalar_t, typename cache_t, int HEAD_DIM, int WARPS, int STAGES, int MIN_BLOCKS,
+          bool MODS>
 __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
     paged_decode_tc_kernel(const PagedDecodeTcParams p, int block_shift) {
   constexpr bool FP8 = is_fp8_v<cache_t>;
@@ -131,7 +139,10 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
   const int group = p.num_q_heads / p.num_kv_heads;
   pdl_launch_dependents();  // the reduce kernel (if any) may be scheduled now
   const int seq_len = p.seq_lens[seq];
-  const int start = part * p.partition_size;
+  // With a window: its first key, and the first key of the partitions (16-aligned, <= it).
+  const int window_start = MODS ? window_first_key(seq_len - 1, p.mods.sliding_window) : 0;
+  const int kv_start = window_start & ~(kDecodeTcWindowAlign - 1);
+  const int start = kv_start + part * p.partition_size;
   const bool single = p.num_partitions == 1;
   scalar_t* out = static_cast<scalar_t*>(p.out);
 
@@ -148,8 +159,11 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
     Blocks b{0, 0};
     if (i < fetch_subs) {
       const int k0 = sub_start(i);
-      b.b0 = block_table[k0 >> block_shift];
-      if (k0 + 8 < fetch_end) b.b1 = block_table[(k0 + 8) >> block_shift];
+      // A block wholly before the window is never read (it may be freed).
+      if (!MODS || block_reaches(k0, block_shift, window_start))
+        b.b0 = block_table[k0 >> block_shift];
+      if (k0 + 8 < fetch_end && (!MODS || block_reaches(k0 + 8, block_shift, window_start)))
+        b.b1 = block_table[(k0 + 8) >> block_shift];
     }
     return b;
   };
@@ -160,6 +174,7 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
   // the loop at one sub-tile per load latency, whatever the dtype. The first two batches are
   // read before seq_len is known (its load and theirs overlap): up to max_seq_len, which the
   // block table row covers (keys past seq_len are masked, their entries never used).
+  // (A window's partitions start from seq_len, which these reads then wait for.)
   Blocks cur = fetch_blocks(lane), nxt = fetch_blocks(32 + lane);
 
   if (start >= seq_len || seq_len > p.max_seq_len) {
@@ -224,7 +239,7 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
       const int x = lane + it * 32;
       if ((SUB * CH) % 32 != 0 && x >= SUB * CH) break;
       const int r = x / CH, ch = x % CH, key = k0 + r;
-      const bool valid = key < end;
+      const bool valid = key < end && (!MODS || key >= window_start);
       int64_t off = 0;
       if (valid)
         off = (int64_t)(r < 8 ? b.b0 : b.b1) * p.kv_block_stride + (key & offset_mask) * HEAD_DIM +
@@ -258,7 +273,10 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
   cp_async_wait_group<STAGES - 2>();  // this thread's Q chunks landed ...
   __syncthreads();                     // ... and every thread's
 
-  const float scale_log2 = p.scale * (FP8 ? p.k_scale : 1.f) * 1.4426950408889634f;
+  const float qk_scale = p.scale * (FP8 ? p.k_scale : 1.f);
+  // Soft-cap: S becomes the capped scaled score, the softmax then only converts to log2.
+  const float softcap = MODS ? p.mods.softcap : 0.f;
+  const float scale_log2 = (softcap > 0.f ? 1.f : qk_scale) * 1.4426950408889634f;
   const int quad_row = lane / 4, quad_col = 2 * (lane % 4);
   const scalar_t* q_lane = s_q + (lane % 16) * ROW + (lane / 16) * 8;
   // Q's A fragment of k step ks: through ldmatrix, or for an fp8 cache in the dim order of
@@ -332,13 +350,21 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
         MMA::m16n8k16(s[1], qa, b[2], b[3]);
       }
     }
-    // Keys past the end of the partition (or sequence).
-    if (k0 + SUB > end) {
+    if (MODS && softcap > 0.f) {
 #pragma unroll
       for (int t = 0; t < 2; ++t)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (k0 + t * 8 + quad_col + (e & 1) >= end) s[t][e] = -INFINITY;
+        for (int e = 0; e < 4; ++e) s[t][e] = softcap_score(s[t][e] * qk_scale, softcap);
+    }
+    // Keys past the end of the partition (or sequence), and before the window.
+    if (k0 + SUB > end || (MODS && k0 < window_start)) {
+#pragma unroll
+      for (int t = 0; t < 2; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = k0 + t * 8 + quad_col + (e & 1);
+          if (key >= end || (MODS && key < window_start)) s[t][e] = -INFINITY;
+        }
     }
     // Online softmax (log2 domain, scale folded in); the 4 lanes of a quad share a row.
     float alpha[2];
@@ -440,6 +466,10 @@ __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)
     }
     const int64_t row_idx = (int64_t)seq * p.num_q_heads + kv_head * group + r;
     if (single) {
+      if (MODS && p.mods.sinks != nullptr) {  // m, the sink: log2 domain
+        const float sink = sink_logit<scalar_t>(p.mods.sinks, kv_head * group + r);
+        acc *= fold_sink<true>(m, l, sink * 1.4426950408889634f);
+      }
       out[row_idx * HEAD_DIM + d] = Convert<scalar_t>::from_float(acc * out_scale / l);
     } else {
       p.tmp_out[(row_idx * p.num_partitions + part) * HEAD_DIM + d] = acc * out_scale;
@@ -472,11 +502,13 @@ inline bool decode_tc_three_blocks(const PagedDecodeTcParams& p) {
          (int64_t)p.num_seqs * p.num_kv_heads >= 1024;
 }
 
-template <typename scalar_t, typename cache_t, int HEAD_DIM, int STAGES, int MIN_BLOCKS>
+template <typename scalar_t, typename cache_t, int HEAD_DIM, int STAGES, int MIN_BLOCKS,
+          bool MODS>
 cudaError_t launch_paged_decode_tc_config(const PagedDecodeTcParams& p, cudaStream_t stream) {
   constexpr int WARPS = 4;
   using T = DecodeTcTile<HEAD_DIM, WARPS, STAGES, is_fp8_v<cache_t>>;
-  auto kernel = paged_decode_tc_kernel<scalar_t, cache_t, HEAD_DIM, WARPS, STAGES, MIN_BLOCKS>;
+  auto kernel =
+      paged_decode_tc_kernel<scalar_t, cache_t, HEAD_DIM, WARPS, STAGES, MIN_BLOCKS, MODS>;
   constexpr size_t smem = T::SMEM_BYTES;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
@@ -487,31 +519,39 @@ cudaError_t launch_paged_decode_tc_config(const PagedDecodeTcParams& p, cudaStre
   kernel<<<grid, T::THREADS, smem, stream>>>(p, block_shift);
   err = cudaGetLastError();
   if (err != cudaSuccess || p.num_partitions == 1) return err;
-  return launch_paged_decode_reduce<scalar_t, HEAD_DIM>(p, p.partition_size, p.max_seq_len,
-                                                        stream);
+  return launch_paged_decode_reduce<scalar_t, HEAD_DIM>(
+      p, p.partition_size, p.max_seq_len, p.num_partitions * p.partition_size,
+      MODS ? kDecodeTcWindowAlign : 1, stream);
 }
 
-template <typename scalar_t, typename cache_t, int HEAD_DIM>
+template <typename scalar_t, typename cache_t, int HEAD_DIM, bool MODS>
 cudaError_t launch_paged_decode_tc_typed(const PagedDecodeTcParams& p, cudaStream_t stream) {
   constexpr bool FP8 = is_fp8_v<cache_t>;
-  if constexpr (!FP8 && HEAD_DIM == 128) {
+  if constexpr (!FP8 && HEAD_DIM == 128 && !MODS) {
     if (decode_tc_three_blocks(p))
-      return launch_paged_decode_tc_config<scalar_t, cache_t, 128, 2, 3>(p, stream);
+      return launch_paged_decode_tc_config<scalar_t, cache_t, 128, 2, 3, false>(p, stream);
   }
   return launch_paged_decode_tc_config<scalar_t, cache_t, HEAD_DIM,
                                        decode_tc_stages<HEAD_DIM, FP8>(),
-                                       decode_tc_min_blocks<HEAD_DIM, FP8>()>(p, stream);
+                                       decode_tc_min_blocks<HEAD_DIM, FP8>(), MODS>(p, stream);
+}
+
+template <typename scalar_t, typename cache_t, int HEAD_DIM>
+cudaError_t launch_paged_decode_tc_mods(const PagedDecodeTcParams& p, cudaStream_t stream) {
+  return p.mods.any()
+             ? launch_paged_decode_tc_typed<scalar_t, cache_t, HEAD_DIM, true>(p, stream)
+             : launch_paged_decode_tc_typed<scalar_t, cache_t, HEAD_DIM, false>(p, stream);
 }
 
 template <int HEAD_DIM>
 cudaError_t launch_paged_decode_tc(const PagedDecodeTcParams& p, cudaStream_t stream) {
   if (p.cache_dtype == DType::kFp8E4M3)
     return p.dtype == DType::kFloat16
-               ? launch_paged_decode_tc_typed<__half, fp8_e4m3, HEAD_DIM>(p, stream)
-               : launch_paged_decode_tc_typed<__nv_bfloat16, fp8_e4m3, HEAD_DIM>(p, stream);
+               ? launch_paged_decode_tc_mods<__half, fp8_e4m3, HEAD_DIM>(p, stream)
+               : launch_paged_decode_tc_mods<__nv_bfloat16, fp8_e4m3, HEAD_DIM>(p, stream);
   return p.dtype == DType::kFloat16
-             ? launch_paged_decode_tc_typed<__half, __half, HEAD_DIM>(p, stream)
-             : launch_paged_decode_tc_typed<__nv_bfloat16, __nv_bfloat16, HEAD_DIM>(p, stream);
+             ? launch_paged_decode_tc_mods<__half, __half, HEAD_DIM>(p, stream)
+             : launch_paged_decode_tc_mods<__nv_bfloat16, __nv_bfloat16, HEAD_DIM>(p, stream);
 }
 
 }  // namespace pagedd::cuda

@@ -19,10 +19,16 @@
 // thread converts the chunks it copied into a single scalar_t K/V tile (exact: e4m3 fits in
 // fp16 and bf16), so the mma loop is unchanged; k_scale is folded into the softmax scale and
 // v_scale into the final normalisation.
+// MODS instances apply the layer's AttentionMods: with a window a block starts at the tile
+// holding its first row's first key (tiles before are skipped; keys of that tile before it
+// are zero-filled, their block-table entries not read where a whole block lies before it) and
+// masks keys before each row's window on the tiles that reach it; the soft-cap bends S before
+// the masks (the scale is then applied inside it); a sink joins each row's normalisation.
 #pragma once
 
 #include <cmath>
 
+#include "attention_mods.cuh"
 #include "dtype_utils.cuh"
 #include "mma_utils.cuh"
 #include "pagedd_cuda.h"
@@ -51,7 +57,8 @@ struct PrefillTile {
   static_assert(HEAD_DIM % 16 == 0 && BLOCK_N % 16 == 0, "tile shape");
 };
 
-template <typename scalar_t, typename cache_t, int HEAD_DIM, int WARPS, int ATOMS, int BLOCK_N>
+template <typename scalar_t, typename cache_t, int HEAD_DIM, int WARPS, int ATOMS, int BLOCK_N,
+          bool MODS>
 __global__ void __launch_bounds__(32 * WARPS)
     paged_prefill_kernel(const PagedPrefillParams p, int block_shift) {
   using T = PrefillTile<HEAD_DIM, WARPS, ATOMS, BLOCK_N>;
@@ -99,6 +106,10 @@ __global__ void __launch_bounds__(32 * WARPS)
   const int first_pos = prefix + m0 / group;           // position of the block's first token
   const int n_end = prefix + (m_end - 1) / group + 1;  // keys [0, n_end) reach some row
   const int num_n_tiles = (n_end + BN - 1) / BN;
+  // Window: keys before win_start reach no row of the block; its tiles start at n_first.
+  const int window = MODS ? p.mods.sliding_window : 0;
+  const int win_start = MODS ? window_first_key(first_pos, window) : 0;
+  const int n_first = win_start / BN;
 
   // Q tile -> shared memory (rows past the end zero-filled).
   const scalar_t* query = static_cast<const scalar_t*>(p.query);
@@ -132,7 +143,9 @@ __global__ void __launch_bounds__(32 * WARPS)
 #pragma unroll
     for (int it = 0; it < PER_THREAD; ++it) {
       const int x = tid + it * T::THREADS, key = n * BN + x / CH;
-      blk[it] = (x < BN * CH && key < n_end) ? block_table[key >> block_shift] : 0;
+      // A block wholly before the window is never read (it may be freed).
+      const bool reached = !MODS || block_reaches(key, block_shift, win_start);
+      blk[it] = (x < BN * CH && key < n_end && reached) ? block_table[key >> block_shift] : 0;
     }
   };
   auto load_kv = [&](int n, int stage, const int (&blk)[PER_THREAD]) {
@@ -141,7 +154,8 @@ __global__ void __launch_bounds__(32 * WARPS)
       const int x = tid + it * T::THREADS;
       if ((BN * CH) % T::THREADS != 0 && x >= BN * CH) break;
       const int r = x / CH, ch = x % CH, key = n * BN + r;
-      const bool valid = key < n_end;  // zero-filled past the end: 0 * garbage is never NaN
+      // Zero-filled past the end and before the window: 0 * garbage is never NaN.
+      const bool valid = key < n_end && (!MODS || key >= win_start);
       int64_t off = 0;
       if (valid)
         off = (int64_t)blk[it] * p.kv_block_stride + (key & offset_mask) * HEAD_DIM +
@@ -173,12 +187,15 @@ __global__ void __launch_bounds__(32 * WARPS)
     }
   };
   int blk[PER_THREAD];
-  fetch_blocks(0, blk);
-  load_kv(0, 0, blk);
+  fetch_blocks(n_first, blk);
+  load_kv(n_first, 0, blk);
   cp_async_commit_group();  // group 0: Q and the first K/V tile
-  if (num_n_tiles > 1) fetch_blocks(1, blk);
+  if (num_n_tiles > n_first + 1) fetch_blocks(n_first + 1, blk);
 
-  const float scale_log2 = p.scale * (FP8 ? p.k_scale : 1.f) * 1.4426950408889634f;
+  const float qk_scale = p.scale * (FP8 ? p.k_scale : 1.f);
+  // Soft-cap: S becomes the capped scaled score, the softmax then only converts to log2.
+  const float softcap = MODS ? p.mods.softcap : 0.f;
+  const float scale_log2 = (softcap > 0.f ? 1.f : qk_scale) * 1.4426950408889634f;
   const int quad_row = lane / 4, quad_col = 2 * (lane % 4);
   const int warp_row = warp * T::WARP_M;  // first row of this warp; atom a adds 16 * a
   int pos[ATOMS][2];  // positions of this lane's rows warp_row + 16a + quad_row (+ 8)
@@ -202,8 +219,8 @@ __global__ void __launch_bounds__(32 * WARPS)
   // load K/V. The condition is warp-uniform, so the shuffles it guards stay legal.
   const bool warp_active = m0 + warp_row < num_rows;
 
-  for (int n = 0; n < num_n_tiles; ++n) {
-    const int stage = n & 1;
+  for (int n = n_first; n < num_n_tiles; ++n) {
+    const int stage = (n - n_first) & 1;
     if (n + 1 < num_n_tiles) {
       load_kv(n + 1, stage ^ 1, blk);
       if (n + 2 < num_n_tiles) fetch_blocks(n + 2, blk);  // used next iteration
@@ -214,7 +231,7 @@ __global__ void __launch_bounds__(32 * WARPS)
     __syncthreads();           // ... and for every thread
     if (warp_active) {
       if constexpr (T::Q_IN_REGS) {
-        if (n == 0) {
+        if (n == n_first) {
 #pragma unroll
           for (int ks = 0; ks < T::K_STEPS; ++ks) ldmatrix_x4(q_frag[ks], q_lane + ks * 16);
         }
@@ -254,6 +271,26 @@ __global__ void __launch_bounds__(32 * WARPS)
         }
       }
 
+      if (MODS && softcap > 0.f) {
+#pragma unroll
+        for (int a = 0; a < ATOMS; ++a)
+#pragma unroll
+          for (int t = 0; t < T::N_TILES; ++t)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[a][t][e] = softcap_score(s[a][t][e] * qk_scale, softcap);
+      }
+      // Window mask, only on tiles holding a key before the last row's window (the keys
+      // before win_start among them: zero-filled, masked here for every row).
+      if (MODS && window > 0 && n * BN <= n_end - 1 - window) {
+#pragma unroll
+        for (int a = 0; a < ATOMS; ++a)
+#pragma unroll
+          for (int t = 0; t < T::N_TILES; ++t)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              if (n * BN + t * 8 + quad_col + (e & 1) <= pos[a][e / 2] - window)
+                s[a][t][e] = -INFINITY;
+      }
       // Causal mask, only on tiles reaching past the block's first token.
       if ((n + 1) * BN - 1 > first_pos) {
 #pragma unroll
@@ -337,8 +374,13 @@ __global__ void __launch_bounds__(32 * WARPS)
       float l = row_sum[a][rr];
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const float inv = l > 0.f ? (FP8 ? p.v_scale : 1.f) / l : 0.f;
       const int i = m0 + warp_row + 16 * a + quad_row + 8 * rr;
+      float factor = 1.f;
+      if (MODS && p.mods.sinks != nullptr && i < num_rows) {  // row_max, the sink: log2 domain
+        const float sink = sink_logit<scalar_t>(p.mods.sinks, kv_head * group + i % group);
+        factor = fold_sink<true>(row_max[a][rr], l, sink * 1.4426950408889634f);
+      }
+      const float inv = l > 0.f ? factor * (FP8 ? p.v_scale : 1.f) / l : 0.f;
       if (i < num_rows) {
         scalar_t* dst = out_row(i) + quad_col;
 #pragma unroll
@@ -352,7 +394,9 @@ __global__ void __launch_bounds__(32 * WARPS)
 template <typename scalar_t, typename cache_t, int HEAD_DIM, int WARPS, int ATOMS, int BLOCK_N>
 cudaError_t launch_paged_prefill_tiles(const PagedPrefillParams& p, cudaStream_t stream) {
   using T = PrefillTile<HEAD_DIM, WARPS, ATOMS, BLOCK_N>;
-  auto kernel = paged_prefill_kernel<scalar_t, cache_t, HEAD_DIM, WARPS, ATOMS, BLOCK_N>;
+  auto kernel = p.mods.any()
+                    ? paged_prefill_kernel<scalar_t, cache_t, HEAD_DIM, WARPS, ATOMS, BLOCK_N, true>
+                    : paged_prefill_kernel<scalar_t, cache_t, HEAD_DIM, WARPS, ATOMS, BLOCK_N, false>;
   constexpr size_t smem = is_fp8_v<cache_t> ? T::SMEM_BYTES_FP8 : T::SMEM_BYTES;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);

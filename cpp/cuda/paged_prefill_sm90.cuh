@@ -27,6 +27,12 @@
 // row's position), and the consumer zeroes those V rows of the last tile before its P V reads
 // them, so that 0 * garbage (possibly NaN) never reaches O.
 // fp16 and bf16 K/V only: an fp8 cache runs the mma.sync kernel.
+// MODS instances apply the layer's AttentionMods: with a window a block starts at the tile
+// holding its first row's first key win_start (barrier stages and phases count from that
+// tile), the producer loads only the pages holding a key at or after win_start, the consumers
+// zero the V rows of the first tile before win_start (as those past the end) and mask each
+// row's keys before its window; the soft-cap bends S before the masks; a sink joins each
+// row's normalisation.
 // On the H200 (bench/results/h200_2026-12-01d_prefill_ws.md) this structure took 4k causal
 // prefills from 335 (every thread loading with cp.async, one __syncthreads per tile) to 472
 // TFLOP/s.
@@ -34,6 +40,7 @@
 
 #include <cmath>
 
+#include "attention_mods.cuh"
 #include "dtype_utils.cuh"
 #include "mma_utils.cuh"
 #include "pagedd_cuda.h"
@@ -68,7 +75,7 @@ __device__ __forceinline__ uint32_t swizzled_offset(int r, int ch, int rows) {
   return (uint32_t)((ch >> 3) * rows * 128 + r * 128 + (((ch & 7) ^ (r & 7)) << 4));
 }
 
-template <typename scalar_t, int HEAD_DIM, int BLOCK_N, int STAGES>
+template <typename scalar_t, int HEAD_DIM, int BLOCK_N, int STAGES, bool MODS>
 __global__ void __launch_bounds__(384, 1)
     paged_prefill_sm90_kernel(const __grid_constant__ PagedPrefillParams p,
                                  const __grid_constant__ CUtensorMap k_map,
@@ -87,11 +94,6 @@ __global__ void __launch_bounds__(384, 1)
   const uint32_t k_addr = q_addr + T::Q_BYTES;       // [STAGES][SLABS][BN][64]
   const uint32_t v_addr = k_addr + STAGES * T::KV_BYTES;
   const uint32_t bar0 = smem_addr(barriers);
-  auto k_full = [&](int n) { return bar0 + 8 * (n % STAGES); };
-  auto k_empty = [&](int n) { return bar0 + 8 * (STAGES + n % STAGES); };
-  auto v_full = [&](int n) { return bar0 + 8 * (2 * STAGES + n % STAGES); };
-  auto v_empty = [&](int n) { return bar0 + 8 * (3 * STAGES + n % STAGES); };
-  auto parity = [](int n) { return (uint32_t)((n / STAGES) & 1); };
 
   const int kv_head = blockIdx.x, seq = blockIdx.z;
   const int tile = gridDim.y - 1 - blockIdx.y;  // causal: later tiles have more keys
@@ -124,6 +126,17 @@ __global__ void __launch_bounds__(384, 1)
   const int prefix = ctx - q_len;                      // cached tokens before the new ones
   const int n_end = prefix + (m_end - 1) / group + 1;  // keys [0, n_end) reach some row
   const int num_n_tiles = (n_end + BN - 1) / BN;
+  // Window: keys before win_start reach no row of the block; its tiles start at n_first.
+  const int window = MODS ? p.mods.sliding_window : 0;
+  const int win_start = MODS ? window_first_key(prefix + m0 / group, window) : 0;
+  const int n_first = win_start / BN;
+  // Stages and barrier phases count the block's tiles from n_first.
+  auto k_full = [&](int n) { return bar0 + 8 * ((n - n_first) % STAGES); };
+  auto k_empty = [&](int n) { return bar0 + 8 * (STAGES + (n - n_first) % STAGES); };
+  auto v_full = [&](int n) { return bar0 + 8 * (2 * STAGES + (n - n_first) % STAGES); };
+  auto v_empty = [&](int n) { return bar0 + 8 * (3 * STAGES + (n - n_first) % STAGES); };
+  auto parity = [&](int n) { return (uint32_t)(((n - n_first) / STAGES) & 1); };
+  auto stage_of = [&](int n) { return (n - n_first) % STAGES; };
 
   if (tid == 0) {
     prefetch_tensor_map(&k_map);
@@ -147,23 +160,27 @@ __global__ void __launch_bounds__(384, 1)
     const int32_t* block_table = p.block_tables + (int64_t)seq * p.block_table_stride;
     const int block_size = 1 << block_shift;
     const int page_bytes = block_size * HEAD_DIM * 2;  // one kv head's page, all slabs
-    for (int n = 0; n < num_n_tiles; ++n) {
-      // Pages of this tile holding keys below n_end (BN is a multiple of the block size).
+    for (int n = n_first; n < num_n_tiles; ++n) {
+      // Pages of this tile holding keys below n_end (BN is a multiple of the block size), and
+      // with a window from the first holding a key at or after win_start.
       const int pages = min(BN >> block_shift, (n_end - n * BN + block_size - 1) >> block_shift);
-      const int block = lane < pages ? block_table[((n * BN) >> block_shift) + lane] : 0;
+      const int first_page = MODS && n == n_first ? (win_start - n * BN) >> block_shift : 0;
+      const bool loads = lane >= first_page && lane < pages;
+      const int block = loads ? block_table[((n * BN) >> block_shift) + lane] : 0;
       auto load = [&](uint32_t full, uint32_t empty, uint32_t dst, const CUtensorMap* map) {
-        if (n >= STAGES) mbarrier_wait(empty, parity(n) ^ 1u);
-        if (lane == 0) mbarrier_arrive_expect_tx(full, (uint32_t)(pages * page_bytes));
+        if (n - n_first >= STAGES) mbarrier_wait(empty, parity(n) ^ 1u);
+        if (lane == 0)
+          mbarrier_arrive_expect_tx(full, (uint32_t)((pages - first_page) * page_bytes));
         __syncwarp();
-        if (lane < pages) {
+        if (loads) {
 #pragma unroll
           for (int slab = 0; slab < T::SLABS; ++slab)
             tma_load_4d(dst + slab * BN * 128 + lane * block_size * 128, map, full, slab * 64, 0,
                         kv_head, block);
         }
       };
-      load(k_full(n), k_empty(n), k_addr + (n % STAGES) * T::KV_BYTES, &k_map);
-      load(v_full(n), v_empty(n), v_addr + (n % STAGES) * T::KV_BYTES, &v_map);
+      load(k_full(n), k_empty(n), k_addr + stage_of(n) * T::KV_BYTES, &k_map);
+      load(v_full(n), v_empty(n), v_addr + stage_of(n) * T::KV_BYTES, &v_map);
     }
     return;
   }
@@ -197,7 +214,9 @@ __global__ void __launch_bounds__(384, 1)
   fence_proxy_async_shared();  // Q visible to wgmma, for the whole warpgroup:
   named_barrier_sync(wg_bar, 128);
 
-  const float scale_log2 = p.scale * 1.4426950408889634f;
+  // Soft-cap: S becomes the capped scaled score, the softmax then only converts to log2.
+  const float softcap = MODS ? p.mods.softcap : 0.f;
+  const float scale_log2 = (softcap > 0.f ? 1.f : p.scale) * 1.4426950408889634f;
   const int lwarp = ltid / 32;
   const int quad_row = lane / 4, quad_col = 2 * (lane % 4);
   const int row0 = 64 * cw + 16 * lwarp + quad_row;  // this lane's rows: row0, row0 + 8
@@ -207,7 +226,8 @@ __global__ void __launch_bounds__(384, 1)
   const bool wg_active = wg_m0 < num_rows;
   const int wg_first_pos = prefix + wg_m0 / group;
   const int wg_n_end = prefix + (min(wg_m0 + 64, num_rows) - 1) / group + 1;
-  const int wg_tiles = wg_active ? (wg_n_end + BN - 1) / BN : 0;
+  // The tiles this warpgroup computes: [n_first, wg_tiles) (none when inactive).
+  const int wg_tiles = wg_active ? (wg_n_end + BN - 1) / BN : n_first;
   const uint32_t sq = q_addr + cw * 64 * 128;  // this warpgroup's 64 rows of every Q slab
 
   auto release = [&](uint32_t empty) {
@@ -231,7 +251,7 @@ __global__ void __launch_bounds__(384, 1)
   uint32_t pa[BN / 16][4];  // P of the previous tile as A fragments (k-step kk: keys 16 kk..)
 
   auto issue_s = [&](int n) {
-    const uint32_t sk = k_addr + (n % STAGES) * T::KV_BYTES;
+    const uint32_t sk = k_addr + stage_of(n) * T::KV_BYTES;
 #pragma unroll
     for (int ks = 0; ks < T::K_STEPS; ++ks) {
       // k-step ks: slab ks / 4 (64 dims), then 32 bytes (16 elements) per step inside it.
@@ -244,7 +264,7 @@ __global__ void __launch_bounds__(384, 1)
   };
   // O += P V: V [key][dim] is the N-major B of this product; k-step kk = keys 16 kk ..
   auto issue_pv = [&](int n) {
-    const uint32_t sv = v_addr + (n % STAGES) * T::KV_BYTES;
+    const uint32_t sv = v_addr + stage_of(n) * T::KV_BYTES;
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk)
       Wgmma<scalar_t, HEAD_DIM>::rs_tb(o, pa[kk],
@@ -254,6 +274,18 @@ __global__ void __launch_bounds__(384, 1)
   // Causal mask and online softmax of S_n (log2 domain; the 4 lanes of a quad share a row);
   // returns whether O needs rescaling (some row's max moved), with alpha per row.
   auto softmax = [&](int n, float (&alpha)[2]) {
+    if (MODS && softcap > 0.f) {
+#pragma unroll
+      for (int j = 0; j < BN / 2; ++j) s[j] = softcap_score(s[j] * p.scale, softcap);
+    }
+    // Window: tiles holding a key before the warpgroup's last row's window.
+    if (MODS && window > 0 && n * BN <= wg_n_end - 1 - window) {
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (n * BN + 8 * j + quad_col + (e & 1) <= pos[e / 2] - window) s[4 * j + e] = -INFINITY;
+    }
     if ((n + 1) * BN - 1 > wg_first_pos) {  // only tiles reaching past the first token
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j)
@@ -295,25 +327,44 @@ __global__ void __launch_bounds__(384, 1)
       for (int q = 0; q < 4; ++q) pa[kk][q] = MMA::pack(s[8 * kk + 2 * q], s[8 * kk + 2 * q + 1]);
   };
 
-  // Rounds 0 .. num_n_tiles: round n issues S_n (n < wg_tiles) and P_{n-1} V_{n-1} (n >= 1,
-  // n - 1 < wg_tiles), each round one turn; the tiles past wg_tiles are skipped in order.
-  int n = 0;
-  if (wg_tiles > 0) {
-    // Round 0: S_0 alone.
-    mbarrier_wait(k_full(0), parity(0));
+  // Zeroes V rows [first, last) of tile n's stage (every slab, all 128 bytes of each row),
+  // for every thread of the warpgroup, before its P V reads them: rows the producer did not
+  // load (past the end, before a window) hold whatever the stage held.
+  auto zero_v_rows = [&](int n, int first, int last) {
+    unsigned char* sv = s_v + stage_of(n) * T::KV_BYTES;
+    for (int x = ltid; x < (last - first) * 8 * T::SLABS; x += 128) {
+      const int r = first + x / (8 * T::SLABS), c = x % (8 * T::SLABS);
+      *reinterpret_cast<uint4*>(sv + (c / 8) * BN * 128 + r * 128 + (c % 8) * 16) =
+          make_uint4(0, 0, 0, 0);
+    }
+    fence_proxy_async_shared();
+    named_barrier_sync(wg_bar, 128);
+  };
+
+  // Rounds n_first .. num_n_tiles: round n issues S_n (n < wg_tiles) and P_{n-1} V_{n-1}
+  // (n > n_first, n - 1 < wg_tiles), each round one turn; the tiles past wg_tiles are skipped
+  // in order.
+  int n = n_first;
+  if (wg_tiles > n_first) {
+    // Round n_first: S alone.
+    mbarrier_wait(k_full(n_first), parity(n_first));
     turn_sync();
     wgmma_fence_operands(s);
     wgmma_fence();
-    issue_s(0);
+    issue_s(n_first);
     turn_pass();
     wgmma_wait_group<0>();
     wgmma_fence_operands(s);
-    release(k_empty(0));
+    release(k_empty(n_first));
     float alpha[2];
-    softmax(0, alpha);  // O is still zero: no rescale
+    softmax(n_first, alpha);  // O is still zero: no rescale
     pack_p();
-    // Rounds 1 .. wg_tiles - 1: S_n, then P_{n-1} V_{n-1}; the softmax of S_n overlaps P V.
-    for (n = 1; n < wg_tiles; ++n) {
+    if (MODS && win_start > n_first * BN) {  // the window starts inside the first tile
+      mbarrier_wait(v_full(n_first), parity(n_first));
+      zero_v_rows(n_first, 0, win_start - n_first * BN);
+    }
+    // Then S_n, then P_{n-1} V_{n-1}; the softmax of S_n overlaps P V.
+    for (n = n_first + 1; n < wg_tiles; ++n) {
       // V_{n-1} was loaded before K_n; waiting for it between the two wgmma batches would
       // make ptxas serialize every wgmma (C7520: a wait loop is a divergent path).
       mbarrier_wait(k_full(n), parity(n));
@@ -339,18 +390,8 @@ __global__ void __launch_bounds__(384, 1)
     // Round wg_tiles: the last P V (and K of a tile past this warpgroup's rows, skipped).
     const int last = wg_tiles - 1;
     mbarrier_wait(v_full(last), parity(last));
-    if (last == num_n_tiles - 1 && n_end < num_n_tiles * BN) {
-      // Zero V rows past the sequence's end (every slab, all 128 bytes of each row).
-      const int first = n_end - last * BN;
-      unsigned char* sv = s_v + (last % STAGES) * T::KV_BYTES;
-      for (int x = ltid; x < (BN - first) * 8 * T::SLABS; x += 128) {
-        const int r = first + x / (8 * T::SLABS), c = x % (8 * T::SLABS);
-        *reinterpret_cast<uint4*>(sv + (c / 8) * BN * 128 + r * 128 + (c % 8) * 16) =
-            make_uint4(0, 0, 0, 0);
-      }
-      fence_proxy_async_shared();
-      named_barrier_sync(wg_bar, 128);
-    }
+    if (last == num_n_tiles - 1 && n_end < num_n_tiles * BN)
+      zero_v_rows(last, n_end - last * BN, BN);  // rows past the sequence's end
     turn_sync();
     wgmma_fence_operands(o);
     wgmma_fence();
@@ -369,8 +410,13 @@ __global__ void __launch_bounds__(384, 1)
       float l = row_sum[rr];
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const float inv = l > 0.f ? 1.f / l : 0.f;
       const int i = m0 + row0 + 8 * rr;
+      float factor = 1.f;
+      if (MODS && p.mods.sinks != nullptr && i < num_rows) {  // row_max, the sink: log2 domain
+        const float sink = sink_logit<scalar_t>(p.mods.sinks, kv_head * group + i % group);
+        factor = fold_sink<true>(row_max[rr], l, sink * 1.4426950408889634f);
+      }
+      const float inv = l > 0.f ? factor / l : 0.f;
       if (i < num_rows) {
         scalar_t* dst = out_row(i) + quad_col;
 #pragma unroll
@@ -385,7 +431,7 @@ __global__ void __launch_bounds__(384, 1)
     turn_sync();
     turn_pass();
     if (n < num_n_tiles) skip_k(n);
-    if (n >= 1) skip_v(n - 1);
+    if (n > n_first) skip_v(n - 1);
   }
 #endif  // PAGEDD_WGMMA_DEVICE
 }
@@ -394,7 +440,8 @@ template <typename scalar_t, int HEAD_DIM, int BLOCK_N, int STAGES>
 cudaError_t launch_paged_prefill_sm90_tiles(const PagedPrefillParams& p,
                                                cudaStream_t stream) {
   using T = PrefillSm90Tile<HEAD_DIM, BLOCK_N, STAGES>;
-  auto kernel = paged_prefill_sm90_kernel<scalar_t, HEAD_DIM, BLOCK_N, STAGES>;
+  auto kernel = p.mods.any() ? paged_prefill_sm90_kernel<scalar_t, HEAD_DIM, BLOCK_N, STAGES, true>
+                             : paged_prefill_sm90_kernel<scalar_t, HEAD_DIM, BLOCK_N, STAGES, false>;
   if (p.num_blocks <= 0 || p.block_size > BLOCK_N) return cudaErrorInvalidValue;
   CUtensorMap k_map, v_map;
   cudaError_t err = encode_kv_cache_tensor_map(&k_map, p.key_cache, p.num_blocks,

@@ -28,6 +28,36 @@ inline int num_partitions_for(int max_seq_len) {
   return max_seq_len <= 0 ? 1 : (max_seq_len + kPartitionSize - 1) / kPartitionSize;
 }
 
+// Per-layer modifiers of the attention scores, taken by every attention kernel. A call without
+// any (mods.any() false) runs the kernels' plain instances, unchanged; with any, instances
+// that apply them (a compile-time switch: the plain instances pay nothing).
+//   sliding_window: a query at position p sees the keys at (p - sliding_window, p] only, as
+//     transformers' sliding-window mask; the kernels start at the first block holding such a
+//     key and never read the blocks (nor their block-table entries) wholly before it, so that
+//     an allocator may free them: a sequence's keys before its first new token's position -
+//     sliding_window + 1 are never read.
+//   softcap: each scaled score s becomes softcap * tanh(s / softcap) before the mask (Gemma 2).
+//   sinks: a logit per query head, [num_q_heads] of the query's dtype, joining each row's
+//     softmax as one more column whose value is dropped: out = sum_j e^{s_j} v_j /
+//     (sum_j e^{s_j} + e^{sink}) (gpt-oss).
+struct AttentionMods {
+  int sliding_window = 0;       // > 0: the window in tokens (the query included); 0: none
+  float softcap = 0.f;          // > 0: the cap; 0: none
+  const void* sinks = nullptr;  // [num_q_heads] or null
+  bool any() const { return sliding_window > 0 || softcap > 0.f || sinks != nullptr; }
+};
+
+// Decode with a window starts at the window's first key rounded down to a multiple of
+// `align` keys (the CUDA-core kernel: 1; the tensor-core kernel: 16, one sub-tile), so a
+// sequence spans at most min(max_seq_len, window + align - 1) keys: what the split-KV
+// partitions must cover.
+constexpr int kDecodeTcWindowAlign = 16;
+inline int decode_span(int max_seq_len, int sliding_window, int align) {
+  if (sliding_window <= 0) return max_seq_len;
+  const int64_t span = (int64_t)sliding_window + align - 1;
+  return span < max_seq_len ? (int)span : max_seq_len;
+}
+
 struct PagedDecodeParams {
   void* out;                   // [num_seqs, num_q_heads, head_dim], contiguous
   const void* query;           // [num_seqs, num_q_heads, head_dim], last dim contiguous
@@ -44,7 +74,7 @@ struct PagedDecodeParams {
   float* tmp_out;              // [num_seqs, num_q_heads, num_partitions, head_dim]
   float* exp_sums;             // [num_seqs, num_q_heads, num_partitions]
   float* max_logits;           // [num_seqs, num_q_heads, num_partitions]
-  int num_partitions;          // num_partitions_for(max_seq_len)
+  int num_partitions;          // num_partitions_for(decode_span(max_seq_len, window, 1))
   int num_seqs;
   int num_q_heads;
   int num_kv_heads;            // num_q_heads % num_kv_heads == 0
@@ -57,16 +87,19 @@ struct PagedDecodeParams {
   // the output: no per-element multiply); strides are then in bytes (= elements).
   DType cache_dtype = DType::kFloat16;
   float k_scale = 1.f, v_scale = 1.f;
+  AttentionMods mods;          // window, soft-cap, sinks (see AttentionMods)
 };
 
 // out[s, h] = softmax(scale * q[s, h] . K[s, kv(h)]^T) V[s, kv(h)] over the first seq_lens[s]
-// tokens of sequence s, read through its block table. A sequence of length 0 gets zeros; one
-// longer than num_partitions * kPartitionSize gets NaN (the caller's max_seq_len was wrong).
+// tokens of sequence s (the last sliding_window of them with a window), read through its block
+// table. A sequence of length 0 gets zeros; one spanning more than num_partitions *
+// kPartitionSize keys gets NaN (the caller's max_seq_len was wrong).
 cudaError_t paged_attention_decode(const PagedDecodeParams& p, cudaStream_t stream);
 
 // The tensor-core decode kernel's parameters: the CUDA-core kernel's, with a runtime
 // partition size (a multiple of 64) and the caller's max_seq_len. The split-KV workspaces
-// have the same layout and meaning; num_partitions = ceil(max_seq_len / partition_size).
+// have the same layout and meaning; num_partitions = ceil(decode_span(max_seq_len, window,
+// kDecodeTcWindowAlign) / partition_size).
 struct PagedDecodeTcParams : PagedDecodeParams {
   int partition_size;  // keys per partition, a positive multiple of 64
   int max_seq_len;     // >= every seq_lens entry; a longer sequence gets NaN
@@ -120,12 +153,15 @@ struct PagedPrefillParams {
   DType cache_dtype = DType::kFloat16;
   float k_scale = 1.f, v_scale = 1.f;
   PrefillBackend backend = PrefillBackend::kAuto;
+  AttentionMods mods;            // window, soft-cap, sinks (see AttentionMods)
 };
 
 // Causal attention of a packed batch of new tokens over their paged K/V (the cached prefix and
 // the new tokens themselves, already written by reshape_and_cache). Sequence s owns query rows
 // [query_start_loc[s], query_start_loc[s+1]); its query token j sits at position
-// seq_lens[s] - query_len + j and attends to positions [0, that]. Decode rows (query_len 1)
+// seq_lens[s] - query_len + j and attends to positions [0, that] (with a window, the last
+// sliding_window of them; tiles of keys wholly before every row's window are skipped, never
+// read). Decode rows (query_len 1)
 // may be mixed in. Tensor cores (mma.sync on sm_80+, or wgmma on sm_90a: p.backend), online
 // softmax, and the query heads of a kv head's group packed into one tile, so K/V are read once
 // per kv head, never copied.

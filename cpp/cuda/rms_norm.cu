@@ -20,11 +20,12 @@ namespace {
 // e4m3 (out_fp8, out_scale) exactly as per_token_fp8_quant would quantize it
 // (quantize_row_fp8: the normalised values stay in registers between finding the row's largest
 // |value| and storing the codes). out_stride then counts bytes of out_fp8.
-template <typename T, int VEC, bool HAS_RESIDUAL, bool QUANT>
+// ROUND_ONCE: (x * inv_rms) * (weight + weight_offset) in float32, rounded once (gpt-oss, Gemma).
+template <typename T, int VEC, bool HAS_RESIDUAL, bool QUANT, bool ROUND_ONCE>
 __global__ void rms_norm_kernel(T* out, uint8_t* out_fp8, float* out_scale, const T* input,
                                 T* residual, const T* weight, int64_t out_stride,
                                 int64_t input_stride, int64_t residual_stride, int hidden_size,
-                                float eps) {
+                                float eps, float weight_offset) {
   using V = Vec<T, VEC>;
   const int64_t row = blockIdx.x;
   const int num_vecs = hidden_size / VEC;
@@ -54,8 +55,12 @@ __global__ void rms_norm_kernel(T* out, uint8_t* out_fp8, float* out_scale, cons
     const V x = src[i], wv = w[i];
     V y;
 #pragma unroll
-    for (int j = 0; j < VEC; ++j)
-      y.v[j] = from_float<T>(to_float(wv.v[j]) * round_to<T>(to_float(x.v[j]) * inv_rms));
+    for (int j = 0; j < VEC; ++j) {
+      if constexpr (ROUND_ONCE)
+        y.v[j] = from_float<T>(to_float(x.v[j]) * inv_rms * (to_float(wv.v[j]) + weight_offset));
+      else
+        y.v[j] = from_float<T>(to_float(wv.v[j]) * round_to<T>(to_float(x.v[j]) * inv_rms));
+    }
     return y;
   };
   if constexpr (!QUANT) {
@@ -66,7 +71,7 @@ __global__ void rms_norm_kernel(T* out, uint8_t* out_fp8, float* out_scale, cons
   }
 }
 
-template <typename T, int VEC, bool QUANT>
+template <typename T, int VEC, bool QUANT, bool ROUND_ONCE>
 void launch(const RMSNormParams& p, cudaStream_t stream) {
   const int threads = threads_for(p.hidden_size / VEC);
   T* out = static_cast<T*>(p.out);
@@ -75,21 +80,22 @@ void launch(const RMSNormParams& p, cudaStream_t stream) {
   T* residual = static_cast<T*>(p.residual);
   const T* weight = static_cast<const T*>(p.weight);
   if (residual != nullptr)
-    rms_norm_kernel<T, VEC, true, QUANT><<<p.num_tokens, threads, 0, stream>>>(
+    rms_norm_kernel<T, VEC, true, QUANT, ROUND_ONCE><<<p.num_tokens, threads, 0, stream>>>(
         out, out_fp8, p.out_scale, input, residual, weight, p.out_stride, p.input_stride,
-        p.residual_stride, p.hidden_size, p.eps);
+        p.residual_stride, p.hidden_size, p.eps, p.weight_offset);
   else
-    rms_norm_kernel<T, VEC, false, QUANT><<<p.num_tokens, threads, 0, stream>>>(
+    rms_norm_kernel<T, VEC, false, QUANT, ROUND_ONCE><<<p.num_tokens, threads, 0, stream>>>(
         out, out_fp8, p.out_scale, input, nullptr, weight, p.out_stride, p.input_stride, 0,
-        p.hidden_size, p.eps);
+        p.hidden_size, p.eps, p.weight_offset);
 }
 
 template <typename T, int VEC>
 void launch(const RMSNormParams& p, cudaStream_t stream) {
   if (p.out_fp8 != nullptr)
-    launch<T, VEC, true>(p, stream);
+    p.round_once ? launch<T, VEC, true, true>(p, stream) : launch<T, VEC, true, false>(p, stream);
   else
-    launch<T, VEC, false>(p, stream);
+    p.round_once ? launch<T, VEC, false, true>(p, stream)
+                 : launch<T, VEC, false, false>(p, stream);
 }
 
 template <typename T>
@@ -114,6 +120,7 @@ cudaError_t launch_typed(const RMSNormParams& p, cudaStream_t stream) {
 
 cudaError_t rms_norm(const RMSNormParams& p, cudaStream_t stream) {
   if (p.num_tokens < 0 || p.hidden_size <= 0 || !(p.eps >= 0.0f)) return cudaErrorInvalidValue;
+  if (p.weight_offset != 0.f && !p.round_once) return cudaErrorInvalidValue;
   if (p.residual != nullptr && p.residual == p.out) return cudaErrorInvalidValue;
   if ((p.out_fp8 == nullptr) != (p.out_scale == nullptr)) return cudaErrorInvalidValue;
   if (p.num_tokens == 0) return cudaSuccess;

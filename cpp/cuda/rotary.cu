@@ -1,7 +1,9 @@
 // Rotary position embedding applied to the query and key heads in place (layer_kernels.h):
 // one block per token, one thread per (head, rotated pair) at a time. And the same rotation
 // fused with the KV-cache write (rotary_embedding_and_cache): the rotated key and the value go
-// straight into the paged cache, as reshape_and_cache would store them.
+// straight into the paged cache, as reshape_and_cache would store them. A partial rotary
+// embedding (rotary_dim < head_dim) rotates the first rotary_dim dims of each head; the key's
+// other dims go to the cache as they are.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -40,7 +42,7 @@ __device__ __forceinline__ void rotate_pair(T* x, int i, int half, float cos_lo,
 template <typename T>
 __global__ void rotary_kernel(RotaryParams p) {
   const int64_t token = blockIdx.x;
-  const int half = p.head_dim / 2;
+  const int half = p.rotary_dim / 2;
   const float* cos = p.cos + token * p.cos_sin_stride;
   const float* sin = p.sin + token * p.cos_sin_stride;
   T* query = static_cast<T*>(p.query) + token * p.query_token_stride;
@@ -58,7 +60,7 @@ __global__ void rotary_kernel(RotaryParams p) {
 
 template <typename T>
 cudaError_t launch_typed(const RotaryParams& p, cudaStream_t stream) {
-  const int num_pairs = (p.num_heads + p.num_kv_heads) * (p.head_dim / 2);
+  const int num_pairs = (p.num_heads + p.num_kv_heads) * (p.rotary_dim / 2);
   rotary_kernel<T><<<p.num_tokens, threads_for(num_pairs < 256 ? num_pairs : 256), 0, stream>>>(p);
   return cudaGetLastError();
 }
@@ -112,14 +114,14 @@ __device__ __forceinline__ void load_shared(const float* src, float (&dst)[N]) {
 // copies the token's value heads. k never goes back to memory between rotation and cache write.
 template <typename T, bool FP8, int N>
 __global__ void rotary_cache_kernel(const RotaryCacheParams p) {
-  extern __shared__ float4 cos_sin_smem[];  // [2 * head_dim] floats: cos, then sin, rounded to T
+  extern __shared__ float4 cos_sin_smem[];  // [2 * rotary_dim] floats: cos, sin, rounded to T
   const RotaryParams& r = p.rotary;
   const int64_t token = blockIdx.x;
   const int64_t slot = p.slot_mapping[token];
-  const int half = r.head_dim / 2, vecs_per_half = half / N;
+  const int half = r.rotary_dim / 2, vecs_per_half = half / N;
   float* cos = reinterpret_cast<float*>(cos_sin_smem);
-  float* sin = cos + r.head_dim;
-  for (int j = threadIdx.x; j < r.head_dim; j += blockDim.x) {
+  float* sin = cos + r.rotary_dim;
+  for (int j = threadIdx.x; j < r.rotary_dim; j += blockDim.x) {
     cos[j] = round_to<T>(r.cos[token * r.cos_sin_stride + j]);
     sin[j] = round_to<T>(r.sin[token * r.cos_sin_stride + j]);
   }
@@ -158,6 +160,13 @@ __global__ void rotary_cache_kernel(const RotaryCacheParams p) {
     }
   }
   if (slot < 0) return;  // padding token: rotated, nothing to store
+  // Partial rotary: the key's dims past rotary_dim, as they are.
+  const int pass_vecs = (r.head_dim - r.rotary_dim) / N;
+  for (int u = threadIdx.x; u < r.num_kv_heads * pass_vecs; u += blockDim.x) {
+    const int h = u / pass_vecs, c = r.rotary_dim + (u % pass_vecs) * N;
+    const Vec<T, N> k = *reinterpret_cast<const Vec<T, N>*>(key + h * r.key_head_stride + c);
+    store_cache<T, FP8, N>(p.key_cache, cache_row + h * p.cache_head_stride + c, k, inv_k);
+  }
   const T* value = static_cast<const T*>(p.value) + token * p.value_token_stride;
   const int vecs_per_head = r.head_dim / N;
   for (int u = threadIdx.x; u < r.num_kv_heads * vecs_per_head; u += blockDim.x) {
@@ -176,8 +185,8 @@ cudaError_t launch_rotary_cache(const RotaryCacheParams& p, cudaStream_t stream)
   const int64_t strides[] = {r.query_token_stride, r.query_head_stride,  r.key_token_stride,
                              r.key_head_stride,    p.value_token_stride, p.value_head_stride,
                              p.cache_block_stride, p.cache_head_stride};
-  bool vec = (r.head_dim / 2) % kVec == 0 && is_aligned16(r.query) && is_aligned16(r.key) &&
-             is_aligned16(p.value);
+  bool vec = (r.rotary_dim / 2) % kVec == 0 && (r.head_dim - r.rotary_dim) % kVec == 0 &&
+             is_aligned16(r.query) && is_aligned16(r.key) && is_aligned16(p.value);
   for (int64_t s : strides) vec = vec && s % kVec == 0;
   if constexpr (FP8)
     vec = vec && reinterpret_cast<uintptr_t>(p.key_cache) % kVec == 0 &&
@@ -185,11 +194,11 @@ cudaError_t launch_rotary_cache(const RotaryCacheParams& p, cudaStream_t stream)
   else
     vec = vec && is_aligned16(p.key_cache) && is_aligned16(p.value_cache);
   const int n = vec ? kVec : 1;
-  const int num_rotations = (r.num_heads + r.num_kv_heads) * (r.head_dim / 2 / n);
+  const int num_rotations = (r.num_heads + r.num_kv_heads) * (r.rotary_dim / 2 / n);
   const int num_copies = r.num_kv_heads * (r.head_dim / n);
   const int units = num_rotations > num_copies ? num_rotations : num_copies;
   const int threads = threads_for(units < 256 ? units : 256);
-  const size_t smem = 2 * r.head_dim * sizeof(float);
+  const size_t smem = 2 * r.rotary_dim * sizeof(float);
   if (vec)
     rotary_cache_kernel<T, FP8, kVec><<<r.num_tokens, threads, smem, stream>>>(p);
   else
@@ -199,9 +208,18 @@ cudaError_t launch_rotary_cache(const RotaryCacheParams& p, cudaStream_t stream)
 
 }  // namespace
 
-cudaError_t rotary_embedding(const RotaryParams& p, cudaStream_t stream) {
+namespace {
+// rotary_dim 0 means head_dim; else even and at most head_dim.
+bool resolve_rotary_dim(RotaryParams& r) {
+  if (r.rotary_dim == 0) r.rotary_dim = r.head_dim;
+  return r.rotary_dim > 0 && r.rotary_dim % 2 == 0 && r.rotary_dim <= r.head_dim;
+}
+}  // namespace
+
+cudaError_t rotary_embedding(const RotaryParams& params, cudaStream_t stream) {
+  RotaryParams p = params;
   if (p.num_tokens < 0 || p.num_heads <= 0 || p.num_kv_heads < 0 || p.head_dim <= 0 ||
-      p.head_dim % 2 != 0)
+      p.head_dim % 2 != 0 || !resolve_rotary_dim(p))
     return cudaErrorInvalidValue;
   if (p.num_tokens == 0) return cudaSuccess;
   switch (p.dtype) {
@@ -212,10 +230,12 @@ cudaError_t rotary_embedding(const RotaryParams& p, cudaStream_t stream) {
   return cudaErrorInvalidValue;
 }
 
-cudaError_t rotary_embedding_and_cache(const RotaryCacheParams& p, cudaStream_t stream) {
+cudaError_t rotary_embedding_and_cache(const RotaryCacheParams& params, cudaStream_t stream) {
+  RotaryCacheParams p = params;
   const RotaryParams& r = p.rotary;
   if (r.num_tokens < 0 || r.num_heads <= 0 || r.num_kv_heads <= 0 || r.head_dim <= 0 ||
-      r.head_dim % 2 != 0 || r.head_dim > kMaxRotaryCacheHeadDim || p.block_size <= 0)
+      r.head_dim % 2 != 0 || r.head_dim > kMaxRotaryCacheHeadDim || p.block_size <= 0 ||
+      !resolve_rotary_dim(p.rotary))
     return cudaErrorInvalidValue;
   if (p.cache_fp8 && (r.dtype == DType::kFloat32 || !(p.k_scale > 0.f) || !(p.v_scale > 0.f)))
     return cudaErrorInvalidValue;

@@ -6,9 +6,14 @@ bias; sliding window with ``use_sliding_window`` on the layers ``layer_types`` n
 layers >= ``max_window_layers``), ``Qwen3ForCausalLM`` (dense; RMSNorm of q and k per head;
 sliding window as Qwen2); the mixture-of-experts ``MixtralForCausalLM`` (attention as
 Mistral), ``Qwen2MoeForCausalLM`` (as Qwen2, biases per ``qkv_bias``) and
-``Qwen3MoeForCausalLM`` (as Qwen3), whose expert settings config/moe.py reads. Both the old (``rope_theta`` + ``rope_scaling``) and the
-transformers 5.x (``rope_parameters``) ways of writing RoPE settings are accepted.
-Every unsupported architecture or option is a ``ValueError`` naming it.
+``Qwen3MoeForCausalLM`` (as Qwen3), whose expert settings config/moe.py reads; Gemma 2 and
+Gemma 3 (``Gemma2ForCausalLM``, ``Gemma3ForCausalLM`` and the text part of
+``Gemma3ForConditionalGeneration``: config/gemma.py) and ``GptOssForCausalLM`` (attention
+sinks, alternating 128-token windows, YaRN, biases everywhere; its experts in config/moe.py).
+RoPE (config/rope.py): ``default``, ``linear``, ``llama3`` and ``yarn``, in the old
+(``rope_theta`` + ``rope_scaling``) or the transformers 5.x (``rope_parameters``) form, and
+``partial_rotary_factor``. Every unsupported architecture or option is a ``ValueError``
+naming it.
 """
 
 from __future__ import annotations
@@ -25,8 +30,25 @@ from pydaemon.config.checkpoint_format import (
     CheckpointQuantization,
     parse_quantization_config,
 )
+from pydaemon.config.gemma import (
+    GEMMA2,
+    GEMMA3_LOCAL_ROPE_THETA,
+    GEMMA_ARCHITECTURES,
+    gemma_layer_types,
+    gemma_softcap,
+    gemma_text_config,
+)
 from pydaemon.config.json_files import normalize_token_ids
-from pydaemon.config.moe import MOE_ARCHITECTURES, MoeConfig, parse_moe_config
+from pydaemon.config.moe import GPT_OSS, MOE_ARCHITECTURES, MoeConfig, parse_moe_config
+from pydaemon.config.rope import (
+    LAYER_TYPES,
+    SUPPORTED_ROPE_TYPES,
+    RopeConfig,
+    RopeScaling,
+    is_nested,
+    parse_rope,
+    rotary_dim,
+)
 from pydaemon.config.weight_only_format import Int4Checkpoint, Mxfp4Checkpoint
 
 SUPPORTED_ARCHITECTURES = (
@@ -35,6 +57,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     *MOE_ARCHITECTURES,
+    *GEMMA_ARCHITECTURES,
 )
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
@@ -44,12 +67,27 @@ _MODEL_TYPE_TO_ARCH = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
+    "gpt_oss": GPT_OSS,
 }
 _QWEN_ARCHS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 _QWEN2_ARCHS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")  # q/k/v biases, none elsewhere
-_QK_NORM_ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_QK_NORM_ARCHS = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *GEMMA_ARCHITECTURES[1:])
 _MISTRAL_ARCHS = ("MistralForCausalLM", "MixtralForCausalLM")  # a window on every layer
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+# Architectures whose windowed layers come from layer_types (else a default pattern).
+_LAYER_TYPE_ARCHS = (*GEMMA_ARCHITECTURES, GPT_OSS)
+# gpt-oss's RoPE when config.json gives none (transformers' GptOssConfig default).
+_GPT_OSS_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
+_GPT_OSS_ROPE_THETA = 150000.0
 # config.json's torch_dtype names -> torch dtype names (torch is imported only to resolve them:
 # the daemon's front end reads configs without loading torch).
 _DTYPES = {
@@ -59,17 +97,7 @@ _DTYPES = {
     "half": "float16",
     "bfloat16": "bfloat16",
 }
-
-
-@dataclass
-class RopeScaling:
-    """RoPE frequency scaling; ``rope_type`` is ``"llama3"`` or ``"linear"``."""
-
-    rope_type: str
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+__all__ = ["SUPPORTED_ROPE_TYPES", "ModelConfig", "RopeScaling", "resolve_dtype"]
 
 
 @dataclass
@@ -93,14 +121,29 @@ class ModelConfig:
     torch_dtype: str | None  # as written in the config ("bfloat16", ...), None if absent
     bos_token_id: int | None
     eos_token_ids: list[int] = field(default_factory=list)
-    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3, Gemma 3)
     # Per layer: the attention window in tokens (a query sees itself and the window - 1
     # tokens before it), or None for full causal attention.
     layer_sliding_windows: list[int | None] = field(default_factory=list)
     # How the checkpoint's linear weights are quantized (config.json quantization_config).
     quantization: CheckpointQuantization | Int4Checkpoint | Mxfp4Checkpoint | None = None
     moe: MoeConfig | None = None  # mixture-of-experts settings (config/moe.py)
+    hidden_act: str = "silu"  # of the dense MLP: "silu" or "gelu_pytorch_tanh" (Gemma)
+    rotary_dim: int = 0  # dims of each head RoPE rotates (partial_rotary_factor); 0: head_dim
+    # The windowed layers' own RoPE where it differs from the others' (Gemma 3's local layers).
+    local_rope: RopeConfig | None = None
+    # Per layer, where the architecture names them: "sliding_attention" or "full_attention"
+    # (Gemma 3's local layers take local_rope even when their window covers the context).
+    layer_types: list[str] = field(default_factory=list)
+    attention_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    attn_logit_softcapping: float | None = None  # cap * tanh(score / cap) (Gemma 2)
+    final_logit_softcapping: float | None = None  # the same on the logits (Gemma 2)
+    attention_sinks: bool = False  # a learned softmax sink logit per query head (gpt-oss)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.rotary_dim:
+            self.rotary_dim = self.head_dim
 
     @property
     def has_sliding_window(self) -> bool:
@@ -113,6 +156,12 @@ class ModelConfig:
     @property
     def eos_token_id(self) -> int | None:
         return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def layer_rope(self, layer_idx: int) -> RopeConfig:
+        """The RoPE of layer ``layer_idx`` (a windowed layer may have its own)."""
+        if self.local_rope is not None and self.layer_types[layer_idx] == "sliding_attention":
+            return self.local_rope
+        return RopeConfig(self.rope_theta, self.rope_scaling)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -129,8 +178,12 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         arch = _architecture(cfg)
+        if arch in GEMMA_ARCHITECTURES:
+            cfg = gemma_text_config(arch, cfg)
+            if cfg.get("use_bidirectional_attention"):
+                raise ValueError("unsupported use_bidirectional_attention (an embedding model)")
         hidden_act = cfg.get("hidden_act", "silu")
-        if hidden_act != "silu":
+        if arch not in GEMMA_ARCHITECTURES and hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {hidden_act!r} (only 'silu')")
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
             if key not in cfg:
@@ -145,17 +198,17 @@ class ModelConfig:
                 f"num_attention_heads ({num_heads}) must be a multiple of "
                 f"num_key_value_heads ({num_kv_heads})"
             )
-        head_dim = cfg.get("head_dim") or hidden_size // num_heads
+        head_dim = int(cfg.get("head_dim") or hidden_size // num_heads)
         max_pos = int(cfg.get("max_position_embeddings", 2048))
         num_layers = int(cfg["num_hidden_layers"])
-        windows = _layer_sliding_windows(arch, cfg, num_layers, max_pos)
-        if cfg.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError(f"unsupported partial_rotary_factor {cfg['partial_rotary_factor']}")
-        rope_theta, rope_scaling = _rope(cfg, max_pos)
+        layer_types = _layer_types(arch, cfg, num_layers)
+        windows = _layer_sliding_windows(arch, cfg, num_layers, max_pos, layer_types)
+        rope, local_rope = _ropes(arch, cfg, max_pos)
         is_qwen2 = arch in _QWEN2_ARCHS  # Qwen3 takes attention_bias from the config
         attention_bias = bool(
-            cfg.get("qkv_bias", True) if is_qwen2 else cfg.get("attention_bias", False)
+            cfg.get("qkv_bias", True) if is_qwen2 else cfg.get("attention_bias", arch == GPT_OSS)
         )
+        scalar = cfg.get("query_pre_attn_scalar") if arch in GEMMA_ARCHITECTURES else None
         eos = cfg.get("eos_token_id")
         return cls(
             architecture=arch,
@@ -165,10 +218,10 @@ class ModelConfig:
             num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
-            head_dim=int(head_dim),
+            head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
+            rope_theta=rope.theta,
+            rope_scaling=rope.scaling,
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
@@ -181,6 +234,14 @@ class ModelConfig:
             layer_sliding_windows=windows,
             quantization=parse_quantization_config(cfg.get("quantization_config")),
             moe=parse_moe_config(arch, cfg, num_layers),
+            hidden_act=hidden_act,
+            rotary_dim=rotary_dim(cfg, head_dim),
+            local_rope=local_rope,
+            layer_types=layer_types or [],
+            attention_scale=None if scalar is None else float(scalar) ** -0.5,
+            attn_logit_softcapping=gemma_softcap(cfg, "attn_logit_softcapping"),
+            final_logit_softcapping=gemma_softcap(cfg, "final_logit_softcapping"),
+            attention_sinks=arch == GPT_OSS,
             raw=dict(cfg),
         )
 
@@ -223,65 +284,66 @@ def _architecture(cfg: dict[str, Any]) -> str:
 
 
 def _layer_sliding_windows(
-    arch: str, cfg: dict[str, Any], num_layers: int, max_pos: int
+    arch: str,
+    cfg: dict[str, Any],
+    num_layers: int,
+    max_pos: int,
+    layer_types: list[str] | None,
 ) -> list[int | None]:
     """Each layer's window, as transformers reads these configs; a window that covers the
     whole context is no window."""
     window = cfg.get("sliding_window")
+    if arch == GPT_OSS and "sliding_window" not in cfg:
+        window = 128
     if arch in _QWEN_ARCHS and not cfg.get("use_sliding_window", False):
         window = None
-    if arch not in (*_MISTRAL_ARCHS, *_QWEN_ARCHS) or window is None:
+    if arch not in (*_MISTRAL_ARCHS, *_QWEN_ARCHS, *_LAYER_TYPE_ARCHS) or window is None:
         return [None] * num_layers
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise ValueError(f"sliding_window must be a positive integer, got {window!r}")
     if window >= max_pos:
         return [None] * num_layers
     # Mistral windows every layer (transformers ignores layer_types there).
-    layer_types = cfg.get("layer_types") if arch in _QWEN_ARCHS else None
     if layer_types is None:
         first = int(cfg.get("max_window_layers", 28)) if arch in _QWEN_ARCHS else 0
         return [window if i >= first else None for i in range(num_layers)]
-    if len(layer_types) != num_layers or any(
-        t not in ("sliding_attention", "full_attention") for t in layer_types
-    ):
+    return [window if t == "sliding_attention" else None for t in layer_types]
+
+
+def _layer_types(arch: str, cfg: dict[str, Any], num_layers: int) -> list[str] | None:
+    """``layer_types`` (checked), the default pattern of an architecture that has one, or
+    None (Mistral: every layer; Qwen without layer_types: max_window_layers)."""
+    if arch in GEMMA_ARCHITECTURES:
+        layer_types = gemma_layer_types(arch, cfg, num_layers)
+    elif arch == GPT_OSS and cfg.get("layer_types") is None:  # alternating, windowed first
+        layer_types = [LAYER_TYPES[i % 2] for i in range(num_layers)]
+    elif arch in _QWEN_ARCHS or arch == GPT_OSS:
+        layer_types = cfg.get("layer_types")
+    else:
+        return None
+    if layer_types is None:
+        return None
+    if len(layer_types) != num_layers or any(t not in LAYER_TYPES for t in layer_types):
         raise ValueError(
             f"layer_types must list 'sliding_attention' or 'full_attention' for each of the "
             f"{num_layers} layers, got {layer_types!r}"
         )
-    return [window if t == "sliding_attention" else None for t in layer_types]
+    return layer_types
 
 
-def _rope(cfg: dict[str, Any], max_pos: int) -> tuple[float, RopeScaling | None]:
-    params = cfg.get("rope_parameters")
-    scaling = cfg.get("rope_scaling")
-    if params is not None and not isinstance(params, dict):
-        raise ValueError(f"rope_parameters must be a dict, got {params!r}")
-    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
-        raise ValueError("unsupported per-layer-type rope_parameters")
-    merged: dict[str, Any] = {}
-    if scaling:
-        merged.update(scaling)
-    if params:
-        merged.update(params)
-    theta = float(merged.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    rope_type = merged.get("rope_type", merged.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"unsupported rope type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
-        )
-    if rope_type == "default":
-        return theta, None
-    if "factor" not in merged:
-        raise ValueError(f"rope type {rope_type!r} needs a 'factor'")
-    if rope_type == "linear":
-        return theta, RopeScaling("linear", float(merged["factor"]))
-    for key in ("low_freq_factor", "high_freq_factor"):
-        if key not in merged:
-            raise ValueError(f"rope type 'llama3' needs {key!r}")
-    return theta, RopeScaling(
-        "llama3",
-        float(merged["factor"]),
-        float(merged["low_freq_factor"]),
-        float(merged["high_freq_factor"]),
-        int(merged.get("original_max_position_embeddings", max_pos)),
-    )
+def _ropes(arch: str, cfg: dict[str, Any], max_pos: int) -> tuple[RopeConfig, RopeConfig | None]:
+    """(the RoPE of the global layers, the windowed layers' own or None)."""
+    if arch == GPT_OSS:
+        if not cfg.get("rope_parameters") and not cfg.get("rope_scaling"):
+            cfg = {**cfg, "rope_scaling": _GPT_OSS_ROPE}
+        return parse_rope(cfg, max_pos, default_theta=_GPT_OSS_ROPE_THETA), None
+    if arch not in GEMMA_ARCHITECTURES or arch == GEMMA2:
+        return parse_rope(cfg, max_pos), None
+    # Gemma 3: the local layers' RoPE from the nested rope_parameters, or from
+    # rope_local_base_freq without scaling (the old form).
+    if is_nested(cfg.get("rope_parameters")):
+        full = parse_rope(cfg, max_pos, "full_attention", default_theta=1e6)
+        local = parse_rope(cfg, max_pos, "sliding_attention", default_theta=GEMMA3_LOCAL_ROPE_THETA)
+        return full, local
+    local_theta = float(cfg.get("rope_local_base_freq", GEMMA3_LOCAL_ROPE_THETA))
+    return parse_rope(cfg, max_pos), RopeConfig(local_theta, None)

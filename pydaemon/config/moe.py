@@ -9,6 +9,12 @@
   ``decoder_sparse_step`` (those are dense MLPs of ``intermediate_size``).
 - ``Qwen2MoeForCausalLM``: as Qwen3-MoE, plus a shared expert of
   ``shared_expert_intermediate_size`` on every sparse layer, scaled by a sigmoid gate.
+- ``GptOssForCausalLM``: ``num_local_experts`` of ``intermediate_size`` on every layer, top
+  ``num_experts_per_tok`` (or ``experts_per_token``) with a softmax over the chosen logits
+  (the same as a renormalised softmax), a router with a bias, expert biases and the clamped
+  SwiGLU ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate,
+  limit)`` (alpha 1.702, ``swiglu_limit`` 7.0); the checkpoint stacks each layer's experts
+  (``experts.gate_up_proj`` [E, H, 2I], gate and up interleaved, ``experts.down_proj``).
 """
 
 from __future__ import annotations
@@ -16,7 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+GPT_OSS = "GptOssForCausalLM"
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", GPT_OSS)
+# The experts' activation on the fused gate/up projection: SiLU-and-multiply, or gpt-oss's
+# clamped SwiGLU (vLLM calls it "swigluoai").
+MOE_ACTIVATIONS = ("silu", "swigluoai")
 
 
 @dataclass(frozen=True)
@@ -29,6 +39,14 @@ class MoeConfig:
     scoring: str = "softmax"
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    # How the checkpoint holds the experts: one tensor per expert and projection
+    # ("per_expert"), or gpt-oss's stacked tensors with interleaved gate/up ("gpt_oss").
+    checkpoint_layout: str = "per_expert"
+    activation: str = "silu"  # one of MOE_ACTIVATIONS
+    swiglu_alpha: float = 1.702  # swigluoai only
+    swiglu_limit: float = 7.0  # swigluoai only
+    has_bias: bool = False  # a bias on every expert's gate/up and down projections
+    router_bias: bool = False  # a bias on the router's logits
 
 
 def _positive_int(cfg: dict[str, Any], key: str) -> int:
@@ -45,6 +63,8 @@ def parse_moe_config(arch: str, cfg: dict[str, Any], num_layers: int) -> MoeConf
         return None
     if cfg.get("scoring_func", "softmax") != "softmax":
         raise ValueError(f"unsupported scoring_func {cfg['scoring_func']!r} (only 'softmax')")
+    if arch == GPT_OSS:
+        return _gpt_oss(cfg, num_layers)
     top_k = _positive_int(cfg, "num_experts_per_tok")
     if arch == "MixtralForCausalLM":
         num_experts = _positive_int(cfg, "num_local_experts")
@@ -77,4 +97,30 @@ def parse_moe_config(arch: str, cfg: dict[str, Any], num_layers: int) -> MoeConf
         renormalize=bool(cfg.get("norm_topk_prob", False)),
         sparse_layers=sparse,
         shared_expert_intermediate_size=shared,
+    )
+
+
+def _gpt_oss(cfg: dict[str, Any], num_layers: int) -> MoeConfig:
+    key = "num_experts_per_tok" if "num_experts_per_tok" in cfg else "experts_per_token"
+    top_k = _positive_int({key: cfg.get(key, 4)}, key)
+    num_experts = _positive_int(cfg, "num_local_experts")
+    if top_k > num_experts:
+        raise ValueError(f"{key} ({top_k}) > num_local_experts ({num_experts})")
+    limit = cfg.get("swiglu_limit", 7.0)
+    alpha = cfg.get("swiglu_alpha", 1.702)
+    for name, value in (("swiglu_limit", limit), ("swiglu_alpha", alpha)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"config.json's {name!r} must be a positive number, got {value!r}")
+    return MoeConfig(
+        num_experts=num_experts,
+        top_k=top_k,
+        intermediate_size=_positive_int(cfg, "intermediate_size"),
+        renormalize=True,  # softmax over the top-k logits = the renormalised top-k softmax
+        sparse_layers=(True,) * num_layers,
+        checkpoint_layout="gpt_oss",
+        activation="swigluoai",
+        swiglu_alpha=float(alpha),
+        swiglu_limit=float(limit),
+        has_bias=True,
+        router_bias=True,
     )

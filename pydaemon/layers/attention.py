@@ -13,8 +13,11 @@ and only here:
 - otherwise (CPU, float32, or a build without kernels): the plain torch path
   (``apply_rotary_qk``, then ``write_kv_cache_torch``).
 
-A layer with a sliding window (Mistral, Qwen2/3) keeps the kernel cache writes but attends on
-the torch path, which applies the window (the CUDA decode kernel has none).
+Per-layer score modifiers reach every kernel and the torch path alike: a sliding window
+(Mistral, Qwen2/3, Gemma's local and gpt-oss's windowed layers; the kernels skip the KV
+blocks wholly before it, they never read them), logit soft-capping (Gemma 2) and attention
+sinks (gpt-oss: a learned logit per query head in the softmax's denominator). A layer without
+them runs the kernels' plain instances (compile-time switches: no cost to the others).
 
 An FP8 cache (``--kv-cache-dtype fp8``, see kv_cache_fp8.py) takes the same routes: the kernels
 quantize on write and dequantize in registers; the torch path quantizes and dequantizes around
@@ -87,7 +90,9 @@ class PagedAttention(nn.Module):
         head_dim: int,
         scale: float,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
+        """``softcap``: scores s become ``softcap * tanh(s / softcap)`` (s already scaled)."""
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(
@@ -98,6 +103,9 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window  # tokens a query sees (itself included); None: all
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"softcap must be > 0, got {softcap}")
+        self.softcap = softcap
         # FP8 cache scales: K is stored as k / k_scale and read as e4m3 * k_scale (V alike).
         self.k_scale = 1.0
         self.v_scale = 1.0
@@ -113,10 +121,12 @@ class PagedAttention(nn.Module):
         key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
         value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
         attn_metadata: AttentionMetadata,
-        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin: [T, head_dim] f32
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,  # cos, sin: [T, rotary_dim] f32
+        sinks: torch.Tensor | None = None,  # [num_heads], query's dtype (gpt-oss)
     ) -> torch.Tensor:  # [T, num_heads * head_dim]
         """``rotary``: rotate query and key (rotate_half convention) before the cache write;
-        None when the caller has rotated them already (or the model has no rotary)."""
+        None when the caller has rotated them already (or the model has no rotary).
+        ``sinks``: each head's sink logit, joining its softmax's denominator."""
         if self.kv_scales_to_calculate != (False, False):
             if rotary is not None:  # measure K as it is stored: rotated (first step only)
                 query, key = apply_rotary_qk(query, key, *rotary)
@@ -124,7 +134,7 @@ class PagedAttention(nn.Module):
             self._calculate_kv_scales(key, value, attn_metadata.slot_mapping)
         if uses_kernels(key_cache) and query.dtype in KERNEL_DTYPES:
             out = self._forward_cuda(
-                query, key, value, key_cache, value_cache, attn_metadata, rotary
+                query, key, value, key_cache, value_cache, attn_metadata, rotary, sinks
             )
         else:
             if rotary is not None:
@@ -132,7 +142,7 @@ class PagedAttention(nn.Module):
             write_kv_cache_torch(
                 key, value, key_cache, value_cache, attn_metadata.slot_mapping, *self._scales()
             )
-            out = self._attend_torch(query, key_cache, value_cache, attn_metadata)
+            out = self._attend_torch(query, key_cache, value_cache, attn_metadata, sinks)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
 
     def _calculate_kv_scales(self, key, value, slot_mapping) -> None:
@@ -147,13 +157,15 @@ class PagedAttention(nn.Module):
     def _scales(self) -> tuple[float, float]:
         return self.k_scale, self.v_scale
 
-    def _attend_torch(self, query, key_cache, value_cache, md: AttentionMetadata):
+    def _attend_torch(self, query, key_cache, value_cache, md: AttentionMetadata, sinks):
+        k_scale, v_scale = self._scales()
         return paged_attention_torch(
-            query, key_cache, value_cache, md, self.scale, self.sliding_window, *self._scales()
-        )
+            query, key_cache, value_cache, md, self.scale, self.sliding_window, k_scale, v_scale,
+            softcap=self.softcap, sinks=sinks,
+        )  # fmt: skip
 
     def _forward_cuda(
-        self, query, key, value, key_cache, value_cache, md: AttentionMetadata, rotary
+        self, query, key, value, key_cache, value_cache, md: AttentionMetadata, rotary, sinks
     ):
         from pydaemon import ops
 
@@ -177,12 +189,16 @@ class PagedAttention(nn.Module):
             ops.reshape_and_cache(
                 key, value, key_cache, value_cache, md.slot_mapping, k_scale, v_scale
             )
-        if self.sliding_window is not None:
-            # The CUDA attention kernels have no window: windowed layers attend on the torch path.
-            return self._attend_torch(query, key_cache, value_cache, md)
         group = query.shape[1] // key_cache.shape[1]  # this rank's heads, under TP
         tc_decode = decode_kernel(group, self.head_dim) == "tensor_cores"
-        scales = {"scale": self.scale, "k_scale": k_scale, "v_scale": v_scale}
+        scales = {
+            "scale": self.scale,
+            "k_scale": k_scale,
+            "v_scale": v_scale,
+            "sliding_window": self.sliding_window,
+            "softcap": self.softcap,
+            "sinks": sinks,
+        }
         if md.num_prefills > 0 and md.num_decode_tokens > 0 and tc_decode:
             # A mixed step: the prefill chunks through the prefill kernel, the decode rows
             # (after them, one token each) through the decode kernel, into one output. In the

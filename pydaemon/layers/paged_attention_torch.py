@@ -7,8 +7,12 @@ into one padded gather + masked softmax. Only the host lists of the metadata
 (``seq_lens_cpu``, ``query_lens_cpu``) drive Python control flow, so no device tensor is read
 back.
 
-``sliding_window`` (Mistral, Qwen2/3 windowed layers): a query at position ``p`` sees only the
-keys at positions ``(p - sliding_window, p]``, as transformers' sliding-window mask does.
+``sliding_window`` (Mistral, Qwen2/3, Gemma's local and gpt-oss's windowed layers): a query at
+position ``p`` sees only the keys at positions ``(p - sliding_window, p]``, as transformers'
+sliding-window mask does. ``softcap`` (Gemma 2): each scaled score ``s`` becomes ``softcap *
+tanh(s / softcap)`` before the mask. ``sinks`` (gpt-oss): a learned logit per query head that
+joins each row's softmax as one more column whose value is dropped, so the weights of the real
+keys sum to less than one (transformers' eager gpt-oss attention).
 
 An FP8 cache (float8_e4m3fn, kv_cache_fp8.py) is written as saturate(x / scale) and read back
 as e4m3 * scale in the query's dtype right after each gather: on the CPU this emulates the
@@ -16,6 +20,8 @@ CUDA kernels' numbers (same storage, same rounding), it does not make anything f
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +70,22 @@ def _gather_kv(
     return dequantize_fp8(blocks, scale, dtype) if is_fp8(cache.dtype) else blocks
 
 
+@dataclass(frozen=True)
+class ScoreMods:
+    """What a layer does to its attention scores besides the causal mask."""
+
+    sliding_window: int | None = None
+    softcap: float | None = None
+    # Per query head, any float dtype, shaped to broadcast against the scores but for their
+    # last dim: [num_heads, 1, 1] for [num_heads, q_len, L] scores.
+    sinks: torch.Tensor | None = None
+
+    @property
+    def needs_explicit_softmax(self) -> bool:
+        """SDPA has no soft-cap and no sinks."""
+        return self.softcap is not None or self.sinks is not None
+
+
 def paged_attention_torch(
     query: torch.Tensor,  # [T, num_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
@@ -73,6 +95,8 @@ def paged_attention_torch(
     sliding_window: int | None = None,
     k_scale: float = 1.0,  # fp8 cache only: K = e4m3 * k_scale
     v_scale: float = 1.0,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads]
 ) -> torch.Tensor:
     """Causal attention of the step's query tokens over their sequences' cached K/V.
 
@@ -82,8 +106,9 @@ def paged_attention_torch(
     """
     out = torch.empty_like(query)
     kv_scales = (k_scale, v_scale)
+    mods = ScoreMods(sliding_window, softcap, None if sinks is None else sinks.view(-1, 1, 1))
     num_prefill_tokens = paged_prefill_torch(
-        query, key_cache, value_cache, attn_metadata, scale, out, sliding_window, kv_scales
+        query, key_cache, value_cache, attn_metadata, scale, out, mods, kv_scales
     )
     paged_decode_torch(
         query,
@@ -93,10 +118,25 @@ def paged_attention_torch(
         scale,
         out,
         num_prefill_tokens,
-        sliding_window,
+        mods,
         kv_scales,
     )
     return out
+
+
+def _softmax_with_mods(
+    scores: torch.Tensor,  # [..., Hq, q_len, L] float32, already scaled
+    masked: torch.Tensor,  # broadcastable to scores: True where a key is not attended
+    mods: ScoreMods,
+) -> torch.Tensor:  # probabilities, float32, same shape as scores
+    if mods.softcap is not None:
+        scores = torch.tanh(scores / mods.softcap) * mods.softcap
+    scores = scores.masked_fill(masked, float("-inf"))
+    if mods.sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sinks = mods.sinks.float().expand(*scores.shape[:-1], 1)
+    combined = torch.cat([scores, sinks], dim=-1)
+    return torch.softmax(combined, dim=-1)[..., :-1]
 
 
 def paged_prefill_torch(
@@ -106,7 +146,7 @@ def paged_prefill_torch(
     attn_metadata: AttentionMetadata,
     scale: float,
     out: torch.Tensor,  # [T, num_heads, head_dim], written for the prefill tokens
-    sliding_window: int | None = None,
+    mods: ScoreMods = ScoreMods(),
     kv_scales: tuple[float, float] = (1.0, 1.0),  # fp8 cache: (k_scale, v_scale)
 ) -> int:
     """Attention of the prefill sequences (the first ``num_prefills``), one SDPA call each.
@@ -127,20 +167,33 @@ def paged_prefill_torch(
             k = k.repeat_interleave(group, dim=0)
             v = v.repeat_interleave(group, dim=0)
         q = query[start : start + q_len].transpose(0, 1)  # [Hq, q_len, D]
-        if q_len == s_len and (sliding_window is None or sliding_window >= s_len):
+        window = mods.sliding_window
+        if mods.needs_explicit_softmax:
+            mask = _prefill_mask(q_len, s_len, window, query.device)
+            scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [Hq, q_len, s_len]
+            probs = _softmax_with_mods(scores, ~mask, mods).to(v.dtype)
+            o = torch.matmul(probs, v)
+        elif q_len == s_len and (window is None or window >= s_len):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         else:
-            # Query token j sits at position s_len - q_len + j and sees keys [0, that]
-            # (within the window when there is one).
-            q_pos = torch.arange(s_len - q_len, s_len, device=query.device)
-            k_pos = torch.arange(s_len, device=query.device)
-            mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, s_len]
-            if sliding_window is not None:
-                mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+            mask = _prefill_mask(q_len, s_len, window, query.device)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         out[start : start + q_len] = o.transpose(0, 1)
         start += q_len
     return start
+
+
+def _prefill_mask(
+    q_len: int, s_len: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor:  # [q_len, s_len] bool, True where attended
+    """Query token j sits at position s_len - q_len + j and sees keys [0, that] (within the
+    window when there is one)."""
+    q_pos = torch.arange(s_len - q_len, s_len, device=device)
+    k_pos = torch.arange(s_len, device=device)
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if sliding_window is not None:
+        mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+    return mask
 
 
 def paged_decode_torch(
@@ -151,7 +204,7 @@ def paged_decode_torch(
     scale: float,
     out: torch.Tensor,  # [T, num_heads, head_dim], written for the decode tokens
     start: int,  # the first decode token
-    sliding_window: int | None = None,
+    mods: ScoreMods = ScoreMods(),
     kv_scales: tuple[float, float] = (1.0, 1.0),  # fp8 cache: (k_scale, v_scale)
 ) -> None:
     """All decode sequences at once: one padded gather and a masked softmax."""
@@ -173,11 +226,13 @@ def paged_decode_torch(
         lens = attn_metadata.seq_lens[num_prefills:].to(device=query.device, dtype=torch.int64)
         k_pos = torch.arange(max_len, device=query.device)[None, :]
         pad = k_pos >= lens[:, None]  # [N, L]
-        if sliding_window is not None:
+        if mods.sliding_window is not None:
             # The query sits at position lens - 1 and sees (lens - 1 - window, lens - 1].
-            pad |= k_pos <= lens[:, None] - 1 - sliding_window
-        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+            pad |= k_pos <= lens[:, None] - 1 - mods.sliding_window
+        if mods.sinks is not None:  # scores [N, Hkv, G, L]: the sink of head (kv head, g)
+            sinks = mods.sinks.view(num_kv_heads, group, 1)
+            mods = ScoreMods(mods.sliding_window, mods.softcap, sinks)
+        probs = _softmax_with_mods(scores, pad[:, None, None, :], mods).to(v.dtype)
         # Padding slots may hold anything (even NaN/inf in never-written blocks): 0 * NaN = NaN.
         v = v.masked_fill(pad[:, None, :, None], 0.0)
         o = torch.matmul(probs, v)  # [N, Hkv, G, D]

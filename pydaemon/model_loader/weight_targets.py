@@ -5,7 +5,8 @@ into one GEMM each (``qkv_proj``, ``gate_up_proj``: MergedColumnParallelLinear).
 stacked_params_mapping, at the level of names: ``model.layers.3.self_attn.k_proj.weight`` goes
 to the k rows of ``model.layers.3.self_attn.qkv_proj.weight``. Mixture-of-experts checkpoints
 keep one tensor per expert (``mlp.experts.5.up_proj.weight``): each goes to its expert's rows
-of the stacked ``w13_weight`` / ``w2_weight`` of the FusedMoE layer (layers/moe/layer.py). Under tensor parallelism each
+of the stacked ``w13_weight`` / ``w2_weight`` of the FusedMoE layer (layers/moe/layer.py); gpt-oss's stacked, interleaved expert tensors
+are de-interleaved and transposed on the way (stacked_experts.py). Under tensor parallelism each
 destination also says which slice of the checkpoint tensor this rank reads.
 
 Every source of HF-named tensors (safetensors files, dummy weights, GGUF after its name
@@ -24,7 +25,7 @@ tensors; mxfp4_loading.py: gpt-oss's MXFP4 experts); its bias loads as usual.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,7 @@ from pydaemon.layers.parallel_linear import LinearBase, MergedColumnParallelLine
 from pydaemon.model_loader.fp8_loading import FP8_DTYPES, Fp8Target, fp8_targets
 from pydaemon.model_loader.int4_loading import Int4Dest, Int4Target, int4_targets
 from pydaemon.model_loader.mxfp4_loading import Mxfp4Target, mxfp4_targets
+from pydaemon.model_loader.stacked_experts import gpt_oss_expert_parts
 from pydaemon.quantization.int4_linear import Int4LinearMethod
 
 
@@ -51,10 +53,16 @@ class WeightTarget:
 
     dest: torch.Tensor
     shard: tuple[int, int, int, int] | None
+    # A checkpoint tensor stored in another layout (stacked_experts.py): maps this rank's part
+    # to dest's shape; full_shape is then the checkpoint tensor's shape.
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+    full_shape: tuple[int, ...] | None = None
     required = True  # check_complete reports it when the checkpoint lacks it
 
     @property
     def checkpoint_shape(self) -> list[int]:
+        if self.full_shape is not None:
+            return list(self.full_shape)
         shape = list(self.dest.shape)
         if self.shard is not None:
             shape[self.shard[0]] = self.shard[3]
@@ -69,6 +77,9 @@ class WeightTarget:
 
     def copy_(self, part: torch.Tensor) -> None:
         """part: the checkpoint tensor indexed by ``read_index()``."""
+        if self.transform is not None:
+            self.dest.copy_(self.transform(part))
+            return
         if self.shard is None:
             self.dest.copy_(part)
             return
@@ -185,8 +196,12 @@ def _expert_targets(module_name: str, module: FusedMoE) -> dict[str, AnyTarget]:
     """The checkpoint's per-expert tensors -> their rows of the stacked expert weights."""
     targets: dict[str, AnyTarget] = {}
     quant = module.quant_method
-    if isinstance(quant, Mxfp4MoEMethod):
+    if isinstance(quant, Mxfp4MoEMethod):  # gpt-oss's own checkpoints: blocks and scales
         return mxfp4_targets(module_name, module)
+    if module.checkpoint_layout == "gpt_oss":  # its bf16 experts, stacked per layer
+        for name, p in gpt_oss_expert_parts(module_name, module).items():
+            targets[name] = WeightTarget(p.dest, p.shard, p.transform, p.shape)
+        return targets
     if isinstance(quant, Int4MoEMethod):
         shared: dict[int, dict] = {}
         for part, e, proj, offset, size, shard in module.expert_parts():
@@ -227,12 +242,18 @@ class WeightLoader:
     def __init__(self, model: nn.Module) -> None:
         self.targets = weight_targets(model)
         self.loaded: set[str] = set()
+        # Checkpoint name prefix -> the model's (a multimodal checkpoint's text model).
+        self.prefixes: dict[str, str] = getattr(model, "checkpoint_prefixes", {})
 
     def load(self, name: str, tensor: Any, shape: Sequence[int], where: str) -> bool:
         """Copies this rank's part of checkpoint tensor ``name`` (shape ``shape``, from
         ``where``) into the model; -> False for a tensor the model does not use (the LM head
         of a tied model, rotary inv_freq, ...). ``tensor``: a torch.Tensor or a lazy
         safetensors slice (only this rank's part is read)."""
+        for prefix, ours in self.prefixes.items():
+            if name.startswith(prefix):
+                name = ours + name[len(prefix) :]
+                break
         target = self.targets.get(name)
         if target is None:
             return False

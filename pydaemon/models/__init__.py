@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from pydaemon.models.gemma import GemmaForCausalLM
 from pydaemon.models.llama import LlamaForCausalLM
 from pydaemon.models.moe import MoeForCausalLM
 
@@ -15,6 +16,10 @@ _MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MoeForCausalLM,
     "Qwen2MoeForCausalLM": MoeForCausalLM,
     "Qwen3MoeForCausalLM": MoeForCausalLM,
+    "GptOssForCausalLM": MoeForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForConditionalGeneration": GemmaForCausalLM,
 }
 
 
@@ -28,4 +33,4 @@ def get_model_class(architecture: str) -> type[nn.Module]:
         ) from None
 
 
-__all__ = ["LlamaForCausalLM", "MoeForCausalLM", "get_model_class"]
+__all__ = ["GemmaForCausalLM", "LlamaForCausalLM", "MoeForCausalLM", "get_model_class"]

@@ -51,7 +51,7 @@ class EagleHead(nn.Module):
             [LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
         )
         self.layers[0].input_layernorm = NoInputNorm()
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.rotary_emb = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.rope_scaling)
 
     def forward(
         self,

@@ -1,5 +1,7 @@
 """Llama-family decoder: Llama 2/3, Mistral (sliding window), Qwen2 (q/k/v bias, sliding
-window), Qwen3 dense (RMSNorm of q and k per head, before RoPE).
+window), Qwen3 dense (RMSNorm of q and k per head, before RoPE). Its attention also serves
+Gemma (models/gemma.py: its own norms, scale and soft-cap, from the config) and gpt-oss
+(models/moe.py: attention sinks, a learned logit per query head, ``self_attn.sinks``).
 
 Fused as in vLLM: q/k/v are one GEMM (``qkv_proj``), gate/up one GEMM (``gate_up_proj``)
 followed by SiLU-and-multiply, and each residual add is fused with the RMSNorm after it (the
@@ -27,7 +29,7 @@ from torch import nn
 
 from pydaemon.config.model import ModelConfig
 from pydaemon.distributed import parallel_state as ps
-from pydaemon.layers.activation import SiluAndMul
+from pydaemon.layers.activation import gated_activation
 from pydaemon.layers.attention import PagedAttention
 from pydaemon.layers.attention_metadata import AttentionMetadata
 from pydaemon.layers.parallel_linear import (
@@ -48,8 +50,13 @@ if TYPE_CHECKING:
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_idx: int, quant_config: Fp8Config | None = None
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        quant_config: Fp8Config | None = None,
+        norm_cls: type[RMSNorm] = RMSNorm,
     ) -> None:
+        """``norm_cls``: the q/k norm's class (Gemma's differs)."""
         super().__init__()
         check_tensor_parallel(config, ps.get_tp_world_size())
         tp = ps.get_tp_world_size()
@@ -63,18 +70,29 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = MergedColumnParallelLinear(h, parts, bias, "qkv_proj", quant_config)
         self.o_proj = row_linear(num_q, h, config.o_proj_bias, "o_proj in_features", quant_config)
         # Qwen3: q and k normalised per head over head_dim (weights shared by all heads).
-        self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.q_norm = norm_cls(d, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = norm_cls(d, config.rms_norm_eps) if config.qk_norm else None
+        # gpt-oss: this rank's heads' sink logits (sharded by heads, as q).
+        self.sinks: nn.Parameter | None = None
+        if config.attention_sinks:
+            self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
+            self.tp_shards = {"sinks": (0, config.num_attention_heads)}
         window = config.layer_sliding_windows[layer_idx] if config.layer_sliding_windows else None
+        scale = config.attention_scale if config.attention_scale is not None else d**-0.5
         self.attn = PagedAttention(
-            self.num_heads, self.num_kv_heads, d, scale=d**-0.5, sliding_window=window
+            self.num_heads,
+            self.num_kv_heads,
+            d,
+            scale=scale,
+            sliding_window=window,
+            softcap=config.attn_logit_softcapping,
         )
 
     def forward(
         self,
         hidden_states: torch.Tensor | Fp8Activation,  # [T, hidden_size]
-        cos: torch.Tensor,  # [T, head_dim] float32
-        sin: torch.Tensor,  # [T, head_dim] float32
+        cos: torch.Tensor,  # [T, rotary_dim] float32
+        sin: torch.Tensor,  # [T, rotary_dim] float32
         key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
         value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
         attn_metadata: AttentionMetadata,
@@ -90,7 +108,9 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         # The attention layer rotates q/k: on CUDA fused with its cache write (one launch).
-        out = self.attn(q, k, v, key_cache, value_cache, attn_metadata, rotary=(cos, sin))
+        out = self.attn(
+            q, k, v, key_cache, value_cache, attn_metadata, rotary=(cos, sin), sinks=self.sinks
+        )
         return self.o_proj(out)
 
 
@@ -103,7 +123,7 @@ class LlamaMLP(nn.Module):
             h, parts, bias, "intermediate_size", quant_config
         )
         self.down_proj = row_linear(i, h, bias, "intermediate_size", quant_config)
-        self.act_fn = SiluAndMul()
+        self.act_fn = gated_activation(config.hidden_act)  # SwiGLU; Gemma: GeGLU (tanh)
 
     def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:  # x: [T, hidden_size]
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate_size / tp]
@@ -176,7 +196,7 @@ class LlamaModel(nn.Module):
             ]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.rotary_emb = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.rope_scaling)
 
     def forward(
         self,
@@ -211,12 +231,19 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, quant_config, make_mlp)
+        self.model = self.build_model(config, quant_config, make_mlp)
         # Tied: the logits reuse model.embed_tokens.weight, there is no lm_head parameter.
         self.lm_head = (
             None if config.tie_word_embeddings else lm_head(config.hidden_size, config.vocab_size)
         )
         self.tp_size = ps.get_tp_world_size()
+
+    @staticmethod
+    def build_model(
+        config: ModelConfig, quant_config: Fp8Config | None, make_mlp: MlpFactory | None
+    ) -> nn.Module:
+        """The decoder stack (``self.model``); a subclass may build its own."""
+        return LlamaModel(config, quant_config, make_mlp)
 
     @staticmethod
     def check_tensor_parallel(config: ModelConfig, tp: int) -> None:
@@ -235,8 +262,13 @@ class LlamaForCausalLM(nn.Module):
         # hidden_states: [N, hidden_size] -> [N, vocab_size] float32 (None on TP ranks > 0)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self.tp_size > 1:
-            return parallel_logits(hidden_states, weight, self.config.vocab_size)
-        return F.linear(hidden_states, weight).float()
+            logits = parallel_logits(hidden_states, weight, self.config.vocab_size)
+        else:
+            logits = F.linear(hidden_states, weight).float()
+        cap = self.config.final_logit_softcapping
+        if cap is not None and logits is not None:  # Gemma 2: in float32
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
 
 def check_tensor_parallel(config: ModelConfig, tp: int) -> None:

@@ -1,10 +1,13 @@
-"""Mixture-of-experts decoders: Mixtral, Qwen2-MoE and Qwen3-MoE.
+"""Mixture-of-experts decoders: Mixtral, Qwen2-MoE, Qwen3-MoE and gpt-oss.
 
 Each is the Llama-family decoder (pydaemon/models/llama.py: Mixtral's attention is Mistral's,
-Qwen2-MoE's has q/k/v biases, Qwen3-MoE's RMSNorms q and k per head; all config-driven) whose
-MLP is a sparse MoE block (pydaemon/layers/moe/block.py) on the layers ``config.moe`` marks
-sparse, a dense MLP on the others. Mixtral's checkpoint calls the block
-``block_sparse_moe``: ``checkpoint_module_renames`` tells the loader.
+Qwen2-MoE's has q/k/v biases, Qwen3-MoE's RMSNorms q and k per head, gpt-oss's has biases on
+q/k/v/o, attention sinks and alternating 128-token windows; all config-driven) whose MLP is a
+sparse MoE block (pydaemon/layers/moe/block.py) on the layers ``config.moe`` marks sparse, a
+dense MLP on the others. Mixtral's checkpoint calls the block ``block_sparse_moe``, gpt-oss's
+calls the router ``router``: ``checkpoint_module_renames`` tells the loader. gpt-oss's RMSNorms
+scale in float32 and round once (GptOssRMSNorm), its experts have biases and the clamped
+SwiGLU (layers/moe/activation.py).
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pydaemon.config.model import ModelConfig
+from pydaemon.config.moe import GPT_OSS
 from pydaemon.layers.moe import SparseMoeBlock
+from pydaemon.layers.rms_norm import RMSNorm
 from pydaemon.models.llama import LlamaForCausalLM, check_tensor_parallel
 
 if TYPE_CHECKING:
@@ -35,6 +40,11 @@ class MoeForCausalLM(LlamaForCausalLM):
         super().__init__(config, quant_config, make_mlp=make_mlp)
         if config.architecture == "MixtralForCausalLM":
             self.checkpoint_module_renames = {"mlp": "block_sparse_moe"}
+        if config.architecture == GPT_OSS:
+            self.checkpoint_module_renames = {"gate": "router"}
+            for module in self.modules():
+                if isinstance(module, RMSNorm):  # (weight * x).to(dtype), one rounding
+                    module.round_once = True
 
     @staticmethod
     def check_tensor_parallel(config: ModelConfig, tp: int) -> None:

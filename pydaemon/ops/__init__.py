@@ -10,7 +10,8 @@
                                           seq_lens, query_start_loc, max_query_len)
         out = ops.fused_add_rms_norm(x, residual, weight, eps)  # residual updated in place
         out = ops.silu_and_mul(gate_up)
-        ops.rotary_embedding(q, k, cos, sin)  # in place
+        out = ops.gated_act_and_mul(gate_up, "gelu_tanh")  # or "swigluoai" (gpt-oss)
+        ops.rotary_embedding(q, k, cos, sin)  # in place (cos: [T, rotary_dim] <= head_dim)
         ops.rotary_embedding_and_cache(q, k, v, key_cache, value_cache, slot_mapping, cos, sin)
         xq, x_scale = ops.per_token_fp8_quant(x)  # FP8 e4m3, one scale per token
         xq, x_scale = ops.silu_and_mul_fp8_quant(gate_up)  # the two above in one kernel
@@ -28,7 +29,7 @@ without CUDA kernels or no CUDA device is visible; every wrapper then raises Run
 """
 
 from pydaemon.ops._core_ext import LAYER_KERNEL_DTYPES, core, is_available, unavailable_reason
-from pydaemon.ops.activation import silu_and_mul
+from pydaemon.ops.activation import gated_act_and_mul, silu_and_mul
 from pydaemon.ops.cache_ops import SwapStream, copy_blocks, reshape_and_cache, swap_blocks
 from pydaemon.ops.fp8_gemm import FP8_GEMV_MAX_ROWS, fp8_gemv, fp8_gemv_available
 from pydaemon.ops.fp8_quant import (
@@ -53,6 +54,7 @@ from pydaemon.ops.moe import (
 )
 from pydaemon.ops.paged_attention import (
     PARTITION_SIZE,
+    decode_span,
     num_partitions,
     paged_attention_decode,
 )
@@ -75,10 +77,12 @@ __all__ = [
     "SwapStream",
     "copy_blocks",
     "core",
+    "decode_span",
     "decode_tc_partition_size",
     "fp8_gemv",
     "fp8_gemv_available",
     "fused_add_rms_norm",
+    "gated_act_and_mul",
     "is_available",
     "lora_expand",
     "lora_shrink",

@@ -11,8 +11,17 @@ PARTITION_SIZE = 256
 
 
 def num_partitions(max_seq_len: int) -> int:
-    """Split-KV partitions the kernel uses for a batch whose longest sequence has max_seq_len."""
+    """Split-KV partitions the kernel uses for a batch whose longest sequence spans
+    max_seq_len keys (with a window: ``decode_span(max_seq_len, window)``)."""
     return max(1, -(-max_seq_len // PARTITION_SIZE))
+
+
+def decode_span(max_seq_len: int, sliding_window: int | None, align: int = 1) -> int:
+    """The most keys a decode step reads per sequence: a window's keys from its first key
+    rounded down to a multiple of ``align`` (pagedd::cuda::decode_span)."""
+    if not sliding_window:
+        return max_seq_len
+    return min(max_seq_len, sliding_window + align - 1)
 
 
 def split_kv_workspaces(
@@ -43,6 +52,9 @@ def paged_attention_decode(
     out: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged KV cache.
 
@@ -59,6 +71,11 @@ def paged_attention_decode(
     scale:        softmax scale, default head_dim ** -0.5
     out:          optional [num_seqs, num_q_heads, head_dim] contiguous output
     k_scale, v_scale: the fp8 cache's per-layer scales (ignored for other caches)
+    sliding_window: keys a query sees, itself included (None: all); blocks wholly before the
+                  window are never read
+    softcap:      scaled scores s -> softcap * tanh(s / softcap) (None: none)
+    sinks:        [num_q_heads], query's dtype: each head's sink logit, in the softmax's
+                  denominator (None: none)
     returns       out: [num_seqs, num_q_heads, head_dim], dtype of query
 
     head_dim in {64, 80, 96, 128, 256}, block_size in {8, 16, 32}, num_q_heads a multiple of
@@ -75,7 +92,8 @@ def paged_attention_decode(
         scale = head_dim**-0.5
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    tmp_out, exp_sums, max_logits = split_kv_workspaces(query, num_partitions(max_seq_len))
+    parts = num_partitions(decode_span(max_seq_len, sliding_window))
+    tmp_out, exp_sums, max_logits = split_kv_workspaces(query, parts)
     _core.paged_attention_decode(
         arg(out),
         arg(query),
@@ -90,6 +108,9 @@ def paged_attention_decode(
         arg(max_logits),
         float(k_scale),
         float(v_scale),
+        int(sliding_window or 0),
+        float(softcap or 0.0),
+        arg(sinks),
         stream_handle(query.device),
     )
     return out

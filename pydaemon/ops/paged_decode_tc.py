@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pydaemon.ops._core_ext import arg, core, kv_cache_arg, stream_handle
-from pydaemon.ops.paged_attention import split_kv_workspaces
+from pydaemon.ops.paged_attention import decode_span, split_kv_workspaces
 
 # Head sizes the kernel is built for (pagedd::cuda::decode_tc_is_built) and the largest
 # group of query heads per kv head it takes (one mma atom of 16 rows).
@@ -41,6 +41,9 @@ MAX_PARTITION = 1024
 LONG_SPLIT = 8
 FIRST_CONTEXT_BUCKET = 512
 CONTEXT_BUCKET_FACTOR = 4
+# A window's partitions start at its first key rounded down to a multiple of this
+# (pagedd::cuda::kDecodeTcWindowAlign: one 16-key sub-tile).
+WINDOW_ALIGN = 16
 
 
 def context_bucket(max_seq_len: int) -> int:
@@ -90,6 +93,9 @@ def paged_attention_decode_tc(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     partition_size: int | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged KV cache, on tensor cores.
 
@@ -101,8 +107,11 @@ def paged_attention_decode_tc(
     zeros); returns out [num_seqs, num_q_heads, head_dim].
 
     partition_size: keys per split-KV partition, a multiple of 64; None picks
-                    ``decode_tc_partition_size(num_seqs, num_kv_heads, max_seq_len,
-                    fp8_cache)``.
+                    ``decode_tc_partition_size(num_seqs, num_kv_heads, span, fp8_cache)``
+                    with span = ``decode_span(max_seq_len, sliding_window, WINDOW_ALIGN)``,
+                    the most keys a sequence spans (max_seq_len without a window).
+    sliding_window, softcap, sinks: the layer's score modifiers, as
+                    ``paged_attention_decode`` (ops/paged_attention.py) takes them.
 
     head_dim in DECODE_TC_HEAD_DIMS, at most DECODE_TC_MAX_GROUP query heads per kv head,
     block_size in {8, 16, 32}. Runs on the current stream of query's device; the workspaces
@@ -114,14 +123,13 @@ def paged_attention_decode_tc(
         scale = head_dim**-0.5
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    span = decode_span(max_seq_len, sliding_window, WINDOW_ALIGN)
     if partition_size is None:
         fp8_cache = key_cache.dtype == torch.float8_e4m3fn
-        partition_size = decode_tc_partition_size(
-            num_seqs, key_cache.shape[1], max_seq_len, fp8_cache
-        )
+        partition_size = decode_tc_partition_size(num_seqs, key_cache.shape[1], span, fp8_cache)
     if partition_size <= 0 or partition_size % 64 != 0:
         raise ValueError(f"partition_size must be a positive multiple of 64, got {partition_size}")
-    parts = decode_tc_num_partitions(max_seq_len, partition_size)
+    parts = decode_tc_num_partitions(span, partition_size)
     tmp_out, exp_sums, max_logits = split_kv_workspaces(query, parts)
     _core.paged_attention_decode_tc(
         arg(out),
@@ -138,6 +146,9 @@ def paged_attention_decode_tc(
         arg(max_logits),
         float(k_scale),
         float(v_scale),
+        int(sliding_window or 0),
+        float(softcap or 0.0),
+        arg(sinks),
         stream_handle(query.device),
     )
     return out

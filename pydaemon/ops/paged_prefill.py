@@ -34,6 +34,9 @@ def paged_attention_prefill(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     backend: PrefillBackend = "auto",
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a step's new tokens over their paged K/V, one launch for the batch.
 
@@ -58,6 +61,11 @@ def paged_attention_prefill(
                      an sm_90a build on a compute capability 9.0 GPU, head_dim 64 / 128,
                      fp16 / bf16 cache; ValueError elsewhere) or "auto" (wgmma at head 128
                      with the default tile for max_query_len >= 64 where it can run, else mma)
+    sliding_window:  keys a query sees, itself included (None: all); tiles of keys before
+                     every row's window are skipped, blocks wholly before it never read
+    softcap:         scaled scores s -> softcap * tanh(s / softcap) (None: none)
+    sinks:           [num_q_heads], query's dtype: each head's sink logit, in the softmax's
+                     denominator (None: none)
     returns          out: [num_tokens, num_q_heads, head_dim], dtype of query
 
     Query lengths of 1 (decode rows) may be mixed with prefill chunks. head_dim in
@@ -84,6 +92,9 @@ def paged_attention_prefill(
         float(k_scale),
         float(v_scale),
         _BACKENDS[backend],
+        int(sliding_window or 0),
+        float(softcap or 0.0),
+        arg(sinks),
         stream_handle(query.device),
     )
     return out

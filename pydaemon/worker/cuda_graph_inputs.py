@@ -166,10 +166,10 @@ def cuda_graph_plan(
 ) -> GraphPlan | None:
     """The decode graphs this runner captures (and verify graphs for the configured k under
     speculative decoding), or None when every step runs eagerly:
-    ``enforce_eager``, a cache not served by the CUDA kernels (CPU, float32, a build without
-    kernels, PAGEDD_ATTENTION_BACKEND=torch), or a sliding-window model (its windowed layers
-    attend on the torch path, whose Python control flow a graph would freeze)."""
-    if config.enforce_eager or not uses_kernels(kv_cache) or model_config.has_sliding_window:
+    ``enforce_eager``, or a cache not served by the CUDA kernels (CPU, float32, a build
+    without kernels, PAGEDD_ATTENTION_BACKEND=torch). Windowed, soft-capped and sink layers
+    run the kernels too (their modifiers are per-layer constants a graph holds)."""
+    if config.enforce_eager or not uses_kernels(kv_cache):
         return None
     tp = config.tensor_parallel_size
     spec = config.speculative

@@ -239,7 +239,7 @@ def test_decode_tc_argument_errors_name_the_problem():
         ops.core().paged_attention_decode_tc(
             torch.empty_like(query), query, batch.key_cache, batch.value_cache,
             batch.block_tables, batch.seq_lens, 0.125, 200, 64, None, None, None, 1.0, 1.0,
-            stream,
+            0, 0.0, None, stream,
         )  # fmt: skip
     # ... and must have 4 of them.
     bad = torch.empty(2, 8, 3, 64, device="cuda")
@@ -247,7 +247,7 @@ def test_decode_tc_argument_errors_name_the_problem():
         ops.core().paged_attention_decode_tc(
             torch.empty_like(query), query, batch.key_cache, batch.value_cache,
             batch.block_tables, batch.seq_lens, 0.125, 200, 64, bad, bad[..., 0], bad[..., 0],
-            1.0, 1.0, stream,
+            1.0, 1.0, 0, 0.0, None, stream,
         )  # fmt: skip
 
 

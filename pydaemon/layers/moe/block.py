@@ -4,6 +4,9 @@
     out    = experts(x, logits)               top-k routing in float32 (layer.py)
            + sigmoid(shared_expert_gate(x)) * shared_expert(x)     (Qwen2-MoE only)
 
+gpt-oss: the router has a bias (``moe.router_bias``), the experts biases and the clamped SwiGLU
+(``moe.activation``); its checkpoint calls the router ``router`` (the model renames ``gate``).
+
 Tensor parallel: the router and the shared expert's gate are replicated (tiny, unquantized);
 the routed experts and the shared expert (a SwiGLU MLP: gate/up column-parallel, down
 row-parallel) each give this rank's partial sum; the sum of both is all-reduced once.
@@ -20,6 +23,7 @@ from torch import nn
 
 from pydaemon.distributed import parallel_state as ps
 from pydaemon.layers.activation import SiluAndMul
+from pydaemon.layers.moe.activation import MoeActivation
 from pydaemon.layers.moe.layer import FusedMoE
 from pydaemon.layers.parallel_linear import (
     MergedColumnParallelLinear,
@@ -59,7 +63,7 @@ class SparseMoeBlock(nn.Module):
         self, hidden_size: int, moe: MoeConfig, quant_config: Fp8Config | None = None
     ) -> None:
         super().__init__()
-        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)
+        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=moe.router_bias)
         self.experts = FusedMoE(
             moe.num_experts,
             moe.top_k,
@@ -70,6 +74,9 @@ class SparseMoeBlock(nn.Module):
             expert_names=moe.expert_names,
             reduce_results=False,
             quant_config=quant_config,
+            activation=MoeActivation(moe.activation, moe.swiglu_alpha, moe.swiglu_limit),
+            has_bias=moe.has_bias,
+            checkpoint_layout=moe.checkpoint_layout,
         )
         self.shared_expert: SharedExpertMLP | None = None
         self.shared_expert_gate: nn.Linear | None = None

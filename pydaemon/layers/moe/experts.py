@@ -6,6 +6,10 @@
     y      = a @ w2[e].T          per expert group      [T * k, H]
     out[t] = sum_j weight[t, j] * y[inverse[t * k + j]]  (float32 sum, rounded once)
 
+With expert biases and gpt-oss's clamped SwiGLU (``activation``: activation.py) the first line
+adds ``w13_bias[e]`` to h, the activation replaces silu-and-mul, and ``w2_bias[e]`` joins each
+slot's y before the weighted sum; such steps skip the decode kernels (they have neither).
+
 The two per-group products are grouped GEMMs: ``torch._grouped_mm`` (CUTLASS on Hopper
 tensor cores, no host sync: graph-capturable) for bfloat16 CUDA tensors; elsewhere (the CPU,
 other dtypes and GPUs) one ``F.linear`` per expert that has rows, which reads the group
@@ -34,11 +38,10 @@ import torch
 import torch.nn.functional as F
 
 from pydaemon import ops
-from pydaemon.layers.activation import SiluAndMul
 from pydaemon.layers.moe import triton_moe
+from pydaemon.layers.moe.activation import SILU, MoeActivation
 from pydaemon.layers.moe.align import moe_align
 
-_act = SiluAndMul()
 # Steps of at most this many (token, expert) slots take the two decode kernels. On the H200
 # (Qwen3-30B-A3B shape, bf16, 2026-12-02) a bound of 64 made TPOT at batch 1 4.53 ms against
 # 5.75 with the grouped GEMMs, but W1 16.69 s against 16.14 (its few-token steps lost): 8
@@ -159,14 +162,29 @@ def fused_experts(
     w2: torch.Tensor,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, k] float32
     topk_ids: torch.Tensor,  # [T, k] int32
+    activation: MoeActivation = SILU,
+    w13_bias: torch.Tensor | None = None,  # [E, 2 * I]
+    w2_bias: torch.Tensor | None = None,  # [E, H]
 ) -> torch.Tensor:  # [T, H]
-    if use_decode_kernels(x, w13, topk_ids):
+    plain = activation.is_silu and w13_bias is None and w2_bias is None
+    if plain and use_decode_kernels(x, w13, topk_ids):
         act = ops.moe_decode_gate_up(x, topk_ids, w13)  # [T * k, I]
         return ops.moe_decode_down_combine(act, topk_ids, topk_weights, w2)
     if use_triton(x, w13, w2):
-        return triton_moe.fused_experts_triton(x, w13, w2, topk_weights, topk_ids)
+        return triton_moe.fused_experts_triton(
+            x, w13, w2, topk_weights, topk_ids, activation=activation, w13_bias=w13_bias,
+            w2_bias=w2_bias,
+        )  # fmt: skip
     sorted_token_ids, inverse, expert_offsets = moe_align(topk_ids, w13.shape[0])
     rows = x.index_select(0, sorted_token_ids)  # [T * k, H]
     h = grouped_mm(rows, w13, expert_offsets)  # [T * k, 2 * I]
-    y = grouped_mm(_act(h), w2, expert_offsets)  # [T * k, H]
+    if w13_bias is not None or w2_bias is not None:
+        # The expert of each row, from the group ends on the device (no host read).
+        row_ids = torch.arange(rows.shape[0], device=x.device, dtype=torch.int32)
+        expert_of_row = torch.searchsorted(expert_offsets, row_ids, right=True)
+    if w13_bias is not None:
+        h = h + w13_bias[expert_of_row]
+    y = grouped_mm(activation(h), w2, expert_offsets)  # [T * k, H]
+    if w2_bias is not None:
+        y = y + w2_bias[expert_of_row]
     return moe_combine(y, inverse, topk_weights)

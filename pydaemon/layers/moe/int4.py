@@ -99,8 +99,8 @@ class Int4MoEMethod:
     ) -> torch.Tensor:  # [T, H], x's dtype
         w13, w2 = self.weights(layer, "w13"), self.weights(layer, "w2")
         if w4a16_moe.supports(x):
-            return w4a16_moe.fused_experts(x, w13, w2, topk_weights, topk_ids, layer.act_fn)
-        return experts_dequantized(x, w13, w2, topk_weights, topk_ids, layer.act_fn)
+            return w4a16_moe.fused_experts(x, w13, w2, topk_weights, topk_ids, layer.activation)
+        return experts_dequantized(x, w13, w2, topk_weights, topk_ids, layer.activation)
 
 
 def dequantize_expert(w: w4a16_moe.ExpertWeights, e: int, dtype: torch.dtype) -> torch.Tensor:

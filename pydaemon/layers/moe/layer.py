@@ -10,12 +10,19 @@ and map global ids to local ones before the align step.
 
 Loading: the checkpoint keeps one tensor per expert and projection (``experts.{e}.gate_proj``
 or Mixtral's ``experts.{e}.w1`` ...); ``checkpoint_parts`` says where each goes (the loader,
-pydaemon/model_loader/weight_targets.py, stacks them). Quantized (``quant_config``): FP8
-weights and per-channel or block scales (fp8.py), 4-bit integer weights with group scales
-(int4.py) or gpt-oss's MXFP4 experts (mxfp4.py); each method creates its parameters and
-computes the experts from the routing (``apply(layer, x, topk_weights, topk_ids)``).
-``act_fn`` maps the gate/up product [S, 2 * I] (gate columns first) to [S, I]
-(SiLU-and-multiply by default).
+pydaemon/model_loader/weight_targets.py, stacks them). gpt-oss's checkpoint stacks them per
+layer with gate and up interleaved (``checkpoint_layout == "gpt_oss"``:
+pydaemon/model_loader/stacked_experts.py de-interleaves and transposes). Quantized
+(``quant_config``): FP8 weights and per-channel or block scales (fp8.py), 4-bit integer
+weights with group scales (int4.py) or gpt-oss's MXFP4 experts (mxfp4.py); each method
+creates its parameters and computes the experts from the routing (``apply(layer, x,
+topk_weights, topk_ids)``).
+
+gpt-oss also has expert biases (``has_bias``: ``w13_bias`` [E, 2 * I / tp], this rank's slice
+of gate then up as the weight; ``w2_bias`` [E, H], replicated, added by rank 0 only so that
+the all-reduced sum holds it once) and its clamped SwiGLU (``activation``: activation.py,
+which maps the gate/up product [S, 2 * I], gate columns first, to [S, I]). Quantized experts
+take biases and another activation with MXFP4 only (whose method makes the biases).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import torch
 from torch import nn
 
 from pydaemon.distributed import parallel_state as ps
-from pydaemon.layers.activation import SiluAndMul
+from pydaemon.layers.moe.activation import MoeActivation
 from pydaemon.layers.moe.experts import fused_experts
 from pydaemon.layers.moe.fp8 import Fp8MoEMethod
 from pydaemon.layers.moe.int4 import Int4MoEMethod
@@ -67,8 +74,9 @@ class FusedMoE(nn.Module):
         expert_names: tuple[str, str, str] = QWEN_EXPERT_NAMES,
         reduce_results: bool = True,
         quant_config: QuantConfig | None = None,
-        act_fn: nn.Module | None = None,
+        activation: MoeActivation | None = None,
         has_bias: bool = False,
+        checkpoint_layout: str = "per_expert",
     ) -> None:
         super().__init__()
         if scoring not in SCORING_FUNCS:
@@ -87,12 +95,21 @@ class FusedMoE(nn.Module):
         self.renormalize, self.scoring = renormalize, scoring
         self.expert_names = expert_names
         self.reduce_results = reduce_results
-        self.act_fn = act_fn if act_fn is not None else SiluAndMul()
-        self.has_bias = has_bias  # per-expert biases: MXFP4 experts only (gpt-oss)
-        if has_bias and (quant_config is None or quant_config.kind != "mxfp4"):
-            raise ValueError("FusedMoE: expert biases are supported with MXFP4 experts only")
+        self.activation = activation or MoeActivation()
+        self.checkpoint_layout = checkpoint_layout
+        self.has_bias = has_bias
         self.quant_method: MoEMethod | None = None
         e, h, i = num_experts, hidden_size, self.intermediate_per_rank
+        self.w13_bias: nn.Parameter | None = None
+        self.w2_bias: nn.Parameter | None = None
+        is_mxfp4 = quant_config is not None and quant_config.kind == "mxfp4"
+        if (has_bias or not self.activation.is_silu) and quant_config is not None and not is_mxfp4:
+            raise ValueError(
+                "quantized experts with biases or a non-SiLU activation: MXFP4 experts only"
+            )
+        if has_bias and quant_config is None:  # MXFP4's method makes its own
+            self.w13_bias = nn.Parameter(torch.empty(e, 2 * i), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.empty(e, h), requires_grad=False)
         if quant_config is None:
             self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
             self.w2_weight = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
@@ -109,7 +126,12 @@ class FusedMoE(nn.Module):
             router_logits, self.top_k, self.scoring, self.renormalize
         )
         if self.quant_method is None:
-            out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+            # The replicated down bias belongs to the sum over ranks once: rank 0 adds it.
+            w2_bias = self.w2_bias if ps.get_tp_rank() == 0 else None
+            out = fused_experts(
+                x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation,
+                self.w13_bias, w2_bias,
+            )  # fmt: skip
         else:
             out = self.quant_method.apply(self, x, topk_weights, topk_ids)
         return ps.all_reduce(out) if self.reduce_results else out
@@ -154,5 +176,6 @@ class FusedMoE(nn.Module):
             f"num_experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
             f"intermediate={self.intermediate_per_rank}, scoring={self.scoring}, "
             f"renormalize={self.renormalize}, "
-            f"quant={type(self.quant_method).__name__ if self.quant_method else None}"
+            f"quant={type(self.quant_method).__name__ if self.quant_method else None}, "
+            f"activation={self.activation.name}, bias={self.has_bias}"
         )

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from pydaemon.distributed import parallel_state as ps
 from pydaemon.layers.moe import w4a16_moe
 from pydaemon.layers.moe.int4 import experts_dequantized
 from pydaemon.quantization.mxfp4 import BLOCK
@@ -61,6 +62,8 @@ class Mxfp4MoEMethod:
 
     def weights(self, layer: nn.Module, proj: str) -> w4a16_moe.ExpertWeights:
         bias = getattr(layer, f"{proj}_bias") if self.has_bias else None
+        if proj == "w2" and ps.get_tp_rank() != 0:
+            bias = None  # replicated: rank 0 alone adds it to the all-reduced sum
         return w4a16_moe.ExpertWeights(
             getattr(layer, f"{proj}_weight"),
             getattr(layer, f"{proj}_weight_scale"),
@@ -79,5 +82,5 @@ class Mxfp4MoEMethod:
     ) -> torch.Tensor:  # [T, H], x's dtype
         w13, w2 = self.weights(layer, "w13"), self.weights(layer, "w2")
         if w4a16_moe.supports(x):
-            return w4a16_moe.fused_experts(x, w13, w2, topk_weights, topk_ids, layer.act_fn)
-        return experts_dequantized(x, w13, w2, topk_weights, topk_ids, layer.act_fn)
+            return w4a16_moe.fused_experts(x, w13, w2, topk_weights, topk_ids, layer.activation)
+        return experts_dequantized(x, w13, w2, topk_weights, topk_ids, layer.activation)

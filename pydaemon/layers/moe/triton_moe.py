@@ -30,9 +30,8 @@ from typing import NamedTuple
 
 import torch
 
-from pydaemon.layers.activation import SiluAndMul
+from pydaemon.layers.moe.activation import SILU, MoeActivation
 
-_act = SiluAndMul()
 TRITON_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -218,7 +217,13 @@ def fused_experts_triton(
     topk_weights: torch.Tensor,  # [T, k] float32
     topk_ids: torch.Tensor,  # [T, k] int32
     config: TileConfig | None = None,  # default: tile_config(T)
+    activation: MoeActivation = SILU,
+    w13_bias: torch.Tensor | None = None,  # [E, 2 * I]
+    w2_bias: torch.Tensor | None = None,  # [E, H]
 ) -> torch.Tensor:  # [T, H], x's dtype
+    """Expert biases (gpt-oss): w13_bias[e] joins each slot's h before the activation;
+    sum_j weight[t, j] * w2_bias[e_tj] is added to the output (the GEMM's epilogue weights
+    the product only)."""
     t, k = topk_ids.shape
     if t == 0:
         return x.new_zeros(0, w2.shape[1])
@@ -230,7 +235,14 @@ def fused_experts_triton(
     if config is None:  # few experts hit: narrower column tiles, more programs
         cfg13 = spread_block_n(cfg, w13.shape[1], s, num_experts, x.device)
         cfg2 = spread_block_n(cfg, w2.shape[1], s, num_experts, x.device)
-    h = moe_gemm(x, w13, sorted_slots, block_expert, s, k, cfg13)  # [S, 2 * I]
+    h = moe_gemm(x, w13, sorted_slots, block_expert, s, k, cfg13)  # [S, 2 * I], slot order
+    slot_experts = topk_ids.reshape(-1).long()  # [S]
+    if w13_bias is not None:
+        h = h + w13_bias[slot_experts]
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    y = moe_gemm(_act(h), w2, sorted_slots, block_expert, s, 1, cfg2, weights)  # [S, H]
-    return y.view(t, k, -1).sum(dim=1)
+    y = moe_gemm(activation(h), w2, sorted_slots, block_expert, s, 1, cfg2, weights)  # [S, H]
+    out = y.view(t, k, -1).sum(dim=1)
+    if w2_bias is not None:
+        biases = w2_bias[slot_experts].view(t, k, -1).float() * topk_weights[..., None]
+        out = (out.float() + biases.sum(dim=1)).to(out.dtype)
+    return out
