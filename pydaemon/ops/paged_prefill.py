@@ -59,8 +59,9 @@ def paged_attention_prefill(
     k_scale, v_scale: the fp8 cache's per-layer scales (ignored for other caches)
     backend:         "mma" (mma.sync, sm_80+, every case), "wgmma" (Hopper warpgroup MMA:
                      an sm_90a build on a compute capability 9.0 GPU, head_dim 64 / 128,
-                     fp16 / bf16 cache; ValueError elsewhere) or "auto" (wgmma at head 128
-                     with the default tile for max_query_len >= 64 where it can run, else mma)
+                     fp16 / bf16 cache, no window, sink or soft-cap; ValueError elsewhere) or
+                     "auto" (wgmma at head 128 with the default tile for max_query_len >= 64
+                     where it can run, else mma; mma with a window, sinks or a soft-cap)
     sliding_window:  keys a query sees, itself included (None: all); tiles of keys before
                      every row's window are skipped, blocks wholly before it never read
     softcap:         scaled scores s -> softcap * tanh(s / softcap) (None: none)
@@ -73,6 +74,15 @@ def paged_attention_prefill(
     """
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
+    if sliding_window or softcap or sinks is not None:
+        # The wgmma kernel's window / sink / soft-cap instances hung on the H200 (2026-12-04,
+        # test_attention_mods_gpu.py, a window at head 64): layers with them take mma.sync.
+        if backend == "wgmma":
+            raise ValueError(
+                "backend='wgmma' does not take a sliding window, sinks or a soft-cap yet: use "
+                "'mma' (or 'auto', which does)"
+            )
+        backend = "mma"
     if scale is None:
         scale = query.shape[-1] ** -0.5
     if out is None:
