@@ -15,7 +15,9 @@ pydaemon/model_loader/weight_targets.py, which packs q/k/v and gate/up into the 
 Tensor parallel: a sharded parameter (see layers/parallel_linear.py) is read as this rank's
 slice only (``get_slice``), so no rank ever holds the whole model. Dummy weights are drawn at
 the full shape one checkpoint tensor at a time and sliced, so that they do not depend on the
-TP size (nor on the packing).
+TP size (nor on the packing). A rank holding part of the model only (a pipeline stage, or
+some experts under expert parallelism) makes the whole model's draws in the whole model's
+order, keeping its own: every split of the model gets the same dummy weights.
 
 Quantization (``quantization="fp8"``, or a checkpoint whose config.json says it is FP8; see
 pydaemon/quantization/): the linear layers hold FP8 weights with per-channel scales, filled
@@ -36,6 +38,7 @@ from safetensors import safe_open
 from torch import nn
 
 from pydaemon.config.model import ModelConfig, resolve_dtype
+from pydaemon.distributed import parallel_state as ps
 from pydaemon.gguf import GGUFFile, is_gguf_file, load_gguf_config
 from pydaemon.gguf.weights import iter_gguf_weights
 from pydaemon.layers.rotary_embedding import RotaryEmbedding
@@ -74,24 +77,34 @@ def load_model(
         config = ModelConfig.from_model_dir(model_dir)
     torch_dtype = resolve_dtype(config, dtype)
     quant_config = resolve_quantization(quantization, config.quantization, device)
-    with torch.device("meta"):
-        model = get_model_class(config.architecture)(config, quant_config)
-    if quant_config is not None:
-        skipped = skip_ignored_layers(model, quant_config.checkpoint)
-        if skipped:
-            logger.info(
-                "%d linear layers left unquantized, as the checkpoint lists them: %s",
-                len(skipped),
-                ", ".join(skipped),
-            )
+    model = _build_on_meta(config, quant_config, log=True)
     materialize(model, torch_dtype, device)
     if load_format == "dummy":
-        fill_dummy(model, seed, torch_dtype)
+        whole = None
+        if ps.get_pp_world_size() > 1 or ps.get_ep_world_size() > 1:  # this rank: a part
+            with ps.unsharded():
+                whole = weight_targets(_build_on_meta(config, quant_config))
+        fill_dummy(model, seed, torch_dtype, whole)
     elif gguf is not None:
         _load_gguf_weights(model, config, gguf)
     else:
         _load_weights(model, config, model_dir)
     return model.eval(), config
+
+
+def _build_on_meta(config: ModelConfig, quant_config, log: bool = False) -> nn.Module:
+    """The model (this rank's part of it) on the meta device: shapes, no memory."""
+    with torch.device("meta"):
+        model = get_model_class(config.architecture)(config, quant_config)
+    if quant_config is not None:
+        skipped = skip_ignored_layers(model, quant_config.checkpoint)
+        if skipped and log:
+            logger.info(
+                "%d linear layers left unquantized, as the checkpoint lists them: %s",
+                len(skipped),
+                ", ".join(skipped),
+            )
+    return model
 
 
 def load_model_config(model: str | Path) -> ModelConfig:
@@ -128,11 +141,22 @@ def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> N
             module.reset_parameters(device)
 
 
-def fill_dummy(model: nn.Module, seed: int, dtype: torch.dtype) -> None:
+def fill_dummy(
+    model: nn.Module, seed: int, dtype: torch.dtype, whole: dict | None = None
+) -> None:
+    """Random weights. ``whole``: the whole model's weight targets (on the meta device) when
+    ``model`` is a part of it: their draws are made in their order, this part's kept."""
     device = next(model.parameters()).device
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
-    for name, target in weight_targets(model).items():
+    targets = weight_targets(model)
+    for name, whole_target in (whole or targets).items():
+        target = targets.get(name)
+        if target is None:  # another rank's: drawn as the whole model would, then dropped
+            if not name.endswith("norm.weight") and whole_target.required:
+                shape = whole_target.checkpoint_shape
+                torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
+            continue
         if isinstance(target, Fp8Target):
             if target.required:  # the unquantized model's draws, quantized as they load
                 full = torch.empty(target.checkpoint_shape, dtype=dtype, device=device)

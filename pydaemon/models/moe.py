@@ -4,7 +4,9 @@ Each is the Llama-family decoder (pydaemon/models/llama.py: Mixtral's attention 
 Qwen2-MoE's has q/k/v biases, Qwen3-MoE's RMSNorms q and k per head; all config-driven) whose
 MLP is a sparse MoE block (pydaemon/layers/moe/block.py) on the layers ``config.moe`` marks
 sparse, a dense MLP on the others. Mixtral's checkpoint calls the block
-``block_sparse_moe``: ``checkpoint_module_renames`` tells the loader.
+``block_sparse_moe``: ``checkpoint_module_renames`` tells the loader. Expert parallel
+(``enable_expert_parallel``) partitions the experts over the tensor-parallel ranks
+(pydaemon/layers/moe/layer.py); the attention and the shared expert stay sliced.
 """
 
 from __future__ import annotations
@@ -50,3 +52,21 @@ class MoeForCausalLM(LlamaForCausalLM):
                     f"{name} ({value}) is not divisible by tensor_parallel_size ({tp}): "
                     f"each rank must hold {name} / {tp} columns of every expert"
                 )
+
+    @staticmethod
+    def check_expert_parallel(config: ModelConfig, tp: int) -> None:
+        """Expert parallel over ``tp`` ranks: whole experts per rank, the rest sliced."""
+        check_tensor_parallel(config, tp)
+        moe = config.moe
+        assert moe is not None
+        if moe.num_experts % tp:
+            raise ValueError(
+                f"num_experts ({moe.num_experts}) is not divisible by tensor_parallel_size "
+                f"({tp}): expert parallelism gives each rank as many whole experts"
+            )
+        shared = moe.shared_expert_intermediate_size
+        if shared % tp:
+            raise ValueError(
+                f"shared_expert_intermediate_size ({shared}) is not divisible by "
+                f"tensor_parallel_size ({tp})"
+            )

@@ -168,7 +168,10 @@ def cuda_graph_plan(
     speculative decoding), or None when every step runs eagerly:
     ``enforce_eager``, a cache not served by the CUDA kernels (CPU, float32, a build without
     kernels, PAGEDD_ATTENTION_BACKEND=torch), or a sliding-window model (its windowed layers
-    attend on the torch path, whose Python control flow a graph would freeze)."""
+    attend on the torch path, whose Python control flow a graph would freeze), or pipeline
+    parallelism (its stages' sends and receives are not captured yet)."""
+    if config.pipeline_parallel_size > 1:
+        return None
     if config.enforce_eager or not uses_kernels(kv_cache) or model_config.has_sliding_window:
         return None
     tp = config.tensor_parallel_size
