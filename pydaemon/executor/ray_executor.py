@@ -127,15 +127,15 @@ class RayExecutor(Executor):
             ]
             self.actors = actors
             places = ray.get([a.where.remote() for a in actors])
-            # Ranks host by host (the driver's host first), GPUs in order within a host.
-            here = ray.util.get_node_ip_address()
+            # Ranks node by node (the driver's node first), GPUs in order within a node.
+            here = ray.get_runtime_context().get_node_id()
             order = sorted(
                 range(world),
-                key=lambda i: (places[i][0] != here, places[i][0], [int(g) for g in places[i][2]]),
+                key=lambda i: (places[i][0] != here, places[i][0], [int(g) for g in places[i][3]]),
             )
             self.actors = [actors[i] for i in order]
-            self.places = [places[i] for i in order]  # (host, pid, gpu ids) by rank
-            host0 = self.places[0][0]
+            self.places = [places[i] for i in order]  # (node id, address, pid, gpu ids) by rank
+            host0 = self.places[0][1]
             init_method = f"tcp://{host0}:{ray.get(self.actors[0].free_port.remote(host0))}"
             backend = "nccl" if uses_gpus else "gloo"
             ray.get(
@@ -160,17 +160,17 @@ class RayExecutor(Executor):
             tp,
             pp,
             backend,
-            ", ".join(f"rank {r}: {h} pid {p}" for r, (h, p, _) in enumerate(self.places)),
+            ", ".join(f"rank {r}: {h} pid {p}" for r, (_, h, p, _) in enumerate(self.places)),
         )
 
     def _worker_args(
         self, config: EngineConfig, rank: int, backend: str, init_method: str
     ) -> WorkerArgs:
-        host, _, gpu_ids = self.places[rank]
+        node_id, _, _, gpu_ids = self.places[rank]
         visible = local_rank = None
-        if gpu_ids:  # every GPU Ray gave this host's ranks, so that NCCL sees its peers
-            host_gpus = sorted({g for h, _, ids in self.places if h == host for g in ids}, key=int)
-            visible, local_rank = ",".join(host_gpus), host_gpus.index(gpu_ids[0])
+        if gpu_ids:  # every GPU Ray gave this node's ranks, so that NCCL sees its peers
+            node_gpus = sorted({g for n, _, _, ids in self.places if n == node_id for g in ids}, key=int)
+            visible, local_rank = ",".join(node_gpus), node_gpus.index(gpu_ids[0])
         return WorkerArgs(
             rank,
             config.world_size,
@@ -282,7 +282,7 @@ class RayExecutor(Executor):
             time.sleep(max(0.0, PING_INTERVAL_S - (time.monotonic() - start)))
 
     def _fail(self, rank: int, error: Exception) -> None:
-        host, pid, _ = self.places[rank]
+        _, host, pid, _ = self.places[rank]
         self.failure = f"Ray rank {rank} (host {host}, pid {pid}) died: {error}"
         logger.error("%s; stopping the other ranks", self.failure)
         self._kill_actors()

@@ -76,12 +76,14 @@ class RankWorker:
         self._outputs: deque = deque()  # sampled steps' AsyncOutputs, oldest first
 
     # ---- placement (Ray: before init) ---------------------------------------------------
-    def where(self) -> tuple[str, int, list[str]]:
-        """-> (this host's address in the Ray cluster, this process's pid, the GPU ids Ray
-        gave it)."""
+    def where(self) -> tuple[str, str, int, list[str]]:
+        """-> (this rank's Ray node id, the node's address, this process's pid, the GPU ids
+        Ray gave it)."""
         import ray  # only Ray actors are asked
 
-        return ray.util.get_node_ip_address(), os.getpid(), [str(g) for g in ray.get_gpu_ids()]
+        node_id = ray.get_runtime_context().get_node_id()
+        gpu_ids = [str(g) for g in ray.get_gpu_ids()]
+        return node_id, ray.util.get_node_ip_address(), os.getpid(), gpu_ids
 
     def free_port(self, host: str) -> int:
         """A free port of this host (``host``: its address), for rank 0's store."""
