@@ -126,7 +126,9 @@ def _my_group(
     mine = None
     for ranks in groups:
         device = dist.new_group(ranks, backend=backend, timeout=timeout)
-        cpu = device if backend == "gloo" else dist.new_group(ranks, backend="gloo", timeout=timeout)
+        cpu = (
+            device if backend == "gloo" else dist.new_group(ranks, backend="gloo", timeout=timeout)
+        )
         if rank in ranks:
             mine = (device, cpu)
     assert mine is not None

@@ -55,7 +55,10 @@ class BatchQueueStepper:
 
     def step(self) -> EngineCoreOutputs:
         scheduler = self.scheduler
-        if len(self.in_flight) < self.max_concurrent_batches and scheduler.has_unfinished_requests():
+        if (
+            len(self.in_flight) < self.max_concurrent_batches
+            and scheduler.has_unfinished_requests()
+        ):
             out = scheduler.schedule(overlap=bool(self.in_flight))
             if out is not None:
                 self._launch(out)

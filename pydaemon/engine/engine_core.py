@@ -89,7 +89,9 @@ class EngineCore:
                 config.pipeline_parallel_size,
             )
         elif use_async:
-            self.async_stepper = AsyncStepper(self.scheduler, self.executor, self.structured_outputs)
+            self.async_stepper = AsyncStepper(
+                self.scheduler, self.executor, self.structured_outputs
+            )
         heap_freeze.freeze_startup_heap()  # last: everything built so far is long-lived
 
     # ---- requests ---------------------------------------------------------------------------

@@ -60,7 +60,11 @@ class TensorParallelError(ExecutorFailed):
 
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
-        tp, pp, world = config.tensor_parallel_size, config.pipeline_parallel_size, config.world_size
+        tp, pp, world = (
+            config.tensor_parallel_size,
+            config.pipeline_parallel_size,
+            config.world_size,
+        )
         if world < 2:
             raise ValueError(f"MultiprocExecutor needs 2 ranks or more, got TP {tp} x PP {pp}")
         model_config = load_model_config(config.model)

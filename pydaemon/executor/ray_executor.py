@@ -87,7 +87,11 @@ class RayExecutor(Executor):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._remove_placement_group = remove_placement_group
-        tp, pp, world = config.tensor_parallel_size, config.pipeline_parallel_size, config.world_size
+        tp, pp, world = (
+            config.tensor_parallel_size,
+            config.pipeline_parallel_size,
+            config.world_size,
+        )
         model_config = load_model_config(config.model)
         check_parallel(model_config, tp, pp, config.enable_expert_parallel)
         self.failure: str | None = None
@@ -169,7 +173,9 @@ class RayExecutor(Executor):
         node_id, _, _, gpu_ids = self.places[rank]
         visible = local_rank = None
         if gpu_ids:  # every GPU Ray gave this node's ranks, so that NCCL sees its peers
-            node_gpus = sorted({g for n, _, _, ids in self.places if n == node_id for g in ids}, key=int)
+            node_gpus = sorted(
+                {g for n, _, _, ids in self.places if n == node_id for g in ids}, key=int
+            )
             visible, local_rank = ",".join(node_gpus), node_gpus.index(gpu_ids[0])
         return WorkerArgs(
             rank,

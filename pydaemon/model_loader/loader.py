@@ -141,9 +141,7 @@ def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> N
             module.reset_parameters(device)
 
 
-def fill_dummy(
-    model: nn.Module, seed: int, dtype: torch.dtype, whole: dict | None = None
-) -> None:
+def fill_dummy(model: nn.Module, seed: int, dtype: torch.dtype, whole: dict | None = None) -> None:
     """Random weights. ``whole``: the whole model's weight targets (on the meta device) when
     ``model`` is a part of it: their draws are made in their order, this part's kept."""
     device = next(model.parameters()).device

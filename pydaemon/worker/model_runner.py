@@ -262,7 +262,9 @@ class ModelRunner:
         hidden_size = self.model_config.hidden_size
         intermediate = None
         if not ps.is_first_pp_rank():
-            intermediate = torch.zeros((2, num_tokens, hidden_size), dtype=self.dtype, device=ids.device)
+            intermediate = torch.zeros(
+                (2, num_tokens, hidden_size), dtype=self.dtype, device=ids.device
+            )
         hidden = self.model(ids, positions, self.kv_cache, meta, intermediate)
         if ps.is_last_pp_rank():
             self.model.compute_logits(hidden[-1:])

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import socket
+import time
 import traceback
 from collections import deque
 from collections.abc import Iterator
@@ -30,6 +31,8 @@ from pydaemon.config.model import ModelConfig
 from pydaemon.core.model_info import RunnerInfo
 from pydaemon.core.runner_output import ModelRunnerOutput
 from pydaemon.core.sched.scheduler_output import GrammarOutput, SchedulerOutput
+
+FATAL_EXIT_DELAY_S = 1.0
 
 
 @dataclass
@@ -172,6 +175,9 @@ class RankWorker:
                 "rank %d failed; its process exits:\n%s", self.rank, traceback.format_exc()
             )
             logging.shutdown()
+            # Often this rank failed because a peer died under a collective: exit a moment
+            # after it, so that the executor's monitor names the peer, not this rank.
+            time.sleep(FATAL_EXIT_DELAY_S)
             os._exit(1)
 
     # ---- control ------------------------------------------------------------------------
