@@ -98,6 +98,7 @@ class RayExecutor(Executor):
         self._is_closed = False
         self._lock = threading.Lock()
         self._owns_ray = False
+        self._monitor: threading.Thread | None = None  # started once every rank is up
         if not ray.is_initialized():
             try:  # the cluster `ray start` runs on this host (or RAY_ADDRESS names)
                 ray.init(address="auto", logging_level=logging.WARNING)
@@ -311,6 +312,9 @@ class RayExecutor(Executor):
                 )
             except Exception:  # noqa: BLE001 - the kill below stops them anyway
                 pass
+        monitor = self._monitor
+        if monitor is not None and monitor is not threading.current_thread():
+            monitor.join(2 * PING_INTERVAL_S + 1.0)  # no Ray call may follow ray.shutdown
         self._kill_actors()
         if self._owns_ray:
             ray.shutdown()
