@@ -143,12 +143,13 @@ class RayExecutor(Executor):
             host0 = self.places[0][1]
             init_method = f"tcp://{host0}:{ray.get(self.actors[0].free_port.remote(host0))}"
             backend = "nccl" if uses_gpus else "gloo"
-            ray.get(
-                [
-                    actor.init.remote(self._worker_args(config, rank, backend, init_method))
-                    for rank, actor in enumerate(self.actors)
-                ]
-            )
+            pending = [
+                actor.init.remote(self._worker_args(config, rank, backend, init_method))
+                for rank, actor in enumerate(self.actors)
+            ]
+            while pending:  # the first rank that fails ends the wait (its peers wait for it)
+                done, pending = ray.wait(pending, num_returns=1)
+                ray.get(done[0])
             self.sampler = self.actors[(pp - 1) * tp]  # tp_rank 0 of the last stage
             self.info, self.model_config, _ = ray.get(self.sampler.runner_info.remote())
         except BaseException as e:
