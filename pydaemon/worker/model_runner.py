@@ -111,7 +111,12 @@ class ModelRunner:
         self.kv_scales: KVScales | None = None
         if is_fp8(self.spec.dtype):
             model_dir = None if config.load_format == "dummy" else config.model
-            self.kv_scales = KVScales(self.model, model_dir, config.calculate_kv_scales)
+            self.kv_scales = KVScales(
+                self.model,
+                model_dir,
+                config.calculate_kv_scales,
+                layer_range=(start, end, mc.num_hidden_layers),
+            )
         # Speculative decoding's draft model or EAGLE head: its weights before sizing.
         self.draft: DraftModelProposer | EagleProposer | None = None
         spec = config.speculative

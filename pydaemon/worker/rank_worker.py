@@ -168,15 +168,15 @@ class RankWorker:
     def _fatal_errors(self) -> Iterator[None]:
         try:
             yield
-        except BaseException:
-            if not self.exit_on_error:
-                raise
+        except BaseException as e:
+            if not self.exit_on_error or _is_peer_failure(e):
+                raise  # a peer died: the executor names it and stops this rank too
             logging.getLogger(__name__).critical(
                 "rank %d failed; its process exits:\n%s", self.rank, traceback.format_exc()
             )
             logging.shutdown()
-            # Often this rank failed because a peer died under a collective: exit a moment
-            # after it, so that the executor's monitor names the peer, not this rank.
+            # A peer may have died under a collective in a way not recognised above: exit a
+            # moment after it, so that the executor's monitor names the peer first.
             time.sleep(FATAL_EXIT_DELAY_S)
             os._exit(1)
 
@@ -188,3 +188,13 @@ class RankWorker:
             return "ok", getattr(self.runner, call.method)(*call.args)
         except ValueError as e:
             return "value_error", str(e)
+
+
+# How a collective reports a dead peer: gloo's RuntimeError, torch.distributed's errors.
+_PEER_FAILURES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _is_peer_failure(e: BaseException) -> bool:
+    if type(e).__name__ in ("DistBackendError", "DistNetworkError"):
+        return True
+    return isinstance(e, RuntimeError) and any(s in str(e) for s in _PEER_FAILURES)
