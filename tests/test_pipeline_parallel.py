@@ -141,3 +141,31 @@ def test_flags_and_toml_keys(tmp_path):
     assert engine_kwargs["pipeline_parallel_size"] == 4
     assert engine_kwargs["distributed_executor_backend"] == "mp"
     assert engine_kwargs["enable_expert_parallel"] is False
+
+
+def test_structured_outputs_under_the_batch_queue():
+    """Constrained rows sampled on the last stage with the bitmask sent with each batch:
+    outputs obey their constraints and equal one process's, greedy and seeded."""
+    import re
+
+    from pydaemon.sampling_params import StructuredOutputsParams as SO
+
+    regex, choices = r"[0-9]{3}-[a-z]{1,5}", ["yes", "no", "maybe not"]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=SO(regex=regex)),
+        SamplingParams(
+            temperature=0.9, max_tokens=40, structured_outputs=SO(choice=choices), seed=5
+        ),
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+    ]
+    prompts = ["The quick brown fox", "Once upon a time", "Hello world!"]
+    kw = dict(device="cpu", dtype="float32", num_kv_blocks=128, block_size=8)
+    expected = [o.outputs[0].token_ids for o in LLM("demo", **kw).generate(prompts, params)]
+    llm = LLM("demo", pipeline_parallel_size=2, **kw)
+    try:
+        outputs = llm.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        assert re.fullmatch(regex, outputs[0].outputs[0].text), outputs[0].outputs[0].text
+        assert outputs[1].outputs[0].text in choices
+    finally:
+        llm.engine.shutdown()
