@@ -7,6 +7,8 @@ causal half only (a query at position p sees p + 1 keys, the cached prefix inclu
 peer is aten's flash-attention forward (the kernel SDPA's flash backend runs) on the same
 tokens stored contiguously, [batch, heads, len, head_dim], causal aligned to the lower right
 (so a chunk after a cached prefix sees the whole prefix), grouped K/V heads passed as such.
+``--sdpa-backends flash efficient cudnn`` also times torch SDPA on each backend alone (K/V
+expanded to every query head) and reports the fastest peer, BENCH.md's bar.
 A second table times decode steps (one query token per sequence) through the prefill kernel
 against the split-KV decode kernel, to pick per shape. ``--kv-cache-dtype fp8``: the paged
 cache is e4m3 (scale 1; decode bytes counted at 1 byte an element), the peer reads the
@@ -77,8 +79,41 @@ def flash_peer(q4, k, v, scale):
         return (lambda: run(ke, ve)), "flash (kv expanded)"
 
 
+SDPA_BACKENDS = ("flash", "efficient", "cudnn")
+
+
+def sdpa_peers(q4, k, v, scale, prefix: int, names) -> dict:
+    """name -> a call of torch SDPA on that backend alone (``sdpa_kernel``), causal aligned
+    lower right (a chunk after a cached prefix sees it all), K/V expanded to every query head;
+    backends that refuse the shape are left out."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    g = q4.shape[1] // k.shape[1]
+    ke, ve = (k, v) if g == 1 else (k.repeat_interleave(g, 1), v.repeat_interleave(g, 1))
+    mask = causal_lower_right(q4.shape[2], k.shape[2]) if prefix else None
+    peers = {}
+    for name in names:
+        backend = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                   "cudnn": SDPBackend.CUDNN_ATTENTION}[name]  # fmt: skip
+
+        def run(backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q4, ke, ve, attn_mask=mask,
+                                                      is_causal=mask is None, scale=scale)  # fmt: skip
+
+        try:
+            run()
+        except RuntimeError:  # this backend does not take the shape (or the mask)
+            continue
+        peers[name] = run
+    return peers
+
+
 def bench_prefill_shape(dtype, hq, hkv, head_dim, block_size, batch, prefix, q_len, tiles,
-                        kv_fp8=False, backends=("mma",), wgmma_block_n=(0,)):  # fmt: skip
+                        kv_fp8=False, backends=("mma",), wgmma_block_n=(0,),
+                        sdpa=()):  # fmt: skip
     """Times the peer, the mma kernel at each tile (when "mma" is in backends), "auto" with
     the default tile and "wgmma" at each of wgmma_block_n; row keys f"{name}_..." with the
     names of other_runs."""
@@ -98,6 +133,13 @@ def bench_prefill_shape(dtype, hq, hkv, head_dim, block_size, batch, prefix, q_l
     row = {"peer": peer_mode, "flops": flops}
     t_peer = bench_ms(peer)["median_ms"]
     row.update(peer_ms=t_peer, peer_tflops=flops / (t_peer * 1e9))
+    # torch SDPA, each backend alone: the fastest is BENCH.md's bar
+    best_peer_ms = t_peer
+    for name, call in sdpa_peers(q4, k, v, scale, prefix, sdpa).items():
+        t = bench_ms(call)["median_ms"]
+        row[f"sdpa_{name}_tflops"] = flops / (t * 1e9)
+        best_peer_ms = min(best_peer_ms, t)
+    row.update(best_peer_ms=best_peer_ms, best_peer_tflops=flops / (best_peer_ms * 1e9))
     best = None
     runs = [(tile, "mma", tile) for tile in tiles] if "mma" in backends else []
     runs += other_runs(backends, wgmma_block_n)
@@ -126,6 +168,7 @@ def bench_prefill_shape(dtype, hq, hkv, head_dim, block_size, batch, prefix, q_l
     fastest = min((n for n, _, _ in runs), key=lambda n: row[f"{n}_ms"])
     row.update(ours=fastest, ours_ms=row[f"{fastest}_ms"])
     row.update(ours_tflops=flops / (row["ours_ms"] * 1e9), speedup_vs_peer=t_peer / row["ours_ms"])
+    row["speedup_vs_best_peer"] = best_peer_ms / row["ours_ms"]
     return row
 
 
@@ -185,6 +228,9 @@ def main() -> None:
                     "wgmma (Hopper, sm_90a build)")  # fmt: skip
     ap.add_argument("--wgmma-block-n", type=int, nargs="+", default=[0],
                     help="key tiles of the wgmma kernel to time (0 = its default; 64, 128)")  # fmt: skip
+    ap.add_argument("--sdpa-backends", nargs="*", default=[], choices=SDPA_BACKENDS,
+                    help="also time torch SDPA on each of these backends alone (K/V expanded): "
+                    "rows get sdpa_<name>_tflops, best_peer_tflops and speedup_vs_best_peer")  # fmt: skip
     ap.add_argument("--decode-heads", nargs="*", default=["32/8", "32/32"])
     ap.add_argument("--decode-batches", type=int, nargs="*", default=[8, 32, 64, 256])
     ap.add_argument("--decode-contexts", type=int, nargs="*", default=[512, 4096, 16384])
@@ -218,7 +264,8 @@ def main() -> None:
                 batch = max(1, args.tokens // q_len)
                 r = bench_prefill_shape(DTYPES[dname], hq, hkv, args.head_dim, args.block_size,
                                         batch, prefix, q_len, args.tiles, kv_fp8,
-                                        backends, args.wgmma_block_n)  # fmt: skip
+                                        backends, args.wgmma_block_n,
+                                        args.sdpa_backends)  # fmt: skip
                 r.update(dtype=dname, q_len=q_len, prefix=prefix, batch=batch,
                          kv_cache_dtype=args.kv_cache_dtype,
                          num_q_heads=hq, num_kv_heads=hkv, head_dim=args.head_dim,
@@ -229,7 +276,8 @@ def main() -> None:
                 err = max(r[f"{n}_rel_err_vs_peer"] for n in names)
                 print(f"{dname:5} {q_len:5} {prefix:6} {batch:5} {tf} "
                       f"{r['peer_tflops']:8.1f} {xs} {err:8.1e}"
-                      f"  [{r['peer']}]", flush=True)  # fmt: skip
+                      f"  [{r['peer']}; best SDPA {r['best_peer_tflops']:.1f} TF, ours "
+                      f"{r['speedup_vs_best_peer']:.2f}x]", flush=True)  # fmt: skip
     if args.decode_batches:
         print(
             f"\ndecode steps (bf16): prefill kernel ({args.decode_tile}) vs split-KV decode kernel"

@@ -11,6 +11,11 @@ replace the general path, set for this process only (benchmarks, not a configura
   ``torch._grouped_mm`` or the Triton fused-MoE kernels (pydaemon/layers/moe/triton_moe.py;
   experts.MOE_BACKEND), the latter for steps of at most ``--moe-triton-max-tokens N`` tokens
   (MOE_TRITON_MAX_TOKENS);
+- ``--moe-fp8-backend triton|grouped``: the GEMMs of FP8 MoE layers: the FP8 Triton fused-MoE
+  kernels (pydaemon/layers/moe/triton_moe_fp8.py) or ``torch._scaled_grouped_mm``
+  (pydaemon/layers/moe/fp8.py, FP8_MOE_BACKEND); ``--fp8-w8a16-max-tokens N``: FP8 MoE steps of
+  at most N tokens keep bf16 activations (w8a16), larger ones quantize them (w8a8)
+  (triton_moe_fp8.W8A16_MAX_TOKENS);
 - ``--lora-kernel-max-tokens N``: LoRA deltas of at most N tokens run the BGMV kernels
   (pydaemon/layers/lora/punica.py, LORA_KERNEL_MAX_TOKENS);
 - ``--lora-overlap 0|1``: LoRA layers captured in CUDA graphs run their shrink on a side stream
@@ -37,12 +42,14 @@ SWITCHES = {
     "fp8_swap_ab_max_tokens": ("pydaemon.quantization.fp8", "FP8_SWAP_AB_MAX_TOKENS"),
     "moe_decode_max_slots": ("pydaemon.layers.moe.experts", "MOE_DECODE_MAX_SLOTS"),
     "moe_triton_max_tokens": ("pydaemon.layers.moe.experts", "MOE_TRITON_MAX_TOKENS"),
+    "fp8_w8a16_max_tokens": ("pydaemon.layers.moe.triton_moe_fp8", "W8A16_MAX_TOKENS"),
     "lora_kernel_max_tokens": ("pydaemon.layers.lora.punica", "LORA_KERNEL_MAX_TOKENS"),
     "lora_grouped_min_tokens": ("pydaemon.layers.lora.punica_grouped", "LORA_GROUPED_MIN_TOKENS"),
 }
 # flag -> (module, constant, choices): one of named choices
 CHOICES = {
     "moe_backend": ("pydaemon.layers.moe.experts", "MOE_BACKEND", ("grouped", "triton")),
+    "moe_fp8_backend": ("pydaemon.layers.moe.fp8", "FP8_MOE_BACKEND", ("triton", "grouped")),
 }
 # flag -> (module, constant): on/off switches, given as 0 or 1
 TOGGLES = {

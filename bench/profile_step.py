@@ -31,12 +31,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench import kernel_switches  # noqa: E402
+from bench import kernel_switches, moe_routing  # noqa: E402
 
 KINDS = (  # first match wins: the specific kinds before the broad ones
-    # MoE: pagedd's routing / align / combine kernels and the experts' grouped GEMMs (CUTLASS
-    # grouped kernels name their GroupProblemShape); the experts' SiLU counts as activation.
-    ("moe", re.compile(r"topk_route|moe_align|moe_combine|GroupProblemShape|grouped", re.I)),
+    # MoE: pagedd's routing / align / combine / decode kernels, the Triton fused-MoE GEMMs
+    # (moe_gemm_kernel, moe_gemm_fp8_kernel) and the grouped GEMMs (CUTLASS grouped kernels
+    # name their GroupProblemShape); the experts' SiLU counts as activation.
+    ("moe", re.compile(r"topk_route|moe_|fused_moe|GroupProblemShape|grouped", re.I)),
     ("gemm", re.compile(r"gemm|cutlass|sm90_xmma|nvjet|cublas|matmul", re.I)),
     ("norm", re.compile(r"rms_norm|layer_norm", re.I)),
     ("activation", re.compile(r"silu|act_and_mul|gelu", re.I)),
@@ -80,8 +81,15 @@ def main(argv: list[str] | None = None) -> int:
         help="both: also time steps with async scheduling, side by side",
     )
     kernel_switches.add_arguments(parser)
+    moe_routing.add_arguments(parser)
     args = parser.parse_args(argv)
     switches = kernel_switches.apply(args)
+    seed, spec = moe_routing.requested(args)
+    routing = None
+    if seed is not None or spec != "none":  # MoE models: controlled routers, stats
+        from bench import moe_routing_pagedd
+
+        routing = moe_routing_pagedd.install(seed, args.moe_router_std, spec)
 
     import torch
 
@@ -147,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         phases["update"].append(u)
         batch_sizes.append(num_seqs)
 
+    if routing is not None:
+        routing.reset()
     profiled = _profile_steps(step_parts, args.steps, args.top)
     n = args.steps
     gpu_ms = profiled["gpu_kernel_ms_per_step"]
@@ -167,6 +177,11 @@ def main(argv: list[str] | None = None) -> int:
         "top_kernels_ms_per_step": profiled["top_kernels_ms_per_step"],
         "kernel_switches": switches,
     }
+    if routing is not None:
+        raw = routing.read()
+        summary = moe_routing.summarize(raw) if raw else {"note": "no MoE layer ran"}
+        result["moe_routing"] = {**moe_routing.settings(args), "profiled_steps": summary}
+        print(f"routing of the profiled steps: {moe_routing.describe(summary)}")
     print(f"decode step at batch {result['batch_size_median']:.0f}, median of {n} steps")
     print(f"  wall per step            {result['step_wall_ms_median']:8.2f} ms")
     for k, v in result["host_ms_median"].items():

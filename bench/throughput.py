@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench import kernel_switches  # noqa: E402
+from bench import kernel_switches, moe_routing  # noqa: E402
 from bench.loadgen_env import environment, write_json  # noqa: E402
 from bench.throughput_models import MODEL_CONFIGS, write_model_config  # noqa: E402
 from bench.workloads import add_workload_flags, build_workload, summarize  # noqa: E402
@@ -52,6 +52,9 @@ BACKENDS = (
     "hf-continuous",
     "hf-static",
 )
+
+
+QUANTIZATIONS = ("fp8", "fp8_emulated", "awq", "gptq", "compressed-tensors", "mxfp4")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,9 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json-schema-workload", action="store_true",
                    help="every request carries a JSON schema (structured outputs; a synthetic "
                    "tokenizer is written for a model without one); compile cache warmed first")  # fmt: skip
-    e.add_argument("--quantization", choices=("fp8", "fp8_emulated"), default=None,
-                   help="FP8 weights (fp8: CUDA sm_89+); default: as the checkpoint is")  # fmt: skip
+    e.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                   help="FP8 weights (fp8: CUDA sm_89+), or 4-bit weights in a checkpoint "
+                   "format's layout (awq / gptq / compressed-tensors: int4 group 128; mxfp4: "
+                   "MoE experts; with dummy weights); default: as the checkpoint is")  # fmt: skip
     kernel_switches.add_arguments(p)
+    moe_routing.add_arguments(p)
     h = p.add_argument_group("transformers peers")
     h.add_argument("--static-batch-size", type=int, default=64, help="hf-static batch size")
     h.add_argument("--hf-num-requests", type=int, default=None,
@@ -242,6 +248,9 @@ def table(results: list[dict], compare: bool) -> str:
         if tpot:
             lines.append(f"  {r['backend']}: TPOT at batch {tpot['batch_size']} "
                          f"{tpot['tpot_ms']:.3f} ms ({tpot['prompt_len']}-token prompts)")  # fmt: skip
+        for phase, summary in (r.get("moe_routing") or {}).items():
+            if isinstance(summary, dict) and ("by_step_tokens" in summary or "note" in summary):
+                lines.append(f"  {r['backend']}: routing, {phase}: {moe_routing.describe(summary)}")
         gpu = r.get("gpu_breakdown")
         if gpu:
             kinds = ", ".join(f"{k} {v:.0f}" for k, v in gpu["ms_by_kind"].items())

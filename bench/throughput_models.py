@@ -88,11 +88,34 @@ MIXTRAL_8X7B = {
     "vocab_size": 32000,
 }
 
+# gpt-oss-20b's sizes (24 layers, hidden 2880, 32 experts of 2880, top-4, GQA 64/8 of head 64,
+# vocab 201088) on the Qwen3-MoE architecture, for the MXFP4 expert path (issue 45) until the
+# gpt-oss model itself (attention sinks, alternating windows, expert biases) is measured: the
+# experts' bytes and shapes are gpt-oss-20b's, its attention is plain full attention here.
+GPT_OSS_20B_SHAPE = {
+    **QWEN3_30B_A3B,
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "moe_intermediate_size": 2880,
+    "num_experts": 32,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "max_position_embeddings": 131072,
+    "rope_theta": 150000.0,
+    "vocab_size": 201088,
+    "bos_token_id": 199998,
+    "eos_token_id": 200002,
+}
+
 MODEL_CONFIGS = {
     "llama3-8b": LLAMA3_8B,
     "llama3-8b-32k": LLAMA3_8B_32K,
     "qwen3-30b-a3b": QWEN3_30B_A3B,
     "mixtral-8x7b": MIXTRAL_8X7B,
+    "gpt-oss-20b-shape": GPT_OSS_20B_SHAPE,
 }
 
 

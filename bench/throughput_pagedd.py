@@ -7,7 +7,7 @@ import dataclasses
 import statistics
 import time
 
-from bench import kernel_switches
+from bench import kernel_switches, moe_routing
 from bench.workloads import WorkloadRequest
 
 # --json-schema-workload: a list of records with free-text fields, so that 256 greedy tokens
@@ -136,6 +136,7 @@ def run_pagedd(
     from pydaemon import LLM, SamplingParams
 
     switches = kernel_switches.apply(args)
+    routing = _install_routing(args)
     t_load = time.perf_counter()
     llm = LLM(model=model, **engine_kwargs(args))
     engine = llm.engine
@@ -161,13 +162,29 @@ def run_pagedd(
     mask_before = None if matchers is None else dataclasses.replace(matchers.stats)
     stats = StepStats(engine)
     before = engine.get_stats()
+    if routing is not None:
+        routing.start()
     with Profiled(getattr(args, "profile", False)) as profiled, HostStalls() as stalls:
         start = time.perf_counter()
         outputs = llm.generate([r.prompt for r in requests], params, use_tqdm=not args.no_progress)
         wall_s = time.perf_counter() - start
     stats.restore()
     after = engine.get_stats()
-    tpot = _tpot_batch1(llm, args, vocab_size) if getattr(args, "tpot_batch1", 0) else None
+    if routing is not None:
+        routing.finish("workload")
+    tpot = tpot_b = None
+    if getattr(args, "tpot_batch1", 0):
+        if routing is not None:
+            routing.start()
+        tpot = _tpot_batch1(llm, args, vocab_size)
+        if routing is not None:
+            routing.finish("tpot_batch1")
+    if getattr(args, "tpot_batch", 0):
+        if routing is not None:
+            routing.start()
+        tpot_b = _tpot_batch(llm, args)
+        if routing is not None:
+            routing.finish(f"tpot_batch{args.tpot_batch_size}")
     engine.shutdown()  # stops tensor-parallel workers, if any
     num_output = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
@@ -207,11 +224,24 @@ def run_pagedd(
         figures["structured_outputs"] = _mask_figures(mask_before, matchers.stats)
     if tpot is not None:
         figures["tpot_batch1"] = tpot
-    if getattr(args, "tpot_batch", 0):
-        figures["tpot_batch"] = _tpot_batch(llm, args)
+    if tpot_b is not None:
+        figures["tpot_batch"] = tpot_b
+    if routing is not None:
+        figures["moe_routing"] = {**moe_routing.settings(args), **routing.results}
     if profiled.result is not None:
         figures["gpu_breakdown"] = profiled.result
     return figures
+
+
+def _install_routing(args) -> moe_routing.Phases | None:
+    """bench/moe_routing_pagedd.py's hooks when --moe-router-seed or --routing-stats ask."""
+    seed, spec = moe_routing.requested(args)
+    if seed is None and spec == "none":
+        return None
+    from bench import moe_routing_pagedd
+
+    hooks = moe_routing_pagedd.install(seed, getattr(args, "moe_router_std", None), spec)
+    return moe_routing.Phases(hooks.reset, hooks.read)
 
 
 def _mask_figures(before, after) -> dict:

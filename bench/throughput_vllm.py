@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import time
 
+from bench import moe_routing
 from bench.gpu_breakdown import Profiled
 from bench.workloads import WorkloadRequest
 
@@ -98,6 +99,7 @@ def run_vllm(
     profile = getattr(args, "profile", False)
     if profile:  # the engine core in this process, where the profiler sees its kernels
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    routing_env = _routing_plugin(args)  # before vLLM starts its processes
     from vllm import LLM
 
     prompts = _token_prompts(requests)
@@ -108,10 +110,21 @@ def run_vllm(
     llm.reset_prefix_cache()
     load_s = time.perf_counter() - t_load
     params = [_sampling(r.output_len) for r in requests]
+    routing, routing_error = None, None
+    if routing_env:  # the plugin answers in the engine's processes, or the run goes on without
+        try:
+            llm.collective_rpc("pagedd_routing", args=("reset",))
+            routing = _routing_phases(llm)
+        except Exception as exc:  # e.g. vLLM never loaded the plugin there
+            routing_error = f"the routing plugin did not answer: {exc!r}"
+    if routing is not None:
+        routing.start()
     with Profiled(profile) as profiled:
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
         wall_s = time.perf_counter() - start
+    if routing is not None:
+        routing.finish("workload")
     num_output = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
     config = getattr(llm.llm_engine, "vllm_config", None)
@@ -141,10 +154,14 @@ def run_vllm(
             out = llm.generate([{"prompt_token_ids": ids}], _sampling(max_tokens), use_tqdm=False)
             return len(out[0].outputs[0].token_ids)
 
+        if routing is not None:
+            routing.start()
         figures["tpot_batch1"] = measure_tpot_batch1(
             generate_one, args.tpot_batch1, prompt_len=args.tpot_prompt_len,
             output_len=args.tpot_output_len, token_range=token_range_for(vocab_size),
         )  # fmt: skip
+        if routing is not None:
+            routing.finish("tpot_batch1")
     if getattr(args, "tpot_batch", 0):
         from bench.tpot_generate import measure_tpot_batch, token_range_for
 
@@ -153,9 +170,55 @@ def run_vllm(
             outs = llm.generate(inputs, _sampling(max_tokens), use_tqdm=False)
             return [len(o.outputs[0].token_ids) for o in outs]
 
+        if routing is not None:
+            routing.start()
         figures["tpot_batch"] = measure_tpot_batch(
             generate_batch, args.tpot_batch, args.tpot_batch_size,
             prompt_len=args.tpot_prompt_len, output_len=args.tpot_output_len,
             token_range=token_range_for(vocab_size),
         )  # fmt: skip
+        if routing is not None:
+            routing.finish(f"tpot_batch{args.tpot_batch_size}")
+    if routing is not None:
+        hooks = llm.collective_rpc("pagedd_routing", args=("reset",))[0]
+        figures["moe_routing"] = {**moe_routing.settings(args), **routing.results, **hooks}
+    elif routing_error is not None:
+        figures["moe_routing"] = {**moe_routing.settings(args), "error": routing_error}
     return figures
+
+
+def _routing_plugin(args) -> bool:
+    """bench/vllm_routing_plugin.py as a vLLM general plugin in every vLLM process, when
+    --moe-router-seed or --routing-stats ask: its dist-info in a temp dir on sys.path and
+    PYTHONPATH (inherited by the engine core), its settings in the environment. (An
+    environment that sets VLLM_PLUGINS must name pagedd_bench_moe_routing in it.)"""
+    seed, spec = moe_routing.requested(args)
+    if seed is None and spec == "none":
+        return False
+    import sys
+    import tempfile
+
+    from bench.vllm_routing_plugin import write_plugin_dist
+
+    where = tempfile.mkdtemp(prefix="pagedd-vllm-plugin-")
+    write_plugin_dist(where)
+    sys.path.insert(0, where)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (where, os.environ.get("PYTHONPATH")) if p
+    )
+    if seed is not None:
+        os.environ[moe_routing.ENV_SEED] = str(seed)
+    if getattr(args, "moe_router_std", None) is not None:
+        os.environ[moe_routing.ENV_STD] = str(args.moe_router_std)
+    os.environ[moe_routing.ENV_LAYERS] = spec
+    return True
+
+
+def _routing_phases(llm) -> moe_routing.Phases:
+    def reset() -> None:
+        llm.collective_rpc("pagedd_routing", args=("reset",))
+
+    def read() -> dict | None:
+        return llm.collective_rpc("pagedd_routing", args=("read",))[0]["raw"]
+
+    return moe_routing.Phases(reset, read)

@@ -7,7 +7,7 @@ of the decode phase. Meant for the MoE shapes (bench/throughput_models.py), any 
 
     python bench/throughput_models.py qwen3-30b-a3b /tmp/qwen3-30b-a3b
     PYTHONPATH=. python bench/tpot_batch.py --model /tmp/qwen3-30b-a3b --batch-sizes 1,64 \\
-        [--quantization fp8] --out bench/results/tpot_qwen3_30b_a3b_h200_<date>.json
+        [--quantization fp8|awq|gptq|compressed-tensors|mxfp4] --out bench/results/tpot_qwen3_30b_a3b_h200_<date>.json
     PYTHONPATH=. python bench/tpot_batch.py --model demo --device cpu --batch-sizes 1,4 \\
         --prompt-len 16 --output-len 4 --runs 1
 """
@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--quantization", choices=("fp8", "fp8_emulated"), default=None)
+    p.add_argument("--quantization", default=None,
+                   choices=("fp8", "fp8_emulated", "awq", "gptq", "compressed-tensors", "mxfp4"))  # fmt: skip
     p.add_argument("--batch-sizes", default="1,64", help="comma-separated")
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=128)

@@ -14,6 +14,7 @@ eager / graphs TPOT ratio.
     PYTHONPATH=. python bench/tpot_batch1.py --model /tmp/llama3-8b \\
         --out bench/results/tpot_batch1_h200_<date>.json
     PYTHONPATH=. python bench/tpot_batch1.py --model demo --device cpu --output-len 8 --runs 1
+    PYTHONPATH=. python bench/tpot_batch1.py --quantization gptq   # int4 g128 dummy weights
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantization", default=None,
+                   choices=("fp8", "fp8_emulated", "awq", "gptq", "compressed-tensors", "mxfp4"),
+                   help="weights quantized (dummy weights: drawn in that layout, int4 group 128)")  # fmt: skip
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--runs", type=int, default=5, help="per mode, alternating")
@@ -97,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
 
     common = dict(device=args.device, dtype=args.dtype, load_format=args.load_format,
                   num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-                  enable_prefix_caching=False, swap_space=0.5, seed=0)  # fmt: skip
+                  enable_prefix_caching=False, swap_space=0.5, seed=0,
+                  quantization=args.quantization)  # fmt: skip
     if args.model == "demo":
         common.pop("load_format")
     engines = {m: LLM(args.model, enforce_eager=MODES[m], **common) for m in modes}
@@ -142,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             "model": args.model,
             "load_format": common.get("load_format"),
             "dtype": args.dtype,
+            "quantization": args.quantization,
             "batch_size": 1,
             "prompt_tokens": args.prompt_len,
             "output_tokens": args.output_len,

@@ -12,7 +12,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import kernel_switches  # noqa: E402
 from pydaemon.layers.lora import punica, punica_grouped, punica_triton  # noqa: E402
-from pydaemon.layers.moe import experts  # noqa: E402
+from pydaemon.layers.moe import experts, triton_moe_fp8  # noqa: E402
+from pydaemon.layers.moe import fp8 as moe_fp8  # noqa: E402
 from pydaemon.quantization import fp8  # noqa: E402
 
 
@@ -35,6 +36,8 @@ def test_flags_set_the_bounds_and_report_them(monkeypatch):
     grouped_default = punica_grouped.LORA_GROUPED
     triton_max_default = experts.MOE_TRITON_MAX_TOKENS
     triton_default = punica_triton.LORA_TRITON
+    w8a16_default = triton_moe_fp8.W8A16_MAX_TOKENS
+    fp8_backend_default = moe_fp8.FP8_MOE_BACKEND
     argv = ["--fp8-gemv-max-tokens", "16", "--moe-decode-max-slots", "0", "--moe-backend", "triton"]
     got = kernel_switches.apply(_parse([*argv, "--lora-grouped-min-tokens", "128"]))
     assert fp8.FP8_GEMV_MAX_TOKENS == 16 and experts.MOE_DECODE_MAX_SLOTS == 0
@@ -43,7 +46,9 @@ def test_flags_set_the_bounds_and_report_them(monkeypatch):
     assert got == {"fp8_gemv_max_tokens": 16, "fp8_swap_ab_max_tokens": swap_default,
                    "moe_decode_max_slots": 0,
                    "moe_triton_max_tokens": triton_max_default,
+                   "fp8_w8a16_max_tokens": w8a16_default,
                    "moe_backend": "triton",
+                   "moe_fp8_backend": fp8_backend_default,
                    "lora_kernel_max_tokens": lora_default,
                    "lora_grouped_min_tokens": 128,
                    "lora_overlap": overlap_default,
@@ -66,6 +71,19 @@ def test_the_moe_backend_takes_only_its_choices(monkeypatch):
         _parse(["--moe-backend", "cutlass"])
     assert kernel_switches.apply(_parse([]))["moe_backend"] == "triton"  # the default
     assert kernel_switches.CHOICES["moe_backend"][2] == experts.MOE_BACKENDS
+
+
+def test_the_fp8_moe_switches(monkeypatch):
+    monkeypatch.setattr(moe_fp8, "FP8_MOE_BACKEND", moe_fp8.FP8_MOE_BACKEND)  # restored after
+    monkeypatch.setattr(triton_moe_fp8, "W8A16_MAX_TOKENS", triton_moe_fp8.W8A16_MAX_TOKENS)
+    got = kernel_switches.apply(
+        _parse(["--moe-fp8-backend", "grouped", "--fp8-w8a16-max-tokens", "0"])
+    )
+    assert moe_fp8.FP8_MOE_BACKEND == "grouped" and triton_moe_fp8.W8A16_MAX_TOKENS == 0
+    assert got["moe_fp8_backend"] == "grouped" and got["fp8_w8a16_max_tokens"] == 0
+    assert kernel_switches.CHOICES["moe_fp8_backend"][2] == moe_fp8.FP8_MOE_BACKENDS
+    with pytest.raises(SystemExit):
+        _parse(["--moe-fp8-backend", "cutlass"])
 
 
 @pytest.mark.parametrize("value", [1, 0])

@@ -250,17 +250,17 @@ def _write_config(tmp_path: Path, float_model: Path, qc: dict) -> Path:
 @pytest.mark.parametrize(
     "qc, message",
     [
-        ({"quant_method": "awq", "bits": 4}, "unsupported quant_method 'awq'"),
+        ({"quant_method": "bitsandbytes"}, "unsupported quant_method 'bitsandbytes'"),
         ({"quant_method": "fp8", "weight_block_size": [128]}, "unsupported block size"),
         ({"quant_method": "fp8", "weight_block_size": [0, 128]}, "unsupported block size"),
         ({"quant_method": "fp8", "activation_scheme": "weird"}, "activation_scheme 'weird'"),
         (
             {
                 "quant_method": "compressed-tensors",
-                "format": "pack-quantized",
-                "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int"}}},
+                "format": "nvfp4-pack-quantized",
+                "config_groups": {"g": {"weights": {"num_bits": 4, "type": "float"}}},
             },
-            "compressed-tensors format 'pack-quantized'",
+            "compressed-tensors format 'nvfp4-pack-quantized'",
         ),  # fmt: skip
         (
             {

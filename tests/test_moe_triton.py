@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from triton_sm90 import HOPPER_SHARED_MEMORY, compile_sm90
 
 from pydaemon.layers.moe import triton_moe
 
 ROOT = Path(__file__).resolve().parents[1]
-HOPPER_SHARED_MEMORY = 227 * 1024  # bytes a block may use on sm_90
 needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="triton not installed"
 )
@@ -37,32 +37,6 @@ def test_the_kernels_under_the_triton_interpreter():
     assert out.returncode == 0, report
     summary = out.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "skipped" not in summary, report
-
-
-def _compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int):
-    """fn compiled for sm_90 as the JIT would on an H200 (pointers, sizes and strides that are
-    multiples of 16 marked so, as it specializes them)."""
-    import triton
-
-    if not hasattr(triton, "knobs"):
-        pytest.skip("Triton's compile API differs before 3.4")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from pydaemon.layers.moe import triton_moe_kernels
-
-    if triton_moe_kernels.INTERPRETED:
-        pytest.skip("TRITON_INTERPRET is set for this process")
-    div16 = [n for n in signature if n.endswith("_ptr") or n in ("N", "K") or "stride" in n]
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
-    src = ASTSource(
-        fn=fn,
-        signature={**signature, **dict.fromkeys(constexprs, "constexpr")},
-        constexprs=constexprs,
-        attrs=attrs,
-    )
-    options = {"num_warps": num_warps, "num_stages": num_stages}
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 _GEMM_SIGNATURE = {
@@ -87,7 +61,7 @@ def test_gemm_compiles_for_hopper(index, n, k, row_div, mul_weight):
     constexprs = {"A_ROW_DIV": row_div, "MUL_WEIGHT": mul_weight, "DOT_F32": False,
                   "EVEN_K": k % cfg.block_k == 0, "BLOCK_M": cfg.block_m,
                   "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m}  # fmt: skip
-    kernel = _compile_sm90(triton_moe_kernels.moe_gemm_kernel, _GEMM_SIGNATURE, constexprs,
+    kernel = compile_sm90(triton_moe_kernels.moe_gemm_kernel, _GEMM_SIGNATURE, constexprs,
                            cfg.num_warps, cfg.num_stages)  # fmt: skip
     assert kernel.metadata.shared <= HOPPER_SHARED_MEMORY, kernel.metadata.shared
     ptx = kernel.asm["ptx"]
@@ -106,7 +80,7 @@ def test_align_compiles_for_hopper(block_m):
                  "block_expert_ptr": "*i32", "num_slots": "i32", "max_blocks": "i32"}  # fmt: skip
     constexprs = {"NUM_EXPERTS": 128, "NUM_BINS": 256, "BLOCK_M": block_m,
                   "CHUNK": triton_moe.ALIGN_CHUNK}  # fmt: skip
-    kernel = _compile_sm90(triton_moe_kernels.moe_align_kernel, signature, constexprs, 4, 3)
+    kernel = compile_sm90(triton_moe_kernels.moe_align_kernel, signature, constexprs, 4, 3)
     assert kernel.metadata.shared <= HOPPER_SHARED_MEMORY
 
 

@@ -1,5 +1,6 @@
 // Validating binding of the mixture-of-experts kernels in cpp/cuda/moe_kernels.h: top-k
-// routing, moe_align, the weighted combine, the two decode kernels. Same conventions as
+// routing, moe_align, the weighted combine, the two decode kernels (bf16 / fp16 weights, and
+// FP8 e4m3 weights with per-channel or block scales). Same conventions as
 // layer_bindings.cpp: every tensor is checked (a bad one raises TypeError / ValueError naming
 // it), written tensors are .noconvert(), the stream is passed in, the GIL is released around
 // the launch. Expert ids are device data and are not read here (a host sync; the kernels
@@ -280,6 +281,126 @@ void moe_decode_down_combine(Array out, Array act, Array topk_ids, Array topk_we
   });
 }
 
+// FP8 expert weights [num_experts, rows, cols] as uint8 (e4m3 bytes), contiguous, on the device,
+// and their float32 scales: [num_experts, rows] (block_n = block_k = 0) or [num_experts,
+// ceil(rows / block_n), ceil(cols / block_k)]. Returns the kernels' scale description.
+pagedd::cuda::MoeDecodeFp8Scales check_fp8_experts(const Array& w, const char* name,
+                                                   const Array& scale, int64_t block_n,
+                                                   int64_t block_k, int dev) {
+  check_dtype(w, name, kUInt, 8, "uint8 (float8_e4m3fn bytes)");
+  check_cuda(w, name, dev);
+  check_ndim(w, name, 3);
+  check_contiguous_from(w, name, 0);
+  if (w.shape(0) < 1 || w.shape(1) < 1 || w.shape(2) < 1 || w.shape(1) > kMaxInt ||
+      w.shape(2) > kMaxInt || w.shape(1) % 16 || w.shape(2) % 16)
+    throw nb::value_error((std::string(name) + " must have sizes in [1, 2^31), its last two "
+                                               "multiples of 16")
+                              .c_str());
+  const std::string sname = std::string(name) + "_scale";
+  check_dtype(scale, sname.c_str(), kFloat, 32, "float32");
+  check_cuda(scale, sname.c_str(), dev);
+  check_contiguous_from(scale, sname.c_str(), 0);
+  const int64_t e = w.shape(0), rows = w.shape(1), cols = w.shape(2);
+  if ((block_n == 0) != (block_k == 0) || block_n < 0 || block_k < 0 || block_k % 16 ||
+      block_n > kMaxInt || block_k > kMaxInt)
+    throw nb::value_error("block_n and block_k: both 0 (per-channel scales) or both positive, "
+                          "block_k a multiple of 16");
+  if (block_n == 0) {
+    check_ndim(scale, sname.c_str(), 2);
+    check_dim(scale, sname.c_str(), 0, e, "num_experts");
+    check_dim(scale, sname.c_str(), 1, rows, "the weight's rows");
+  } else {
+    check_ndim(scale, sname.c_str(), 3);
+    check_dim(scale, sname.c_str(), 0, e, "num_experts");
+    check_dim(scale, sname.c_str(), 1, (rows + block_n - 1) / block_n, "row blocks");
+    check_dim(scale, sname.c_str(), 2, (cols + block_k - 1) / block_k, "column blocks");
+  }
+  pagedd::cuda::MoeDecodeFp8Scales s;
+  s.w_scale = static_cast<const float*>(scale.data());
+  s.block_n = (int)block_n;
+  s.block_k = (int)block_k;
+  return s;
+}
+
+void moe_decode_gate_up_fp8(Array act, Array x, Array topk_ids, Array w13, Array w13_scale,
+                            int64_t block_n, int64_t block_k, uintptr_t stream) {
+  const int dev = current_device();
+  const DType dtype = attention_dtype(x, "x");
+  check_cuda(x, "x", dev);
+  check_ndim(x, "x", 2);
+  check_same_dtype(act, "act", x, "x");
+  const auto scales = check_fp8_experts(w13, "w13", w13_scale, block_n, block_k, dev);
+  const int64_t num_tokens = x.shape(0), hidden = x.shape(1);
+  const int64_t num_experts = w13.shape(0), intermediate = w13.shape(1) / 2;
+  if (intermediate % 16)
+    throw nb::value_error("w13.shape[1] must be twice a multiple of 16 (gate rows, then up rows)");
+  check_dim(w13, "w13", 2, hidden, "hidden size, x.shape[1]");
+  if (hidden > pagedd::cuda::kMoeDecodeMaxHidden)
+    throw nb::value_error(("moe_decode_gate_up_fp8 takes a hidden size of at most " +
+                           std::to_string(pagedd::cuda::kMoeDecodeMaxHidden))
+                              .c_str());
+  check_rows(x, "x", num_tokens, hidden, dev, false, "hidden size");
+  if (num_tokens > 1 && x.stride(0) % 8)
+    throw nb::value_error("x's row stride must be a multiple of 8 elements (16-byte rows)");
+  const int64_t top_k = check_topk_ids(topk_ids, num_tokens, num_experts, dev);
+  if (num_tokens * top_k > pagedd::cuda::kMoeDecodeMaxRows)
+    throw nb::value_error("moe_decode_gate_up_fp8: too many slots (num_tokens * top_k)");
+  check_act(act, num_tokens * top_k, intermediate, "intermediate size, w13.shape[1] / 2", dev);
+
+  pagedd::cuda::MoeDecodeGateUpParams p{};
+  p.act = act.data();
+  p.x = x.data();
+  p.topk_ids = static_cast<const int32_t*>(topk_ids.data());
+  p.w13 = w13.data();
+  p.x_stride = num_tokens > 1 ? x.stride(0) : hidden;
+  p.num_tokens = (int)num_tokens;
+  p.top_k = (int)top_k;
+  p.num_experts = (int)num_experts;
+  p.hidden = (int)hidden;
+  p.intermediate = (int)intermediate;
+  p.dtype = dtype;
+  launch_without_gil("moe_decode_gate_up_fp8", [&] {
+    return pagedd::cuda::moe_decode_gate_up_fp8(p, scales, as_stream(stream));
+  });
+}
+
+void moe_decode_down_combine_fp8(Array out, Array act, Array topk_ids, Array topk_weights,
+                                 Array w2, Array w2_scale, int64_t block_n, int64_t block_k,
+                                 uintptr_t stream) {
+  const int dev = current_device();
+  const DType dtype = attention_dtype(act, "act");
+  check_same_dtype(out, "out", act, "act");
+  const auto scales = check_fp8_experts(w2, "w2", w2_scale, block_n, block_k, dev);
+  const int64_t num_experts = w2.shape(0), hidden = w2.shape(1), intermediate = w2.shape(2);
+  check_cuda(topk_weights, "topk_weights", dev);
+  check_dtype(topk_weights, "topk_weights", kFloat, 32, "float32");
+  check_ndim(topk_weights, "topk_weights", 2);
+  const int64_t num_tokens = topk_weights.shape(0);
+  if (num_tokens > pagedd::cuda::kMoeDecodeMaxRows)
+    throw nb::value_error("moe_decode_down_combine_fp8: too many tokens");
+  const int64_t top_k = check_topk_ids(topk_ids, num_tokens, num_experts, dev);
+  check_dense(topk_weights, "topk_weights", num_tokens, top_k, dev);
+  check_act(act, num_tokens * top_k, intermediate, "intermediate size, w2.shape[2]", dev);
+  check_rows(out, "out", num_tokens, hidden, dev, true, "hidden size, w2.shape[1]");
+
+  pagedd::cuda::MoeDecodeDownParams p{};
+  p.out = out.data();
+  p.act = act.data();
+  p.topk_ids = static_cast<const int32_t*>(topk_ids.data());
+  p.topk_weights = static_cast<const float*>(topk_weights.data());
+  p.w2 = w2.data();
+  p.out_stride = num_tokens > 1 ? out.stride(0) : hidden;
+  p.num_tokens = (int)num_tokens;
+  p.top_k = (int)top_k;
+  p.num_experts = (int)num_experts;
+  p.hidden = (int)hidden;
+  p.intermediate = (int)intermediate;
+  p.dtype = dtype;
+  launch_without_gil("moe_decode_down_combine_fp8", [&] {
+    return pagedd::cuda::moe_decode_down_combine_fp8(p, scales, as_stream(stream));
+  });
+}
+
 }  // namespace
 
 void bind_moe_ops(nb::module_& m) {
@@ -310,4 +431,15 @@ void bind_moe_ops(nb::module_& m) {
         "Decode experts, second half: out[t] = sum_j topk_weights[t, j] * (act[t * top_k + j] @\n"
         "w2[topk_ids[t, j]].T) (float32 sum). out [num_tokens, H], act [num_tokens * top_k, I],\n"
         "w2 [E, H, I]: one dtype (float16 or bfloat16); topk_weights float32.");
+  m.def("moe_decode_gate_up_fp8", &moe_decode_gate_up_fp8, nb::arg("act").noconvert(),
+        nb::arg("x"), nb::arg("topk_ids"), nb::arg("w13"), nb::arg("w13_scale"),
+        nb::arg("block_n"), nb::arg("block_k"), nb::arg("stream"),
+        "moe_decode_gate_up with FP8 weights: w13 [E, 2 * I, H] float8_e4m3fn bytes (uint8),\n"
+        "w13_scale float32 [E, 2 * I] (block_n = block_k = 0) or [E, ceil(2 * I / block_n),\n"
+        "ceil(H / block_k)]; x and act float16 or bfloat16.");
+  m.def("moe_decode_down_combine_fp8", &moe_decode_down_combine_fp8, nb::arg("out").noconvert(),
+        nb::arg("act"), nb::arg("topk_ids"), nb::arg("topk_weights"), nb::arg("w2"),
+        nb::arg("w2_scale"), nb::arg("block_n"), nb::arg("block_k"), nb::arg("stream"),
+        "moe_decode_down_combine with FP8 weights: w2 [E, H, I] float8_e4m3fn bytes (uint8),\n"
+        "w2_scale float32 [E, H] or [E, ceil(H / block_n), ceil(I / block_k)].");
 }

@@ -115,4 +115,23 @@ struct MoeDecodeDownParams {
 // order, rounded once.
 cudaError_t moe_decode_down_combine(const MoeDecodeDownParams& p, cudaStream_t stream);
 
+// ---- decode with FP8 expert weights (moe_decode_fp8_kernels.cu) ------------------------------
+// The same two kernels and roundings with w13 / w2 float8 e4m3 (one byte per element; the
+// params' w13 / w2 point at them, their dtype is the activations': kFloat16 or kBFloat16) and
+// float32 scales: per output channel (block_n = block_k = 0; w_scale [num_experts, rows]) or per
+// (block_n x block_k) block of an FP8 checkpoint (w_scale [num_experts, ceil(rows / block_n),
+// ceil(cols / block_k)], block_k a multiple of 16), rows x cols = 2 * intermediate x hidden for
+// w13 and hidden x intermediate for w2. hidden and intermediate multiples of 16; x, act and the
+// weights 16-byte aligned (x's row stride a multiple of 8).
+struct MoeDecodeFp8Scales {
+  const float* w_scale;
+  int block_n = 0;
+  int block_k = 0;
+};
+
+cudaError_t moe_decode_gate_up_fp8(const MoeDecodeGateUpParams& p, const MoeDecodeFp8Scales& s,
+                                   cudaStream_t stream);
+cudaError_t moe_decode_down_combine_fp8(const MoeDecodeDownParams& p, const MoeDecodeFp8Scales& s,
+                                        cudaStream_t stream);
+
 }  // namespace pagedd::cuda

@@ -16,6 +16,9 @@ Layers a checkpoint leaves unquantized (``ignored_layers``, matched by ``is_laye
 
 A fused layer of this engine (``qkv_proj``: q/k/v_proj, ``gate_up_proj``: gate/up_proj) is
 skipped when all its checkpoint parts are; some but not all is an error, as in vLLM.
+
+The 4-bit formats (AWQ, GPTQ, compressed-tensors ``pack-quantized``, MXFP4) are parsed in
+config/weight_only_format.py; ``parse_quantization_config`` dispatches to them.
 """
 
 from __future__ import annotations
@@ -25,6 +28,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pydaemon.config.skipped_layers import ct_matches, layer_skipped
+from pydaemon.config.weight_only_format import (
+    Int4Checkpoint,
+    Mxfp4Checkpoint,
+    parse_awq,
+    parse_ct_pack_quantized,
+    parse_gptq,
+    parse_mxfp4,
+)
+
+SUPPORTED_QUANT_METHODS = ("fp8", "compressed-tensors", "awq", "gptq", "mxfp4")
 _CT_FORMATS = ("float-quantized", "naive-quantized")
 _CT_STRATEGIES = ("tensor", "channel", "block")
 
@@ -71,29 +85,19 @@ class CheckpointQuantization:
             padded = f".{module_name}."
             return any(f".{entry}." in padded for entry in self.ignored_layers)
         targeted = self.targets_all_linear or any(
-            _ct_matches(entry, module_name) for entry in self.targets
+            ct_matches(entry, module_name) for entry in self.targets
         )
-        return not targeted or any(_ct_matches(entry, module_name) for entry in self.ignored_layers)
+        return not targeted or any(ct_matches(entry, module_name) for entry in self.ignored_layers)
 
     def is_layer_skipped(self, layer_name: str, parts: Sequence[str] | None = None) -> bool:
-        """True when the model's layer ``layer_name`` stays unquantized. ``parts``: the
-        checkpoint modules fused into it (e.g. ``...q_proj``, ``...k_proj``, ``...v_proj``),
-        None when it is one checkpoint module. ValueError when only some parts are ignored."""
-        names = list(parts) if parts else [layer_name]
-        ignored = [name for name in names if self.is_ignored(name)]
-        if ignored and len(ignored) != len(names):
-            kept = [name for name in names if name not in ignored]
-            raise ValueError(
-                f"config.json quantization_config.{self.skip_source} leaves "
-                f"{', '.join(ignored)} unquantized but not {', '.join(kept)}: this engine fuses "
-                f"them into one layer ({layer_name}), whose parts must all be quantized or all "
-                "be left unquantized"
-            )
-        return bool(ignored)
+        """True when the model's layer ``layer_name`` stays unquantized (skipped_layers.py)."""
+        return layer_skipped(self, layer_name, parts)
 
 
-def parse_quantization_config(raw: Any) -> CheckpointQuantization | None:
-    """config.json's ``quantization_config`` (None when absent) -> its FP8 layout, or a
+def parse_quantization_config(
+    raw: Any,
+) -> CheckpointQuantization | Int4Checkpoint | Mxfp4Checkpoint | None:
+    """config.json's ``quantization_config`` (None when absent) -> its layout, or a
     ValueError naming what is not supported."""
     if raw is None:
         return None
@@ -104,9 +108,16 @@ def parse_quantization_config(raw: Any) -> CheckpointQuantization | None:
         return _parse_hf_fp8(raw)
     if method == "compressed-tensors":
         return _parse_compressed_tensors(raw)
+    if method == "awq":
+        return parse_awq(raw)
+    if method == "gptq":
+        return parse_gptq(raw)
+    if method == "mxfp4":
+        return parse_mxfp4(raw)
     raise ValueError(
         f"unsupported quant_method {method!r} in config.json quantization_config "
-        "(supported: 'fp8', 'compressed-tensors' with FP8 weights)"
+        f"(supported: {', '.join(repr(m) for m in SUPPORTED_QUANT_METHODS)}; compressed-tensors "
+        "with FP8 or 4-bit integer weights)"
     )
 
 
@@ -137,13 +148,6 @@ def _parse_hf_fp8(raw: dict[str, Any]) -> CheckpointQuantization:
     return CheckpointQuantization("fp8", "block", _block_size(block, "weight_block_size"), ignored)
 
 
-def _ct_matches(entry: str, module_name: str) -> bool:
-    """A compressed-tensors ``ignore`` / ``targets`` entry against a module name."""
-    if entry.startswith("re:"):
-        return re.match(entry[3:], module_name) is not None
-    return entry == module_name
-
-
 def _ignored_layers(raw: dict[str, Any], key: str, allow_regex: bool) -> tuple[str, ...]:
     return _module_list(raw.get(key), key, allow_regex)
 
@@ -167,15 +171,23 @@ def _module_list(value: Any, key: str, allow_regex: bool) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _parse_compressed_tensors(raw: dict[str, Any]) -> CheckpointQuantization:
+def _parse_compressed_tensors(raw: dict[str, Any]) -> CheckpointQuantization | Int4Checkpoint:
     fmt = raw.get("format", "float-quantized")
-    if fmt not in _CT_FORMATS:
+    if fmt not in (*_CT_FORMATS, "pack-quantized"):
         raise ValueError(
-            f"unsupported compressed-tensors format {fmt!r} (supported: {', '.join(_CT_FORMATS)})"
+            f"unsupported compressed-tensors format {fmt!r} (supported: "
+            f"{', '.join(_CT_FORMATS)}, pack-quantized)"
         )
     groups = raw.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise ValueError("compressed-tensors quantization_config has no config_groups")
+    if fmt == "pack-quantized":
+        targets: list[str] = []
+        for group_name, group in groups.items():
+            group_targets = group.get("targets", ["Linear"]) if isinstance(group, dict) else None
+            targets.extend(_module_list(group_targets, f"config_groups.{group_name}.targets", True))
+        ignored = _ignored_layers(raw, "ignore", allow_regex=True)
+        return parse_ct_pack_quantized(raw, ignored, tuple(targets))
     layouts = set()
     targets: list[str] = []
     for group_name, group in groups.items():

@@ -12,7 +12,8 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 LOAD_FORMATS = ("auto", "dummy")
-QUANTIZATIONS = (None, "fp8", "fp8_emulated")
+# as pydaemon.quantization.config.QUANTIZATIONS (no torch import here)
+QUANTIZATIONS = (None, "fp8", "fp8_emulated", "awq", "gptq", "compressed-tensors", "mxfp4")
 BLOCK_SIZES = (8, 16, 32)
 MAX_LORA_RANK = 512
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
@@ -53,8 +54,10 @@ class EngineConfig:
     places the ranks: "mp" spawns them on this host (one rank alone runs in this process),
     "ray" runs each as a Ray actor placed by a placement group over the Ray cluster this
     process joins (several hosts; a local one when none runs).
-    ``quantization``: None (as the checkpoint is), "fp8" (FP8 weights, CUDA sm_89+) or
-    "fp8_emulated" (the same, emulated: any device).
+    ``quantization``: None (as the checkpoint is), "fp8" (FP8 weights, CUDA sm_89+),
+    "fp8_emulated" (the same, emulated: any device), or a 4-bit checkpoint's own method
+    ("awq", "gptq", "compressed-tensors", "mxfp4": such checkpoints run as stored without it;
+    with ``load_format="dummy"`` it draws random weights in that layout).
     ``enable_lora`` serves LoRA adapters (pydaemon/worker/lora_manager.py): ``max_loras``
     device slots (the most distinct adapters in one batch), ranks up to ``max_lora_rank``, and
     at most ``max_cpu_loras`` adapters loaded at once (each loaded adapter's checked weights
@@ -109,7 +112,7 @@ class EngineConfig:
             if getattr(self, name) not in allowed:
                 raise bad(name, f"must be one of {', '.join(allowed)}")
         if self.quantization not in QUANTIZATIONS:
-            raise bad("quantization", "must be None, 'fp8' or 'fp8_emulated'")
+            raise bad("quantization", f"must be None or one of {', '.join(QUANTIZATIONS[1:])}")
         if self.block_size not in BLOCK_SIZES:
             raise bad("block_size", f"must be one of {BLOCK_SIZES}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

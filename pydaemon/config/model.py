@@ -27,6 +27,7 @@ from pydaemon.config.checkpoint_format import (
 )
 from pydaemon.config.json_files import normalize_token_ids
 from pydaemon.config.moe import MOE_ARCHITECTURES, MoeConfig, parse_moe_config
+from pydaemon.config.weight_only_format import Int4Checkpoint, Mxfp4Checkpoint
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -97,7 +98,7 @@ class ModelConfig:
     # tokens before it), or None for full causal attention.
     layer_sliding_windows: list[int | None] = field(default_factory=list)
     # How the checkpoint's linear weights are quantized (config.json quantization_config).
-    quantization: CheckpointQuantization | None = None
+    quantization: CheckpointQuantization | Int4Checkpoint | Mxfp4Checkpoint | None = None
     moe: MoeConfig | None = None  # mixture-of-experts settings (config/moe.py)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 

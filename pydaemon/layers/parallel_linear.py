@@ -37,8 +37,9 @@ from torch import nn
 from pydaemon.distributed import parallel_state as ps
 
 if TYPE_CHECKING:
-    from pydaemon.quantization.config import Fp8Config
+    from pydaemon.quantization.config import QuantConfig
     from pydaemon.quantization.fp8 import Fp8LinearMethod
+    from pydaemon.quantization.int4_linear import Int4LinearMethod
 
 
 def _split(size: int, tp: int, what: str) -> int:
@@ -49,15 +50,17 @@ def _split(size: int, tp: int, what: str) -> int:
 
 class LinearBase(nn.Module):
     """A linear layer whose weight a quantization method may own (``quant_method``; None:
-    unquantized, ``weight`` [out, in] in the activation dtype)."""
+    unquantized, ``weight`` [out, in] in the activation dtype). ``in_features`` and
+    ``out_features`` are this rank's."""
 
-    def __init__(self, quant_config: Fp8Config | None) -> None:
+    def __init__(self, quant_config: QuantConfig | None, row_parallel: bool = False) -> None:
         super().__init__()
-        self.quant_method: Fp8LinearMethod | None = (
-            None if quant_config is None else quant_config.linear_method()
+        self.quant_method: Fp8LinearMethod | Int4LinearMethod | None = (
+            None if quant_config is None else quant_config.linear_method(row_parallel)
         )
 
     def create_weights(self, out_features: int, in_features: int, bias: bool) -> None:
+        self.out_features, self.in_features = out_features, in_features
         if self.quant_method is None:
             weight = torch.empty(out_features, in_features)
             self.weight = nn.Parameter(weight, requires_grad=False)
@@ -70,10 +73,12 @@ class LinearBase(nn.Module):
         checkpoint leaves unquantized), on the device its parameters are on (meta, before
         the loader materialises them)."""
         assert self.quant_method is not None
-        out_features, in_features = self.weight.shape
-        device = self.weight.device
+        out_features, in_features = self.out_features, self.in_features
+        device = self.bias.device if self.bias is not None else next(self.parameters()).device
         for name in self.quant_method.own_dtype_params:
             delattr(self, name)
+        if hasattr(self, "weight"):  # a method that keeps a dequantized weight
+            delattr(self, "weight")
         self.quant_method = None
         weight = torch.empty(out_features, in_features, device=device)
         self.weight = nn.Parameter(weight, requires_grad=False)
@@ -87,7 +92,11 @@ class LinearBase(nn.Module):
 def takes_fp8_input(layer: nn.Module) -> bool:
     """Whether ``layer``'s forward accepts an ``Fp8Activation`` (the op before it quantizes
     its output in its own kernel) as well as a tensor: an FP8-quantized linear layer."""
-    return isinstance(layer, LinearBase) and layer.quant_method is not None
+    return (
+        isinstance(layer, LinearBase)
+        and layer.quant_method is not None
+        and layer.quant_method.takes_fp8_input
+    )
 
 
 class MergedColumnParallelLinear(LinearBase):
@@ -108,7 +117,7 @@ class MergedColumnParallelLinear(LinearBase):
         parts: dict[str, int],
         bias: bool,
         what: str,
-        quant_config: Fp8Config | None = None,
+        quant_config: QuantConfig | None = None,
     ) -> None:
         super().__init__(quant_config)
         tp = ps.get_tp_world_size()
@@ -138,9 +147,9 @@ class RowParallelLinear(LinearBase):
         out_features: int,
         bias: bool,
         what: str,
-        quant_config: Fp8Config | None = None,
+        quant_config: QuantConfig | None = None,
     ) -> None:
-        super().__init__(quant_config)
+        super().__init__(quant_config, row_parallel=True)
         tp = ps.get_tp_world_size()
         self.create_weights(out_features, _split(in_features, tp, what), bias)
         self.tp_shards = {"weight": (1, in_features)}  # the bias is replicated
@@ -193,7 +202,7 @@ def row_linear(
     out_features: int,
     bias: bool,
     what: str,
-    quant_config: Fp8Config | None = None,
+    quant_config: QuantConfig | None = None,
 ) -> nn.Module:
     if ps.get_tp_world_size() == 1 and quant_config is None:
         return nn.Linear(in_features, out_features, bias=bias)

@@ -14,7 +14,10 @@ the layout the GEMM uses, FP8 e4m3 ``weight`` [out, in] and per-output-channel f
   and its scales are both loaded (``finish``). The new scale of a row is the largest of its
   blocks' scales, so the blocks that have it keep their FP8 values exactly and the others
   are rounded once more to the e4m3 grid: at most half an e4m3 step (2^-4 relative) more
-  error on those values (tests/test_fp8_loading.py measures it).
+  error on those values (tests/test_fp8_loading.py measures it). A layer that keeps block
+  scales itself (FP8 MoE experts, pydaemon/layers/moe/fp8.py: ``weight_scale`` given as
+  [rows / bn, col blocks]) takes this rank's blocks of them as they are instead; an
+  unquantized weight is then quantized per block, a per-tensor scale fills every block.
 
 A ``WeightLoader`` (pydaemon/model_loader/weight_targets.py) sends each checkpoint tensor of module P to
 ``Fp8Target``s: ``P.weight`` (required), ``P.weight_scale`` / ``P.weight_scale_inv`` and
@@ -31,7 +34,7 @@ import torch
 
 from pydaemon.config.checkpoint_format import CheckpointQuantization
 from pydaemon.quantization.config import SCALE_NAMES
-from pydaemon.quantization.fp8 import FP8_DTYPE, quantize_per_channel, to_fp8
+from pydaemon.quantization.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_per_channel, to_fp8
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 _REQUANT_ROWS = 1024  # rows re-quantized at a time (bounds the float32 temporaries)
@@ -40,8 +43,9 @@ _REQUANT_ROWS = 1024  # rows re-quantized at a time (bounds the float32 temporar
 class Fp8WeightPart:
     """Checkpoint module ``prefix`` (e.g. ``model.layers.0.self_attn.k_proj``) in an FP8
     layer. weight: [rows, cols] float8 (its rows in the layer's weight), weight_scale: [rows]
-    float32; shard: (dim, start, stop, full_size), the slice of the checkpoint weight [N, K]
-    this rank holds, or None for all of it."""
+    float32, or [rows / bn, ceil(cols / bk)] for a layer that keeps the checkpoint's block
+    scales (``keeps_blocks``); shard: (dim, start, stop, full_size), the slice of the
+    checkpoint weight [N, K] this rank holds, or None for all of it."""
 
     def __init__(
         self,
@@ -63,6 +67,9 @@ class Fp8WeightPart:
         self.weight_format: str | None = None  # "fp8" or "float": what the checkpoint held
         self.scale_name: str | None = None
         self.block_scales: torch.Tensor | None = None  # [ceil(N / bn), ceil(K / bk)] float32
+        self.keeps_blocks = weight_scale.dim() == 2
+        if self.keeps_blocks and (checkpoint is None or checkpoint.block_size is None):
+            raise ValueError(f"{prefix}: block scales need the checkpoint's block size")
 
     def _range(self, dim: int) -> tuple[int, int]:
         """-> [start, stop) of this rank's rows (dim 0) or columns (dim 1)."""
@@ -93,6 +100,10 @@ class Fp8WeightPart:
                 "float8_e4m3fn weights (with scales) or bf16 / fp16 / fp32 ones"
             )
         device = self.weight.device
+        if self.keeps_blocks:
+            self._quantize_blocks(part.to(device))
+            self.weight_format = "float"
+            return
         amax = None
         if self.shard is not None and self.shard[0] == 1:  # scales over the whole rows
             amax = tensor[...].to(device).abs().amax(dim=1)
@@ -119,10 +130,19 @@ class Fp8WeightPart:
                     f"the scales of a [{n}, {k}] weight in blocks of [{bn}, {bk}]"
                 )
             self.block_scales = tensor[...].to(self.weight_scale.device, torch.float32)
+            if self.keeps_blocks:  # this rank's blocks, as they are
+                rows, cols = self._block_range(0, bn), self._block_range(1, bk)
+                self.weight_scale.copy_(self.block_scales[rows[0] : rows[1], cols[0] : cols[1]])
             return
         numel = math.prod(shape)
         if numel == 1:  # per tensor
             self.weight_scale.fill_(float(tensor[...].float().reshape(())))
+        elif self.keeps_blocks:
+            raise ValueError(
+                f"tensor {name!r} in {where} has shape {list(shape)}: this layer keeps block "
+                f"scales of {list(ckpt.block_size)}, so it takes a per-tensor scale or block "
+                "scales, not per-channel ones"
+            )
         elif list(shape) in ([n], [n, 1]):  # per output channel
             start, stop = self._range(0)
             scale = tensor[...].reshape(n)[start:stop]
@@ -144,9 +164,33 @@ class Fp8WeightPart:
             raise ValueError(
                 f"{where} has {self.scale_name!r}, but {self.prefix}.weight is not FP8"
             )
-        if self.block_scales is not None:
+        if self.block_scales is not None and not self.keeps_blocks:
             self._requantize_blocks()
-            self.block_scales = None
+        self.block_scales = None
+
+    def _block_range(self, dim: int, block: int) -> tuple[int, int]:
+        """-> [start, stop) of the scale blocks of this rank's rows (0) or columns (1)."""
+        start, stop = self._range(dim)
+        if start % block:
+            raise ValueError(f"{self.prefix}: this rank's slice starts inside a scale block")
+        return start // block, -(-stop // block)
+
+    def _quantize_blocks(self, part: torch.Tensor) -> None:
+        """An unquantized [rows, cols] weight -> FP8 values and one scale per block (the
+        largest |value| of the block / 448), blocks counted from this rank's first row and
+        column (on block boundaries: _block_range)."""
+        bn, bk = self.checkpoint.block_size
+        self._block_range(0, bn)  # raises unless the slice is block-aligned
+        self._block_range(1, bk)
+        rows, cols = part.shape
+        w = part.float()
+        padded = torch.zeros(-(-rows // bn) * bn, -(-cols // bk) * bk, device=w.device)
+        padded[:rows, :cols] = w
+        blocks = padded.view(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk)
+        scales = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=MIN_SCALE)
+        full = scales.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:rows, :cols]
+        self.weight.copy_(to_fp8(w / full))
+        self.weight_scale.copy_(scales)
 
     def _requantize_blocks(self) -> None:
         bn, bk = self.checkpoint.block_size

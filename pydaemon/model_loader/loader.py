@@ -22,7 +22,11 @@ order, keeping its own: every split of the model gets the same dummy weights.
 Quantization (``quantization="fp8"``, or a checkpoint whose config.json says it is FP8; see
 pydaemon/quantization/): the linear layers hold FP8 weights with per-channel scales, filled
 from the checkpoint's FP8 tensors or quantized from unquantized ones as they are copied
-(dummy weights too: the same draws as the unquantized model, then quantized). The layers a
+(dummy weights too: the same draws as the unquantized model, then quantized). A 4-bit
+checkpoint (AWQ, GPTQ, compressed-tensors pack-quantized; gpt-oss's MXFP4 experts) is
+repacked at load into the engine's layout (model_loader/int4_loading.py, mxfp4_loading.py);
+``load_format="dummy"`` with ``quantization="awq"`` (or another 4-bit method) quantizes the
+unquantized model's draws into that layout. The layers a
 quantized checkpoint lists as left unquantized (pydaemon/model_loader/ignored_layers.py)
 stay in the model's dtype and load their checkpoint weights as they are.
 """
@@ -42,8 +46,11 @@ from pydaemon.distributed import parallel_state as ps
 from pydaemon.gguf import GGUFFile, is_gguf_file, load_gguf_config
 from pydaemon.gguf.weights import iter_gguf_weights
 from pydaemon.layers.rotary_embedding import RotaryEmbedding
+from pydaemon.model_loader import mxfp4_loading
 from pydaemon.model_loader.fp8_loading import Fp8Target
 from pydaemon.model_loader.ignored_layers import skip_ignored_layers
+from pydaemon.model_loader.int4_loading import Int4Target
+from pydaemon.model_loader.mxfp4_loading import Mxfp4Target
 from pydaemon.model_loader.weight_targets import WeightLoader, weight_targets
 from pydaemon.models import get_model_class
 from pydaemon.quantization.config import resolve_quantization
@@ -76,7 +83,15 @@ def load_model(
     else:
         config = ModelConfig.from_model_dir(model_dir)
     torch_dtype = resolve_dtype(config, dtype)
-    quant_config = resolve_quantization(quantization, config.quantization, device)
+    quant_config = resolve_quantization(
+        quantization,
+        config.quantization,
+        device,
+        model_dtype=torch_dtype,
+        checkpoint_dtype=resolve_dtype(config, "auto") if gguf is None else None,
+        load_format=load_format,
+        tp_size=ps.get_tp_world_size(),
+    )
     model = _build_on_meta(config, quant_config, log=True)
     materialize(model, torch_dtype, device)
     if load_format == "dummy":
@@ -147,15 +162,30 @@ def fill_dummy(model: nn.Module, seed: int, dtype: torch.dtype, whole: dict | No
     device = next(model.parameters()).device
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
+    drawn: set[int] = set()  # int4 parts and MXFP4 layers already drawn
     targets = weight_targets(model)
     for name, whole_target in (whole or targets).items():
         target = targets.get(name)
         if target is None:  # another rank's: drawn as the whole model would, then dropped
-            if not name.endswith("norm.weight") and whole_target.required:
-                shape = whole_target.checkpoint_shape
-                torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
+            _skip_draw(name, whole_target, drawn, gen, dtype)
             continue
-        if isinstance(target, Fp8Target):
+        if isinstance(target, Int4Target):
+            if id(target.part) not in drawn:  # the unquantized model's draws, quantized
+                drawn.add(id(target.part))
+                full = torch.empty(target.checkpoint_shape, dtype=dtype, device=device)
+                target.part.load_float(full.normal_(0.0, 0.02, generator=gen))
+                del full
+        elif isinstance(target, Mxfp4Target):
+            if whole is not None:
+                raise ValueError(
+                    "dummy MXFP4 experts cannot be split over pipeline stages or experts yet "
+                    "(pipeline_parallel_size > 1 or enable_expert_parallel): load the "
+                    "checkpoint's weights"
+                )
+            if id(target.module) not in drawn:
+                drawn.add(id(target.module))
+                mxfp4_loading.fill_dummy(target.module, gen, dtype)
+        elif isinstance(target, Fp8Target):
             if target.required:  # the unquantized model's draws, quantized as they load
                 full = torch.empty(target.checkpoint_shape, dtype=dtype, device=device)
                 target.load(name, full.normal_(0.0, 0.02, generator=gen), full.shape, "dummy")
@@ -169,6 +199,24 @@ def fill_dummy(model: nn.Module, seed: int, dtype: torch.dtype, whole: dict | No
             full = torch.empty(target.checkpoint_shape, dtype=target.dest.dtype, device=device)
             target.copy_(full.normal_(0.0, 0.02, generator=gen)[target.read_index()])
             del full
+
+
+def _skip_draw(name: str, whole_target, drawn: set[int], gen, dtype: torch.dtype) -> None:
+    """The draws of a checkpoint tensor this rank does not hold (its target in the whole model,
+    on the meta device), made and dropped: the generator moves as the whole model's does."""
+    if isinstance(whole_target, Mxfp4Target):
+        raise ValueError(
+            "dummy MXFP4 experts cannot be split over pipeline stages or experts yet "
+            "(pipeline_parallel_size > 1 or enable_expert_parallel): load the checkpoint's weights"
+        )
+    if isinstance(whole_target, Int4Target):
+        if id(whole_target.part) in drawn:
+            return
+        drawn.add(id(whole_target.part))
+    elif name.endswith("norm.weight") or not whole_target.required:
+        return  # filled, not drawn
+    shape = whole_target.checkpoint_shape
+    torch.empty(shape, dtype=dtype, device=gen.device).normal_(0.0, 0.02, generator=gen)
 
 
 def _load_weights(model: nn.Module, config: ModelConfig, model_dir: Path) -> None:

@@ -18,7 +18,8 @@ mapping) loads through ``WeightLoader``, so each gets the packed layout and the 
 
 A quantized layer (``LinearBase.quant_method``) takes its weights through the method's own
 targets (pydaemon/model_loader/fp8_loading.py: an FP8 weight and its scales, or an
-unquantized weight quantized as it is copied); its bias loads as usual.
+unquantized weight quantized as it is copied; int4_loading.py: a 4-bit checkpoint's packed
+tensors; mxfp4_loading.py: gpt-oss's MXFP4 experts); its bias loads as usual.
 """
 
 from __future__ import annotations
@@ -30,9 +31,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from pydaemon.distributed import parallel_state as ps
 from pydaemon.layers.moe import FusedMoE
+from pydaemon.layers.moe.int4 import Int4MoEMethod
+from pydaemon.layers.moe.mxfp4 import Mxfp4MoEMethod
 from pydaemon.layers.parallel_linear import LinearBase, MergedColumnParallelLinear, shard_range
 from pydaemon.model_loader.fp8_loading import FP8_DTYPES, Fp8Target, fp8_targets
+from pydaemon.model_loader.int4_loading import Int4Dest, Int4Target, int4_targets
+from pydaemon.model_loader.mxfp4_loading import Mxfp4Target, mxfp4_targets
+from pydaemon.quantization.int4_linear import Int4LinearMethod
 
 
 @dataclass(frozen=True)
@@ -91,12 +98,15 @@ class WeightTarget:
         """Nothing to do once every tensor is loaded (quantized targets convert here)."""
 
 
-def weight_targets(model: nn.Module) -> dict[str, WeightTarget | Fp8Target]:
+AnyTarget = WeightTarget | Fp8Target | Int4Target | Mxfp4Target
+
+
+def weight_targets(model: nn.Module) -> dict[str, AnyTarget]:
     """-> checkpoint tensor name -> destination, for every tensor the model needs (and the
     optional ones a quantized checkpoint may hold), in the model's parameter order (packed
     parameters expanded part by part: q.weight, q.bias, k.weight, ...; the order dummy
     weights are drawn in)."""
-    targets: dict[str, WeightTarget | Fp8Target] = {}
+    targets: dict[str, AnyTarget] = {}
     for module_name, module in model.named_modules():
         params = list(module.named_parameters(recurse=False))
         if isinstance(module, FusedMoE):
@@ -105,6 +115,9 @@ def weight_targets(model: nn.Module) -> dict[str, WeightTarget | Fp8Target]:
         quant = module.quant_method if isinstance(module, LinearBase) else None
         if quant is not None:  # the quantized weight loads through its own targets
             params = [(local, param) for local, param in params if local == "bias"]
+        if isinstance(quant, Int4LinearMethod):
+            targets.update(_int4_linear_targets(module_name, module, quant))
+            quant = None  # its bias loads as an unquantized layer's
         if isinstance(module, MergedColumnParallelLinear):
             parent = module_name.rpartition(".")[0]
             for index, part in enumerate(module.packed_parts):
@@ -132,10 +145,58 @@ def weight_targets(model: nn.Module) -> dict[str, WeightTarget | Fp8Target]:
     return targets
 
 
-def _expert_targets(module_name: str, module: FusedMoE) -> dict[str, WeightTarget | Fp8Target]:
+def _int4_dest(module: nn.Module, prefix: str, offset: int, size: int, shared: dict) -> Int4Dest:
+    """Rows [offset, offset + size) of an int4 layer's (or one expert's: prefix "w13_", "w2_"
+    and the expert's slices) parameters."""
+
+    def rows(name: str) -> torch.Tensor | None:
+        t = getattr(module, f"{prefix}{name}", None)
+        return None if t is None else t.data.narrow(0, offset, size)
+
+    perm = getattr(module, f"{prefix}perm", None)
+    return Int4Dest(rows("qweight"), rows("scales"), rows("qzeros"),
+                    None if perm is None else perm.data, rows("weight"), shared)  # fmt: skip
+
+
+def _int4_linear_targets(
+    module_name: str, module: LinearBase, quant: Int4LinearMethod
+) -> dict[str, Int4Target]:
+    targets: dict[str, Int4Target] = {}
+    fmt, shared = quant.checkpoint, {}
+    if isinstance(module, MergedColumnParallelLinear):
+        parent = module_name.rpartition(".")[0]
+        for index, part in enumerate(module.packed_parts):
+            offset, size, start, full_size = module.part_range(index)
+            prefix = f"{parent}.{part}" if parent else part
+            dest = _int4_dest(module, "", offset, size, shared)
+            shape = (full_size, module.in_features)
+            shard = (0, start, start + size, full_size)
+            targets.update(int4_targets(prefix, fmt, dest, shape, shard))
+        return targets
+    # Row-parallel: this rank's input columns.
+    full_in = module.tp_shards["weight"][1]
+    start = ps.get_tp_rank() * module.in_features
+    shard = (1, start, start + module.in_features, full_in)
+    dest = _int4_dest(module, "", 0, module.out_features, shared)
+    return int4_targets(module_name, fmt, dest, (module.out_features, full_in), shard)
+
+
+def _expert_targets(module_name: str, module: FusedMoE) -> dict[str, AnyTarget]:
     """The checkpoint's per-expert tensors -> their rows of the stacked expert weights."""
-    targets: dict[str, WeightTarget | Fp8Target] = {}
+    targets: dict[str, AnyTarget] = {}
     quant = module.quant_method
+    if isinstance(quant, Mxfp4MoEMethod):
+        return mxfp4_targets(module_name, module)
+    if isinstance(quant, Int4MoEMethod):
+        shared: dict[int, dict] = {}
+        for part, e, proj, offset, size, shard in module.expert_parts():
+            expert_view = _ExpertView(module, proj, e)
+            dest = _int4_dest(expert_view, "", offset, size, shared.setdefault((e, proj), {}))
+            k = module.hidden_size if proj == "w13" else module.intermediate_size
+            n = module.intermediate_size if proj == "w13" else module.hidden_size
+            prefix = f"{module_name}.{part}"
+            targets.update(int4_targets(prefix, quant.checkpoint, dest, (n, k), shard))
+        return targets
     for part, weight, scale, shard in module.checkpoint_parts():
         prefix = f"{module_name}.{part}"
         if quant is None:
@@ -143,6 +204,17 @@ def _expert_targets(module_name: str, module: FusedMoE) -> dict[str, WeightTarge
         else:
             targets.update(fp8_targets(prefix, weight, scale, shard, quant.checkpoint))
     return targets
+
+
+class _ExpertView:
+    """One expert's int4 parameters of a FusedMoE layer (``w13_qweight[e]``, ...) under the
+    names of a linear layer's (``qweight``, ...)."""
+
+    def __init__(self, module: FusedMoE, proj: str, e: int) -> None:
+        for name in ("qweight", "scales", "qzeros", "perm"):
+            t = getattr(module, f"{proj}_{name}", None)
+            if t is not None:
+                setattr(self, name, t.data[e])
 
 
 def _rename(name: str, renames: dict[str, str]) -> str:

@@ -1,6 +1,6 @@
 """Mixture-of-experts kernels on the GPU (cpp/cuda/moe_kernels.cu): top-k routing, grouping
 slots by expert, weighted combine; for a few tokens the whole expert computation in two
-kernels (cpp/cuda/moe_decode_kernels.cu). The torch code they replace is in
+kernels (cpp/cuda/moe_decode_kernels.cu; with FP8 weights cpp/cuda/moe_decode_fp8_kernels.cu). The torch code they replace is in
 pydaemon/layers/moe/."""
 
 from __future__ import annotations
@@ -18,6 +18,11 @@ def moe_kernels_available() -> bool:
 def moe_decode_kernels_available() -> bool:
     """The GPU kernels run here and ``_core`` was built with the MoE decode kernels."""
     return is_available() and hasattr(core(), "moe_decode_gate_up")
+
+
+def moe_decode_fp8_kernels_available() -> bool:
+    """The GPU kernels run here and ``_core`` was built with the FP8-weight decode kernels."""
+    return is_available() and hasattr(core(), "moe_decode_gate_up_fp8")
 
 
 # Largest hidden size of moe_decode_gate_up, which stages x[t] in shared memory (C++:
@@ -105,4 +110,66 @@ def moe_decode_down_combine(
     core().moe_decode_down_combine(
         arg(out), arg(act), arg(topk_ids), arg(topk_weights), arg(w2), stream_handle(act.device)
     )
+    return out
+
+
+def _fp8_bytes(w: torch.Tensor, name: str) -> torch.Tensor:
+    if w.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"{name} must be float8_e4m3fn, got {w.dtype}")
+    return w.view(torch.uint8)
+
+
+def _blocks(block_shape: tuple[int, int] | None) -> tuple[int, int]:
+    return (0, 0) if block_shape is None else block_shape
+
+
+def moe_decode_gate_up_fp8(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    block_shape: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """moe_decode_gate_up with FP8 expert weights (w8a16: x stays fp16 / bf16; the weights are
+    widened in registers and their scales applied to the float32 sums).
+
+    x:          [T, H] fp16/bf16, rows 16-byte aligned, H a multiple of 16, <= MOE_DECODE_MAX_HIDDEN
+    topk_ids:   [T, k] int32, contiguous
+    w13:        [E, 2 * I, H] float8_e4m3fn, contiguous, I a multiple of 16
+    w13_scale:  [E, 2 * I] float32 (block_shape None), or [E, ceil(2 * I / bn), ceil(H / bk)]
+                for block_shape (bn, bk), bk a multiple of 16
+    returns     act [T * k, I], x's dtype
+    """
+    act = torch.empty(topk_ids.numel(), w13.shape[1] // 2, dtype=x.dtype, device=x.device)
+    bn, bk = _blocks(block_shape)
+    core().moe_decode_gate_up_fp8(
+        arg(act), arg(x), arg(topk_ids), arg(_fp8_bytes(w13, "w13")), arg(w13_scale), bn, bk,
+        stream_handle(x.device),
+    )  # fmt: skip
+    return act
+
+
+def moe_decode_down_combine_fp8(
+    act: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    block_shape: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """moe_decode_down_combine with FP8 expert weights.
+
+    act:           [T * k, I] fp16/bf16, contiguous (``moe_decode_gate_up_fp8``'s)
+    topk_ids:      [T, k] int32, contiguous
+    topk_weights:  [T, k] float32, contiguous
+    w2:            [E, H, I] float8_e4m3fn, contiguous
+    w2_scale:      [E, H] float32, or [E, ceil(H / bn), ceil(I / bk)] for block_shape (bn, bk)
+    returns        out [T, H], act's dtype
+    """
+    out = torch.empty(topk_ids.shape[0], w2.shape[1], dtype=act.dtype, device=act.device)
+    bn, bk = _blocks(block_shape)
+    core().moe_decode_down_combine_fp8(
+        arg(out), arg(act), arg(topk_ids), arg(topk_weights), arg(_fp8_bytes(w2, "w2")),
+        arg(w2_scale), bn, bk, stream_handle(act.device),
+    )  # fmt: skip
     return out

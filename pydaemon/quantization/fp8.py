@@ -99,6 +99,17 @@ def dequantize(wq: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return wq.float() * scale[:, None]
 
 
+def dequantize_blocks(
+    wq: torch.Tensor,  # [N, K] fp8
+    scales: torch.Tensor,  # [ceil(N / bn), ceil(K / bk)] float32
+    block_shape: tuple[int, int],  # (bn, bk)
+) -> torch.Tensor:  # [N, K] float32: each value times its block's scale
+    bn, bk = block_shape
+    n, k = wq.shape
+    full = scales.repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
+    return wq.float() * full
+
+
 def scaled_mm(
     xq: torch.Tensor,  # [T, K] fp8, row-major
     x_scale: torch.Tensor,  # [T, 1] float32
@@ -166,6 +177,7 @@ class Fp8LinearMethod:
     ``checkpoint``: how the checkpoint stores the weights (None: unquantized)."""
 
     own_dtype_params = ("weight", "weight_scale")
+    takes_fp8_input = True  # the op before may hand it an Fp8Activation
 
     def __init__(self, emulate: bool, checkpoint: CheckpointQuantization | None = None) -> None:
         self.emulate = emulate

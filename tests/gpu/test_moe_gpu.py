@@ -18,7 +18,8 @@ from model_utils import Driver, hf_greedy  # noqa: E402
 from moe_utils import MOE_ARCHS, reference_moe, save_hf_moe_model  # noqa: E402
 
 from pydaemon import LLM, SamplingParams, ops  # noqa: E402
-from pydaemon.layers.moe import FusedMoE  # noqa: E402
+from pydaemon.layers.moe import FusedMoE, experts  # noqa: E402
+from pydaemon.layers.moe import fp8 as moe_fp8  # noqa: E402
 from pydaemon.layers.moe.align import moe_align_native  # noqa: E402
 from pydaemon.layers.moe.experts import moe_combine_native  # noqa: E402
 from pydaemon.layers.moe.router import select_experts_native  # noqa: E402
@@ -168,7 +169,11 @@ def test_bf16_layer_against_float64(t):
         300,
     ],
 )
-def test_fp8_layer_against_emulated(t):
+def test_fp8_layer_against_emulated(t, monkeypatch):
+    """The grouped FP8 path (torch._scaled_grouped_mm); the Triton one, on by default, and the
+    FP8 decode kernels: tests/gpu/test_moe_triton_fp8_gpu.py, test_moe_decode_fp8_gpu.py."""
+    monkeypatch.setattr(moe_fp8, "FP8_MOE_BACKEND", "grouped")
+    monkeypatch.setattr(experts, "MOE_DECODE_MAX_SLOTS", 0)
     e, k, h, i = 64, 4, 256, 128
     layer = _cuda_layer(e, k, h, i, quant=Fp8Config(None, emulate=False))
     x = torch.randn(t, h, device="cuda").bfloat16()

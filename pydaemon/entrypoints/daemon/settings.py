@@ -68,7 +68,9 @@ ENGINE_FLAGS: tuple[tuple[str, Any, str], ...] = (
         "--quantization",
         str,
         "fp8 (FP8 weights with per-channel scales, per-token FP8 activations: CUDA sm_89+) | "
-        "fp8_emulated (the same emulated, any device, slow; default: as the checkpoint is)",
+        "fp8_emulated (the same emulated, any device, slow) | awq | gptq | compressed-tensors | "
+        "mxfp4 (4-bit checkpoints run as stored without it; with --load-format dummy: random "
+        "weights in that layout); default: as the checkpoint is",
     ),
     ("--max-loras", int, "LoRA: the most distinct adapters in one batch (device slots)"),
     ("--max-lora-rank", int, "LoRA: the largest adapter rank served"),

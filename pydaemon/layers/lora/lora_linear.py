@@ -111,11 +111,11 @@ class LoRALinear(nn.Module):
         self.output_sizes = output_sizes
         self.is_row_parallel = isinstance(base_layer, RowParallelLinear)
         self.slots = slots
-        weight = base_layer.weight
         num_slots, rank = slots.max_loras + 1, slots.max_lora_rank
-        self.in_features = weight.shape[1]  # this rank's
+        # This rank's; a quantized base (FP8, int4) may hold no [out, in] ``weight``.
+        self.in_features = base_layer.in_features
         n = len(module_names)
-        device = weight.device
+        device = next(base_layer.parameters()).device
         self.lora_a = torch.zeros(num_slots, n * rank, self.in_features, dtype=dtype, device=device)
         # Column offsets of the parts in lora_b and in the output: n + 1 values from 0.
         self.part_starts = tuple(itertools.accumulate(output_sizes, initial=0))
@@ -210,7 +210,7 @@ def wrap_lora_layers(
             if isinstance(base, MergedColumnParallelLinear):
                 names, sizes = base.packed_parts, base.output_sizes
             elif isinstance(base, nn.Linear | RowParallelLinear) and name in ROW_PARALLEL_TARGETS:
-                names, sizes = (name,), (base.weight.shape[0],)
+                names, sizes = (name,), (base.out_features,)
             else:
                 kind = type(base).__name__
                 raise TypeError(f"layer {layer_idx} {owner}.{name}: no LoRA wrapper for {kind}")

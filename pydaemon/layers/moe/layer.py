@@ -23,7 +23,11 @@ that ranks hold different tokens) are the faster designs.
 Loading: the checkpoint keeps one tensor per expert and projection (``experts.{e}.gate_proj``
 or Mixtral's ``experts.{e}.w1`` ...); ``checkpoint_parts`` says where each goes (the loader,
 pydaemon/model_loader/weight_targets.py, stacks them). Quantized (``quant_config``): FP8
-weights and per-channel scales (fp8.py).
+weights and per-channel or block scales (fp8.py), 4-bit integer weights with group scales
+(int4.py) or gpt-oss's MXFP4 experts (mxfp4.py); each method creates its parameters and
+computes the experts from the routing (``apply(layer, x, topk_weights, topk_ids)``).
+``act_fn`` maps the gate/up product [S, 2 * I] (gate columns first) to [S, I]
+(SiLU-and-multiply by default).
 """
 
 from __future__ import annotations
@@ -35,13 +39,27 @@ import torch
 from torch import nn
 
 from pydaemon.distributed import parallel_state as ps
-from pydaemon.layers.moe.align import moe_align
+from pydaemon.layers.activation import SiluAndMul
 from pydaemon.layers.moe.experts import fused_experts
 from pydaemon.layers.moe.fp8 import Fp8MoEMethod
+from pydaemon.layers.moe.int4 import Int4MoEMethod
+from pydaemon.layers.moe.mxfp4 import Mxfp4MoEMethod
 from pydaemon.layers.moe.router import SCORING_FUNCS, select_experts
 
 if TYPE_CHECKING:
-    from pydaemon.quantization.config import Fp8Config
+    from pydaemon.quantization.config import QuantConfig
+
+MoEMethod = Fp8MoEMethod | Int4MoEMethod | Mxfp4MoEMethod
+
+
+def moe_method(quant_config: QuantConfig) -> MoEMethod:
+    """The experts' quantization method of a model quantized as ``quant_config``."""
+    if quant_config.kind == "fp8":
+        return Fp8MoEMethod(quant_config.emulate, quant_config.checkpoint)
+    if quant_config.kind == "int4":
+        return Int4MoEMethod(quant_config.checkpoint, quant_config.scale_dtype)
+    return Mxfp4MoEMethod(quant_config.checkpoint)
+
 
 # Checkpoint names of (gate, up, down) in an expert.
 QWEN_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -60,7 +78,9 @@ class FusedMoE(nn.Module):
         scoring: str = "softmax",
         expert_names: tuple[str, str, str] = QWEN_EXPERT_NAMES,
         reduce_results: bool = True,
-        quant_config: Fp8Config | None = None,
+        quant_config: QuantConfig | None = None,
+        act_fn: nn.Module | None = None,
+        has_bias: bool = False,
     ) -> None:
         super().__init__()
         if scoring not in SCORING_FUNCS:
@@ -88,13 +108,17 @@ class FusedMoE(nn.Module):
         self.renormalize, self.scoring = renormalize, scoring
         self.expert_names = expert_names
         self.reduce_results = reduce_results
-        self.quant_method: Fp8MoEMethod | None = None
+        self.act_fn = act_fn if act_fn is not None else SiluAndMul()
+        self.has_bias = has_bias  # per-expert biases: MXFP4 experts only (gpt-oss)
+        if has_bias and (quant_config is None or quant_config.kind != "mxfp4"):
+            raise ValueError("FusedMoE: expert biases are supported with MXFP4 experts only")
+        self.quant_method: MoEMethod | None = None
         e, h, i = self.num_local_experts, hidden_size, self.intermediate_per_rank
         if quant_config is None:
             self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
             self.w2_weight = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
         else:
-            self.quant_method = Fp8MoEMethod(quant_config.emulate, quant_config.checkpoint)
+            self.quant_method = moe_method(quant_config)
             self.quant_method.create_weights(self, e, h, i)
 
     def forward(
@@ -112,35 +136,52 @@ class FusedMoE(nn.Module):
         if self.quant_method is None:
             out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         else:
-            sorted_token_ids, inverse, offsets = moe_align(topk_ids, self.num_local_experts)
-            out = self.quant_method.apply(self, x, topk_weights, sorted_token_ids, inverse, offsets)
+            out = self.quant_method.apply(self, x, topk_weights, topk_ids)
         return ps.all_reduce(out) if self.reduce_results else out
 
     def checkpoint_parts(
         self,
     ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None, tuple[int, int, int, int]]]:
         """-> (checkpoint module under this one, e.g. ``3.gate_proj``; the weight rows it fills
-        [rows, cols]; their scales [rows] (FP8) or None; the slice (dim, start, stop,
-        full_size) of the checkpoint tensor this rank reads), expert by expert, gate, up,
-        down: the order dummy weights are drawn in."""
+        [rows, cols]; their scales (FP8: [rows] per channel, or [rows / bn, col blocks] per
+        block, fp8.py) or None; the slice (dim, start, stop, full_size) of the checkpoint
+        tensor this rank reads), expert by expert, gate, up, down: the order dummy weights
+        are drawn in."""
+        quant = self.quant_method
+        for part, e, proj, offset, size, shard in self.expert_parts():
+            if proj == "w13":
+                weight = self.w13_weight.data[e].narrow(0, offset, size)
+                scale = None
+                if quant is not None:
+                    scale = quant.scale_rows(self.w13_weight_scale.data[e], "w13", offset, size)
+            else:
+                weight = self.w2_weight.data[e]
+                scale = None if quant is None else self.w2_weight_scale.data[e]
+            yield part, weight, scale, shard
+
+    def expert_parts(
+        self,
+    ) -> Iterator[tuple[str, int, str, int, int, tuple[int, int, int, int]]]:
+        """-> (checkpoint module under this one, e.g. ``3.gate_proj``; its expert; "w13" or
+        "w2"; the first of its rows in that expert's weight and how many; the slice (dim,
+        start, stop, full_size) of the checkpoint tensor [out, in] this rank reads), expert by
+        expert, gate, up, down."""
         i, full = self.intermediate_per_rank, self.intermediate_size
         start = self.slice_rank * i
         gate, up, down = self.expert_names
-        fp8 = self.quant_method is not None
         for e in range(self.num_local_experts):
             name_e = self.expert_start + e  # the checkpoint's expert index
             for name, offset in ((gate, 0), (up, i)):
-                weight = self.w13_weight.data[e].narrow(0, offset, i)
-                scale = self.w13_weight_scale.data[e].narrow(0, offset, i) if fp8 else None
-                yield f"{name_e}.{name}", weight, scale, (0, start, start + i, full)
-            scale = self.w2_weight_scale.data[e] if fp8 else None
-            yield f"{name_e}.{down}", self.w2_weight.data[e], scale, (1, start, start + i, full)
+                yield f"{name_e}.{name}", e, "w13", offset, i, (0, start, start + i, full)
+            yield f"{name_e}.{down}", e, "w2", 0, self.hidden_size, (1, start, start + i, full)
 
     def extra_repr(self) -> str:
         return (
-            f"num_experts={self.num_experts}, local={self.num_local_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
+            f"num_experts={self.num_experts}, local={self.num_local_experts}, "
+            f"top_k={self.top_k}, hidden={self.hidden_size}, "
             f"intermediate={self.intermediate_per_rank}, scoring={self.scoring}, "
-            f"renormalize={self.renormalize}, fp8={self.quant_method is not None}"
+            f"renormalize={self.renormalize}, "
+            f"quant={type(self.quant_method).__name__ if self.quant_method else None}"
         )
 
 

@@ -61,6 +61,38 @@ def tile_config(num_tokens: int) -> TileConfig:
     return next(cfg for bound, cfg in TILE_CONFIGS if num_tokens <= bound)
 
 
+# A step whose tiles would give the GPU fewer than this many programs per SM takes narrower
+# column tiles (spread_block_n): at one token, Mixtral-8x7B's down projection (2 experts, N
+# 4096) is 2 x 64 = 128 programs of 64 columns on 132 SMs, each looping over K 14336 alone.
+MIN_PROGRAMS_PER_SM = 2
+MIN_BLOCK_N = 16
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def spread_block_n(
+    cfg: TileConfig, n: int, num_slots: int, num_experts: int, device: torch.device
+) -> TileConfig:
+    """cfg with BLOCK_N halved (down to MIN_BLOCK_N) while the step's programs, at most
+    min(E, S) experts hit times ceil(N / BLOCK_N) column tiles, would be fewer than
+    MIN_PROGRAMS_PER_SM per SM (decode steps of few, large experts). By shapes and device
+    only (a CUDA graph holds one config per shape); the CPU (the interpreter) keeps cfg."""
+    if device.type != "cuda":
+        return cfg
+    want = MIN_PROGRAMS_PER_SM * _num_sms(device.index if device.index is not None else 0)
+    return spread_block_n_for(cfg, n, min(num_experts, num_slots), want)
+
+
+def spread_block_n_for(cfg: TileConfig, n: int, experts_hit: int, want: int) -> TileConfig:
+    block_n = cfg.block_n
+    while block_n > MIN_BLOCK_N and experts_hit * -(-n // block_n) < want:
+        block_n //= 2
+    return cfg._replace(block_n=block_n)
+
+
 def _fit(cfg: TileConfig, n: int, k: int) -> TileConfig:
     """BLOCK_N and BLOCK_K no larger than the GEMM needs (tiny test shapes), at least 16."""
 
@@ -191,9 +223,14 @@ def fused_experts_triton(
     if t == 0:
         return x.new_zeros(0, w2.shape[1])
     cfg = config or tile_config(t)
-    sorted_slots, block_expert = moe_align_blocks(topk_ids, w13.shape[0], cfg.block_m)
+    num_experts = w13.shape[0]
+    sorted_slots, block_expert = moe_align_blocks(topk_ids, num_experts, cfg.block_m)
     s = t * k
-    h = moe_gemm(x, w13, sorted_slots, block_expert, s, k, cfg)  # [S, 2 * I]
+    cfg13, cfg2 = cfg, cfg
+    if config is None:  # few experts hit: narrower column tiles, more programs
+        cfg13 = spread_block_n(cfg, w13.shape[1], s, num_experts, x.device)
+        cfg2 = spread_block_n(cfg, w2.shape[1], s, num_experts, x.device)
+    h = moe_gemm(x, w13, sorted_slots, block_expert, s, k, cfg13)  # [S, 2 * I]
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    y = moe_gemm(_act(h), w2, sorted_slots, block_expert, s, 1, cfg, weights)  # [S, H]
+    y = moe_gemm(_act(h), w2, sorted_slots, block_expert, s, 1, cfg2, weights)  # [S, H]
     return y.view(t, k, -1).sum(dim=1)
