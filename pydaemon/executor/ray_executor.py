@@ -20,11 +20,13 @@ is fetched by ``get_output`` only when the engine asks for it, so that a rank ne
 its queue on a step's copy while the next step waits behind it.
 
 Failure: a monitor thread keeps a ping queued on every actor; Ray fails a dead actor's
-calls (its process died, or its host left the cluster: Ray's health checks). The monitor
-records which rank died, kills every other actor (a rank blocked in a collective on the
-dead one is stopped, NCCL or gloo) and releases the placement group, so that the engine's
-waiting call raises at once and nothing is left running. A step that raises inside an
-actor ends that actor's process (its peers see a dead rank, never a hang).
+calls (its process died, or its host left the cluster: Ray's health checks), and a rank
+whose step raised answers with the traceback (it refuses any later step, so it never
+enters another collective). The monitor records which rank died or failed (a death first:
+the rank that reports an error may only have seen a peer die under a collective), kills
+every actor (a rank blocked in a collective on the failed one is stopped, NCCL or gloo)
+and releases the placement group, so that the engine's waiting call raises and nothing is
+left running.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ logger = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT_S = 600.0  # generous: loading a large shard happens between collectives
 PLACEMENT_TIMEOUT_S = 60.0  # for the cluster to reserve every bundle
 PING_INTERVAL_S = 0.5  # how often an idle rank is checked
+# A rank that reports a failed step may only be the first to notice a peer's death (its
+# collective broke): for this long a dead rank found meanwhile is named as the cause instead.
+ERROR_GRACE_S = 3.0
 STOP_TIMEOUT_S = 5.0
 
 
@@ -127,7 +132,7 @@ class RayExecutor(Executor):
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         self._pg, placement_group_bundle_index=i
                     ),
-                ).remote(exit_on_error=True)
+                ).remote()
                 for i in range(world)
             ]
             self.actors = actors
@@ -264,7 +269,7 @@ class RayExecutor(Executor):
         if self.failure is not None:
             raise RayExecutorError(self.failure)
 
-    def _wait_failure(self, timeout_s: float = 5.0) -> str | None:
+    def _wait_failure(self, timeout_s: float = ERROR_GRACE_S + 5.0) -> str | None:
         """After a failed call: the monitor's account of it (it may take a moment)."""
         deadline = time.monotonic() + timeout_s
         while self.failure is None and time.monotonic() < deadline and not self._is_closed:
@@ -272,27 +277,38 @@ class RayExecutor(Executor):
         return self.failure
 
     def _watch(self) -> None:
-        """Keeps one ping queued on each actor; a ping that fails names the dead rank."""
+        """Keeps one ping queued on each actor. A ping that fails names a dead rank at once;
+        one that returns a traceback names its rank after ``ERROR_GRACE_S`` unless a dead
+        rank shows up meanwhile."""
         ray = self._ray
         pings = {actor.ping.remote(): rank for rank, actor in enumerate(self.actors)}
+        reported: tuple[int, str, float] | None = None  # (rank, traceback, when)
         while not self._is_closed:
             start = time.monotonic()
             done, _ = ray.wait(list(pings), num_returns=len(pings), timeout=PING_INTERVAL_S)
             for ref in done:
                 rank = pings.pop(ref)
                 try:
-                    ray.get(ref)
-                except Exception as e:  # noqa: BLE001 - any failure of a rank is fatal
+                    error = ray.get(ref)
+                except Exception as e:  # noqa: BLE001 - the actor is gone
                     if not self._is_closed:
-                        self._fail(rank, e)
+                        _, host, pid, _ = self.places[rank]
+                        self._fail(f"Ray rank {rank} (host {host}, pid {pid}) died: {e}")
                     return
-                pings[self.actors[rank].ping.remote()] = rank
+                if error is None:
+                    pings[self.actors[rank].ping.remote()] = rank
+                elif reported is None:
+                    reported = (rank, error, time.monotonic())
+            if reported is not None and time.monotonic() - reported[2] > ERROR_GRACE_S:
+                rank, error, _ = reported
+                _, host, pid, _ = self.places[rank]
+                self._fail(f"Ray rank {rank} (host {host}, pid {pid}) failed:\n{error}")
+                return
             time.sleep(max(0.0, PING_INTERVAL_S - (time.monotonic() - start)))
 
-    def _fail(self, rank: int, error: Exception) -> None:
-        _, host, pid, _ = self.places[rank]
-        self.failure = f"Ray rank {rank} (host {host}, pid {pid}) died: {error}"
-        logger.error("%s; stopping the other ranks", self.failure)
+    def _fail(self, failure: str) -> None:
+        self.failure = failure
+        logger.error("%s; stopping the other ranks", failure)
         self._kill_actors()
 
     # ---- shutdown ---------------------------------------------------------------------------

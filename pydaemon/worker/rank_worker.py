@@ -20,7 +20,6 @@ import contextlib
 import logging
 import os
 import socket
-import time
 import traceback
 from collections import deque
 from collections.abc import Iterator
@@ -31,8 +30,6 @@ from pydaemon.config.model import ModelConfig
 from pydaemon.core.model_info import RunnerInfo
 from pydaemon.core.runner_output import ModelRunnerOutput
 from pydaemon.core.sched.scheduler_output import GrammarOutput, SchedulerOutput
-
-FATAL_EXIT_DELAY_S = 1.0
 
 
 @dataclass
@@ -67,13 +64,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class RankWorker:
     """See the module docstring. Construction is light (a Ray actor is created first, then
-    asked where it runs); ``init`` joins the groups and loads the model. ``exit_on_error``
-    (Ray actors): a step that raises logs its traceback and ends the process, so that the
-    other ranks see a dead peer instead of waiting in a collective for it (the ``mp``
-    worker's loop does the same)."""
+    asked where it runs); ``init`` joins the groups and loads the model. A step that raises
+    fails the rank (``failure``, reported by ``ping``; the ``mp`` worker's loop exits
+    instead)."""
 
-    def __init__(self, exit_on_error: bool = False) -> None:
-        self.exit_on_error = exit_on_error
+    def __init__(self) -> None:
+        self.failure: str | None = None  # the traceback of the step that failed this rank
         self.runner = None
         self.rank = -1
         self._outputs: deque = deque()  # sampled steps' AsyncOutputs, oldest first
@@ -137,8 +133,9 @@ class RankWorker:
             self.runner.release_cuda_graphs()  # before the communicator they captured goes
         ps.destroy_model_parallel()
 
-    def ping(self) -> bool:
-        return True
+    def ping(self) -> str | None:
+        """-> None while healthy; the traceback of the step that failed this rank."""
+        return self.failure
 
     # ---- steps --------------------------------------------------------------------------
     def execute_model(self, out: SchedulerOutput) -> None:
@@ -166,19 +163,17 @@ class RankWorker:
 
     @contextlib.contextmanager
     def _fatal_errors(self) -> Iterator[None]:
+        """A step that raises fails this rank for good: the traceback is kept for ``ping``
+        (the executor's monitor reads it there and stops every rank), and every later step
+        is refused at once, so that this rank never enters another collective."""
+        if self.failure is not None:
+            raise RuntimeError(f"rank {self.rank} failed earlier:\n{self.failure}")
         try:
             yield
-        except BaseException as e:
-            if not self.exit_on_error or _is_peer_failure(e):
-                raise  # a peer died: the executor names it and stops this rank too
-            logging.getLogger(__name__).critical(
-                "rank %d failed; its process exits:\n%s", self.rank, traceback.format_exc()
-            )
-            logging.shutdown()
-            # A peer may have died under a collective in a way not recognised above: exit a
-            # moment after it, so that the executor's monitor names the peer first.
-            time.sleep(FATAL_EXIT_DELAY_S)
-            os._exit(1)
+        except BaseException:
+            self.failure = traceback.format_exc()
+            logging.getLogger(__name__).error("rank %d failed:\n%s", self.rank, self.failure)
+            raise
 
     # ---- control ------------------------------------------------------------------------
     def control(self, call: ControlCall) -> tuple[str, object]:
@@ -188,13 +183,3 @@ class RankWorker:
             return "ok", getattr(self.runner, call.method)(*call.args)
         except ValueError as e:
             return "value_error", str(e)
-
-
-# How a collective reports a dead peer: gloo's RuntimeError, torch.distributed's errors.
-_PEER_FAILURES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-
-
-def _is_peer_failure(e: BaseException) -> bool:
-    if type(e).__name__ in ("DistBackendError", "DistNetworkError"):
-        return True
-    return isinstance(e, RuntimeError) and any(s in str(e) for s in _PEER_FAILURES)
