@@ -40,8 +40,18 @@ from bench.workloads import add_workload_flags, build_workload, summarize  # noq
 
 # pagedd-sync: pagedd with async scheduling off (--no-async-scheduling), to compare with.
 # pagedd-fp8: pagedd with --quantization fp8 (FP8 weights, quantized at load).
+# pagedd-ray: pagedd with its rank(s) as Ray actors (--distributed-executor-backend ray).
 # vllm, vllm-fp8: the peer engine (vLLM's offline LLM; vllm-fp8: --quantization fp8).
-BACKENDS = ("pagedd", "pagedd-sync", "pagedd-fp8", "vllm", "vllm-fp8", "hf-continuous", "hf-static")
+BACKENDS = (
+    "pagedd",
+    "pagedd-sync",
+    "pagedd-fp8",
+    "pagedd-ray",
+    "vllm",
+    "vllm-fp8",
+    "hf-continuous",
+    "hf-static",
+)
 
 
 QUANTIZATIONS = ("fp8", "fp8_emulated", "awq", "gptq", "compressed-tensors", "mxfp4")
@@ -140,7 +150,7 @@ def _resolve_model(args: argparse.Namespace) -> None:
 
 def run_backend(backend: str, args: argparse.Namespace) -> dict:
     """One backend in this process."""
-    is_pagedd = backend in ("pagedd", "pagedd-sync", "pagedd-fp8")
+    is_pagedd = backend in ("pagedd", "pagedd-sync", "pagedd-fp8", "pagedd-ray")
     is_vllm = backend in ("vllm", "vllm-fp8")
     n = (
         args.hf_num_requests
@@ -159,6 +169,8 @@ def run_backend(backend: str, args: argparse.Namespace) -> dict:
             args.async_scheduling = False
         if backend == "pagedd-fp8":
             args.quantization = "fp8"
+        if backend == "pagedd-ray":
+            args.distributed_executor_backend = "ray"
 
         figures = run_pagedd(args.model, requests, args, vocab_size=vocab)
     elif is_vllm:

@@ -16,6 +16,7 @@ LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = (None, "fp8", "fp8_emulated", "awq", "gptq", "compressed-tensors", "mxfp4")
 BLOCK_SIZES = (8, 16, 32)
 MAX_LORA_RANK = 512
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 KV_CACHE_DTYPES = (
     "auto",
     "fp8",
@@ -45,6 +46,14 @@ class EngineConfig:
     tensor parallelism ``True`` turns it on (every rank fills placeholders from rank 0's
     sampled ids, broadcast on the device); ``None`` leaves it off there until it has been
     measured over NCCL.
+    ``pipeline_parallel_size`` > 1 splits the layers into that many stages (each of
+    ``tensor_parallel_size`` ranks: ``world_size`` ranks in all); the engine keeps several
+    batches in flight so that the stages overlap (pydaemon/engine/batch_queue.py).
+    ``enable_expert_parallel`` partitions a MoE model's experts over the tensor-parallel ranks
+    (whole experts per rank) instead of slicing every expert. ``distributed_executor_backend``
+    places the ranks: "mp" spawns them on this host (one rank alone runs in this process),
+    "ray" runs each as a Ray actor placed by a placement group over the Ray cluster this
+    process joins (several hosts; a local one when none runs).
     ``quantization``: None (as the checkpoint is), "fp8" (FP8 weights, CUDA sm_89+),
     "fp8_emulated" (the same, emulated: any device), or a 4-bit checkpoint's own method
     ("awq", "gptq", "compressed-tensors", "mxfp4": such checkpoints run as stored without it;
@@ -72,6 +81,9 @@ class EngineConfig:
     seed: int = 0
     watermark: float = 0.01
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    distributed_executor_backend: str = "mp"
     enforce_eager: bool = False
     max_seq_len_to_capture: int = 8192
     kv_cache_dtype: str = "auto"
@@ -95,6 +107,7 @@ class EngineConfig:
             ("preemption_mode", PREEMPTION_MODES),
             ("load_format", LOAD_FORMATS),
             ("kv_cache_dtype", KV_CACHE_DTYPES),
+            ("distributed_executor_backend", DISTRIBUTED_EXECUTOR_BACKENDS),
         ):
             if getattr(self, name) not in allowed:
                 raise bad(name, f"must be one of {', '.join(allowed)}")
@@ -118,12 +131,11 @@ class EngineConfig:
             raise bad("max_model_len", "must be a positive integer or None")
         if not 0.0 <= self.watermark < 1.0:
             raise bad("watermark", "must be in [0, 1)")
-        if (
-            not isinstance(self.tensor_parallel_size, int)
-            or isinstance(self.tensor_parallel_size, bool)
-            or self.tensor_parallel_size < 1
-        ):
-            raise bad("tensor_parallel_size", "must be a positive integer")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise bad(name, "must be a positive integer")
+        self._check_pipeline(bad)
         if not isinstance(self.enforce_eager, bool):
             raise bad("enforce_eager", "must be true or false")
         if (
@@ -149,6 +161,25 @@ class EngineConfig:
             raise bad(
                 "model", f"must name {DEFAULT_MODEL!r}, 'demo', a model directory or a .gguf file"
             )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in all: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def _check_pipeline(self, bad) -> None:
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise bad("enable_expert_parallel", "must be true or false")
+        if self.pipeline_parallel_size == 1:
+            return
+        # Features whose state lives in one stage's runner only: not split over stages yet.
+        if self.speculative_config is not None:
+            raise bad(
+                "pipeline_parallel_size",
+                "cannot be combined with speculative decoding (speculative_config) yet",
+            )
+        if self.enable_lora:
+            raise bad("pipeline_parallel_size", "cannot be combined with enable_lora yet")
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

@@ -123,6 +123,8 @@ class EngineCoreLoop:
             if want_stats is None:  # shutdown
                 return
             is_busy = core.has_unfinished_requests()
+            if not is_busy:  # idle: a dead rank fails the engine now, not at the next step
+                core.check_health()
             if is_busy:
                 step = core.step()
                 outputs.outputs = step.outputs

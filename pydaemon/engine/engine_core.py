@@ -10,7 +10,8 @@ cache, LoRA slots) is reached through its calls, with plain data. Requests arriv
 (``EngineCoreRequest``); detokenization and stop strings are the front end's (``LLMEngine``
 in-process, or the daemon's front end over a socket). With async scheduling (on by default on
 CUDA) the next step is scheduled and launched before the last one's results are processed:
-pydaemon/engine/async_stepper.py.
+pydaemon/engine/async_stepper.py; with pipeline parallelism one batch per stage is in
+flight: pydaemon/engine/batch_queue.py.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pydaemon.core.sched.scheduler_output import WARMUP_REQUEST_ID
 from pydaemon.core.stats import EngineStats
 from pydaemon.core.stop_checker import StopChecker
 from pydaemon.engine.async_stepper import AsyncStepper, launch, sample
+from pydaemon.engine.batch_queue import BatchQueueStepper
 from pydaemon.engine.loaded_loras import LoadedLoRAs
 from pydaemon.engine.prompt_input import eos_token_ids
 from pydaemon.engine.structured_outputs import StructuredOutputManager
@@ -78,11 +80,18 @@ class EngineCore:
         use_async = config.async_scheduling
         if use_async is None:  # auto: with one GPU to overlap with (TP: not measured on NCCL yet)
             use_async = info.device.startswith("cuda") and config.tensor_parallel_size == 1
-        self.async_stepper = (
-            AsyncStepper(self.scheduler, self.executor, self.structured_outputs)
-            if use_async
-            else None
-        )
+        self.async_stepper: AsyncStepper | BatchQueueStepper | None = None
+        if config.pipeline_parallel_size > 1:  # a batch per stage in flight, no placeholders
+            self.async_stepper = BatchQueueStepper(
+                self.scheduler,
+                self.executor,
+                self.structured_outputs,
+                config.pipeline_parallel_size,
+            )
+        elif use_async:
+            self.async_stepper = AsyncStepper(
+                self.scheduler, self.executor, self.structured_outputs
+            )
         heap_freeze.freeze_startup_heap()  # last: everything built so far is long-lived
 
     # ---- requests ---------------------------------------------------------------------------

@@ -12,9 +12,10 @@ it hands each step down as plain data and gets plain data back, through these ca
 - ``add_lora`` / ``remove_lora`` / ``list_loras``: the LoRA control plane, to every rank.
 - ``check_health`` / ``shutdown``.
 
-Implementations: ``UniProcExecutor`` (one ModelRunner in this process) and
-``MultiprocExecutor`` (tensor-parallel ranks as spawned processes on this host, rank 0 in
-this process). A backend that places ranks elsewhere implements the same calls.
+Implementations: ``UniProcExecutor`` (one ModelRunner in this process),
+``MultiprocExecutor`` (the ``mp`` backend: TP x PP ranks as spawned processes on this host,
+the sampling rank in this process) and ``RayExecutor`` (the ``ray`` backend: every rank a Ray
+actor, over several hosts). ``factory.make_executor`` picks one from the configuration.
 """
 
 from __future__ import annotations

@@ -7,8 +7,13 @@ from pydaemon.executor.abstract import Executor
 
 
 def make_executor(config: EngineConfig) -> Executor:
-    """One process for one rank; spawned processes on this host for tensor parallelism."""
-    if config.tensor_parallel_size > 1:
+    """``distributed_executor_backend`` "ray": Ray actors, at any size (one rank too);
+    "mp": spawned processes on this host for several ranks, this process alone for one."""
+    if config.distributed_executor_backend == "ray":
+        from pydaemon.executor.ray_executor import RayExecutor
+
+        return RayExecutor(config)
+    if config.world_size > 1:
         from pydaemon.executor.multiproc_executor import MultiprocExecutor
 
         return MultiprocExecutor(config)

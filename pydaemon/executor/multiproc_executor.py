@@ -1,14 +1,16 @@
-"""MultiprocExecutor: runs the model over N tensor-parallel ranks on this host; this process
-is rank 0 (the ``mp`` backend).
+"""MultiprocExecutor: runs the model over TP x PP ranks on this host; this process is the rank
+that samples (the ``mp`` backend).
 
-It starts ranks 1..N-1 as spawned worker processes (one per GPU; gloo on CPUs:
-pydaemon/worker/tp_worker.py), joins the process group as rank 0, builds rank 0's ModelRunner
-(its shard of the weights and of the KV cache, with the same number of blocks on every rank)
+It starts the other ranks as spawned worker processes (one per GPU; gloo on CPUs:
+pydaemon/worker/tp_worker.py), joins the process groups as the sampling rank (tp_rank 0 of
+the last pipeline stage: rank 0 without pipeline parallelism), builds its ModelRunner (its
+shard of the weights and of the KV cache, with the same number of blocks on every rank)
 and, for every step, sends the step's plain SchedulerOutput to each worker before running it
 itself. Every rank builds its inputs from it in its own runner (no rank is special until
-sampling); the collectives inside the model keep the ranks in lockstep, and the logits are
-gathered on rank 0, which samples (``sample_tokens`` runs there alone: the grammar bitmask
-never needs to travel). Under async scheduling a step's placeholder tokens (the last step's
+sampling); the collectives inside the model keep the ranks in lockstep, a stage's
+intermediate tensors go to the next stage point to point, and the logits are gathered on
+this rank, which samples (``sample_tokens`` runs here alone: the grammar bitmask never needs
+to travel). Under async scheduling a step's placeholder tokens (the last step's
 samples, not yet on the host) are filled on every rank from rank 0's sampled ids, broadcast
 device to device (``ModelRunner._share_sampled_ids``). LoRA adapters are loaded and unloaded
 on every rank by control calls on the same pipes, in order with the steps.
@@ -28,7 +30,6 @@ import atexit
 import logging
 import multiprocessing.connection
 import pickle
-import socket
 import threading
 import time
 
@@ -41,8 +42,9 @@ from pydaemon.distributed import parallel_state as ps
 from pydaemon.executor.abstract import AsyncOutput, Executor, ExecutorFailed
 from pydaemon.lora_request import LoRARequest
 from pydaemon.model_loader.loader import load_model_config
-from pydaemon.models import get_model_class
+from pydaemon.models.parallel import check_parallel
 from pydaemon.worker.model_runner import ModelRunner, resolve_device
+from pydaemon.worker.rank_worker import free_port
 from pydaemon.worker.tp_worker import ControlCall, WorkerArgs, worker_main
 
 logger = logging.getLogger(__name__)
@@ -56,23 +58,28 @@ class TensorParallelError(ExecutorFailed):
     """A tensor-parallel worker failed; the engine cannot run any more steps."""
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
-        tp = config.tensor_parallel_size
-        if tp < 2:
-            raise ValueError(f"MultiprocExecutor needs tensor_parallel_size >= 2, got {tp}")
+        tp, pp, world = (
+            config.tensor_parallel_size,
+            config.pipeline_parallel_size,
+            config.world_size,
+        )
+        if world < 2:
+            raise ValueError(f"MultiprocExecutor needs 2 ranks or more, got TP {tp} x PP {pp}")
         model_config = load_model_config(config.model)
-        get_model_class(model_config.architecture).check_tensor_parallel(model_config, tp)
-        device = resolve_device(config.device, 0, tp)
+        check_parallel(model_config, tp, pp, config.enable_expert_parallel)
+        device = resolve_device(config.device)
+        if device.type == "cuda" and world > torch.cuda.device_count():
+            raise ValueError(
+                f"tensor_parallel_size x pipeline_parallel_size ({tp} x {pp}) is larger than "
+                f"the number of visible CUDA devices ({torch.cuda.device_count()}); several "
+                "hosts need distributed_executor_backend 'ray'"
+            )
         backend = "nccl" if device.type == "cuda" else "gloo"
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
-        self.world_size = tp
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        self.world_size = world
+        self.driver_rank = (pp - 1) * tp  # tp_rank 0 of the last stage: it samples
         self.failure: str | None = None  # set once a worker failed
         # Rank 0's runner, once built (tests and benchmarks look inside; the engine never does).
         self.driver_runner: ModelRunner | None = None
@@ -82,12 +89,13 @@ class MultiprocExecutor(Executor):
         ctx = torch.multiprocessing.get_context("spawn")
         self.workers: list = []
         self.conns: list[multiprocessing.connection.Connection] = []
+        self.worker_ranks = [r for r in range(world) if r != self.driver_rank]
         atexit.register(self.shutdown)
-        for rank in range(1, tp):
+        for rank in self.worker_ranks:
             parent_conn, child_conn = ctx.Pipe()
             args = WorkerArgs(
                 rank,
-                tp,
+                world,
                 backend,
                 init_method,
                 COLLECTIVE_TIMEOUT_S,
@@ -103,7 +111,16 @@ class MultiprocExecutor(Executor):
             self.conns.append(parent_conn)
         try:
             self._wait_for("hello", START_TIMEOUT_S)
-            ps.init_tensor_parallel(0, tp, backend, init_method, COLLECTIVE_TIMEOUT_S)
+            ps.init_model_parallel(
+                self.driver_rank,
+                world,
+                backend,
+                init_method,
+                COLLECTIVE_TIMEOUT_S,
+                tensor_parallel_size=tp,
+                pipeline_parallel_size=pp,
+                enable_expert_parallel=config.enable_expert_parallel,
+            )
             self.driver_runner = ModelRunner(config)
             self.info = self.driver_runner.runner_info()
             self.model_config = self.driver_runner.model_config
@@ -117,8 +134,9 @@ class MultiprocExecutor(Executor):
         self._monitor = threading.Thread(target=self._watch, name="pagedd-tp-monitor", daemon=True)
         self._monitor.start()
         logger.info(
-            "tensor parallel: %d ranks over %s (workers: pids %s)",
+            "model parallel: TP %d x PP %d ranks over %s (workers: pids %s)",
             tp,
+            pp,
             backend,
             ", ".join(str(p.pid) for p in self.workers),
         )
@@ -173,7 +191,7 @@ class MultiprocExecutor(Executor):
         with self._probe_lock:  # the replies are read here, not by a failure probe
             self._broadcast(ControlCall(method, args))
             problems = []
-            for rank, (proc, conn) in enumerate(zip(self.workers, self.conns, strict=True), 1):
+            for rank, proc, conn in self._ranked_workers():
                 kind, payload = self._reply(rank, proc, conn)
                 if kind == "value_error":
                     problems.append(payload)
@@ -211,6 +229,10 @@ class MultiprocExecutor(Executor):
                 if not ignore_errors:
                     raise
 
+    def _ranked_workers(self) -> list:
+        """-> [(rank, process, pipe)] of the worker processes."""
+        return list(zip(self.worker_ranks, self.workers, self.conns, strict=True))
+
     def check_health(self) -> None:
         """Raises TensorParallelError once any worker has failed."""
         if self.failure is None:
@@ -225,7 +247,7 @@ class MultiprocExecutor(Executor):
             return self._probe_workers()
 
     def _probe_workers(self) -> str | None:
-        for rank, (proc, conn) in enumerate(zip(self.workers, self.conns, strict=True), start=1):
+        for rank, proc, conn in self._ranked_workers():
             message = None
             try:
                 while conn.poll():
@@ -255,7 +277,7 @@ class MultiprocExecutor(Executor):
     def _wait_for(self, kind: str, timeout_s: float) -> None:
         """Waits for message ``kind`` from every worker; raises when one fails or times out."""
         deadline = time.monotonic() + timeout_s
-        for rank, (proc, conn) in enumerate(zip(self.workers, self.conns, strict=True), start=1):
+        for rank, proc, conn in self._ranked_workers():
             while not conn.poll(0.1):
                 if not proc.is_alive():
                     raise TensorParallelError(self._died_before(kind, rank, proc))
@@ -295,7 +317,7 @@ class MultiprocExecutor(Executor):
             self.failure = self._wait_failure(0.5) or "a tensor-parallel worker died"
             logger.error("%s; stopping the other workers", self.failure)
             self._stop_workers(graceful=False)
-            ps.abort_tensor_parallel()
+            ps.abort_model_parallel()
             return
 
     # ---- shutdown ---------------------------------------------------------------------------
@@ -309,7 +331,7 @@ class MultiprocExecutor(Executor):
         self._stop_workers(graceful=True)
         if self.driver_runner is not None:
             self.driver_runner.release_cuda_graphs()  # before the communicator they captured goes
-        ps.destroy_tensor_parallel()
+        ps.destroy_model_parallel()
 
     def _stop_workers(self, graceful: bool) -> None:
         if graceful:

@@ -7,11 +7,15 @@ from pydaemon.config.lora import LoRAAdapterConfig
 from pydaemon.core.sched.scheduler_output import GrammarOutput, SchedulerOutput
 from pydaemon.executor.abstract import AsyncOutput, Executor
 from pydaemon.lora_request import LoRARequest
+from pydaemon.model_loader.loader import load_model_config
+from pydaemon.models.parallel import check_parallel
 from pydaemon.worker.model_runner import ModelRunner
 
 
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
+        if config.enable_expert_parallel:  # nothing to partition over: say so
+            check_parallel(load_model_config(config.model), 1, 1, True)
         # The runner, for tests and benchmarks that look inside (the engine core never does).
         self.driver_runner = ModelRunner(config)
         self.info = self.driver_runner.runner_info()

@@ -15,7 +15,9 @@ pydaemon/model_loader/weight_targets.py, which packs q/k/v and gate/up into the 
 Tensor parallel: a sharded parameter (see layers/parallel_linear.py) is read as this rank's
 slice only (``get_slice``), so no rank ever holds the whole model. Dummy weights are drawn at
 the full shape one checkpoint tensor at a time and sliced, so that they do not depend on the
-TP size (nor on the packing).
+TP size (nor on the packing). A rank holding part of the model only (a pipeline stage, or
+some experts under expert parallelism) makes the whole model's draws in the whole model's
+order, keeping its own: every split of the model gets the same dummy weights.
 
 Quantization (``quantization="fp8"``, or a checkpoint whose config.json says it is FP8; see
 pydaemon/quantization/): the linear layers hold FP8 weights with per-channel scales, filled
@@ -90,24 +92,34 @@ def load_model(
         load_format=load_format,
         tp_size=ps.get_tp_world_size(),
     )
-    with torch.device("meta"):
-        model = get_model_class(config.architecture)(config, quant_config)
-    if quant_config is not None:
-        skipped = skip_ignored_layers(model, quant_config.checkpoint)
-        if skipped:
-            logger.info(
-                "%d linear layers left unquantized, as the checkpoint lists them: %s",
-                len(skipped),
-                ", ".join(skipped),
-            )
+    model = _build_on_meta(config, quant_config, log=True)
     materialize(model, torch_dtype, device)
     if load_format == "dummy":
-        fill_dummy(model, seed, torch_dtype)
+        whole = None
+        if ps.get_pp_world_size() > 1 or ps.get_ep_world_size() > 1:  # this rank: a part
+            with ps.unsharded():
+                whole = weight_targets(_build_on_meta(config, quant_config))
+        fill_dummy(model, seed, torch_dtype, whole)
     elif gguf is not None:
         _load_gguf_weights(model, config, gguf)
     else:
         _load_weights(model, config, model_dir)
     return model.eval(), config
+
+
+def _build_on_meta(config: ModelConfig, quant_config, log: bool = False) -> nn.Module:
+    """The model (this rank's part of it) on the meta device: shapes, no memory."""
+    with torch.device("meta"):
+        model = get_model_class(config.architecture)(config, quant_config)
+    if quant_config is not None:
+        skipped = skip_ignored_layers(model, quant_config.checkpoint)
+        if skipped and log:
+            logger.info(
+                "%d linear layers left unquantized, as the checkpoint lists them: %s",
+                len(skipped),
+                ", ".join(skipped),
+            )
+    return model
 
 
 def load_model_config(model: str | Path) -> ModelConfig:
@@ -144,12 +156,19 @@ def materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> N
             module.reset_parameters(device)
 
 
-def fill_dummy(model: nn.Module, seed: int, dtype: torch.dtype) -> None:
+def fill_dummy(model: nn.Module, seed: int, dtype: torch.dtype, whole: dict | None = None) -> None:
+    """Random weights. ``whole``: the whole model's weight targets (on the meta device) when
+    ``model`` is a part of it: their draws are made in their order, this part's kept."""
     device = next(model.parameters()).device
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     drawn: set[int] = set()  # int4 parts and MXFP4 layers already drawn
-    for name, target in weight_targets(model).items():
+    targets = weight_targets(model)
+    for name, whole_target in (whole or targets).items():
+        target = targets.get(name)
+        if target is None:  # another rank's: drawn as the whole model would, then dropped
+            _skip_draw(name, whole_target, drawn, gen, dtype)
+            continue
         if isinstance(target, Int4Target):
             if id(target.part) not in drawn:  # the unquantized model's draws, quantized
                 drawn.add(id(target.part))
@@ -157,6 +176,12 @@ def fill_dummy(model: nn.Module, seed: int, dtype: torch.dtype) -> None:
                 target.part.load_float(full.normal_(0.0, 0.02, generator=gen))
                 del full
         elif isinstance(target, Mxfp4Target):
+            if whole is not None:
+                raise ValueError(
+                    "dummy MXFP4 experts cannot be split over pipeline stages or experts yet "
+                    "(pipeline_parallel_size > 1 or enable_expert_parallel): load the "
+                    "checkpoint's weights"
+                )
             if id(target.module) not in drawn:
                 drawn.add(id(target.module))
                 mxfp4_loading.fill_dummy(target.module, gen, dtype)
@@ -174,6 +199,24 @@ def fill_dummy(model: nn.Module, seed: int, dtype: torch.dtype) -> None:
             full = torch.empty(target.checkpoint_shape, dtype=target.dest.dtype, device=device)
             target.copy_(full.normal_(0.0, 0.02, generator=gen)[target.read_index()])
             del full
+
+
+def _skip_draw(name: str, whole_target, drawn: set[int], gen, dtype: torch.dtype) -> None:
+    """The draws of a checkpoint tensor this rank does not hold (its target in the whole model,
+    on the meta device), made and dropped: the generator moves as the whole model's does."""
+    if isinstance(whole_target, Mxfp4Target):
+        raise ValueError(
+            "dummy MXFP4 experts cannot be split over pipeline stages or experts yet "
+            "(pipeline_parallel_size > 1 or enable_expert_parallel): load the checkpoint's weights"
+        )
+    if isinstance(whole_target, Int4Target):
+        if id(whole_target.part) in drawn:
+            return
+        drawn.add(id(whole_target.part))
+    elif name.endswith("norm.weight") or not whole_target.required:
+        return  # filled, not drawn
+    shape = whole_target.checkpoint_shape
+    torch.empty(shape, dtype=dtype, device=gen.device).normal_(0.0, 0.02, generator=gen)
 
 
 def _load_weights(model: nn.Module, config: ModelConfig, model_dir: Path) -> None:

@@ -89,6 +89,9 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class GemmaModel(nn.Module):
+    # One pipeline stage only (GemmaForCausalLM.supports_pp is False).
+    is_first_stage = is_last_stage = True
+
     def __init__(self, config: ModelConfig, quant_config: Fp8Config | None = None) -> None:
         super().__init__()
         self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size)
@@ -124,6 +127,7 @@ class GemmaModel(nn.Module):
         positions: torch.Tensor,  # [T] int64
         kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]
         attn_metadata: AttentionMetadata,
+        intermediate_tensors: torch.Tensor | None = None,  # pipeline stages: unsupported
     ) -> torch.Tensor:  # [T, hidden_size]
         hidden_states = self.embed_tokens(input_ids)
         hidden_states = hidden_states * self._normalizer(hidden_states.dtype)
@@ -149,6 +153,8 @@ class GemmaModel(nn.Module):
 class GemmaForCausalLM(LlamaForCausalLM):
     """Gemma 2 / Gemma 3: LlamaForCausalLM's head (tied, soft-capped logits when the config
     says) on the Gemma decoder."""
+
+    supports_pp = False  # its decoder is not split into stages yet
 
     def __init__(self, config: ModelConfig, quant_config: Fp8Config | None = None) -> None:
         super().__init__(config, quant_config)

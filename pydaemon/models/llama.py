@@ -14,6 +14,13 @@ heads / its MLP columns, of each part), o_proj and down_proj row-parallel with a
 embedding and LM head vocabulary-parallel. At TP=1 o_proj, down_proj, the embedding and LM
 head are plain nn.Linear / nn.Embedding.
 
+Pipeline parallel (vLLM's scheme): a stage builds only its layers (``pp_layer_range``; the
+others are ``PPMissingLayer`` placeholders, so that parameter names keep their layer
+index), the first stage the embedding, the last one the final norm and the LM head (and
+the embedding too when the LM head is tied to it). A stage other than the last returns its
+intermediate tensors (the last layer's output and residual), which the next stage takes
+instead of the embedding.
+
 Quantization: a ``quant_config`` (pydaemon/quantization/config.py) makes qkv_proj, o_proj,
 gate_up_proj and down_proj quantized layers; the embedding and the LM head stay unquantized.
 """
@@ -42,6 +49,7 @@ from pydaemon.layers.parallel_linear import (
 )
 from pydaemon.layers.rms_norm import RMSNorm
 from pydaemon.layers.rotary_embedding import RotaryEmbedding
+from pydaemon.models.pipeline import PPMissingLayer, pp_layer_range
 
 if TYPE_CHECKING:
     from pydaemon.quantization.config import Fp8Config
@@ -188,36 +196,53 @@ class LlamaModel(nn.Module):
         make_mlp: MlpFactory | None = None,
     ) -> None:
         super().__init__()
-        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size)
+        self.start_layer, self.end_layer = pp_layer_range(
+            config.num_hidden_layers, ps.get_pp_rank(), ps.get_pp_world_size()
+        )
+        self.is_first_stage, self.is_last_stage = ps.is_first_pp_rank(), ps.is_last_pp_rank()
+        # The last stage keeps a tied embedding as its LM head's weight.
+        has_embedding = self.is_first_stage or (self.is_last_stage and config.tie_word_embeddings)
+        self.embed_tokens = (
+            vocab_embedding(config.vocab_size, config.hidden_size) if has_embedding else None
+        )
         self.layers = nn.ModuleList(
             [
                 LlamaDecoderLayer(config, i, quant_config, make_mlp(i) if make_mlp else None)
+                if self.start_layer <= i < self.end_layer
+                else PPMissingLayer()
                 for i in range(config.num_hidden_layers)
             ]
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else None
         self.rotary_emb = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.rope_scaling)
 
     def forward(
         self,
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
-        kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]
+        kv_cache: torch.Tensor,  # [num_blocks, num_stage_layers, 2, num_kv_heads, block_size, head_dim]
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden_size]
-        hidden_states = self.embed_tokens(input_ids)
+        intermediate_tensors: torch.Tensor | None = None,  # [2, T, hidden_size], stages > 0
+    ) -> torch.Tensor:  # [T, hidden_size]; [2, T, hidden_size] on stages but the last
+        if self.is_first_stage:
+            hidden_states = self.embed_tokens(input_ids)
+            residual = None
+        else:  # the previous stage's last (output, residual)
+            hidden_states, residual = intermediate_tensors[0], intermediate_tensors[1]
         cos, sin = self.rotary_emb(positions)
-        residual = None
-        for layer_idx, layer in enumerate(self.layers):
-            hidden_states, residual = layer(
+        start = self.start_layer
+        for layer_idx in range(start, self.end_layer):
+            hidden_states, residual = self.layers[layer_idx](
                 hidden_states,
                 residual,
                 cos,
                 sin,
-                kv_cache[:, layer_idx, 0],
-                kv_cache[:, layer_idx, 1],
+                kv_cache[:, layer_idx - start, 0],
+                kv_cache[:, layer_idx - start, 1],
                 attn_metadata,
             )
+        if not self.is_last_stage:
+            return torch.stack([hidden_states, residual])
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -233,10 +258,12 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = self.build_model(config, quant_config, make_mlp)
         # Tied: the logits reuse model.embed_tokens.weight, there is no lm_head parameter.
-        self.lm_head = (
-            None if config.tie_word_embeddings else lm_head(config.hidden_size, config.vocab_size)
-        )
+        # Pipeline parallel: the last stage alone computes logits.
+        has_lm_head = not config.tie_word_embeddings and self.model.is_last_stage
+        self.lm_head = lm_head(config.hidden_size, config.vocab_size) if has_lm_head else None
         self.tp_size = ps.get_tp_world_size()
+
+    supports_pp = True  # pipeline stages: see the module docstring
 
     @staticmethod
     def build_model(
@@ -253,10 +280,11 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
-        kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]
+        kv_cache: torch.Tensor,  # [num_blocks, num_stage_layers, 2, num_kv_heads, block_size, head_dim]
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden_size]
-        return self.model(input_ids, positions, kv_cache, attn_metadata)
+        intermediate_tensors: torch.Tensor | None = None,  # [2, T, hidden_size], stages > 0
+    ) -> torch.Tensor:  # [T, hidden_size]; [2, T, hidden_size] on stages but the last
+        return self.model(input_ids, positions, kv_cache, attn_metadata, intermediate_tensors)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         # hidden_states: [N, hidden_size] -> [N, vocab_size] float32 (None on TP ranks > 0)

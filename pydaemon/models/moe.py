@@ -7,7 +7,9 @@ sparse MoE block (pydaemon/layers/moe/block.py) on the layers ``config.moe`` mar
 dense MLP on the others. Mixtral's checkpoint calls the block ``block_sparse_moe``, gpt-oss's
 calls the router ``router``: ``checkpoint_module_renames`` tells the loader. gpt-oss's RMSNorms
 scale in float32 and round once (GptOssRMSNorm), its experts have biases and the clamped
-SwiGLU (layers/moe/activation.py).
+SwiGLU (layers/moe/activation.py). Expert parallel (``enable_expert_parallel``) partitions the
+experts over the tensor-parallel ranks (pydaemon/layers/moe/layer.py); the attention and the
+shared expert stay sliced.
 """
 
 from __future__ import annotations
@@ -60,3 +62,21 @@ class MoeForCausalLM(LlamaForCausalLM):
                     f"{name} ({value}) is not divisible by tensor_parallel_size ({tp}): "
                     f"each rank must hold {name} / {tp} columns of every expert"
                 )
+
+    @staticmethod
+    def check_expert_parallel(config: ModelConfig, tp: int) -> None:
+        """Expert parallel over ``tp`` ranks: whole experts per rank, the rest sliced."""
+        check_tensor_parallel(config, tp)
+        moe = config.moe
+        assert moe is not None
+        if moe.num_experts % tp:
+            raise ValueError(
+                f"num_experts ({moe.num_experts}) is not divisible by tensor_parallel_size "
+                f"({tp}): expert parallelism gives each rank as many whole experts"
+            )
+        shared = moe.shared_expert_intermediate_size
+        if shared % tp:
+            raise ValueError(
+                f"shared_expert_intermediate_size ({shared}) is not divisible by "
+                f"tensor_parallel_size ({tp})"
+            )

@@ -166,9 +166,12 @@ def cuda_graph_plan(
 ) -> GraphPlan | None:
     """The decode graphs this runner captures (and verify graphs for the configured k under
     speculative decoding), or None when every step runs eagerly:
-    ``enforce_eager``, or a cache not served by the CUDA kernels (CPU, float32, a build
-    without kernels, PAGEDD_ATTENTION_BACKEND=torch). Windowed, soft-capped and sink layers
-    run the kernels too (their modifiers are per-layer constants a graph holds)."""
+    ``enforce_eager``, a cache not served by the CUDA kernels (CPU, float32, a build without
+    kernels, PAGEDD_ATTENTION_BACKEND=torch), or pipeline parallelism (its stages' sends and
+    receives are not captured yet). Windowed, soft-capped and sink layers run the kernels too
+    (their modifiers are per-layer constants a graph holds)."""
+    if config.pipeline_parallel_size > 1:
+        return None
     if config.enforce_eager or not uses_kernels(kv_cache):
         return None
     tp = config.tensor_parallel_size

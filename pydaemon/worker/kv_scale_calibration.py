@@ -40,12 +40,21 @@ class KVScales:
     """Sets the layers' scales at start-up; ``arm_for`` / ``finish`` around the step that
     measures the missing ones."""
 
-    def __init__(self, model: nn.Module, model_dir: str | None, calculate: bool) -> None:
-        """``model_dir``: the checkpoint to read scales from (None: dummy weights, none)."""
+    def __init__(
+        self,
+        model: nn.Module,
+        model_dir: str | None,
+        calculate: bool,
+        layer_range: tuple[int, int, int] | None = None,
+    ) -> None:
+        """``model_dir``: the checkpoint to read scales from (None: dummy weights, none).
+        ``layer_range``: (start, end, num_layers) when the model holds layers [start, end) of
+        num_layers only (a pipeline stage)."""
         self.layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
         scales = [(None, None)] * len(self.layers)
         if model_dir is not None:
-            scales = kv_scales_from_checkpoint(model_dir, len(self.layers), default=None)
+            start, end, num_layers = layer_range or (0, len(self.layers), len(self.layers))
+            scales = kv_scales_from_checkpoint(model_dir, num_layers, default=None)[start:end]
         for layer, (k_scale, v_scale) in zip(self.layers, scales, strict=True):
             layer.k_scale = 1.0 if k_scale is None else k_scale
             layer.v_scale = 1.0 if v_scale is None else v_scale

@@ -22,6 +22,7 @@ from pydaemon.layers.attention import uses_kernels
 from pydaemon.layers.attention_metadata import AttentionMetadata, to_device
 from pydaemon.lora_request import LoRARequest
 from pydaemon.model_loader.loader import load_model
+from pydaemon.models.pipeline import pp_layer_range
 from pydaemon.quantization.kv_cache_fp8 import is_fp8, resolve_kv_cache_dtype
 from pydaemon.worker.async_output import AsyncModelRunnerOutput
 from pydaemon.worker.cuda_graph_inputs import cuda_graph_plan
@@ -49,32 +50,38 @@ class _PendingSample:
     hidden: torch.Tensor | None = None  # [>= num_tokens, hidden_size], for EAGLE heads
 
 
-def resolve_device(device: str, tp_rank: int = 0, tp_size: int = 1) -> torch.device:
-    """Under tensor parallelism rank r runs on cuda:r."""
+def resolve_device(device: str, local_rank: int | None = None) -> torch.device:
+    """``local_rank``: this rank's CUDA device index on its host (model parallel: cuda:i);
+    None for a lone rank (plain "cuda")."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
-    if device == "cuda" and tp_size > 1:
-        if tp_size > torch.cuda.device_count():
+    if device == "cuda" and local_rank is not None:
+        if local_rank >= torch.cuda.device_count():
             raise ValueError(
-                f"tensor_parallel_size ({tp_size}) is larger than the number of visible CUDA "
-                f"devices ({torch.cuda.device_count()})"
+                f"this rank runs on CUDA device {local_rank}, but torch sees "
+                f"{torch.cuda.device_count()} device(s) on this host"
             )
-        return torch.device("cuda", tp_rank)
+        return torch.device("cuda", local_rank)
     return torch.device(device)
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        if ps.get_tp_world_size() != config.tensor_parallel_size:
+        if (ps.get_tp_world_size(), ps.get_pp_world_size()) != (
+            config.tensor_parallel_size,
+            config.pipeline_parallel_size,
+        ):
             raise RuntimeError(
-                f"this process is a rank of a tensor-parallel group of size "
-                f"{ps.get_tp_world_size()}, but tensor_parallel_size is "
-                f"{config.tensor_parallel_size}: shut the other engine down first"
+                f"this process is a rank of a model-parallel group of TP {ps.get_tp_world_size()}"
+                f" x PP {ps.get_pp_world_size()}, but the config asks for TP "
+                f"{config.tensor_parallel_size} x PP {config.pipeline_parallel_size}: shut the "
+                "other engine down first"
             )
-        self.device = resolve_device(config.device, ps.get_tp_rank(), ps.get_tp_world_size())
+        local_rank = ps.get_local_rank() if ps.get_world_size() > 1 else None
+        self.device = resolve_device(config.device, local_rank)
         self.model, self.model_config = load_model(
             config.model,
             dtype=config.dtype,
@@ -92,8 +99,10 @@ class ModelRunner:
         self.max_num_batched_tokens = config.max_num_batched_tokens or default_budget
         # LoRA wrappers go in before the memory profile and the graphs, which include them.
         self.lora_manager = make_lora_manager(self.model, config, self.max_num_batched_tokens)
+        # Pipeline parallel: this stage's layers only.
+        start, end = pp_layer_range(mc.num_hidden_layers, ps.get_pp_rank(), ps.get_pp_world_size())
         self.spec = KVCacheSpec(
-            num_layers=mc.num_hidden_layers,
+            num_layers=end - start,
             num_kv_heads=mc.num_key_value_heads // config.tensor_parallel_size,  # this rank's
             block_size=config.block_size,
             head_dim=mc.head_dim,
@@ -102,7 +111,12 @@ class ModelRunner:
         self.kv_scales: KVScales | None = None
         if is_fp8(self.spec.dtype):
             model_dir = None if config.load_format == "dummy" else config.model
-            self.kv_scales = KVScales(self.model, model_dir, config.calculate_kv_scales)
+            self.kv_scales = KVScales(
+                self.model,
+                model_dir,
+                config.calculate_kv_scales,
+                layer_range=(start, end, mc.num_hidden_layers),
+            )
         # Speculative decoding's draft model or EAGLE head: its weights before sizing.
         self.draft: DraftModelProposer | EagleProposer | None = None
         spec = config.speculative
@@ -114,7 +128,7 @@ class ModelRunner:
         if self.draft is not None and not config.num_kv_blocks:  # its cache takes a share
             target_bytes, draft_bytes = self.spec.block_bytes, self.draft.kv_spec.block_bytes
             self.num_gpu_blocks = self.num_gpu_blocks * target_bytes // (target_bytes + draft_bytes)
-        # Tensor parallel: one block manager drives every rank, so all hold as many blocks.
+        # Model parallel: one block manager drives every rank, so all hold as many blocks.
         self.num_gpu_blocks = ps.min_across_ranks(self.num_gpu_blocks)
         max_useful = config.max_num_seqs * math.ceil(self.max_model_len / config.block_size) + 1
         self.num_cpu_blocks = min(
@@ -245,8 +259,20 @@ class ModelRunner:
             seq_lens_cpu=[num_tokens],
             query_lens_cpu=[num_tokens],
         )
-        hidden = self.model(ids, positions, self.kv_cache, meta)
-        self.model.compute_logits(hidden[-1:])
+        if ps.get_pp_world_size() == 1:
+            hidden = self.model(ids, positions, self.kv_cache, meta)
+            self.model.compute_logits(hidden[-1:])
+            return
+        # A pipeline stage alone (no peer is in step with it now): zeros for its input.
+        hidden_size = self.model_config.hidden_size
+        intermediate = None
+        if not ps.is_first_pp_rank():
+            intermediate = torch.zeros(
+                (2, num_tokens, hidden_size), dtype=self.dtype, device=ids.device
+            )
+        hidden = self.model(ids, positions, self.kv_cache, meta, intermediate)
+        if ps.is_last_pp_rank():
+            self.model.compute_logits(hidden[-1:])
 
     # ---- the step ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -287,13 +313,14 @@ class ModelRunner:
     def sample_tokens(self, grammar: GrammarOutput | None = None) -> AsyncModelRunnerOutput | None:
         """Samples the step ``execute_model`` launched, with the grammar bitmask of its
         constrained rows, and starts the one device-to-host copy. -> the output on the way
-        to the host; None on tensor-parallel ranks > 0 (rank 0 samples from the gathered
-        logits; this rank receives its ids when the next step's placeholders need them)."""
+        to the host; None on the ranks that do not sample (tp_rank 0 of the last pipeline
+        stage samples from the gathered logits; a TP rank receives its ids when the next
+        step's placeholders need them)."""
         pending, self._pending = self._pending, None
         if pending is None:
             raise RuntimeError("sample_tokens: no step was launched (execute_model)")
         out, step = pending.scheduler_output, pending.step
-        is_driver = ps.get_tp_rank() == 0
+        is_driver = ps.is_sampling_rank()
         if step is None:
             result = AsyncModelRunnerOutput(ModelRunnerOutput())
         elif not is_driver:
@@ -383,9 +410,32 @@ class ModelRunner:
             seq_lens_cpu=step.seq_lens.tolist(),
             query_lens_cpu=query_len.tolist(),
         )
+        if ps.get_pp_world_size() > 1:
+            return self._forward_stage(step, meta)
         hidden = self.model(
             self._input_ids(step), to_device(step.positions, dev), self.kv_cache, meta
         )
+        if len(step.sample_index) == 0:
+            return hidden, hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
+        return hidden, self.model.compute_logits(hidden[to_device(step.sample_index, dev)])
+
+    def _forward_stage(
+        self, step: StepInput, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Pipeline parallel: this stage's layers, between the previous stage's intermediate
+        tensors (received) and the next one's (sent), in stream order on NCCL. -> as
+        ``_forward``; no logits but on the last stage."""
+        dev = self.device
+        intermediate = None
+        if not ps.is_first_pp_rank():
+            shape = (2, len(step.input_ids), self.model_config.hidden_size)
+            intermediate = ps.recv_from_prev_stage(torch.empty(shape, dtype=self.dtype, device=dev))
+        hidden = self.model(
+            self._input_ids(step), to_device(step.positions, dev), self.kv_cache, meta, intermediate
+        )
+        if not ps.is_last_pp_rank():
+            ps.send_to_next_stage(hidden)  # [2, T, hidden_size]
+            return hidden, None
         if len(step.sample_index) == 0:
             return hidden, hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
         return hidden, self.model.compute_logits(hidden[to_device(step.sample_index, dev)])

@@ -25,8 +25,9 @@ def test_serve_help_shows_defaults_once():
     text = _serve_help()
     assert "(default: None)" not in text
     # --metrics-port, --http-port, --enforce-eager, --calculate-kv-scales,
-    # --allow-unauthenticated, --parse-special-tokens-in-chat, --enable-lora
-    assert text.count("(default: off)") == 7
+    # --allow-unauthenticated, --parse-special-tokens-in-chat, --enable-lora,
+    # --enable-expert-parallel
+    assert text.count("(default: off)") == 8
     for expected in (
         "tokens per KV block (8, 16, 32) (default: 16)",
         "most sequences per step (default: 512)",

@@ -234,13 +234,15 @@ class Scheduler:
         self._plans.append((out, plan))
         return out
 
-    def advance(self, scheduler_output: SchedulerOutput) -> None:
-        """The step was launched: its tokens count as computed and each sequence it samples
-        holds a placeholder token, so that the next step can be scheduled before its results
-        (``update_from_output`` also does this, if not done)."""
+    def advance(self, scheduler_output: SchedulerOutput, placeholders: bool = True) -> None:
+        """The step was launched: its tokens count as computed and, with ``placeholders``,
+        each sequence it samples holds a placeholder token, so that the next step can be
+        scheduled before its results (``update_from_output`` also does this, if not done).
+        Without: a sampling sequence has nothing to schedule until then (pipeline
+        parallelism's batch queue, pydaemon/engine/batch_queue.py)."""
         for out, plan in self._plans:
             if out is scheduler_output:
-                self.updater.advance(plan)
+                self.updater.advance(plan, placeholders)
                 return
         raise RuntimeError("advance: not the output of a pending schedule()")
 

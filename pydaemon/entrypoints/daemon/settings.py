@@ -44,6 +44,17 @@ ENGINE_FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("--seed", int, "seed of the engine's sampling generator"),
     ("--watermark", float, "fraction of KV blocks kept free at admission"),
     ("--tensor-parallel-size", int, "shard the model over this many GPUs (processes)"),
+    (
+        "--pipeline-parallel-size",
+        int,
+        "split the layers into this many stages (tensor x pipeline parallel size ranks)",
+    ),
+    (
+        "--distributed-executor-backend",
+        str,
+        "mp (ranks spawned on this host) | ray (ranks as Ray actors over the Ray cluster "
+        "this host runs: several hosts; docs/multi_host.md)",
+    ),
     ("--max-seq-len-to-capture", int, "decode steps with longer contexts run without CUDA graphs"),
     (
         "--speculative-config",
@@ -74,6 +85,11 @@ ENGINE_BOOL_FLAGS = (
         "the first prefill (amax / 200 for K, / 100 for V), then keep them",
     ),
     ("--enable-lora", "serve LoRA adapters (implied by --lora-modules)"),
+    (
+        "--enable-expert-parallel",
+        "MoE models: partition the experts over the tensor-parallel ranks (whole experts "
+        "per rank) instead of slicing every expert",
+    ),
     (
         "--async-scheduling",
         "schedule each step while the previous one runs on the GPU (default: on with one CUDA "

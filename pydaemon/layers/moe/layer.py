@@ -4,9 +4,21 @@ Parameters (this tensor-parallel rank's): ``w13_weight`` [E, 2 * I / tp, H], eac
 gate rows then its up rows (this rank's slice of each, as MergedColumnParallelLinear), and
 ``w2_weight`` [E, H, I / tp] (this rank's columns, as RowParallelLinear). Every rank holds a
 slice of every expert (vLLM's default); the output is this rank's partial sum, all-reduced
-once per layer by the caller (the block adds its shared expert's partial sum first). Expert
-parallelism later keeps this interface: a rank would hold ``num_local_experts`` whole experts
-and map global ids to local ones before the align step.
+once per layer by the caller (the block adds its shared expert's partial sum first).
+
+Expert parallel (``enable_expert_parallel``: pydaemon/distributed/parallel_state.py): the
+experts are partitioned over the tensor-parallel ranks instead, rank r holding the
+``num_local_experts`` whole experts from ``expert_start`` (``w13_weight`` [E / ep, 2 * I,
+H], ``w2_weight`` [E / ep, H, I]). Dispatch needs no collective: attention leaves every
+rank of the group with the same tokens, so each rank routes them all (the router is
+replicated) and keeps the slots of its own experts; the combine is the same all-reduce of
+partial sums. A slot routed to another rank's expert is given weight 0 and local expert 0
+(``local_routing``), so every expert backend (grouped GEMMs, Triton, the decode kernels,
+FP8) runs unchanged, at the cost of computing those slots for nothing: a rank does the
+GEMM work of all T * k slots on its E / ep experts. Skipping them (vLLM's ``expert_map``:
+id -1, left out of the align step) and an all-to-all dispatch (DeepEP-style: each rank sends
+only its own tokens to the owners of their experts, which needs data-parallel attention so
+that ranks hold different tokens) are the faster designs.
 
 Loading: the checkpoint keeps one tensor per expert and projection (``experts.{e}.gate_proj``
 or Mixtral's ``experts.{e}.w1`` ...); ``checkpoint_parts`` says where each goes (the loader,
@@ -83,13 +95,22 @@ class FusedMoE(nn.Module):
             raise ValueError(f"unsupported scoring {scoring!r}: expected one of {SCORING_FUNCS}")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok ({top_k}) must be in [1, {num_experts}]")
-        tp = ps.get_tp_world_size()
+        ep = ps.get_ep_world_size()
+        tp = 1 if ep > 1 else ps.get_tp_world_size()  # expert parallel: whole experts
         if intermediate_size % tp:
             raise ValueError(
                 f"moe_intermediate_size ({intermediate_size}) is not divisible by "
                 f"tensor_parallel_size ({tp})"
             )
+        if num_experts % ep:
+            raise ValueError(
+                f"num_experts ({num_experts}) is not divisible by tensor_parallel_size ({ep}): "
+                "expert parallelism gives each rank as many whole experts"
+            )
         self.num_experts, self.top_k = num_experts, top_k
+        self.num_local_experts = num_experts // ep
+        self.expert_start = ps.get_ep_rank() * self.num_local_experts
+        self.slice_rank = 0 if ep > 1 else ps.get_tp_rank()  # of each expert's intermediate
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.intermediate_per_rank = intermediate_size // tp
         self.renormalize, self.scoring = renormalize, scoring
@@ -99,7 +120,7 @@ class FusedMoE(nn.Module):
         self.checkpoint_layout = checkpoint_layout
         self.has_bias = has_bias
         self.quant_method: MoEMethod | None = None
-        e, h, i = num_experts, hidden_size, self.intermediate_per_rank
+        e, h, i = self.num_local_experts, hidden_size, self.intermediate_per_rank
         self.w13_bias: nn.Parameter | None = None
         self.w2_bias: nn.Parameter | None = None
         is_mxfp4 = quant_config is not None and quant_config.kind == "mxfp4"
@@ -125,9 +146,15 @@ class FusedMoE(nn.Module):
         topk_weights, topk_ids = select_experts(
             router_logits, self.top_k, self.scoring, self.renormalize
         )
+        if self.num_local_experts != self.num_experts:  # expert parallel
+            topk_weights, topk_ids = local_routing(
+                topk_weights, topk_ids, self.expert_start, self.num_local_experts
+            )
         if self.quant_method is None:
-            # The replicated down bias belongs to the sum over ranks once: rank 0 adds it.
-            w2_bias = self.w2_bias if ps.get_tp_rank() == 0 else None
+            # The replicated down bias belongs to the sum over ranks once: rank 0 adds it
+            # (expert parallel: each rank holds its own experts' biases, whole, and adds them).
+            is_ep = self.num_local_experts != self.num_experts
+            w2_bias = self.w2_bias if ps.get_tp_rank() == 0 or is_ep else None
             out = fused_experts(
                 x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation,
                 self.w13_bias, w2_bias,
@@ -164,18 +191,35 @@ class FusedMoE(nn.Module):
         start, stop, full_size) of the checkpoint tensor [out, in] this rank reads), expert by
         expert, gate, up, down."""
         i, full = self.intermediate_per_rank, self.intermediate_size
-        start = ps.get_tp_rank() * i
+        start = self.slice_rank * i
         gate, up, down = self.expert_names
-        for e in range(self.num_experts):
+        for e in range(self.num_local_experts):
+            name_e = self.expert_start + e  # the checkpoint's expert index
             for name, offset in ((gate, 0), (up, i)):
-                yield f"{e}.{name}", e, "w13", offset, i, (0, start, start + i, full)
-            yield f"{e}.{down}", e, "w2", 0, self.hidden_size, (1, start, start + i, full)
+                yield f"{name_e}.{name}", e, "w13", offset, i, (0, start, start + i, full)
+            yield f"{name_e}.{down}", e, "w2", 0, self.hidden_size, (1, start, start + i, full)
 
     def extra_repr(self) -> str:
         return (
-            f"num_experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
+            f"num_experts={self.num_experts}, local={self.num_local_experts}, "
+            f"top_k={self.top_k}, hidden={self.hidden_size}, "
             f"intermediate={self.intermediate_per_rank}, scoring={self.scoring}, "
             f"renormalize={self.renormalize}, "
             f"quant={type(self.quant_method).__name__ if self.quant_method else None}, "
             f"activation={self.activation.name}, bias={self.has_bias}"
         )
+
+
+def local_routing(
+    topk_weights: torch.Tensor,  # [T, k] float32
+    topk_ids: torch.Tensor,  # [T, k] int32, global expert ids
+    expert_start: int,
+    num_local_experts: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, k] float32, [T, k] int32 local ids)
+    """Expert parallel: a slot of this rank's experts keeps its weight, with its local id;
+    another rank's slot gets weight 0 on local expert 0 (computed, then multiplied by 0).
+    Device ops only: no host read, graph-safe."""
+    local_ids = topk_ids - expert_start
+    is_local = (local_ids >= 0) & (local_ids < num_local_experts)
+    weights = torch.where(is_local, topk_weights, torch.zeros_like(topk_weights))
+    return weights, torch.where(is_local, local_ids, torch.zeros_like(local_ids))
