@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv (once) and install pagedd into it with its test extra; the command is then
+# Create .venv (once) and install pagedd into it with its test and dev extras (pytest, ruff...); the command is then
 # .venv/bin/pagedd (`source .venv/bin/activate` puts it on PATH). Idempotent: the C++ core
 # is rebuilt only when cpp/, CMakeLists.txt or pyproject.toml changed since the last install.
 #   PAGEDD_TORCH   torch requirement to install first (default torch==2.13.0)
@@ -35,7 +35,7 @@ if [ "$(cat "$stamp_file" 2>/dev/null)" != "$stamp_now" ] || ! "$PY" -c "import 
     echo "   meanwhile. PAGEDD_CUDA=OFF skips them (remembered for the next runs)."
   fi
   start=$(date +%s)
-  "$PY" -m pip install -q --no-build-isolation -e ".[test]"
+  "$PY" -m pip install -q --no-build-isolation -e ".[test,dev]"
   echo "$stamp_now" > "$stamp_file"
   echo "== built and installed in $(( $(date +%s) - start )) s: $VENV/bin/pagedd"
 fi
