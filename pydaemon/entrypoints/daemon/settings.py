@@ -14,9 +14,10 @@ import os
 import sys
 from typing import Any
 
-from pydaemon.config.engine import EngineConfig
+from pydaemon.config.engine import FP8_NEEDS_CUDA, EngineConfig
 from pydaemon.entrypoints.common.lora_adapters import LoRAOptions, parse_lora_modules
 from pydaemon.entrypoints.daemon.app import ServerOptions
+from pydaemon.entrypoints.daemon.device_probe import has_nvidia_driver
 from pydaemon.entrypoints.grpc.auth import API_KEY_ENV
 from pydaemon.entrypoints.grpc.servicer import ServingOptions
 
@@ -270,6 +271,9 @@ def resolve(args: argparse.Namespace) -> tuple[dict[str, Any], ServerOptions, st
     _check_exposure(values)
     engine_keys = {_key(f[0]) for f in (*ENGINE_FLAGS, *ENGINE_BOOL_FLAGS)}
     engine_kwargs = {k: v for k, v in values.items() if k in engine_keys}
+    if engine_kwargs.get("quantization") == "fp8" and engine_kwargs.get("device", "auto") == "auto":
+        if not has_nvidia_driver():  # --device auto can only mean the CPU here
+            raise ValueError(FP8_NEEDS_CUDA + "; this host has no NVIDIA driver")
     lora_modules = parse_lora_modules(values.get("lora_modules") or [])
     if lora_modules:
         engine_kwargs["enable_lora"] = True
