@@ -155,13 +155,25 @@ class ForcedToolParser(ToolParser):
         return ParsedOutput(None if calls else text, calls)
 
 
+AUTO_NEEDS_PARSER = (
+    '"auto" tool choice requires --tool-call-parser to be set: this model\'s chat template '
+    "has no tool-call syntax pagedd recognises, so the model's calls could not be read "
+    '(tool_choice "required" or a named function work with any model; "none" leaves the '
+    "tools out)"
+)
+
+
 def chat_tool_parser(
     tools: list[dict[str, Any]] | None, tool_choice: Any, parser_name: str | None
 ) -> ToolParser | None:
     """How to read tool calls out of a chat output: forced (required / named), the named or
-    detected parser (auto), or None (no tools, tool_choice none, or no parser known)."""
+    detected parser (auto; tools without a tool_choice mean auto, as in vLLM), or None (no
+    tools, tool_choice none). Auto without a parser is a ValueError (vLLM's rule: its calls
+    would come back as plain content, the tools silently ignored)."""
     if not tools or tool_choice == "none":
         return None
     if tool_choice not in (None, "auto"):
         return ForcedToolParser(tools, tool_choice)
-    return None if parser_name is None else get_tool_parser(parser_name)
+    if parser_name is None:
+        raise ValueError(AUTO_NEEDS_PARSER)
+    return get_tool_parser(parser_name)

@@ -26,7 +26,7 @@ from pydaemon.entrypoints.openai.accumulator import Accumulator, ChoiceDelta, Ch
 from pydaemon.entrypoints.openai.chunk_template import TEXT_MARKER, ChunkTemplate
 from pydaemon.entrypoints.openai.engine_stream import EnginePrompt
 from pydaemon.entrypoints.openai.logprobs import TokenTexts, chat_logprobs
-from pydaemon.entrypoints.openai.protocol import ChatCompletionRequest
+from pydaemon.entrypoints.openai.protocol import ChatCompletionRequest, InvalidParam
 from pydaemon.entrypoints.openai.responses import (
     ChatChoice,
     ChatChunkChoice,
@@ -45,6 +45,7 @@ async def create_chat_completion(
 ) -> web.StreamResponse:
     body = ChatCompletionRequest.model_validate_json(await serving.read_body(request))
     body.check(serving.model.vocab_size)
+    tool_parser = _tool_parser(serving, body)
     lora_request = serving.admit(body.model, body.n)
     prompt = EnginePrompt(
         await serving.encode_chat(
@@ -65,16 +66,13 @@ async def create_chat_completion(
     params = body.sampling_params(
         max_tokens, body.engine_logprobs, defaults=serving.model.generation_defaults
     )
-    parser_name = serving.options.tool_call_parser or detect_tool_call_parser(
-        serving.tokenizer.chat_template
-    )
     formatter = ChatFormatter(
         f"chatcmpl-{uuid.uuid4().hex}",
         serving.model_name(lora_request),
         serving.tokenizer,
         prompt,
         body,
-        chat_tool_parser(body.tools, body.tool_choice, parser_name),
+        tool_parser,
     )
     return await respond(
         serving,
@@ -87,6 +85,17 @@ async def create_chat_completion(
         cache_salt=body.cache_salt,
         lora_request=lora_request,
     )
+
+
+def _tool_parser(serving: OpenAIServing, body: ChatCompletionRequest) -> ToolParser | None:
+    """How the output's tool calls are read (InvalidParam for tool_choice auto without a
+    parser: --tool-call-parser, or one the chat template's syntax implies)."""
+    template = serving.tokenizer.chat_template if serving.tokenizer is not None else None
+    parser_name = serving.options.tool_call_parser or detect_tool_call_parser(template)
+    try:
+        return chat_tool_parser(body.tools, body.tool_choice, parser_name)
+    except ValueError as e:
+        raise InvalidParam(str(e), "tool_choice") from None
 
 
 class ChatFormatter:
