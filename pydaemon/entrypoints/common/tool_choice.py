@@ -10,6 +10,7 @@ arguments object). A tool whose ``parameters`` schema xgrammar cannot compile is
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from pydaemon.entrypoints.common.tool_parsers import (
@@ -97,16 +98,44 @@ def tool_choice_constraint(
 
 def forced_tool_calls(text: str, tools: list[dict[str, Any]], tool_choice: Any) -> list[ToolCall]:
     """The tool calls of an output generated under ``tool_choice_constraint`` (required or
-    named); [] when the text is not complete JSON (the output was cut by max_tokens)."""
+    named). An output cut by max_tokens (not complete JSON) keeps what it has, as OpenAI
+    answers a call cut by the length limit: every whole call, then the cut one with its
+    arguments as the partial JSON text written so far (finish_reason stays "length")."""
+    named = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
-        return []
-    if isinstance(tool_choice, dict):
-        return [ToolCall(tool_choice["function"]["name"], json.dumps(value, ensure_ascii=False))]
+        return _partial_calls(text, named)
+    if named is not None:
+        return [ToolCall(named, json.dumps(value, ensure_ascii=False))]
     return [
         ToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in value
     ]
+
+
+# The start of one call of tool_choice "required"'s list, as the constraint writes it (compact
+# JSON, "name" first): its whole name, then the parameters object as far as it got.
+_CUT_CALL = re.compile(r'\{"name":("(?:[^"\\]|\\.)*")(?:,"parameters":(.*))?', re.DOTALL)
+
+
+def _partial_calls(text: str, named: str | None) -> list[ToolCall]:
+    if named is not None:
+        return [ToolCall(named, text)] if text else []
+    calls = []
+    decoder = json.JSONDecoder()
+    index = 1 if text.startswith("[") else len(text)
+    while index < len(text):
+        try:
+            item, index = decoder.raw_decode(text, index)
+        except json.JSONDecodeError:
+            cut = _CUT_CALL.match(text, index)
+            if cut is not None:
+                calls.append(ToolCall(json.loads(cut.group(1)), cut.group(2) or ""))
+            break
+        calls.append(ToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False)))
+        if text.startswith(",", index):
+            index += 1
+    return calls
 
 
 def messages_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -151,8 +180,8 @@ class ForcedToolParser(ToolParser):
         return 0
 
     def parse(self, text: str) -> ParsedOutput:
-        calls = forced_tool_calls(text, self.tools, self.tool_choice)
-        return ParsedOutput(None if calls else text, calls)
+        """Never content: the output is the call(s), whole or, cut by max_tokens, partial."""
+        return ParsedOutput(None, forced_tool_calls(text, self.tools, self.tool_choice))
 
 
 AUTO_NEEDS_PARSER = (
