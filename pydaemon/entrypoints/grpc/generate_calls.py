@@ -218,7 +218,9 @@ class GenerateCalls:
         except RequestInvalid as e:
             stream.out.put_nowait(error_frame(request_id, e.code, e.message))
             return
-        account = RequestAccount(request_id, num_sequences=args.params.n if args else 1)
+        account = RequestAccount(
+            request_id, num_sequences=args.params.n if args else 1, tokenizer=self.engine.tokenizer
+        )
         live = _Live(account, f"{next(self._ids)}-{request_id}")
         stream.live[request_id] = live
         live.task = asyncio.create_task(self._run(stream, live, args or start))

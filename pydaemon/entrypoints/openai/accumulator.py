@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from pydaemon.entrypoints.common.token_texts import TokenTexts
 from pydaemon.entrypoints.openai.engine_stream import EnginePrompt
-from pydaemon.entrypoints.openai.logprobs import TokenTexts
 from pydaemon.entrypoints.openai.responses import Usage, make_usage
 from pydaemon.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 

@@ -15,6 +15,7 @@ import uuid
 
 from aiohttp import web
 
+from pydaemon.entrypoints.common.token_texts import TokenTexts
 from pydaemon.entrypoints.common.tool_choice import chat_tool_parser, messages_for_template
 from pydaemon.entrypoints.common.tool_parsers import (
     StreamingToolParser,
@@ -25,7 +26,7 @@ from pydaemon.entrypoints.common.tool_parsers import (
 from pydaemon.entrypoints.openai.accumulator import Accumulator, ChoiceDelta, ChoiceState
 from pydaemon.entrypoints.openai.chunk_template import TEXT_MARKER, ChunkTemplate
 from pydaemon.entrypoints.openai.engine_stream import EnginePrompt
-from pydaemon.entrypoints.openai.logprobs import TokenTexts, chat_logprobs
+from pydaemon.entrypoints.openai.logprobs import chat_logprobs
 from pydaemon.entrypoints.openai.protocol import ChatCompletionRequest, InvalidParam
 from pydaemon.entrypoints.openai.responses import (
     ChatChoice,

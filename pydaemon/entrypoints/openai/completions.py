@@ -7,11 +7,12 @@ import uuid
 
 from aiohttp import web
 
+from pydaemon.entrypoints.common.token_texts import TokenTexts
 from pydaemon.entrypoints.openai.accumulator import Accumulator, ChoiceDelta, ChoiceState
 from pydaemon.entrypoints.openai.chunk_template import IDS_MARKER, TEXT_MARKER, ChunkTemplate
 from pydaemon.entrypoints.openai.engine_stream import EnginePrompt
 from pydaemon.entrypoints.openai.errors import bad_request
-from pydaemon.entrypoints.openai.logprobs import TokenTexts, completion_logprobs
+from pydaemon.entrypoints.openai.logprobs import completion_logprobs
 from pydaemon.entrypoints.openai.protocol import CompletionRequest
 from pydaemon.entrypoints.openai.responses import CompletionChoice, CompletionResponse, Usage
 from pydaemon.entrypoints.openai.runner import respond
