@@ -11,6 +11,7 @@ import re
 from typing import Literal
 
 import jsonschema
+import openai
 import pytest
 from http_helpers import MODEL, openai_client, post, start_http_server
 from pydantic import BaseModel, Field
@@ -279,4 +280,31 @@ def test_a_forced_call_cut_by_max_tokens(tool_client, stream):
     assert name == "get_weather" and arguments.startswith("{")
     with pytest.raises(json.JSONDecodeError):
         json.loads(arguments)  # 3 tokens: partial
+    st.wait_all_blocks_free()
+
+
+def test_response_format_gives_way_to_a_forced_tool_call(tool_client):
+    """vLLM drops response_format when tool_choice forces a call: the tool calls come back."""
+    client, st, model = tool_client
+    r = client.chat.completions.create(
+        model=model, messages=MESSAGES, tools=[WEATHER], tool_choice="required",
+        response_format={"type": "json_object"}, max_tokens=300, seed=2,
+    )  # fmt: skip
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    _check_call(choice.message.tool_calls[0], [WEATHER])
+    st.wait_all_blocks_free()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_schema_error_names_tools(tool_client, stream):
+    client, st, model = tool_client
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "objec"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=model, messages=MESSAGES, tools=[bad], tool_choice="required", max_tokens=4,
+            stream=stream,
+        )  # fmt: skip
+    assert e.value.body["param"] == "tools"
+    assert e.value.body["message"].startswith("tools: "), e.value.body
     st.wait_all_blocks_free()

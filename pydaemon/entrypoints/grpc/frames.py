@@ -8,7 +8,13 @@ from typing import Any
 
 import grpc
 
+from pydaemon.entrypoints.common.constraint_errors import (
+    grpc_constraint_field,
+    is_constraint_error,
+    rename_constraint_field,
+)
 from pydaemon.entrypoints.common.token_texts import TokenTexts
+from pydaemon.entrypoints.common.tool_choice import ForcedToolParser
 from pydaemon.entrypoints.common.tool_parsers import ToolParser
 from pydaemon.outputs import RequestMetrics, RequestOutput
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
@@ -45,7 +51,7 @@ class RequestAccount:
         """TokenDelta frames of one engine output; records counts and finish reasons."""
         self.num_prompt_tokens = len(output.prompt_token_ids)
         if output.error:
-            self.abort_reason = output.error
+            self.abort_reason = self.user_facing(output.error)
         if output.metrics is not None:
             self.metrics = output.metrics
         frames = []
@@ -74,6 +80,15 @@ class RequestAccount:
                 delta.logprobs.extend(self._logprobs(output, seq.index, seq))
             frames.append(pb.GenerateResponse(request_id=self.request_id, delta=delta))
         return frames
+
+    def user_facing(self, message: str) -> str:
+        """An engine error naming the request's fields as the client wrote them (a constraint
+        error names StartRequest.structured_output.*, or messages.tools for a forced call)."""
+        if not is_constraint_error(message):
+            return message
+        if isinstance(self.tool_parser, ForcedToolParser):
+            return rename_constraint_field(message, lambda kind: "messages.tools")
+        return rename_constraint_field(message, grpc_constraint_field)
 
     def _logprobs(self, output: RequestOutput, index: int, seq) -> list[pb.TokenLogprobs]:
         """The delta's logprobs, each token and alternative with its text in context."""

@@ -277,7 +277,8 @@ class GenerateCalls:
         except RequestInvalid as e:
             final = error_frame(account.request_id, e.code, e.message)
         except ValueError as e:
-            final = error_frame(account.request_id, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            message = account.user_facing(str(e))
+            final = error_frame(account.request_id, grpc.StatusCode.INVALID_ARGUMENT, message)
         except EngineCoreDiedError as e:
             if stream.is_open:  # the whole stream ends UNAVAILABLE, not just this request
                 stream.out.put_nowait(_StreamFatal(grpc.StatusCode.UNAVAILABLE, str(e)))

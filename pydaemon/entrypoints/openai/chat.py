@@ -85,6 +85,7 @@ async def create_chat_completion(
         include_usage=body.include_usage,
         cache_salt=body.cache_salt,
         lora_request=lora_request,
+        constraint_source=body.constraint_source,
     )
 
 

@@ -52,6 +52,7 @@ async def create_completion(serving: OpenAIServing, request: web.Request) -> web
         include_usage=body.include_usage,
         cache_salt=body.cache_salt,
         lora_request=lora_request,
+        constraint_source=body.constraint_source,
     )
 
 

@@ -69,6 +69,9 @@ class _SamplingRequest(BaseModel):
     cache_salt: str | None = Field(default=None, max_length=MAX_CACHE_SALT_LEN)
     # vLLM's constrained decoding: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
     structured_outputs: dict[str, Any] | None = None
+    # OpenAI's: {"type": "text" | "json_object" | "json_schema", ...} (vLLM takes it on
+    # completions too)
+    response_format: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -122,7 +125,29 @@ class _SamplingRequest(BaseModel):
 
     def constraint(self) -> StructuredOutputsParams | None:
         """The request's constraint on its output (InvalidParam naming the field)."""
-        return _structured_outputs(self.structured_outputs)
+        return _response_format(self.response_format) or _structured_outputs(
+            self.structured_outputs
+        )
+
+    @property
+    def constraint_source(self) -> str | None:
+        """The field the output's constraint comes from (what its errors name)."""
+        if _response_format(self.response_format) is not None:
+            return "response_format"
+        return None if self.structured_outputs is None else "structured_outputs"
+
+    def _check_one_constraint(self, *more: tuple[str, Any]) -> None:
+        asked = [
+            name
+            for name, value in (
+                ("structured_outputs", self.structured_outputs),
+                ("response_format", _response_format(self.response_format)),
+                *more,
+            )
+            if value
+        ]
+        if len(asked) > 1:
+            raise InvalidParam(f"{' and '.join(asked)} cannot be combined", asked[1])
 
 
 def _structured_outputs(value: dict[str, Any] | None) -> StructuredOutputsParams | None:
@@ -174,6 +199,7 @@ class CompletionRequest(_SamplingRequest):
 
     def check(self, vocab_size: int) -> None:
         self._check_limits(vocab_size)
+        self._check_one_constraint()
         if self.suffix:
             raise InvalidParam("suffix is not supported", "suffix")
         if self.echo and self.logprobs is not None:
@@ -219,7 +245,6 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
     # vLLM's extras for the template.
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
@@ -233,21 +258,19 @@ class ChatCompletionRequest(_SamplingRequest):
         except ValueError as e:
             param = "tool_choice" if "tool_choice" in str(e) else "tools"
             raise InvalidParam(str(e), param) from None
-        asked = [
-            name
-            for name, value in (
-                ("structured_outputs", self.structured_outputs),
-                ("response_format", _response_format(self.response_format)),
-                ("tool_choice", self.forces_tool_call or None),
+        if not self.forces_tool_call:
+            self._check_one_constraint()
+            return
+        _response_format(self.response_format)  # checked, then it gives way to the tool call
+        if self.structured_outputs is not None:
+            raise InvalidParam(
+                "structured_outputs and a forced tool_choice cannot be combined", "tool_choice"
             )
-            if value
-        ]
-        if len(asked) > 1:
-            raise InvalidParam(f"{' and '.join(asked)} cannot be combined", asked[1])
 
     @property
     def forces_tool_call(self) -> bool:
-        """tool_choice "required" or a named function: the output is the tool call(s)."""
+        """tool_choice "required" or a named function: the output is the tool call(s), and a
+        response_format gives way (vLLM drops it: the tools' schema is the constraint)."""
         return bool(self.tools) and self.tool_choice not in (None, "none", "auto")
 
     @property
@@ -263,9 +286,11 @@ class ChatCompletionRequest(_SamplingRequest):
                 )
             except ValueError as e:
                 raise InvalidParam(str(e), "tools") from None
-        return _response_format(self.response_format) or _structured_outputs(
-            self.structured_outputs
-        )
+        return super().constraint()
+
+    @property
+    def constraint_source(self) -> str | None:
+        return "tools" if self.forces_tool_call else super().constraint_source
 
     @property
     def requested_max_tokens(self) -> int | None:
