@@ -3,15 +3,16 @@ SamplingParams. Value ranges are SamplingParams' own checks, so the two APIs can
 
 Types are strict (``"stream": "yes"`` or ``"prompt": [true]`` is a 400, not a coercion); the
 limits on stop strings and token ids are entrypoints/common/limits.py's, as for gRPC. Unknown
-fields are refused (400 naming them); fields that OpenAI clients commonly send but that
-change nothing here (``user``, ``store``, ``metadata``...) are accepted and ignored.
+fields are ignored with a warning in the log, as vLLM does (a client sending a field newer
+than this server still gets its answer); fields that OpenAI clients commonly send but that
+change nothing here (``user``, ``store``, ``metadata``...) are declared and ignored.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pydaemon.config.generation import GenerationDefaults
 from pydaemon.entrypoints.common.limits import (
@@ -22,6 +23,7 @@ from pydaemon.entrypoints.common.limits import (
     check_token_ids,
 )
 from pydaemon.entrypoints.common.tool_choice import check_tools, tool_choice_constraint
+from pydaemon.entrypoints.openai.ignored_fields import warn_ignored_fields
 from pydaemon.sampling_params import SamplingParams, StructuredOutputsParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default
@@ -31,16 +33,24 @@ class InvalidParam(LimitError):
     """A request field with a bad value; ``param`` names the field."""
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class _Body(BaseModel):
+    """A request body or one of its objects: strict types; unknown fields ignored with a
+    warning (ignored_fields.py)."""
 
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _warn_unknown(cls, data: Any) -> Any:
+        return warn_ignored_fields(cls, data, cls.__name__)
+
+
+class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(_Body):
     """Fields that completions and chat completions share."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     n: int = 1
