@@ -121,12 +121,13 @@ class EngineCore:
 
     def _check_fits(self, r: EngineCoreRequest) -> None:
         token_ids = r.prompt_token_ids
-        if not token_ids:
-            raise ValueError("prompt_token_ids is empty")
+        if not token_ids:  # vLLM's messages, which clients match on
+            raise ValueError("The decoder prompt cannot be empty (prompt_token_ids is empty)")
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(
-                f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})"
+                f"Token id {bad[0]!r} is out of vocabulary (the prompt's ids must be in "
+                f"[0, {self.vocab_size}))"
             )
         if len(token_ids) >= self.max_model_len:
             raise ValueError(

@@ -40,8 +40,10 @@ def _error(r, status: int) -> dict:
         ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens", "positive"),
         ({"model": MODEL, "prompt": "hi", "max_tokens": 5000}, "max_tokens", "context length"),
         ({"model": MODEL, "prompt": "hi", "min_tokens": 99}, "min_tokens", "[0, max_tokens]"),
-        ({"model": MODEL, "prompt": ""}, "prompt", "empty"),
-        ({"model": MODEL, "prompt": [1, 2, 512]}, "prompt", "outside [0, 512)"),
+        ({"model": MODEL, "prompt": ""}, "prompt", "must be provided and non-empty"),
+        ({"model": MODEL, "prompt": []}, "prompt", "The decoder prompt cannot be empty"),
+        ({"model": MODEL, "prompt": [[]]}, "prompt", "The decoder prompt cannot be empty"),
+        ({"model": MODEL, "prompt": [1, 2, 512]}, "prompt", "Token id 512 is out of vocabulary"),
         ({"model": MODEL, "prompt": "hi", "stop": ["a"] * 17}, "stop", "at most 16"),
         ({"model": MODEL, "prompt": "hi", "stop": [""]}, "stop", "non-empty"),
         (

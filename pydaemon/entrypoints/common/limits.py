@@ -74,6 +74,20 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, param: str, max_len: in
         raise LimitError(f"{param} {bad[:8]} are outside the vocabulary [0, {vocab_size})", param)
 
 
+# vLLM's messages, which clients match on (its input processor's and completion protocol's).
+EMPTY_PROMPT = "The decoder prompt cannot be empty"
+EMPTY_TEXT_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty."
+
+
+def out_of_vocabulary(bad: Sequence[int], vocab_size: int, where: str) -> str:
+    """vLLM's "Token id N is out of vocabulary" (N: the largest bad id), then which field and
+    the range."""
+    return (
+        f"Token id {max(bad)} is out of vocabulary ({where}: ids must be in [0, {vocab_size}); "
+        f"out of it: {list(bad[:8])})"
+    )
+
+
 def iter_strings(value: Any) -> Iterator[str]:
     """Every string in a JSON-like value (dict keys too): what a chat template may copy."""
     if isinstance(value, str):

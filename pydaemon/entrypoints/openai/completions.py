@@ -7,6 +7,7 @@ import uuid
 
 from aiohttp import web
 
+from pydaemon.entrypoints.common.limits import EMPTY_PROMPT, out_of_vocabulary
 from pydaemon.entrypoints.common.token_texts import TokenTexts
 from pydaemon.entrypoints.openai.accumulator import Accumulator, ChoiceDelta, ChoiceState
 from pydaemon.entrypoints.openai.chunk_template import IDS_MARKER, TEXT_MARKER, ChunkTemplate
@@ -68,7 +69,7 @@ async def _prompts(serving: OpenAIServing, prompt, echo: bool) -> list[EnginePro
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
     if not prompt:
-        raise bad_request("prompt is empty", "prompt")
+        raise bad_request(f"{EMPTY_PROMPT} (prompt is an empty list)", "prompt")
     out = []
     for i, p in enumerate(prompt):
         param = "prompt" if len(prompt) == 1 else f"prompt.{i}"
@@ -77,9 +78,10 @@ async def _prompts(serving: OpenAIServing, prompt, echo: bool) -> list[EnginePro
             continue
         vocab_size = serving.model.vocab_size
         bad = [t for t in p if not 0 <= t < vocab_size]
-        if not p or bad:
-            why = "is empty" if not p else f"has token ids {bad[:8]} outside [0, {vocab_size})"
-            raise bad_request(f"{param} {why}", param)
+        if not p:
+            raise bad_request(f"{EMPTY_PROMPT} ({param} is an empty list)", param)
+        if bad:
+            raise bad_request(out_of_vocabulary(bad, vocab_size, param), param)
         out.append(EnginePrompt(list(p), serving.decode(p) if echo else None))
     return out
 

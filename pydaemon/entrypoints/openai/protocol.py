@@ -114,7 +114,7 @@ class _SamplingRequest(_Body):
             "best_of": best_of,
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
-            "seed": self.seed,
+            "seed": _seed(self.seed),
             "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or ()),
             "stop_token_ids": list(self.stop_token_ids or ()),
             "ignore_eos": self.ignore_eos,
@@ -158,6 +158,19 @@ class _SamplingRequest(_Body):
         ]
         if len(asked) > 1:
             raise InvalidParam(f"{' and '.join(asked)} cannot be combined", asked[1])
+
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _seed(seed: int | None) -> int | None:
+    """vLLM takes any int64 seed; -1 means none (a random stream). A negative seed is the
+    same 64 bits as an unsigned one (SamplingParams.seed is in [0, 2**64))."""
+    if seed is None or seed == -1:
+        return None
+    if not INT64_MIN <= seed <= INT64_MAX:
+        raise InvalidParam(f"seed must be in [-2**63, 2**63 - 1] (got {seed})", "seed")
+    return seed % 2**64
 
 
 def _structured_outputs(value: dict[str, Any] | None) -> StructuredOutputsParams | None:

@@ -17,6 +17,8 @@ from aiohttp import web
 
 from pydaemon.config.generation import GenerationDefaults
 from pydaemon.entrypoints.common.limits import (
+    EMPTY_PROMPT,
+    EMPTY_TEXT_PROMPT,
     check_text_size,
     check_texts_size,
     iter_strings,
@@ -167,7 +169,10 @@ class OpenAIServing:
         if self.tokenizer is None:
             raise bad_request("this model has no tokenizer: send the prompt as token ids", param)
         if not text:
-            raise bad_request(f"{param} is empty", param)
+            raise bad_request(
+                EMPTY_TEXT_PROMPT if param == "prompt" else f"{EMPTY_PROMPT} ({param} is empty)",
+                param,
+            )
         check_text_size(text, self.model.max_model_len, param)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(None, self.tokenizer.encode, text, add_bos)
