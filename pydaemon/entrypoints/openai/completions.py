@@ -15,7 +15,12 @@ from pydaemon.entrypoints.openai.engine_stream import EnginePrompt
 from pydaemon.entrypoints.openai.errors import bad_request
 from pydaemon.entrypoints.openai.logprobs import completion_logprobs
 from pydaemon.entrypoints.openai.protocol import CompletionRequest
-from pydaemon.entrypoints.openai.responses import CompletionChoice, CompletionResponse, Usage
+from pydaemon.entrypoints.openai.responses import (
+    CompletionChoice,
+    CompletionResponse,
+    Usage,
+    make_usage,
+)
 from pydaemon.entrypoints.openai.runner import respond
 from pydaemon.entrypoints.openai.serving import OpenAIServing
 
@@ -101,20 +106,31 @@ class CompletionFormatter:
         self.n = body.n
         self.has_logprobs = body.logprobs is not None
         self.echo = [p.text or "" for p in prompts] if body.echo else None
-        # Without return_token_ids the field is left out, not written as null.
-        self._exclude = None if body.return_token_ids else {"choices": {"__all__": {"token_ids"}}}
+        # Without return_token_ids the fields are left out, not written as null.
+        ids_fields = {"token_ids", "prompt_token_ids"}
+        self._exclude = None if body.return_token_ids else {"choices": {"__all__": ids_fields}}
         self._return_token_ids = body.return_token_ids
+        self._continuous_usage = body.continuous_usage
         self._templates: dict[int, ChunkTemplate] = {}  # choice index -> its text-chunk template
         self._tokenizer = tokenizer
         self._prompts = prompts
+        self._sent_prompt_ids: set[int] = set()  # choices whose chunk carried prompt_token_ids
 
     def _echo(self, index: int) -> str:
         return self.echo[index // self.n] if self.echo else ""
 
-    def _chunk(self, choices: list[CompletionChoice]) -> str:
+    def _prompt_ids(self, index: int) -> list[int] | None:
+        """return_token_ids: the choice's prompt ids, once per stream (the first chunk)."""
+        if not self._return_token_ids or index in self._sent_prompt_ids:
+            return None
+        self._sent_prompt_ids.add(index)
+        return self._prompts[index // self.n].token_ids
+
+    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> str:
         return CompletionResponse(
-            id=self.request_id, created=self.created, model=self.model, choices=choices
-        ).model_dump_json(exclude=self._exclude)
+            id=self.request_id, created=self.created, model=self.model, choices=choices,
+            usage=usage,
+        ).model_dump_json(exclude=self._exclude)  # fmt: skip
 
     def _template(self, index: int) -> ChunkTemplate:
         template = self._templates.get(index)
@@ -128,34 +144,58 @@ class CompletionFormatter:
             self._templates[index] = template
         return template
 
+    def _usage(self, acc: Accumulator, choice: ChoiceState) -> Usage | None:
+        """stream_options.continuous_usage_stats: the usage so far on every chunk (vLLM's:
+        the choice's prompt and the choice's own completion tokens)."""
+        if not self._continuous_usage:
+            return None
+        num_prompt = acc.prompts[choice.index // self.n].num_prompt_tokens
+        return make_usage(num_prompt, len(choice.token_ids), 0)
+
     def start_chunks(self, acc: Accumulator) -> list[str]:
         if not self.echo:
             return []
         return [
-            self._chunk([CompletionChoice(index=c.index, text=self._echo(c.index))])
+            self._chunk(
+                [
+                    CompletionChoice(
+                        index=c.index,
+                        text=self._echo(c.index),
+                        prompt_token_ids=self._prompt_ids(c.index),
+                    )
+                ],
+                self._usage(acc, c),
+            )
             for c in acc.choices
         ]
 
-    def delta_chunks(self, deltas: list[ChoiceDelta]) -> list[str]:
+    def delta_chunks(self, deltas: list[ChoiceDelta], acc: Accumulator) -> list[str]:
         chunks = []
         for d in deltas:
             out = d.output
-            if out.finish_reason is None and not (self.has_logprobs and out.logprobs):
-                chunks.append(self._template(d.choice.index).render(out.text, out.token_ids))
+            index = d.choice.index
+            if (
+                out.finish_reason is None
+                and not (self.has_logprobs and out.logprobs)
+                and not self._continuous_usage
+                and (not self._return_token_ids or index in self._sent_prompt_ids)
+            ):
+                chunks.append(self._template(index).render(out.text, out.token_ids))
                 continue
             logprobs = None
             if self.has_logprobs and out.logprobs is not None:
-                offset = len(self._echo(d.choice.index)) + d.text_offset
+                offset = len(self._echo(index)) + d.text_offset
                 logprobs = completion_logprobs(d.choice.texts, out.token_ids, out.logprobs, offset)
             choice = CompletionChoice(
-                index=d.choice.index,
+                index=index,
                 text=out.text,
                 logprobs=logprobs,
                 finish_reason=out.finish_reason,
                 stop_reason=out.stop_reason,
                 token_ids=out.token_ids,
+                prompt_token_ids=self._prompt_ids(index),
             )
-            chunks.append(self._chunk([choice]))
+            chunks.append(self._chunk([choice], self._usage(acc, d.choice)))
         return chunks
 
     def abort_chunks(self, choices: list[ChoiceState]) -> list[str]:
@@ -173,8 +213,8 @@ class CompletionFormatter:
         choices = []
         for c in acc.choices:
             logprobs = None
+            prompt = self._prompts[c.index // self.n]
             if self.has_logprobs:
-                prompt = self._prompts[c.index // self.n]
                 texts = TokenTexts(self._tokenizer, prompt.token_ids)
                 logprobs = completion_logprobs(
                     texts, c.token_ids, c.positions, len(self._echo(c.index))
@@ -187,6 +227,7 @@ class CompletionFormatter:
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
                     token_ids=c.token_ids,
+                    prompt_token_ids=prompt.token_ids if self._return_token_ids else None,
                 )
             )
         response = CompletionResponse(

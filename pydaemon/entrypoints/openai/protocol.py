@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pydaemon.config.generation import GenerationDefaults
 from pydaemon.entrypoints.common.limits import (
     MAX_CACHE_SALT_LEN,
     MAX_STOP_TOKEN_IDS,
     LimitError,
+    check_chat_role,
     check_stop,
     check_token_ids,
 )
@@ -47,6 +48,8 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    # vLLM's: every chunk carries the usage so far (its choice's completion tokens)
+    continuous_usage_stats: bool = False
 
 
 class _SamplingRequest(_Body):
@@ -82,10 +85,17 @@ class _SamplingRequest(_Body):
     # OpenAI's: {"type": "text" | "json_object" | "json_schema", ...} (vLLM takes it on
     # completions too)
     response_format: dict[str, Any] | None = None
+    # vLLM's: each choice (chunk) carries its token ids, and the prompt's (prompt_token_ids:
+    # in each completion choice, at the top of a chat response; streamed: the first chunk)
+    return_token_ids: bool = False
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
     def _check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -218,7 +228,6 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
-    return_token_ids: bool = False  # vLLM's extra: each choice (chunk) carries its token ids
 
     def check(self, vocab_size: int) -> None:
         self._check_limits(vocab_size)
@@ -243,11 +252,25 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="allow", strict=True)
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # OpenAI's five or a custom role, passed to the template (vLLM does); one rule with gRPC
+    role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _role_name(cls, role: str) -> str:
+        check_chat_role(role, "role")
+        return role
+
+    @property
+    def text(self) -> str | None:
+        """The content as one string (None: none)."""
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates expect it: content as one string."""
@@ -269,11 +292,19 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     # vLLM's extras for the template.
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = None  # None: True, unless continue_final_message
+    continue_final_message: bool = False  # the prompt ends in the last message, to continue it
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the reply starts with the last message's content when it has the reply's role
+    echo: bool = False
 
     def check(self, vocab_size: int) -> None:
         self._check_limits(vocab_size)
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidParam(  # vLLM's words
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                "continue_final_message",
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParam("top_logprobs needs logprobs: true", "top_logprobs")
         try:
@@ -314,6 +345,27 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def constraint_source(self) -> str | None:
         return "tools" if self.forces_tool_call else super().constraint_source
+
+    @property
+    def generation_prompt(self) -> bool:
+        """add_generation_prompt as the template gets it."""
+        if self.add_generation_prompt is None:
+            return not self.continue_final_message
+        return self.add_generation_prompt
+
+    @property
+    def reply_role(self) -> str:
+        """The reply's role (vLLM's): assistant after a generation prompt, else the role of
+        the last message (the one it continues)."""
+        return "assistant" if self.generation_prompt else self.messages[-1].role
+
+    @property
+    def echo_text(self) -> str:
+        """echo: the last message's content when it has the reply's role (vLLM's rule)."""
+        last = self.messages[-1]
+        if not self.echo or last.role != self.reply_role:
+            return ""
+        return last.text or ""
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -43,7 +43,7 @@ class Formatter(Protocol):
     request_id: str
 
     def start_chunks(self, acc: Accumulator) -> list[str]: ...
-    def delta_chunks(self, deltas: list[ChoiceDelta]) -> list[str]: ...
+    def delta_chunks(self, deltas: list[ChoiceDelta], acc: Accumulator) -> list[str]: ...
     def abort_chunks(self, choices: list[ChoiceState]) -> list[str]: ...
     def usage_chunk(self, usage: Usage) -> str: ...
     def response_json(self, acc: Accumulator) -> str: ...
@@ -127,9 +127,9 @@ async def _stream(
     try:
         await events.open()
         try:
-            await events.send(formatter.start_chunks(acc) + formatter.delta_chunks(deltas))
+            await events.send(formatter.start_chunks(acc) + formatter.delta_chunks(deltas, acc))
             async for item in outputs:
-                await events.send(formatter.delta_chunks(acc.add(*item)))
+                await events.send(formatter.delta_chunks(acc.add(*item), acc))
         except asyncio.CancelledError:
             if not live.is_aborted_by_server:
                 raise

@@ -183,6 +183,7 @@ class OpenAIServing:
         tools: list | None,
         add_generation_prompt: bool,
         chat_template_kwargs: dict[str, Any] | None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """Token ids of a conversation rendered by the chat template. Its size is checked first;
         rendering and tokenizing run off the event loop (a big conversation takes seconds)."""
@@ -200,6 +201,7 @@ class OpenAIServing:
             tools,
             chat_template_kwargs=chat_template_kwargs,
             parse_special_tokens_in_content=self.options.parse_special_tokens_in_chat,
+            continue_final_message=continue_final_message,
         )
         try:
             _, ids = await loop.run_in_executor(None, encode)
