@@ -308,3 +308,47 @@ def test_a_tool_schema_error_names_tools(tool_client, stream):
     assert e.value.body["param"] == "tools"
     assert e.value.body["message"].startswith("tools: "), e.value.body
     st.wait_all_blocks_free()
+
+
+LOCATED = {
+    "type": "function",
+    "function": {
+        "name": "locate",
+        "parameters": {
+            "type": "object",
+            "properties": {"place": {"$ref": "#/$defs/Place"}},
+            "required": ["place"],
+            "additionalProperties": False,
+            "$defs": {
+                "Place": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string", "maxLength": 6}},
+                    "required": ["city"],
+                    "additionalProperties": False,
+                }
+            },
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_with_defs_and_refs(tool_client, stream):
+    """Issue 46: parameters using $defs / $ref failed with "Cannot find field '$defs'" (the
+    wrapper schema moved them); pydantic models with nested models write such schemas."""
+    client, st, model = tool_client
+    r = client.chat.completions.create(
+        model=model, messages=MESSAGES, tools=[LOCATED, WEATHER], tool_choice="required",
+        max_tokens=300, seed=4, stream=stream,
+    )  # fmt: skip
+    if stream:
+        chunks = list(r)
+        calls = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or ()]
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    else:
+        calls, finish = r.choices[0].message.tool_calls, r.choices[0].finish_reason
+    assert finish == "tool_calls" and calls
+    for call in calls:
+        tool = next(t for t in (LOCATED, WEATHER) if t["function"]["name"] == call.function.name)
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    st.wait_all_blocks_free()

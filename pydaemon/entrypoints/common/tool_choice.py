@@ -81,12 +81,15 @@ def tool_choice_constraint(
                 "type": "object",
                 "properties": {
                     "name": {"type": "string", "enum": [t["function"]["name"]]},
-                    "parameters": _parameters(t),
+                    # Its references ("#/$defs/...") name its own root, which is now here.
+                    "parameters": _rebased(
+                        _parameters(t), f"#/items/anyOf/{i}/properties/parameters"
+                    ),
                 },
                 "required": ["name", "parameters"],
                 "additionalProperties": False,
             }
-            for t in tools
+            for i, t in enumerate(tools)
         ]
     }
     # Compact JSON: the arguments are re-serialized anyway, and whitespace costs tokens.
@@ -94,6 +97,30 @@ def tool_choice_constraint(
     if not parallel_tool_calls:
         calls["maxItems"] = 1
     return StructuredOutputsParams(json=calls, disable_any_whitespace=True)
+
+
+# Keywords whose values are data, not schemas: a "$ref" inside them is not a reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _rebased(schema: Any, root: str) -> Any:
+    """``schema`` with every local reference ("#", "#/...") rewritten to point under
+    ``root``, the JSON pointer where the schema now sits inside a larger one."""
+    if isinstance(schema, list):
+        return [_rebased(v, root) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = root + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key == "properties" and isinstance(value, dict):  # names, then schemas
+            out[key] = {name: _rebased(v, root) for name, v in value.items()}
+        else:
+            out[key] = _rebased(value, root)
+    return out
 
 
 def forced_tool_calls(text: str, tools: list[dict[str, Any]], tool_choice: Any) -> list[ToolCall]:
