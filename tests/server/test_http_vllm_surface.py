@@ -247,3 +247,32 @@ def test_continuous_usage_stats(client, endpoint):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
     prompt_tokens = {c.usage.prompt_tokens for c in chunks}
     assert len(prompt_tokens) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_truncate_prompt_tokens(client, stream):
+    """vLLM's truncate_prompt_tokens: the prompt keeps its last k tokens (truncation_side
+    "right": its first k); the usage and the prompt ids show it."""
+    ids = list(range(10, 30))
+
+    def prompt_ids(**extra) -> tuple[list[int], int]:
+        r = client.completions.create(
+            model=MODEL, prompt=ids, max_tokens=1, stream=stream,
+            stream_options={"include_usage": True} if stream else None,
+            extra_body={"return_token_ids": True, **extra},
+        )  # fmt: skip
+        chunks = list(r) if stream else [r]
+        first = next(c for c in chunks if c.choices).choices[0].model_dump()
+        return first["prompt_token_ids"], chunks[-1].usage.prompt_tokens
+
+    assert prompt_ids(truncate_prompt_tokens=4) == (ids[-4:], 4)
+    assert prompt_ids(truncate_prompt_tokens=4, truncation_side="right") == (ids[:4], 4)
+    assert prompt_ids(truncate_prompt_tokens=100) == (ids, 20)
+    r = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=1, extra_body={"truncate_prompt_tokens": 3}
+    )
+    assert r.usage.prompt_tokens == 3
+    with pytest.raises(openai.BadRequestError) as e:
+        prompt_ids(truncate_prompt_tokens=10**6)
+    assert "is greater than max_model_len (2048)" in e.value.body["message"]
+    assert e.value.body["param"] == "truncate_prompt_tokens"

@@ -49,15 +49,14 @@ async def create_chat_completion(
     body.check(serving.model.vocab_size)
     tool_parser = _tool_parser(serving, body)
     lora_request = serving.admit(body.model, body.n)
-    prompt = EnginePrompt(
-        await serving.encode_chat(
-            messages_for_template([m.for_template() for m in body.messages]),
-            body.template_tools,
-            body.generation_prompt,
-            body.chat_template_kwargs,
-            body.continue_final_message,
-        )
+    prompt_ids = await serving.encode_chat(
+        messages_for_template([m.for_template() for m in body.messages]),
+        body.template_tools,
+        body.generation_prompt,
+        body.chat_template_kwargs,
+        body.continue_final_message,
     )
+    prompt = EnginePrompt(body.truncated(prompt_ids, serving.model.max_model_len))
     max_tokens = serving.resolve_max_tokens(
         len(prompt.token_ids),
         body.requested_max_tokens,

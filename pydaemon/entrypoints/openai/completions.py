@@ -31,7 +31,9 @@ async def create_completion(serving: OpenAIServing, request: web.Request) -> web
     lora_request = serving.admit(
         body.model, _num_prompts(body.prompt) * max(body.n, body.best_of or 1)
     )
-    prompts = await _prompts(serving, body.prompt, body.echo)
+    prompts = [
+        _truncated(serving, body, p) for p in await _prompts(serving, body.prompt, body.echo)
+    ]
     max_tokens = min(
         serving.resolve_max_tokens(
             len(p.token_ids), body.max_tokens, prompt_param="prompt", max_tokens_param="max_tokens"
@@ -60,6 +62,13 @@ async def create_completion(serving: OpenAIServing, request: web.Request) -> web
         lora_request=lora_request,
         constraint_source=body.constraint_source,
     )
+
+
+def _truncated(serving: OpenAIServing, body: CompletionRequest, p: EnginePrompt) -> EnginePrompt:
+    ids = body.truncated(p.token_ids, serving.model.max_model_len)
+    if len(ids) == len(p.token_ids):
+        return p
+    return EnginePrompt(ids, serving.decode(ids) if p.text is not None else None)
 
 
 def _num_prompts(prompt) -> int:

@@ -85,6 +85,10 @@ class _SamplingRequest(_Body):
     # OpenAI's: {"type": "text" | "json_object" | "json_schema", ...} (vLLM takes it on
     # completions too)
     response_format: dict[str, Any] | None = None
+    # vLLM's: a prompt longer than this many tokens keeps its last ones (-1: max_model_len);
+    # truncation_side "right" keeps the first ones instead
+    truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
     # vLLM's: each choice (chunk) carries its token ids, and the prompt's (prompt_token_ids:
     # in each completion choice, at the top of a chat response; streamed: the first chunk)
     return_token_ids: bool = False
@@ -102,6 +106,28 @@ class _SamplingRequest(_Body):
             raise InvalidParam("stream_options is only allowed with stream: true", "stream_options")
         if self.logit_bias:
             raise InvalidParam("logit_bias is not supported", "logit_bias")
+
+    def truncated(self, token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt as truncate_prompt_tokens leaves it (vLLM's rule and words)."""
+        limit = self.truncate_prompt_tokens
+        if limit is None:
+            return token_ids
+        if limit == -1:
+            limit = max_model_len
+        if limit < 1:
+            raise InvalidParam(
+                f"truncate_prompt_tokens must be -1 or a positive integer (got {limit})",
+                "truncate_prompt_tokens",
+            )
+        if limit > max_model_len:
+            raise InvalidParam(
+                f"truncate_prompt_tokens value ({limit}) is greater than max_model_len "
+                f"({max_model_len}). Please, select a smaller truncation size.",
+                "truncate_prompt_tokens",
+            )
+        if len(token_ids) <= limit:
+            return token_ids
+        return token_ids[:limit] if self.truncation_side == "right" else token_ids[-limit:]
 
     def _check_limits(self, vocab_size: int) -> None:
         """The bounds gRPC enforces too (entrypoints/common/limits.py)."""
