@@ -276,3 +276,33 @@ def test_truncate_prompt_tokens(client, stream):
         prompt_ids(truncate_prompt_tokens=10**6)
     assert "is greater than max_model_len (2048)" in e.value.body["message"]
     assert e.value.body["param"] == "truncate_prompt_tokens"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_use_beam_search_is_the_grpc_beam_search(server, client, stream):
+    """vLLM's use_beam_search over HTTP: n beams, the n best, as gRPC's beam_width = n."""
+    from server_helpers import BidiClient, joined_text
+
+    from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
+
+    tok = _demo_tokenizer()
+    prompt = tok.encode("Once upon a time", add_bos=True)
+    sampling = pb.SamplingParams(max_tokens=6, n=2, beam_width=2, temperature=0, ignore_eos=True)
+    grpc_client = BidiClient(server.stub()).start("b", prompt, sampling=sampling)
+    frames = grpc_client.close_send().collect()["b"]
+    expected = [joined_text(frames, i) for i in range(2)]
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=6, n=2, stream=stream,
+        extra_body={"use_beam_search": True, "ignore_eos": True},
+    )  # fmt: skip
+    texts = ["", ""]
+    for chunk in list(r) if stream else [r]:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == expected and texts[0] != texts[1]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=2, n=2, temperature=0.7,
+            extra_body={"use_beam_search": True},
+        )  # fmt: skip
+    assert e.value.body["param"] == "temperature"

@@ -78,6 +78,10 @@ class _SamplingRequest(_Body):
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    # vLLM's beam search: n beams, n answers, best first (deterministic: temperature 0)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool = False
     # vLLM's prefix-cache salt: only requests with the same salt share cached KV blocks.
     cache_salt: str | None = Field(default=None, max_length=MAX_CACHE_SALT_LEN)
     # vLLM's constrained decoding: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
@@ -161,6 +165,20 @@ class _SamplingRequest(_Body):
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
+        if self.use_beam_search:
+            if self.temperature not in (None, 0):
+                raise InvalidParam(
+                    "use_beam_search: pagedd's beam search is deterministic, temperature must "
+                    f"be 0 or unset (got {self.temperature})",
+                    "temperature",
+                )
+            kwargs.update(
+                beam_width=self.n,  # vLLM's: n beams, the n best returned
+                best_of=None,
+                temperature=0.0,
+                length_penalty=self.length_penalty,
+                early_stopping=self.early_stopping,
+            )
         kwargs["structured_outputs"] = self.constraint()
         try:
             return (defaults or GenerationDefaults()).sampling_params(**kwargs)
