@@ -29,6 +29,7 @@ from pydaemon.entrypoints.daemon.fd_limits import quiet_accept_errors, raise_fd_
 from pydaemon.entrypoints.daemon.heap_trim import HeapTrimmer
 from pydaemon.entrypoints.daemon.liveness import Liveness
 from pydaemon.entrypoints.daemon.metrics_http import MetricsServer
+from pydaemon.entrypoints.daemon.model_overrides import apply_model_overrides
 from pydaemon.entrypoints.daemon.sd_notify import SdNotifier, watchdog_interval_s
 from pydaemon.entrypoints.grpc.auth import ApiKeyInterceptor
 from pydaemon.entrypoints.grpc.errors import ExceptionInterceptor
@@ -64,6 +65,9 @@ class ServerOptions:
     heap_trim_interval_s: float = 10.0  # freed heap given back to the OS this often
     serving: ServingOptions = field(default_factory=ServingOptions)
     lora: LoRAOptions = field(default_factory=LoRAOptions)
+    # --served-model-name: the names clients use (the first is the one answers carry)
+    served_model_names: list[str] = field(default_factory=list)
+    chat_template: str | None = None  # --chat-template, read and checked: instead of the model's
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -158,11 +162,12 @@ class PageddServer:
         finally:
             self._is_loading = False
         client.start()
+        o = self.options
+        apply_model_overrides(client, o.served_model_names, o.chat_template)
         self.async_engine = client
         self.metrics.set_baseline(client.latest_stats)  # the warm-up is not a served request
         self.metrics.model_name = client.model_info.model_name
         self.servicer.engine = client
-        o = self.options
         self.servicer.adapters = await LoRAAdapters.start(
             client.model_info.model_name, client, o.lora
         )
@@ -178,7 +183,11 @@ class PageddServer:
         if o.http_port is not None:
             info = client.model_info
             model = ServedModel(
-                info.model_name, info.max_model_len, info.vocab_size, info.generation_defaults
+                info.model_name,
+                info.max_model_len,
+                info.vocab_size,
+                info.generation_defaults,
+                aliases=tuple(o.served_model_names[1:]),
             )
             await self._start_http(model, client.tokenizer)
         self.servicer.is_admitting = True

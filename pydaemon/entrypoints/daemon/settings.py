@@ -18,6 +18,10 @@ from pydaemon.config.engine import FP8_NEEDS_CUDA, EngineConfig
 from pydaemon.entrypoints.common.lora_adapters import LoRAOptions, parse_lora_modules
 from pydaemon.entrypoints.daemon.app import ServerOptions
 from pydaemon.entrypoints.daemon.device_probe import has_nvidia_driver
+from pydaemon.entrypoints.daemon.model_overrides import (
+    parse_served_model_names,
+    read_chat_template,
+)
 from pydaemon.entrypoints.grpc.auth import API_KEY_ENV
 from pydaemon.entrypoints.grpc.servicer import ServingOptions
 
@@ -200,6 +204,20 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "requests name them in the OpenAI 'model' field or gRPC StartRequest.adapter",
     )
     group = parser.add_argument_group("server")
+    group.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the names clients give in the OpenAI 'model' field (the first is the one "
+        "answers, /v1/models and metrics carry; default: the model's)",
+    )
+    group.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_TEMPLATE",
+        help="a Jinja chat template, or a file holding one, instead of the model's",
+    )
     for flag, type_, default, help_text in SERVER_FLAGS:
         group.add_argument(flag, type=type_, default=None, help=_with_default(help_text, default))
     for flag, default, help_text in SERVER_BOOL_FLAGS:
@@ -237,7 +255,7 @@ def load_toml(path: str) -> dict[str, Any]:
         raise ValueError(f"--config {path}: not valid TOML: {e}") from None
     known = {
         _key(f[0]) for f in (*ENGINE_FLAGS, *ENGINE_BOOL_FLAGS, *SERVER_FLAGS, *SERVER_BOOL_FLAGS)
-    } | {"lora_modules"}
+    } | {"lora_modules", "served_model_name", "chat_template"}
     out = {}
     for raw_key, value in data.items():
         key = raw_key.replace("-", "_")
@@ -305,6 +323,8 @@ def resolve(args: argparse.Namespace) -> tuple[dict[str, Any], ServerOptions, st
             lora_modules,
             is_enabled=bool(engine_kwargs.get("enable_lora")),
         ),
+        served_model_names=parse_served_model_names(values.get("served_model_name")),
+        chat_template=read_chat_template(values.get("chat_template")),
     )
     return engine_kwargs, options, values["log_level"]
 

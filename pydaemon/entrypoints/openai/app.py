@@ -56,9 +56,10 @@ def build_app(serving: OpenAIServing) -> web.Application:
     app = web.Application(middlewares=middlewares, client_max_size=serving.options.max_body_bytes)
 
     def card(name: str | None = None) -> ModelCard:
-        """The base model's card, or adapter ``name``'s (its parent the base model)."""
+        """The base model's card (under one of its names), or adapter ``name``'s (its parent
+        the base model)."""
         m = serving.model
-        if name is not None and name != m.name:
+        if name is not None and not m.is_named(name):
             served = serving.adapters.get(name)  # AdapterNotFound -> 404
             return ModelCard(
                 id=name,
@@ -69,7 +70,7 @@ def build_app(serving: OpenAIServing) -> web.Application:
                 vocab_size=m.vocab_size,
             )
         return ModelCard(
-            id=m.name,
+            id=name or m.name,
             created=m.created,
             root=m.name,
             max_model_len=m.max_model_len,
@@ -80,8 +81,9 @@ def build_app(serving: OpenAIServing) -> web.Application:
         return web.Response(text=model.model_dump_json(), content_type="application/json")
 
     async def list_models(request: web.Request) -> web.Response:
+        aliases = [card(name) for name in serving.model.aliases]
         adapters = [card(a.lora_name) for a in serving.adapters.list()]
-        return as_json(ModelList(data=[card(), *adapters]))
+        return as_json(ModelList(data=[card(), *aliases, *adapters]))
 
     async def get_model(request: web.Request) -> web.Response:
         name = request.match_info["model"]

@@ -41,6 +41,10 @@ class ServedModel:
     # generation_config.json's sampling defaults, for the fields a request leaves unset
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     created: int = field(default_factory=lambda: int(time.time()))
+    aliases: tuple[str, ...] = ()  # more names of the base model (--served-model-name)
+
+    def is_named(self, name: str) -> bool:
+        return name == self.name or name in self.aliases
 
 
 @dataclass
@@ -118,7 +122,7 @@ class OpenAIServing:
                 503, "the server is not serving (draining or failed)", code="not_serving"
             )
         lora_request = None
-        if model_name != self.model.name:
+        if not self.model.is_named(model_name):
             try:
                 lora_request = self.adapters.get(model_name)
             except AdapterNotFound:
