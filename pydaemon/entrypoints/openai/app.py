@@ -2,7 +2,8 @@
 
 Routes: ``GET /v1/models``, ``GET /v1/models/{model}``, ``POST /v1/completions``,
 ``POST /v1/chat/completions``, ``GET /health`` (200 serving, 503 otherwise) and
-``GET /metrics`` (Prometheus, the same registry as the gRPC side's); with LoRA, vLLM's
+``GET /metrics`` (Prometheus, the same registry as the gRPC side's), vLLM's ``POST /tokenize``,
+``POST /detokenize`` and ``GET /version`` (tokenize_routes.py); with LoRA, vLLM's
 ``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter`` (pydaemon/entrypoints/
 openai/lora_routes.py). Adapters are listed as models whose ``parent`` is the base model.
 """
@@ -27,6 +28,7 @@ from pydaemon.entrypoints.openai.errors import ApiError, error_middleware, error
 from pydaemon.entrypoints.openai.lora_routes import add_lora_routes
 from pydaemon.entrypoints.openai.responses import ModelCard, ModelList
 from pydaemon.entrypoints.openai.serving import HttpOptions, OpenAIServing, ServedModel
+from pydaemon.entrypoints.openai.tokenize_routes import add_tokenize_routes
 
 logger = logging.getLogger(__name__)
 # aiohttp's connection-level log: a malformed request would log an ERROR traceback each time.
@@ -124,6 +126,7 @@ def build_app(serving: OpenAIServing) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     add_lora_routes(app, serving)
+    add_tokenize_routes(app, serving)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app

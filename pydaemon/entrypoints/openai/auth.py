@@ -1,5 +1,6 @@
-"""Optional bearer-token auth for ``/v1/*`` and, unless ``--no-metrics-auth``, ``/metrics``
-(``/health`` stays open for load balancers and probes)."""
+"""Optional bearer-token auth for ``/v1/*``, ``/tokenize``, ``/detokenize`` and, unless
+``--no-metrics-auth``, ``/metrics`` (``/health`` and ``/version`` stay open for load balancers
+and probes)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import hmac
 from aiohttp import web
 
 from pydaemon.entrypoints.openai.errors import error_response
+
+# Beyond /v1/*: vLLM's tokenizer routes (they spend the server's CPU on the caller's text).
+GUARDED_PATHS = frozenset({"/tokenize", "/detokenize"})
 
 
 def api_key_middleware(api_key: str, metrics_auth: bool = True):
@@ -18,7 +22,12 @@ def api_key_middleware(api_key: str, metrics_auth: bool = True):
     expected = f"Bearer {api_key}".encode()
 
     def is_guarded(path: str) -> bool:
-        return path == "/v1" or path.startswith("/v1/") or (metrics_auth and path == "/metrics")
+        return (
+            path == "/v1"
+            or path.startswith("/v1/")
+            or path in GUARDED_PATHS
+            or (metrics_auth and path == "/metrics")
+        )
 
     @web.middleware
     async def check_api_key(request: web.Request, handler) -> web.StreamResponse:

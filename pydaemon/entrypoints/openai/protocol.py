@@ -34,7 +34,7 @@ class InvalidParam(LimitError):
     """A request field with a bad value; ``param`` names the field."""
 
 
-class _Body(BaseModel):
+class Body(BaseModel):
     """A request body or one of its objects: strict types; unknown fields ignored with a
     warning (ignored_fields.py)."""
 
@@ -46,13 +46,13 @@ class _Body(BaseModel):
         return warn_ignored_fields(cls, data, cls.__name__)
 
 
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: bool = False
     # vLLM's: every chunk carries the usage so far (its choice's completion tokens)
     continuous_usage_stats: bool = False
 
 
-class _SamplingRequest(_Body):
+class _SamplingRequest(Body):
     """Fields that completions and chat completions share."""
 
     model: str

@@ -121,18 +121,7 @@ class OpenAIServing:
             raise ApiError(
                 503, "the server is not serving (draining or failed)", code="not_serving"
             )
-        lora_request = None
-        if not self.model.is_named(model_name):
-            try:
-                lora_request = self.adapters.get(model_name)
-            except AdapterNotFound:
-                raise ApiError(
-                    404,
-                    f"model {model_name!r} does not exist; this server serves "
-                    f"{self.model.name!r}" + self.adapters.names_hint(),
-                    param="model",
-                    code="model_not_found",
-                ) from None
+        lora_request = self.resolve_model(model_name)
         num_queued = self.num_queued()
         limit = self.options.max_queued_requests
         if num_queued + num_sequences > limit:
@@ -144,6 +133,22 @@ class OpenAIServing:
                 code="queue_full",
             )
         return lora_request
+
+    def resolve_model(self, model_name: str) -> LoRARequest | None:
+        """The adapter ``model_name`` names, None for the base model (one of its names);
+        404 for anything else."""
+        if self.model.is_named(model_name):
+            return None
+        try:
+            return self.adapters.get(model_name)
+        except AdapterNotFound:
+            raise ApiError(
+                404,
+                f"model {model_name!r} does not exist; this server serves "
+                f"{self.model.name!r}" + self.adapters.names_hint(),
+                param="model",
+                code="model_not_found",
+            ) from None
 
     def model_name(self, lora_request: LoRARequest | None) -> str:
         """The ``model`` a response names: the adapter's, or the base model's."""
