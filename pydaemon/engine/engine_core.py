@@ -36,6 +36,7 @@ from pydaemon.engine.structured_outputs import StructuredOutputManager
 from pydaemon.executor.abstract import Executor
 from pydaemon.executor.factory import make_executor
 from pydaemon.lora_request import LoRAAdapterInfo, LoRARequest, prefix_cache_salt
+from pydaemon.model_loader.loader import load_model_config
 from pydaemon.outputs import RequestMetrics
 from pydaemon.sampling_params import SamplingParams
 
@@ -43,11 +44,27 @@ from pydaemon.sampling_params import SamplingParams
 GRAMMAR_POLL_S = 0.05
 
 
+def check_max_model_len(config: EngineConfig) -> None:
+    """ValueError when ``max_model_len`` exceeds the model's own context (vLLM refuses it
+    too: positions past what the model was trained on give wrong output)."""
+    if config.max_model_len is None:
+        return
+    model_len = load_model_config(config.model).max_model_len
+    if config.max_model_len > model_len:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} is greater than the model's context "
+            f"({model_len}: max_position_embeddings in config.json, or the GGUF file's "
+            "context_length); give a value up to it, or leave it unset"
+        )
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
         """``config.model`` must be a model directory (front ends resolve "demo");
         ``executor``: the one ``config`` asks for unless given."""
         self.config = config
+        if executor is None:
+            check_max_model_len(config)  # before any weight is loaded
         self.executor = executor if executor is not None else make_executor(config)
         info = self.executor.info
         self.model_config: ModelConfig = self.executor.model_config
