@@ -38,7 +38,7 @@ from pydaemon.executor.factory import make_executor
 from pydaemon.lora_request import LoRAAdapterInfo, LoRARequest, prefix_cache_salt
 from pydaemon.model_loader.loader import load_model_config
 from pydaemon.outputs import RequestMetrics
-from pydaemon.sampling_params import SamplingParams
+from pydaemon.sampling_params import SamplingParams, logit_bias_out_of_vocab
 
 # With nothing scheduled, a step waits this long at most for a grammar compile to finish.
 GRAMMAR_POLL_S = 0.05
@@ -146,6 +146,9 @@ class EngineCore:
                 f"Token id {bad[0]!r} is out of vocabulary (the prompt's ids must be in "
                 f"[0, {self.vocab_size}))"
             )
+        bias_ids = r.params.logit_bias or {}
+        if any(t >= self.vocab_size for t in bias_ids):
+            raise ValueError(logit_bias_out_of_vocab(bias_ids, self.vocab_size))
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens; the model's context is "

@@ -51,7 +51,16 @@ def _error(r, status: int) -> dict:
             "stream_options",
             "stream: true",
         ),  # fmt: skip
-        ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 1.0}}, "logit_bias", "not supported"),
+        (
+            {"model": MODEL, "prompt": "hi", "logit_bias": {"five": 1.0}},
+            "logit_bias",
+            "logit_bias contains key(s) that cannot be converted to integer token IDs: ['five']",
+        ),
+        (
+            {"model": MODEL, "prompt": "hi", "logit_bias": {"512": 1.0}},
+            "logit_bias",
+            "token_id(s) [512] in logit_bias contain out-of-vocab token ids. Vocabulary size: 512",
+        ),
         ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, "temperature", "valid number"),
         ({"prompt": "hi"}, "model", "Field required"),
         ({"model": MODEL, "prompt": "hi", "echo": True, "logprobs": 1}, "echo", "prompt logprobs"),

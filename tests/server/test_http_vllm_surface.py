@@ -306,3 +306,39 @@ def test_use_beam_search_is_the_grpc_beam_search(server, client, stream):
             extra_body={"use_beam_search": True},
         )  # fmt: skip
     assert e.value.body["param"] == "temperature"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logit_bias(server, client, stream):
+    """OpenAI's logit_bias (pagedd answered "not supported"): +100 makes a token certain,
+    -100 bars one; gRPC has the same map."""
+    from server_helpers import BidiClient, joined_ids
+
+    from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
+
+    tok = _demo_tokenizer()
+    kw = {"model": MODEL, "max_tokens": 4, "temperature": 0, "stream": stream,
+          "extra_body": {"return_token_ids": True, "ignore_eos": True}}  # fmt: skip
+
+    def ids(**extra) -> list[int]:
+        r = client.completions.create(prompt="Once upon a time", **kw, **extra)
+        chunks = list(r) if stream else [r]
+        return [t for c in chunks for ch in c.choices for t in ch.model_dump()["token_ids"] or []]
+
+    plain = ids()
+    assert ids(logit_bias={"42": 100}) == [42] * 4
+    barred = ids(logit_bias={str(plain[0]): -100})
+    assert barred[0] != plain[0]
+    r = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=3, temperature=0, logit_bias={"42": 100},
+        stream=stream, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in r if c.choices) if stream else (
+        r.choices[0].message.content)  # fmt: skip
+    assert text == tok.decode([42] * 3)
+    sampling = pb.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logit_bias={42: 100})
+    grpc_client = BidiClient(server.stub()).start("lb", "Once upon a time", sampling=sampling)
+    grpc_client.start("bad", "Hi", sampling=pb.SamplingParams(logit_bias={10**6: 1.0}))
+    frames = grpc_client.close_send().collect()
+    assert joined_ids(frames["lb"]) == [42] * 3
+    assert "in logit_bias contain out-of-vocab token ids" in frames["bad"][0].error.message

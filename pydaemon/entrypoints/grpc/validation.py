@@ -22,7 +22,11 @@ from pydaemon.entrypoints.common.tool_parsers import ToolParser
 from pydaemon.generate_request import GenerateRequest
 from pydaemon.lora_request import LoRARequest
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
-from pydaemon.sampling_params import SamplingParams, StructuredOutputsParams
+from pydaemon.sampling_params import (
+    SamplingParams,
+    StructuredOutputsParams,
+    logit_bias_out_of_vocab,
+)
 
 # proto field name -> SamplingParams field name (the same everywhere).
 _OPTIONAL_SAMPLING_FIELDS = (
@@ -105,6 +109,11 @@ def to_sampling_params(
         raise _invalid(e.message) from None
     kwargs["stop"] = list(msg.stop)
     kwargs["stop_token_ids"] = list(msg.stop_token_ids)
+    if msg.logit_bias:
+        bias = dict(msg.logit_bias)
+        if any(t >= vocab_size for t in bias):
+            raise _invalid(f"sampling.logit_bias: {logit_bias_out_of_vocab(bias, vocab_size)}")
+        kwargs["logit_bias"] = bias
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:

@@ -12,7 +12,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    field_validator,
+    model_validator,
+)
 
 from pydaemon.config.generation import GenerationDefaults
 from pydaemon.entrypoints.common.limits import (
@@ -25,7 +32,11 @@ from pydaemon.entrypoints.common.limits import (
 )
 from pydaemon.entrypoints.common.tool_choice import check_tools, tool_choice_constraint
 from pydaemon.entrypoints.openai.ignored_fields import warn_ignored_fields
-from pydaemon.sampling_params import SamplingParams, StructuredOutputsParams
+from pydaemon.sampling_params import (
+    SamplingParams,
+    StructuredOutputsParams,
+    logit_bias_out_of_vocab,
+)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default
 
@@ -78,6 +89,8 @@ class _SamplingRequest(Body):
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    # logit_bias with token-id keys, once check() has read it
+    _logit_bias: dict[int, float] | None = PrivateAttr(default=None)
     # vLLM's beam search: n beams, n answers, best first (deterministic: temperature 0)
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -108,8 +121,22 @@ class _SamplingRequest(Body):
     def _check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise InvalidParam("stream_options is only allowed with stream: true", "stream_options")
-        if self.logit_bias:
-            raise InvalidParam("logit_bias is not supported", "logit_bias")
+
+    def engine_logit_bias(self, vocab_size: int) -> dict[int, float] | None:
+        """logit_bias with token-id keys (vLLM's messages naming the bad keys or ids)."""
+        if not self.logit_bias:
+            return None
+        bad = [k for k in self.logit_bias if not _is_int_text(k)]
+        if bad:
+            raise InvalidParam(
+                f"logit_bias contains key(s) that cannot be converted to integer token IDs: "
+                f"{bad[:16]!r}",
+                "logit_bias",
+            )
+        bias = {int(k): v for k, v in self.logit_bias.items()}
+        if any(not 0 <= t < vocab_size for t in bias):
+            raise InvalidParam(logit_bias_out_of_vocab(bias, vocab_size), "logit_bias")
+        return bias
 
     def truncated(self, token_ids: list[int], max_model_len: int) -> list[int]:
         """The prompt as truncate_prompt_tokens leaves it (vLLM's rule and words)."""
@@ -138,6 +165,7 @@ class _SamplingRequest(Body):
         check_stop([self.stop] if isinstance(self.stop, str) else self.stop or [], "stop")
         ids = self.stop_token_ids or []
         check_token_ids(ids, vocab_size, "stop_token_ids", MAX_STOP_TOKEN_IDS)
+        self._logit_bias = self.engine_logit_bias(vocab_size)
 
     def sampling_params(
         self,
@@ -161,6 +189,7 @@ class _SamplingRequest(Body):
             "max_tokens": max_tokens,
             "min_tokens": self.min_tokens,
             "logprobs": logprobs,
+            "logit_bias": self._logit_bias,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             if getattr(self, name) is not None:
@@ -215,6 +244,14 @@ class _SamplingRequest(Body):
 
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _is_int_text(key: str) -> bool:
+    try:
+        int(key)
+    except ValueError:
+        return False
+    return len(key) <= 20
 
 
 def _seed(seed: int | None) -> int | None:
