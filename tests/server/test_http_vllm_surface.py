@@ -342,3 +342,22 @@ def test_logit_bias(server, client, stream):
     frames = grpc_client.close_send().collect()
     assert joined_ids(frames["lb"]) == [42] * 3
     assert "in logit_bias contain out-of-vocab token ids" in frames["bad"][0].error.message
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_minus_one_as_vllm_answers_it(client, stream):
+    """vLLM takes -1 (the whole vocabulary) up to its --max-logprobs, 20 by default: a 400
+    with its words; chat's top_logprobs likewise (pagedd said "[0, 20]" for logprobs)."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, logprobs=-1,
+                                  stream=stream)  # fmt: skip
+    assert "Requested sample logprobs of" in e.value.body["message"]
+    assert e.value.body["param"] == "logprobs"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1,
+                                       logprobs=True, top_logprobs=-1, stream=stream)  # fmt: skip
+    assert e.value.body["param"] == "top_logprobs"
+    assert "which is greater than max allowed: 20" in e.value.body["message"]
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1,
+                                       logprobs=True, top_logprobs=20)  # fmt: skip
+    assert len(r.choices[0].logprobs.content[0].top_logprobs) == 20

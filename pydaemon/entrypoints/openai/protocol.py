@@ -33,6 +33,7 @@ from pydaemon.entrypoints.common.limits import (
 from pydaemon.entrypoints.common.tool_choice import check_tools, tool_choice_constraint
 from pydaemon.entrypoints.openai.ignored_fields import warn_ignored_fields
 from pydaemon.sampling_params import (
+    MAX_LOGPROBS,
     SamplingParams,
     StructuredOutputsParams,
     logit_bias_out_of_vocab,
@@ -264,6 +265,26 @@ def _seed(seed: int | None) -> int | None:
     return seed % 2**64
 
 
+def check_logprobs_count(value: int | None, param: str, vocab_size: int) -> None:
+    """vLLM's rules and words: a count >= 0, or -1 for the whole vocabulary, which is more
+    than the server's maximum (MAX_LOGPROBS, vLLM's --max-logprobs default)."""
+    if value is None or value >= 0:
+        if value is not None and value > MAX_LOGPROBS:
+            raise InvalidParam(
+                f"Requested sample logprobs of {value}, which is greater than max allowed: "
+                f"{MAX_LOGPROBS}",
+                param,
+            )
+        return
+    if value != -1:
+        raise InvalidParam(f"`{param}` must be a positive value or -1.", param)
+    raise InvalidParam(
+        f"Requested sample logprobs of {vocab_size} ({param} -1: the whole vocabulary), which "
+        f"is greater than max allowed: {MAX_LOGPROBS}",
+        param,
+    )
+
+
 def _structured_outputs(value: dict[str, Any] | None) -> StructuredOutputsParams | None:
     if value is None:
         return None
@@ -315,6 +336,7 @@ class CompletionRequest(_SamplingRequest):
         self._check_one_constraint()
         if self.suffix:
             raise InvalidParam("suffix is not supported", "suffix")
+        check_logprobs_count(self.logprobs, "logprobs", vocab_size)
         if self.echo and self.logprobs is not None:
             raise InvalidParam("echo with logprobs is not supported (no prompt logprobs)", "echo")
         if self.stream and self.best_of is not None and self.best_of > self.n:
@@ -386,8 +408,12 @@ class ChatCompletionRequest(_SamplingRequest):
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
                 "continue_final_message",
             )
-        if self.top_logprobs is not None and not self.logprobs:
-            raise InvalidParam("top_logprobs needs logprobs: true", "top_logprobs")
+        check_logprobs_count(self.top_logprobs, "top_logprobs", vocab_size)
+        if self.top_logprobs and not self.logprobs:  # vLLM's: top_logprobs 0 is the default
+            raise InvalidParam(
+                "when using `top_logprobs`, `logprobs` must be set to true (logprobs: true)",
+                "top_logprobs",
+            )
         try:
             check_tools(self.tools, self.tool_choice)
         except ValueError as e:
