@@ -90,6 +90,9 @@ class SamplingParams:
     max_tokens: int = 16
     min_tokens: int = 0
     logprobs: int | None = None  # top-k logprobs per token, plus the chosen token's
+    # vLLM's: the log-probability of each prompt token given those before it, plus its top-k
+    # (RequestOutput.prompt_logprobs); the prompt is then computed whole (no prefix cache)
+    prompt_logprobs: int | None = None
     beam_width: int = 1
     length_penalty: float = 1.0
     early_stopping: bool = False
@@ -163,8 +166,10 @@ class SamplingParams:
             raise bad("max_tokens", "must be a positive integer")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", "must be an integer in [0, max_tokens]")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise bad("logprobs", f"must be None or in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                raise bad(name, f"must be None or in [0, {MAX_LOGPROBS}]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

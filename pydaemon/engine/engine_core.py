@@ -44,6 +44,16 @@ from pydaemon.sampling_params import SamplingParams, logit_bias_out_of_vocab
 GRAMMAR_POLL_S = 0.05
 
 
+def _cache_salt(r: EngineCoreRequest) -> str:
+    """The salt the prefix cache hashes the request's blocks with. Prompt logprobs need every
+    prompt position computed: a salt of its own, so that it reads no cached block (vLLM skips
+    the cache for them too) and no other request reads its blocks."""
+    salt = prefix_cache_salt(r.cache_salt, r.lora_request)
+    if r.params.prompt_logprobs is not None:
+        salt += f"\x00prompt_logprobs:{r.request_id}"
+    return salt
+
+
 def check_max_model_len(config: EngineConfig) -> None:
     """ValueError when ``max_model_len`` exceeds the model's own context (vLLM refuses it
     too: positions past what the model was trained on give wrong output)."""
@@ -113,7 +123,7 @@ class EngineCore:
             params=params,
             eos_token_ids=set(r.eos_token_ids),
             priority=r.priority,
-            cache_salt=prefix_cache_salt(r.cache_salt, r.lora_request),
+            cache_salt=_cache_salt(r),
             lora_request=r.lora_request,
             metrics=RequestMetrics(arrival_time=r.arrival_time),
         )

@@ -32,6 +32,11 @@ from pydaemon.worker.input_batch import InputBatch, StepInput
 from pydaemon.worker.kv_cache import GiB, KVCacheSpec
 from pydaemon.worker.kv_scale_calibration import KVScales
 from pydaemon.worker.lora_manager import LoRAManager, make_lora_manager
+from pydaemon.worker.prompt_logprobs import (
+    PromptLogprobsPlan,
+    plan_prompt_logprobs,
+    prompt_logprobs,
+)
 from pydaemon.worker.spec_decoder import SpecDecoder, VerifyPlan
 from pydaemon.worker.step_sampler import StepSampler
 
@@ -47,6 +52,8 @@ class _PendingSample:
     logits: torch.Tensor | None  # [num_sampled_rows, vocab] float32; None on ranks > 0
     verify: VerifyPlan | None
     hidden: torch.Tensor | None = None  # [>= num_tokens, hidden_size], for EAGLE heads
+    # Prompt logprobs: the rows asked for and their logits (None on ranks > 0)
+    prompt: tuple[PromptLogprobsPlan, torch.Tensor | None] | None = None
 
 
 def resolve_device(device: str, tp_rank: int = 0, tp_size: int = 1) -> torch.device:
@@ -281,7 +288,11 @@ class ModelRunner:
         hidden, logits = self._forward(step)
         if measures_kv_scales:
             self._finish_kv_scales()
-        self._pending = _PendingSample(out, step, logits, verify, hidden)
+        prompt = None
+        plan = plan_prompt_logprobs(step, self.input_batch) if verify is None else None
+        if plan is not None:  # every rank: the LM head's gather is collective
+            prompt = (plan, self.model.compute_logits(hidden[to_device(plan.rows, self.device)]))
+        self._pending = _PendingSample(out, step, logits, verify, hidden, prompt)
 
     @torch.inference_mode()
     def sample_tokens(self, grammar: GrammarOutput | None = None) -> AsyncModelRunnerOutput | None:
@@ -304,6 +315,8 @@ class ModelRunner:
             )
         else:
             result = self.step_sampler.sample(pending.logits, step, out.num_samples, grammar)
+        if pending.prompt is not None and is_driver:
+            result.attach_prompt_logprobs(prompt_logprobs(pending.prompt[1], pending.prompt[0]))
         if step is not None and self.draft is not None and self.draft.needs_target_hidden_states:
             # After sampling: a verified sequence's valid rows are its accepted run.
             self.spec_decoder.observe(step, pending.hidden, self._input_ids(step), pending.verify)

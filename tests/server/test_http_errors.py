@@ -65,7 +65,7 @@ def _error(r, status: int) -> dict:
         ),
         ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, "temperature", "valid number"),
         ({"prompt": "hi"}, "model", "Field required"),
-        ({"model": MODEL, "prompt": "hi", "echo": True, "logprobs": 1}, "echo", "prompt logprobs"),
+        ({"model": MODEL, "prompt": "hi", "prompt_logprobs": -3}, "prompt_logprobs", "or -1"),
     ],
 )
 def test_bad_parameter_is_400_naming_it(server, body, param, words):

@@ -361,3 +361,73 @@ def test_logprobs_minus_one_as_vllm_answers_it(client, stream):
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1,
                                        logprobs=True, top_logprobs=20)  # fmt: skip
     assert len(r.choices[0].logprobs.content[0].top_logprobs) == 20
+
+
+def test_prompt_logprobs_on_completions_and_chat(client):
+    """vLLM's prompt_logprobs: per prompt token its logprob given the tokens before it (None
+    for the first), cross-checked against forcing that token as a one-token completion (the
+    sampled token's logprob is the raw model's, before logit_bias)."""
+    tok = _demo_tokenizer()
+    ids = tok.encode("Once upon a time there", add_bos=False)
+    r = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=1, extra_body={"prompt_logprobs": 2}
+    )
+    prompt_logprobs = r.choices[0].model_dump()["prompt_logprobs"]
+    assert len(prompt_logprobs) == len(ids) and prompt_logprobs[0] is None
+    for j in range(1, len(ids)):
+        entry = prompt_logprobs[j]
+        assert str(ids[j]) in entry and len(entry) in (2, 3)
+        forced = client.completions.create(
+            model=MODEL, prompt=ids[:j], max_tokens=1, logprobs=0, temperature=0,
+            logit_bias={str(ids[j]): 100},
+        )  # fmt: skip
+        expected = forced.choices[0].logprobs.token_logprobs[0]
+        assert entry[str(ids[j])]["logprob"] == pytest.approx(expected, abs=1e-4)
+        ranks = sorted(v["rank"] for v in entry.values() if v["rank"] is not None)
+        assert ranks == [1, 2]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=1, extra_body={"prompt_logprobs": 0}
+    )
+    body = chat.model_dump()
+    assert len(body["prompt_logprobs"]) == chat.usage.prompt_tokens
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)
+    assert "prompt_logprobs" not in plain.model_dump()
+
+
+def test_prompt_logprobs_are_not_streamed(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, stream=True,
+                                  extra_body={"prompt_logprobs": 1})  # fmt: skip
+    assert "`prompt_logprobs` are not available when `stream=True`." in e.value.body["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs(client, stream):
+    """echo with logprobs (pagedd refused it): the prompt's tokens come first in logprobs,
+    the first without a logprob."""
+    tok = _demo_tokenizer()
+    ids = tok.encode("Once upon a time", add_bos=False)
+    r = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=3, logprobs=1, echo=True, temperature=0,
+        stream=stream, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    tokens, token_logprobs, top = [], [], []
+    for chunk in list(r) if stream else [r]:
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                token_logprobs += c.logprobs.token_logprobs
+                top += c.logprobs.top_logprobs
+    assert len(tokens) == len(ids) + 3
+    assert token_logprobs[0] is None and top[0] is None
+    assert all(isinstance(v, float) for v in token_logprobs[1:])
+    assert "".join(tokens[: len(ids)]) == tok.decode(ids)
+    reference = (
+        client.completions.create(
+            model=MODEL, prompt=ids, max_tokens=1, extra_body={"prompt_logprobs": 1}
+        )
+        .choices[0]
+        .model_dump()["prompt_logprobs"]
+    )
+    for j in range(1, len(ids)):
+        assert token_logprobs[j] == pytest.approx(reference[j][str(ids[j])]["logprob"], abs=1e-6)

@@ -27,6 +27,7 @@ from pydaemon.entrypoints.openai.accumulator import Accumulator, ChoiceDelta, Ch
 from pydaemon.entrypoints.openai.chunk_template import IDS_MARKER, TEXT_MARKER, ChunkTemplate
 from pydaemon.entrypoints.openai.engine_stream import EnginePrompt
 from pydaemon.entrypoints.openai.logprobs import chat_logprobs
+from pydaemon.entrypoints.openai.prompt_logprobs import vllm_prompt_logprobs
 from pydaemon.entrypoints.openai.protocol import ChatCompletionRequest, InvalidParam
 from pydaemon.entrypoints.openai.responses import (
     ChatChoice,
@@ -131,6 +132,9 @@ class ChatFormatter:
             else {"prompt_token_ids": True, "choices": {"__all__": {"token_ids"}}}
         )
         self._continuous_usage = body.continuous_usage
+        self._prompt_logprobs = body.prompt_logprobs
+        if body.prompt_logprobs is None:  # not asked: left out, not written as null
+            self._exclude = {**(self._exclude or {}), "prompt_logprobs": True}
 
     def _template(self, index: int) -> ChunkTemplate:
         template = self._templates.get(index)
@@ -286,6 +290,13 @@ class ChatFormatter:
             usage=acc.usage(),
             prompt_token_ids=self._prompt.token_ids if self._return_token_ids else None,
         )
+        if self._prompt_logprobs is not None:
+            response.prompt_logprobs = vllm_prompt_logprobs(
+                self._tokenizer,
+                self._prompt.token_ids,
+                acc.prompts[0].prompt_logprobs,
+                self._prompt_logprobs,
+            )
         return response.model_dump_json(exclude=self._exclude)
 
 

@@ -14,15 +14,18 @@ from pydaemon.entrypoints.openai.chunk_template import IDS_MARKER, TEXT_MARKER, 
 from pydaemon.entrypoints.openai.engine_stream import EnginePrompt
 from pydaemon.entrypoints.openai.errors import bad_request
 from pydaemon.entrypoints.openai.logprobs import completion_logprobs
+from pydaemon.entrypoints.openai.prompt_logprobs import echo_logprobs, vllm_prompt_logprobs
 from pydaemon.entrypoints.openai.protocol import CompletionRequest
 from pydaemon.entrypoints.openai.responses import (
     CompletionChoice,
+    CompletionLogprobs,
     CompletionResponse,
     Usage,
     make_usage,
 )
 from pydaemon.entrypoints.openai.runner import respond
 from pydaemon.entrypoints.openai.serving import OpenAIServing
+from pydaemon.outputs import TokenLogprobs
 
 
 async def create_completion(serving: OpenAIServing, request: web.Request) -> web.StreamResponse:
@@ -115,9 +118,13 @@ class CompletionFormatter:
         self.n = body.n
         self.has_logprobs = body.logprobs is not None
         self.echo = [p.text or "" for p in prompts] if body.echo else None
-        # Without return_token_ids the fields are left out, not written as null.
-        ids_fields = {"token_ids", "prompt_token_ids"}
-        self._exclude = None if body.return_token_ids else {"choices": {"__all__": ids_fields}}
+        # Fields not asked for are left out, not written as null.
+        left_out = set() if body.return_token_ids else {"token_ids", "prompt_token_ids"}
+        if body.prompt_logprobs is None:
+            left_out.add("prompt_logprobs")
+        self._exclude = {"choices": {"__all__": left_out}} if left_out else None
+        self._num_logprobs = body.logprobs
+        self._prompt_logprobs = body.prompt_logprobs
         self._return_token_ids = body.return_token_ids
         self._continuous_usage = body.continuous_usage
         self._templates: dict[int, ChunkTemplate] = {}  # choice index -> its text-chunk template
@@ -161,6 +168,21 @@ class CompletionFormatter:
         num_prompt = acc.prompts[choice.index // self.n].num_prompt_tokens
         return make_usage(num_prompt, len(choice.token_ids), 0)
 
+    def _echo_logprobs(self, acc: Accumulator, index: int) -> CompletionLogprobs | None:
+        """echo with logprobs: the prompt's tokens, each with its top-``logprobs``."""
+        if not self.echo or not self.has_logprobs:
+            return None
+        prompt_index = index // self.n
+        positions = [
+            None if p is None else _top_k(p, self._num_logprobs, target)
+            for p, target in zip(
+                acc.prompts[prompt_index].prompt_logprobs,
+                self._prompts[prompt_index].token_ids,
+                strict=False,
+            )
+        ]
+        return echo_logprobs(self._tokenizer, self._prompts[prompt_index].token_ids, positions)
+
     def start_chunks(self, acc: Accumulator) -> list[str]:
         if not self.echo:
             return []
@@ -170,6 +192,7 @@ class CompletionFormatter:
                     CompletionChoice(
                         index=c.index,
                         text=self._echo(c.index),
+                        logprobs=self._echo_logprobs(acc, c.index),
                         prompt_token_ids=self._prompt_ids(c.index),
                     )
                 ],
@@ -228,6 +251,17 @@ class CompletionFormatter:
                 logprobs = completion_logprobs(
                     texts, c.token_ids, c.positions, len(self._echo(c.index))
                 )
+                echoed = self._echo_logprobs(acc, c.index)
+                if echoed is not None:
+                    logprobs = _joined(echoed, logprobs)
+            prompt_logprobs = None
+            if self._prompt_logprobs is not None:
+                prompt_logprobs = vllm_prompt_logprobs(
+                    self._tokenizer,
+                    prompt.token_ids,
+                    acc.prompts[c.index // self.n].prompt_logprobs,
+                    self._prompt_logprobs,
+                )
             choices.append(
                 CompletionChoice(
                     index=c.index,
@@ -237,6 +271,7 @@ class CompletionFormatter:
                     stop_reason=c.stop_reason,
                     token_ids=c.token_ids,
                     prompt_token_ids=prompt.token_ids if self._return_token_ids else None,
+                    prompt_logprobs=prompt_logprobs,
                 )
             )
         response = CompletionResponse(
@@ -247,3 +282,18 @@ class CompletionFormatter:
             usage=acc.usage(),
         )
         return response.model_dump_json(exclude=self._exclude)
+
+
+def _top_k(position: TokenLogprobs, k: int, target: int) -> TokenLogprobs:
+    """A prompt position's entry cut to its k most likely tokens and the prompt token."""
+    ranked = sorted(position, key=lambda t: -position[t])[:k]
+    return {t: position[t] for t in {*ranked, target} if t in position}
+
+
+def _joined(first: CompletionLogprobs, second: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(
+        text_offset=first.text_offset + second.text_offset,
+        token_logprobs=first.token_logprobs + second.token_logprobs,
+        tokens=first.tokens + second.tokens,
+        top_logprobs=first.top_logprobs + second.top_logprobs,
+    )

@@ -90,6 +90,8 @@ class _SamplingRequest(Body):
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    # vLLM's: each prompt token's logprob and top-k (not streamed)
+    prompt_logprobs: int | None = None
     # logit_bias with token-id keys, once check() has read it
     _logit_bias: dict[int, float] | None = PrivateAttr(default=None)
     # vLLM's beam search: n beams, n answers, best first (deterministic: temperature 0)
@@ -122,6 +124,18 @@ class _SamplingRequest(Body):
     def _check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise InvalidParam("stream_options is only allowed with stream: true", "stream_options")
+
+    def _check_prompt_logprobs(self, vocab_size: int) -> None:
+        check_logprobs_count(self.prompt_logprobs, "prompt_logprobs", vocab_size)
+        if self.stream and self.prompt_logprobs:  # vLLM's rule and words
+            raise InvalidParam(
+                "`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs"
+            )
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """SamplingParams.prompt_logprobs."""
+        return self.prompt_logprobs
 
     def engine_logit_bias(self, vocab_size: int) -> dict[int, float] | None:
         """logit_bias with token-id keys (vLLM's messages naming the bad keys or ids)."""
@@ -191,6 +205,7 @@ class _SamplingRequest(Body):
             "min_tokens": self.min_tokens,
             "logprobs": logprobs,
             "logit_bias": self._logit_bias,
+            "prompt_logprobs": self.engine_prompt_logprobs,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             if getattr(self, name) is not None:
@@ -324,6 +339,13 @@ def _response_format(value: dict[str, Any] | None) -> StructuredOutputsParams | 
 class CompletionRequest(_SamplingRequest):
     """POST /v1/completions."""
 
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """echo with logprobs: the prompt's tokens get logprobs too (vLLM's)."""
+        if self.prompt_logprobs is None and self.echo and self.logprobs is not None:
+            return self.logprobs
+        return self.prompt_logprobs
+
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
     logprobs: int | None = None
@@ -337,8 +359,7 @@ class CompletionRequest(_SamplingRequest):
         if self.suffix:
             raise InvalidParam("suffix is not supported", "suffix")
         check_logprobs_count(self.logprobs, "logprobs", vocab_size)
-        if self.echo and self.logprobs is not None:
-            raise InvalidParam("echo with logprobs is not supported (no prompt logprobs)", "echo")
+        self._check_prompt_logprobs(vocab_size)
         if self.stream and self.best_of is not None and self.best_of > self.n:
             raise InvalidParam("best_of greater than n cannot be streamed", "best_of")
 
@@ -403,6 +424,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def check(self, vocab_size: int) -> None:
         self._check_limits(vocab_size)
+        self._check_prompt_logprobs(vocab_size)
         if self.continue_final_message and self.add_generation_prompt:
             raise InvalidParam(  # vLLM's words
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",

@@ -49,6 +49,9 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None  # vLLM's return_token_ids: this choice's (new) tokens
     prompt_token_ids: list[int] | None = None  # return_token_ids: its prompt's (first chunk)
+    # vLLM's prompt_logprobs: per prompt token, None (the first) or {token_id: {"logprob",
+    # "rank", "decoded_token"}}
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -103,6 +106,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids: the rendered prompt's
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # as CompletionChoice's
 
 
 class DeltaMessage(BaseModel):
