@@ -291,9 +291,17 @@ class OpenAIServing:
                 reason = acc.choices[i * acc.n].finish_reason or "stop"
             else:
                 reason = cancel_reason or "cancelled"
+            queue = None
+            if m is not None and m.first_scheduled_time is not None:
+                queue = m.first_scheduled_time - arrival
+            choices = acc.choices[i * acc.n : (i + 1) * acc.n]
             self.metrics.observe(
                 "aborted" if reason == "abort" else reason,
                 ttft_s=ttft,
                 tpot_s=tpot,
                 e2e_s=end - arrival,
+                queue_s=queue,
+                num_prompt_tokens=prompt.num_prompt_tokens,
+                num_generation_tokens=sum(len(c.token_ids) for c in choices),
+                num_intervals=max(longest - 1, 0),
             )
