@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from pydaemon.config.engine import FP8_NEEDS_CUDA, EngineConfig
+from pydaemon.entrypoints.common.api_key import check_api_key
 from pydaemon.entrypoints.common.lora_adapters import LoRAOptions, parse_lora_modules
 from pydaemon.entrypoints.daemon.app import ServerOptions
 from pydaemon.entrypoints.daemon.device_probe import has_nvidia_driver
@@ -286,6 +287,8 @@ def resolve(args: argparse.Namespace) -> tuple[dict[str, Any], ServerOptions, st
         values["api_key"] = _read_key_file(values["api_key_file"])
     if not values.get("api_key"):
         values["api_key"] = os.environ.get(API_KEY_ENV) or None
+    if values.get("api_key") is not None:
+        check_api_key(values["api_key"], "--api-key (or --api-key-file, $" + API_KEY_ENV + ")")
     _check_exposure(values)
     engine_keys = {_key(f[0]) for f in (*ENGINE_FLAGS, *ENGINE_BOOL_FLAGS)}
     engine_kwargs = {k: v for k, v in values.items() if k in engine_keys}

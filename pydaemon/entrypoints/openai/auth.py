@@ -8,6 +8,7 @@ import hmac
 
 from aiohttp import web
 
+from pydaemon.entrypoints.common.api_key import check_api_key
 from pydaemon.entrypoints.openai.errors import error_response
 
 # Beyond /v1/*: vLLM's tokenizer routes (they spend the server's CPU on the caller's text).
@@ -17,9 +18,7 @@ GUARDED_PATHS = frozenset({"/tokenize", "/detokenize"})
 def api_key_middleware(api_key: str, metrics_auth: bool = True):
     """Refuses ``/v1/*`` (and ``/metrics`` with ``metrics_auth``) requests without
     ``Authorization: Bearer <api_key>`` with 401."""
-    if not api_key:
-        raise ValueError("api_key must not be empty")
-    expected = f"Bearer {api_key}".encode()
+    expected = f"Bearer {check_api_key(api_key)}".encode()
 
     def is_guarded(path: str) -> bool:
         return (
@@ -30,7 +29,7 @@ def api_key_middleware(api_key: str, metrics_auth: bool = True):
         )
 
     @web.middleware
-    async def check_api_key(request: web.Request, handler) -> web.StreamResponse:
+    async def require_api_key(request: web.Request, handler) -> web.StreamResponse:
         if is_guarded(request.path):
             given = request.headers.get("Authorization", "")
             if not given:
@@ -41,4 +40,4 @@ def api_key_middleware(api_key: str, metrics_auth: bool = True):
                 return error_response(401, "invalid api key", code="invalid_api_key")
         return await handler(request)
 
-    return check_api_key
+    return require_api_key
