@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -64,10 +64,12 @@ class _Stream:
 
 class GenerateCalls:
     """Mixed into the servicer, which sets ``engine``, ``options`` (ServingOptions),
-    ``metrics``, ``is_admitting`` and provides ``lora_request_for`` (AdapterCalls)."""
+    ``metrics``, ``is_admitting``, ``is_stalled`` and provides ``lora_request_for``
+    (AdapterCalls)."""
 
     engine: EngineClient | None
     is_admitting: bool
+    is_stalled: Callable[[], bool]  # the engine core missed its heartbeat (liveness.py)
 
     def init_streams(self) -> None:
         self._ids = itertools.count()
@@ -237,6 +239,12 @@ class GenerateCalls:
         if not self.is_admitting or self.engine is None or not self.engine.is_alive:
             raise RequestInvalid(
                 grpc.StatusCode.UNAVAILABLE, "server is not serving (starting or draining)"
+            )
+        if self.is_stalled():  # fail fast: the request would wait for a core that is not moving
+            raise RequestInvalid(
+                grpc.StatusCode.UNAVAILABLE,
+                "the engine core has stopped making progress (no step or heartbeat within the "
+                "stall timeout): retry later or on another replica",
             )
 
     def _admit(self, start: pb.StartRequest) -> EngineArgs:

@@ -121,6 +121,13 @@ class OpenAIServing:
             raise ApiError(
                 503, "the server is not serving (draining or failed)", code="not_serving"
             )
+        if self.is_stalled():  # fail fast: the request would wait for a core that is not moving
+            raise ApiError(
+                503,
+                "the engine core has stopped making progress (no step or heartbeat within the "
+                "stall timeout): retry later or on another replica",
+                code="engine_stalled",
+            )
         lora_request = self.resolve_model(model_name)
         num_queued = self.num_queued()
         limit = self.options.max_queued_requests
