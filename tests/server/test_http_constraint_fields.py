@@ -92,3 +92,16 @@ def test_grpc_names_structured_output_fields(server):
     frames = client.close_send().collect()
     assert frames["r"][0].error.message.startswith("structured_output.regex: invalid regex")
     assert frames["j"][0].error.message.startswith("structured_output.json_schema: ")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_unenforced_schema_keyword_is_a_400_naming_it(server, stream):
+    schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    with pytest.raises(openai.BadRequestError) as e:
+        openai_client(server).chat.completions.create(
+            model="demo", messages=MESSAGES, max_tokens=4, stream=stream,
+            response_format={"type": "json_schema", "json_schema": {"name": "u", "schema": schema}},
+        )  # fmt: skip
+    assert e.value.body["param"] == "response_format"
+    assert "'uniqueItems' (at #)" in e.value.body["message"]
+    assert e.value.body["message"].startswith("response_format.json_schema.schema:")
