@@ -79,7 +79,9 @@ class StructuredOutputManager:
                     request.request_id,
                     [],
                     finished=True,
-                    error=f"structured_outputs: the grammar did not compile: {error}",
+                    error=str(error)
+                    if isinstance(error, ValueError) and str(error).startswith("structured_outputs")
+                    else f"structured_outputs: the grammar did not compile: {error}",
                 )
             )
         self._waiting = waiting

@@ -105,3 +105,25 @@ def test_an_unenforced_schema_keyword_is_a_400_naming_it(server, stream):
     assert e.value.body["param"] == "response_format"
     assert "'uniqueItems' (at #)" in e.value.body["message"]
     assert e.value.body["message"].startswith("response_format.json_schema.schema:")
+
+
+SELF_REF = {"$defs": {"A": {"allOf": [{"$ref": "#/$defs/A"}]}}, "$ref": "#/$defs/A"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_unsatisfiable_constraints_are_a_400(server, stream):
+    """Issue 46: `root ::= root` and a schema that only refers to itself answered "" with
+    finish "stop"; their grammars accept no text, which is known once compiled."""
+    client = openai_client(server)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="demo", prompt="Hi", max_tokens=4, stream=stream,
+                                  extra_body={"structured_outputs": {"grammar": "root ::= root"}})  # fmt: skip
+    assert e.value.body["param"] == "structured_outputs"
+    assert "can never be satisfied" in e.value.body["message"]
+    response_format = {"type": "json_schema", "json_schema": {"name": "s", "schema": SELF_REF}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=4,
+                                       stream=stream, response_format=response_format)  # fmt: skip
+    assert e.value.body["param"] == "response_format"
+    assert "can never be satisfied" in e.value.body["message"]
+    server.wait_all_blocks_free()

@@ -67,11 +67,25 @@ class GrammarCompiler:
         with self._lock:
             future = self._cache.get(key)
             if future is None:
-                future = self._pool.submit(self._compiler.compile_grammar, grammar)
+                future = self._pool.submit(self._compile, grammar)
                 self._cache[key] = future
                 while len(self._cache) > self._cache_size:
                     self._cache.popitem(last=False)
         return future
+
+    def _compile(self, grammar: xgr.Grammar) -> xgr.CompiledGrammar:
+        """Compiles; ValueError for a grammar that accepts no text at all (``root ::= root``,
+        a schema that only refers to itself): its request would end at once with "stop"."""
+        compiled = self._compiler.compile_grammar(grammar)
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher = xgr.GrammarMatcher(compiled)
+        matcher.fill_next_token_bitmask(bitmask)
+        if not bool(bitmask.any()) and not matcher.is_terminated():
+            raise ValueError(
+                "structured_outputs: the constraint can never be satisfied: its grammar "
+                "accepts no text (a rule or schema defined only by itself, say)"
+            )
+        return compiled
 
     def get(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
         """The compiled grammar of ``spec``, waiting for its compile if it is still running."""
