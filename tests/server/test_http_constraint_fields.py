@@ -127,3 +127,15 @@ def test_unsatisfiable_constraints_are_a_400(server, stream):
     assert e.value.body["param"] == "response_format"
     assert "can never be satisfied" in e.value.body["message"]
     server.wait_all_blocks_free()
+
+
+def test_a_grammar_bomb_is_a_400_before_compiling(server):
+    rules = "\n".join(f'r{i} ::= [a-z]* | ""' for i in range(10_000))
+    grammar = "root ::= " + " ".join(f"r{i}" for i in range(10_000)) + "\n" + rules
+    with pytest.raises(openai.BadRequestError) as e:
+        openai_client(server).completions.create(
+            model="demo", prompt="Hi", max_tokens=4,
+            extra_body={"structured_outputs": {"grammar": grammar}},
+        )  # fmt: skip
+    assert e.value.body["param"] == "structured_outputs"
+    assert "above the limit" in e.value.body["message"]
