@@ -25,7 +25,11 @@ from pydaemon.engine.engine_client import EngineClient
 from pydaemon.entrypoints.common.lora_adapters import LoRAAdapters, LoRAOptions
 from pydaemon.entrypoints.common.metrics import Metrics
 from pydaemon.entrypoints.common.tool_parsers import get_tool_parser
-from pydaemon.entrypoints.daemon.fd_limits import quiet_accept_errors, raise_fd_limit
+from pydaemon.entrypoints.daemon.fd_limits import (
+    connection_budget,
+    quiet_accept_errors,
+    raise_fd_limit,
+)
 from pydaemon.entrypoints.daemon.heap_trim import HeapTrimmer
 from pydaemon.entrypoints.daemon.liveness import Liveness
 from pydaemon.entrypoints.daemon.metrics_http import MetricsServer
@@ -63,6 +67,12 @@ class ServerOptions:
     # An engine core without a step or heartbeat this long is reported NOT_SERVING / 503.
     engine_stall_timeout_s: float = 30.0
     heap_trim_interval_s: float = 10.0  # freed heap given back to the OS this often
+    # gRPC: a connection that has not finished its HTTP/2 handshake (the client preface and
+    # settings) this long is closed; and at most this many connections are held at once
+    # (None: half the process's file descriptors, at most 4096), so that idle sockets cannot
+    # use up the descriptors every port needs.
+    handshake_timeout_s: float = 5.0
+    max_grpc_connections: int | None = None
     serving: ServingOptions = field(default_factory=ServingOptions)
     lora: LoRAOptions = field(default_factory=LoRAOptions)
     # --served-model-name: the names clients use (the first is the one answers carry)
@@ -118,6 +128,11 @@ class PageddServer:
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.min_ping_interval_without_data_ms", 5000),
                 ("grpc.so_reuseport", 0),  # a second daemon on the same port must fail
+                ("grpc.server_handshake_timeout_ms", int(o.handshake_timeout_s * 1e3)),
+                (
+                    "grpc.max_allowed_incoming_connections",
+                    o.max_grpc_connections or connection_budget(),
+                ),
             ],
         )
         pb_grpc.add_GenerationServicer_to_server(self.servicer, server)

@@ -144,6 +144,19 @@ SERVER_FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
         "close an HTTP connection idle, or still sending its request, for this long (s)",
     ),
     ("--max-message-bytes", int, 16 * 1024 * 1024, "largest gRPC message in either direction"),
+    (
+        "--handshake-timeout",
+        float,
+        5.0,
+        "close a gRPC connection that has not finished its HTTP/2 handshake after this long (s)",
+    ),
+    (
+        "--max-grpc-connections",
+        int,
+        None,
+        "gRPC connections held at once; more are closed (default: half the file descriptors, "
+        "at most 4096)",
+    ),
     ("--keepalive-time", float, 30.0, "seconds between HTTP/2 keepalive pings"),
     ("--keepalive-timeout", float, 10.0, "seconds to wait for a keepalive ack"),
     ("--log-level", str, "info", "debug | info | warning | error"),
@@ -316,6 +329,8 @@ def resolve(args: argparse.Namespace) -> tuple[dict[str, Any], ServerOptions, st
         tls_cert=values["tls_cert"],
         tls_key=values["tls_key"],
         max_message_bytes=values["max_message_bytes"],
+        handshake_timeout_s=values["handshake_timeout"],
+        max_grpc_connections=values["max_grpc_connections"],
         keepalive_time_s=values["keepalive_time"],
         keepalive_timeout_s=values["keepalive_timeout"],
         grace_period_s=values["grace_period"],
