@@ -28,7 +28,8 @@ from pydaemon.entrypoints.openai.chunk_template import IDS_MARKER, TEXT_MARKER, 
 from pydaemon.entrypoints.openai.engine_stream import EnginePrompt
 from pydaemon.entrypoints.openai.logprobs import chat_logprobs
 from pydaemon.entrypoints.openai.prompt_logprobs import vllm_prompt_logprobs
-from pydaemon.entrypoints.openai.protocol import ChatCompletionRequest, InvalidParam
+from pydaemon.entrypoints.openai.protocol import ChatCompletionRequest
+from pydaemon.entrypoints.openai.request_fields import InvalidParam
 from pydaemon.entrypoints.openai.responses import (
     ChatChoice,
     ChatChunkChoice,

@@ -25,25 +25,27 @@ from pydaemon.config.generation import GenerationDefaults
 from pydaemon.entrypoints.common.limits import (
     MAX_CACHE_SALT_LEN,
     MAX_STOP_TOKEN_IDS,
-    LimitError,
     check_chat_role,
     check_stop,
     check_token_ids,
 )
 from pydaemon.entrypoints.common.tool_choice import check_tools, tool_choice_constraint
 from pydaemon.entrypoints.openai.ignored_fields import warn_ignored_fields
+from pydaemon.entrypoints.openai.request_fields import (
+    InvalidParam,
+    check_logprobs_count,
+    int64_seed,
+    is_int_text,
+    response_format_field,
+    structured_outputs_field,
+)
 from pydaemon.sampling_params import (
-    MAX_LOGPROBS,
     SamplingParams,
     StructuredOutputsParams,
     logit_bias_out_of_vocab,
 )
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default
-
-
-class InvalidParam(LimitError):
-    """A request field with a bad value; ``param`` names the field."""
 
 
 class Body(BaseModel):
@@ -141,7 +143,7 @@ class _SamplingRequest(Body):
         """logit_bias with token-id keys (vLLM's messages naming the bad keys or ids)."""
         if not self.logit_bias:
             return None
-        bad = [k for k in self.logit_bias if not _is_int_text(k)]
+        bad = [k for k in self.logit_bias if not is_int_text(k)]
         if bad:
             raise InvalidParam(
                 f"logit_bias contains key(s) that cannot be converted to integer token IDs: "
@@ -197,7 +199,7 @@ class _SamplingRequest(Body):
             "best_of": best_of,
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
-            "seed": _seed(self.seed),
+            "seed": int64_seed(self.seed),
             "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or ()),
             "stop_token_ids": list(self.stop_token_ids or ()),
             "ignore_eos": self.ignore_eos,
@@ -234,14 +236,14 @@ class _SamplingRequest(Body):
 
     def constraint(self) -> StructuredOutputsParams | None:
         """The request's constraint on its output (InvalidParam naming the field)."""
-        return _response_format(self.response_format) or _structured_outputs(
+        return response_format_field(self.response_format) or structured_outputs_field(
             self.structured_outputs
         )
 
     @property
     def constraint_source(self) -> str | None:
         """The field the output's constraint comes from (what its errors name)."""
-        if _response_format(self.response_format) is not None:
+        if response_format_field(self.response_format) is not None:
             return "response_format"
         return None if self.structured_outputs is None else "structured_outputs"
 
@@ -250,90 +252,13 @@ class _SamplingRequest(Body):
             name
             for name, value in (
                 ("structured_outputs", self.structured_outputs),
-                ("response_format", _response_format(self.response_format)),
+                ("response_format", response_format_field(self.response_format)),
                 *more,
             )
             if value
         ]
         if len(asked) > 1:
             raise InvalidParam(f"{' and '.join(asked)} cannot be combined", asked[1])
-
-
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-
-
-def _is_int_text(key: str) -> bool:
-    try:
-        int(key)
-    except ValueError:
-        return False
-    return len(key) <= 20
-
-
-def _seed(seed: int | None) -> int | None:
-    """vLLM takes any int64 seed; -1 means none (a random stream). A negative seed is the
-    same 64 bits as an unsigned one (SamplingParams.seed is in [0, 2**64))."""
-    if seed is None or seed == -1:
-        return None
-    if not INT64_MIN <= seed <= INT64_MAX:
-        raise InvalidParam(f"seed must be in [-2**63, 2**63 - 1] (got {seed})", "seed")
-    return seed % 2**64
-
-
-def check_logprobs_count(value: int | None, param: str, vocab_size: int) -> None:
-    """vLLM's rules and words: a count >= 0, or -1 for the whole vocabulary, which is more
-    than the server's maximum (MAX_LOGPROBS, vLLM's --max-logprobs default)."""
-    if value is None or value >= 0:
-        if value is not None and value > MAX_LOGPROBS:
-            raise InvalidParam(
-                f"Requested sample logprobs of {value}, which is greater than max allowed: "
-                f"{MAX_LOGPROBS}",
-                param,
-            )
-        return
-    if value != -1:
-        raise InvalidParam(f"`{param}` must be a positive value or -1.", param)
-    raise InvalidParam(
-        f"Requested sample logprobs of {vocab_size} ({param} -1: the whole vocabulary), which "
-        f"is greater than max allowed: {MAX_LOGPROBS}",
-        param,
-    )
-
-
-def _structured_outputs(value: dict[str, Any] | None) -> StructuredOutputsParams | None:
-    if value is None:
-        return None
-    try:
-        return StructuredOutputsParams(**value)
-    except TypeError:
-        raise InvalidParam(
-            "structured_outputs takes one of json, regex, choice, grammar, json_object (and "
-            f"disable_any_whitespace); got {sorted(value)}",
-            "structured_outputs",
-        ) from None
-    except ValueError as e:
-        raise InvalidParam(str(e), "structured_outputs") from None
-
-
-def _response_format(value: dict[str, Any] | None) -> StructuredOutputsParams | None:
-    """OpenAI's response_format: text, json_object, or json_schema {name, schema, strict}."""
-    kind = None if value is None else value.get("type")
-    if value is None or kind == "text":
-        return None
-    if kind == "json_object":
-        return StructuredOutputsParams(json_object=True)
-    if kind == "json_schema":
-        spec = value.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
-            raise InvalidParam(
-                "response_format json_schema needs json_schema.schema (a JSON schema object)",
-                "response_format",
-            )
-        return StructuredOutputsParams(json=schema)
-    raise InvalidParam(
-        "response_format type must be 'text', 'json_object' or 'json_schema'", "response_format"
-    )
 
 
 class CompletionRequest(_SamplingRequest):
@@ -444,7 +369,7 @@ class ChatCompletionRequest(_SamplingRequest):
         if not self.forces_tool_call:
             self._check_one_constraint()
             return
-        _response_format(self.response_format)  # checked, then it gives way to the tool call
+        response_format_field(self.response_format)  # checked, then it gives way to the tool call
         if self.structured_outputs is not None:
             raise InvalidParam(
                 "structured_outputs and a forced tool_choice cannot be combined", "tool_choice"

@@ -28,7 +28,7 @@ from pydaemon.entrypoints.common.metrics import Metrics
 from pydaemon.entrypoints.openai.accumulator import Accumulator
 from pydaemon.entrypoints.openai.engine_stream import GenerateClient
 from pydaemon.entrypoints.openai.errors import ApiError, bad_request
-from pydaemon.entrypoints.openai.protocol import InvalidParam
+from pydaemon.entrypoints.openai.request_fields import InvalidParam
 from pydaemon.lora_request import LoRARequest
 from pydaemon.tokenizer.chat_encoding import encode_chat
 
