@@ -91,3 +91,19 @@ def test_a_recomputed_prefill_sends_each_position_once():
     sent = outputs["r"].new_prompt_logprobs
     assert [next(iter(e)) for e in sent] == list(range(1, 10))
     assert request.num_prompt_logprobs == 9
+
+
+def test_prompt_logprobs_beside_speculative_decoding(model):
+    """A prefill chunk may share a step with verified drafts (their rows come first in the
+    prefill group): the prompt's positions all come back, against the float64 reference."""
+    path, hf = model
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2,
+            "disable_by_batch_size": 64, "auto_disable": False}  # fmt: skip
+    llm = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=64,
+              max_num_batched_tokens=16, max_num_seqs=4, speculative_config=spec)  # fmt: skip
+    repeat = [5, 9, 5, 9, 5, 9, 5, 9]  # n-gram drafts find matches in it
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 2 + [
+        SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+    ]
+    outs = llm.generate(prompt_token_ids=[repeat, repeat[:6], PROMPT], sampling_params=params)
+    _check(outs[2].prompt_logprobs, _reference(hf, PROMPT), PROMPT, 2)

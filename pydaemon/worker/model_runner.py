@@ -289,7 +289,9 @@ class ModelRunner:
         if measures_kv_scales:
             self._finish_kv_scales()
         prompt = None
-        plan = plan_prompt_logprobs(step, self.input_batch) if verify is None else None
+        # A verify step's prefill group holds its verified decodes too: past their prompts,
+        # the plan leaves them out.
+        plan = plan_prompt_logprobs(step, self.input_batch)
         if plan is not None:  # every rank: the LM head's gather is collective
             prompt = (plan, self.model.compute_logits(hidden[to_device(plan.rows, self.device)]))
         self._pending = _PendingSample(out, step, logits, verify, hidden, prompt)
