@@ -51,3 +51,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the engine rejected or failed the request
+    # SamplingParams.prompt_logprobs: per prompt position, {token_id: logprob} of the prompt
+    # token there and its top-k (None at position 0, which has no context). In a streamed
+    # delivery, the positions new since the last delta (the first delta starts with None).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS_TOKENS = 1024  # entries of one request's logit_bias
+MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range; vLLM clamps to it
 MAX_N = 256
 # Beam scores divide by length ** length_penalty; beyond this the scores carry no information.
 MAX_ABS_LENGTH_PENALTY = 10.0
@@ -54,6 +56,15 @@ class StructuredOutputsParams:
         return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
 
+def logit_bias_out_of_vocab(logit_bias: dict[int, float], vocab_size: int) -> str:
+    """vLLM's message for logit_bias ids outside the vocabulary (clients match on it)."""
+    bad = sorted(t for t in logit_bias if not 0 <= t < vocab_size)
+    return (
+        f"token_id(s) {bad[:16]} in logit_bias contain out-of-vocab token ids. "
+        f"Vocabulary size: {vocab_size}"
+    )
+
+
 @dataclass
 class SamplingParams:
     """How to pick the next tokens of one request.
@@ -79,11 +90,17 @@ class SamplingParams:
     max_tokens: int = 16
     min_tokens: int = 0
     logprobs: int | None = None  # top-k logprobs per token, plus the chosen token's
+    # vLLM's: the log-probability of each prompt token given those before it, plus its top-k
+    # (RequestOutput.prompt_logprobs); the prompt is then computed whole (no prefix cache)
+    prompt_logprobs: int | None = None
     beam_width: int = 1
     length_penalty: float = 1.0
     early_stopping: bool = False
     # Constrained decoding (JSON schema, regex, choice, grammar): pydaemon.sampling.constraints
     structured_outputs: StructuredOutputsParams | None = None
+    # OpenAI's logit_bias: token id -> a value added to its logit before sampling (clamped to
+    # [-100, 100], as vLLM does); logprobs stay those of the raw logits.
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -94,9 +111,33 @@ class SamplingParams:
             self.top_k = 0
         if self.best_of is None:
             self.best_of = self.n
+        if self.logit_bias is not None:
+            self._normalize_logit_bias()
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
+
+    def _normalize_logit_bias(self) -> None:
+        """Token ids (int keys, >= 0) -> finite values clamped to [-100, 100]."""
+        bias = self.logit_bias
+        if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(
+                f"SamplingParams.logit_bias must be a dict of at most {MAX_LOGIT_BIAS_TOKENS} "
+                "token ids"
+            )
+        normalized = {}
+        for token_id, value in bias.items():
+            if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+                raise ValueError(
+                    f"SamplingParams.logit_bias keys must be token ids (got {token_id!r})"
+                )
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+                raise ValueError(
+                    f"SamplingParams.logit_bias values must be numbers (got {value!r} for "
+                    f"token {token_id})"
+                )
+            normalized[token_id] = min(MAX_ABS_LOGIT_BIAS, max(-MAX_ABS_LOGIT_BIAS, float(value)))
+        self.logit_bias = normalized or None
 
     def _validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -125,8 +166,10 @@ class SamplingParams:
             raise bad("max_tokens", "must be a positive integer")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", "must be an integer in [0, max_tokens]")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise bad("logprobs", f"must be None or in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                raise bad(name, f"must be None or in [0, {MAX_LOGPROBS}]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv (once) and install pagedd into it with its test and ray extras; the command is then
+# Create .venv (once) and install pagedd into it with its test, dev and ray extras (pytest,
+# ruff, Ray...); the command is then
 # .venv/bin/pagedd (`source .venv/bin/activate` puts it on PATH). Idempotent: the C++ core
 # is rebuilt only when cpp/, CMakeLists.txt or pyproject.toml changed since the last install.
 #   PAGEDD_TORCH   torch requirement to install first (default torch==2.13.0)
@@ -38,9 +39,9 @@ if [ "$(cat "$stamp_file" 2>/dev/null)" != "$stamp_now" ] || ! "$PY" -c "import 
   # The ray extra: the `ray` executor backend and its tests. A machine that cannot reach a
   # package index for it (a GPU machine with carried wheels) installs without it; those tests
   # then skip (scripts/fetch_ray_wheels.sh brings Ray there).
-  if ! "$PY" -m pip install -q --no-build-isolation -e ".[test,ray]"; then
+  if ! "$PY" -m pip install -q --no-build-isolation -e ".[test,dev,ray]"; then
     echo "== the ray extra could not be installed: installing without it (Ray tests will skip)"
-    "$PY" -m pip install -q --no-build-isolation -e ".[test]"
+    "$PY" -m pip install -q --no-build-isolation -e ".[test,dev]"
   fi
   echo "$stamp_now" > "$stamp_file"
   echo "== built and installed in $(( $(date +%s) - start )) s: $VENV/bin/pagedd"

@@ -91,8 +91,8 @@ def test_abort_frees_blocks_at_once(llama_gqa):
     "prompt,match",
     [
         ([], "empty"),
-        ([5, 300], "outside the vocabulary"),
-        ([-1], "outside the vocabulary"),
+        ([5, 300], "is out of vocabulary"),
+        ([-1], "is out of vocabulary"),
         (list(range(3, 200)) * 3, "context"),
     ],
 )

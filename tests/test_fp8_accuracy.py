@@ -6,6 +6,24 @@ dequantized, then FP8 at load) on an English passage. Both models compute the lo
 every position in one prefill. The figures are printed (``pytest -s``) and bounded. A random model's next-token distributions are far
 flatter than a trained one's (top-1 probability ~0.05 here against ~0.7), so its argmax
 flips under much smaller logit noise: its agreement figure is low by nature.
+
+Why the FP8 figures depend on the machine, and which ones the tests bound. ATen picks its CPU
+kernels by instruction set (``ATEN_CPU_CAPABILITY``: default, avx2, avx512); the CPU
+flash-attention kernel behind ``scaled_dot_product_attention`` (its vectorised exp, its
+blocking) then differs in the last bit of float32 from one to another. The float32 model
+absorbs that (its logits move by < 1e-4), the FP8 model does not: per-token FP8 activations
+round to 3 mantissa bits, so a value one float32 ulp from an e4m3 rounding midpoint moves by a
+whole step (1/16) when the ulp changes, and 30 layers compound those flips. The emulated GEMM
+itself is not the cause (FP8 x FP8 products are exact, its outputs were bit-identical across
+the three kernel sets), nor the float -> e4m3 cast (round-to-nearest-even everywhere).
+Measured on SmolLM2 (one AMD EPYC with AVX-512, forcing each kernel set; then nudging one
+float32 ulp into random embedding elements, 8 seeds): argmax agreement 0.866 (avx2: the
+figures the issue reported from an AVX2 machine, max KL 0.224), 0.900 (avx512), 0.916
+(default), 0.874-0.929 over the seeds, so a bound of 0.88 on it passed or failed by machine.
+Stable across all of them: the mean KL (0.0237-0.0263) and the agreement where float32's top
+token leads by more than 0.5 nats (0.981-1.0, 156 of 239 positions). Those are bounded with
+margin; the whole-passage agreement and the largest KL only loosely (a broken FP8 path, wrong
+scales say, sends the mean KL past 1 and the agreement near 0).
 """
 
 from __future__ import annotations
@@ -24,6 +42,9 @@ from fp8_utils import PASSAGE  # noqa: E402
 from model_utils import Seq, SimpleAllocator, build_step, make_kv_cache  # noqa: E402
 
 BLOCK_SIZE = 16
+# Positions where the reference's top token leads by more than this (nats) keep their argmax
+# under FP8 whatever the CPU's kernels (a near-tie flips with the last bit of float32).
+CONFIDENT_MARGIN = 0.5
 
 
 @torch.inference_mode()
@@ -43,6 +64,12 @@ def _compare(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float, float]
     kl = (ref_lp.exp() * (ref_lp - got_lp)).sum(-1)  # [T]
     agree = (ref.argmax(-1) == got.argmax(-1)).double().mean()
     return kl.mean().item(), kl.max().item(), agree.item()
+
+
+def _top_margin(logits: torch.Tensor) -> torch.Tensor:
+    """[T]: how far each position's most likely token leads the second, in nats."""
+    top2 = logits.double().log_softmax(-1).topk(2, dim=-1).values
+    return top2[:, 0] - top2[:, 1]
 
 
 def _report(what: str, num_tokens: int, figures: tuple[float, float, float]) -> None:
@@ -81,4 +108,12 @@ def test_smollm2_fp8_against_float32():
     # (bf16 vs float32 here, measured once: mean KL 1.1e-03, max 5.4e-03, agreement 0.958)
     _report("SmolLM2-135M, FP8 vs float32", len(tokens), figures)
     mean_kl, max_kl, agree = figures
-    assert mean_kl < 0.05 and max_kl < 0.4 and agree >= 0.88
+    confident = _top_margin(ref) > CONFIDENT_MARGIN
+    agree_confident = (ref.argmax(-1) == fp8.argmax(-1))[confident].double().mean().item()
+    print(
+        f"argmax agreement where float32 leads by > {CONFIDENT_MARGIN} nats: "
+        f"{agree_confident:.3f} ({int(confident.sum())} positions)"
+    )
+    # Bounds far from every figure measured on any kernel set (module docstring).
+    assert mean_kl < 0.05 and agree_confident >= 0.95
+    assert max_kl < 0.6 and agree >= 0.75

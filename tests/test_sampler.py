@@ -346,3 +346,91 @@ def test_logprobs_are_raw_top_k_plus_chosen() -> None:
         assert out.chosen_logprobs[i] == pytest.approx(
             raw[i, out.sampled_token_ids[i]].item(), abs=1e-6
         )
+
+
+# ---------------------------------------------------------------- logit_bias (issue 46)
+
+
+def test_logit_bias_params_are_checked_and_clamped() -> None:
+    p = SamplingParams(logit_bias={5: 250.0, 6: -1e9, 7: 0.5})
+    assert p.logit_bias == {5: 100.0, 6: -100.0, 7: 0.5}  # vLLM's clamp to [-100, 100]
+    for bad in (
+        {-1: 1.0},
+        {"5": 1.0},
+        {5: float("nan")},
+        {5: "x"},
+        dict.fromkeys(range(1025), 1.0),
+    ):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+    assert SamplingParams(logit_bias={}).logit_bias is None
+
+
+def test_logit_bias_greedy_against_a_float64_reference() -> None:
+    torch.manual_seed(11)
+    vocab = 64
+    logits = torch.randn(8, vocab) * 3
+    biases = [{int(t): float(v) for t, v in zip(torch.randint(vocab, (4,)),
+                                                 torch.randn(4) * 5, strict=True)}
+              for _ in range(8)]  # fmt: skip
+    biases[0] = {int(logits[0].argmin()): 100.0}  # the least likely token wins
+    biases[1] = {int(logits[1].argmax()): -100.0}  # the most likely one loses
+    params = [SamplingParams(temperature=0.0, logit_bias=b) for b in biases]
+    out = Sampler()(logits, make_metadata(params))
+    reference = logits.double().clone()
+    for row, bias in enumerate(biases):
+        for token_id, value in bias.items():
+            reference[row, token_id] += value
+    assert out.sampled_token_ids == reference.argmax(-1).tolist()
+    assert out.sampled_token_ids[0] == int(logits[0].argmin())
+    assert out.sampled_token_ids[1] != int(logits[1].argmax())
+    # logprobs stay those of the raw logits
+    chosen = logits.log_softmax(-1)[range(8), out.sampled_token_ids]
+    assert torch.allclose(
+        torch.tensor(out.chosen_logprobs, dtype=torch.float64), chosen.double(), atol=1e-6
+    )
+
+
+def test_logit_bias_seeded_sampling_against_a_float64_reference() -> None:
+    """The exponential race on softmax((logits + bias) / T), with the row's own stream."""
+    torch.manual_seed(12)
+    vocab, temperature = 48, 0.8
+    logits = torch.randn(6, vocab)
+    tokens, refs = [], []
+    for row in range(6):
+        bias = {row: 3.0, row + 10: -2.0, 40: 1.5}
+        params = SamplingParams(temperature=temperature, seed=100 + row, logit_bias=bias)
+        gen = make_generator(params.seed, 0, "cpu")
+        out = Sampler()(logits[row : row + 1], make_metadata([params], generators=[gen]))
+        tokens.append(out.sampled_token_ids[0])
+        biased = logits[row].double().clone()
+        for token_id, value in bias.items():
+            biased[token_id] += value
+        probs = (biased / temperature).softmax(-1)
+        noise = torch.empty(vocab).exponential_(generator=make_generator(params.seed, 0, "cpu"))
+        refs.append(int((probs / noise.double()).argmax()))
+    assert tokens == refs
+
+
+def test_logit_bias_shifts_the_sampled_distribution() -> None:
+    torch.manual_seed(13)
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    num = 20000
+    bias = {3: math.log(10.0)}  # token 3 ten times likelier: 0.05 -> 0.5 before renormalising
+    params = [SamplingParams(temperature=1.0, logit_bias=bias)] * num
+    out = Sampler()(probs.log().repeat(num, 1), make_metadata(params))
+    counts = torch.bincount(torch.tensor(out.sampled_token_ids), minlength=4).double() / num
+    expected = torch.tensor([0.5, 0.3, 0.15, 0.5], dtype=torch.float64)
+    assert torch.allclose(counts, expected / expected.sum(), atol=0.015), counts
+
+
+def test_logit_bias_after_the_min_tokens_mask_and_before_penalties() -> None:
+    logits = torch.zeros(1, 8)
+    # min_tokens bars EOS (7) even with +100; the bias then the repetition penalty apply
+    params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[7], logit_bias={7: 100.0, 3: 4.0},
+                            repetition_penalty=8.0)  # fmt: skip
+    out = Sampler()(logits, make_metadata([params], prompts=[[3]], stop_ids=[{7}]))
+    # token 3: (0 + 4) / 8 = 0.5 after the penalty, still above the others' 0
+    assert out.sampled_token_ids == [3]
+    params = SamplingParams(temperature=0.0, logit_bias={7: 100.0})
+    assert Sampler()(logits, make_metadata([params])).sampled_token_ids == [7]

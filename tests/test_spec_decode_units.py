@@ -182,3 +182,15 @@ def test_counters_reach_metrics_and_status():
     assert _plain_fields(status)["spec_decode"]["accepted_per_position"] == [2, 1]
     assert _plain_fields(status)["spec_decode"]["drafts_off_at"] == [8, 16]
     assert "spec_decode" not in _plain_fields(pb.ServerStatus())  # off: not printed
+
+
+def test_verification_applies_the_logit_bias():
+    """Issue 46: a draft is judged against the distribution the sampler uses, logit_bias
+    included (greedy: the biased argmax)."""
+    logits = torch.full((3, 6), -1.0)
+    logits[:, 1] = 1.0  # unbiased argmax: 1 everywhere
+    params = [SamplingParams(temperature=0.0, logit_bias={4: 5.0})] * 3
+    sampler = RejectionSampler()
+    packed = sampler.verify(logits, torch.tensor([4, 1, -1]), _metadata(params))
+    [run] = sampler.accepted_runs(packed.tolist(), [2], [None])
+    assert run.token_ids == [4, 4]  # draft 4 accepted, draft 1 rejected for the biased argmax

@@ -276,3 +276,19 @@ def test_tensor_parallel_gives_the_tokens_of_one_rank():
         _free_blocks_are_back(tp2)
     finally:
         tp2.engine.shutdown()
+
+
+def test_the_grammar_compiler_can_be_built_before_any_request():
+    """Issue 46: the first constrained request on a fresh daemon stalled every stream ~4 s
+    while the compiler was built on the step's thread; the daemon's core builds it at
+    start-up (pydaemon/engine/core_proc.py) with prepare()."""
+    from pydaemon.engine.structured_outputs import StructuredOutputManager
+    from pydaemon.model_loader.model_paths import resolve_model_dir
+
+    manager = StructuredOutputManager(str(resolve_model_dir("demo")), 512)
+    assert manager.compiler is None
+    manager.prepare([2])
+    assert manager.compiler is not None and manager.matchers is not None
+    compiler = manager.compiler
+    manager.prepare([2])  # idempotent
+    assert manager.compiler is compiler

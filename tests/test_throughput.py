@@ -103,4 +103,4 @@ def test_fp8_quantization_flag(tmp_path, capsys):
     (r,) = json.loads(out.read_text())["results"]
     assert r["engine"]["quantization"] == "fp8_emulated" and r["num_output_tokens"] == 48
     assert throughput.main([*SMALL, "--backend", "pagedd-fp8", "--out", str(out)]) == 2
-    assert "quantization='fp8' needs a CUDA GPU" in capsys.readouterr().err
+    assert "quantization 'fp8' needs a CUDA GPU" in capsys.readouterr().err

@@ -144,7 +144,8 @@ def test_required_and_named_constraints():
     ]
     calls = forced_tool_calls('{"city": "Rome"}', [WEATHER], named)
     assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Rome"}')]
-    assert forced_tool_calls('{"city": "Ro', [WEATHER], named) == []
+    cut = forced_tool_calls('{"city": "Ro', [WEATHER], named)  # cut by max_tokens: partial
+    assert [(c.name, c.arguments) for c in cut] == [("get_weather", '{"city": "Ro')]
 
 
 def test_messages_for_template_turn_arguments_into_objects():
@@ -176,3 +177,33 @@ def test_a_tool_call_turn_without_content_renders_with_a_template_that_reads_con
             template, messages, model_name="m", special_tokens={}, add_generation_prompt=False
         )
         assert text == "<user>hi<assistant>"
+
+
+def test_a_forced_call_cut_by_max_tokens_is_a_partial_call_never_content():
+    """Issue 46: the raw partial JSON came back as content. OpenAI answers a call cut by the
+    length limit with the call and its arguments as written so far."""
+    from pydaemon.entrypoints.common.tool_choice import ForcedToolParser
+
+    tools = [{"type": "function", "function": {"name": n}} for n in ("a", "b")]
+    required = ForcedToolParser(tools, "required")
+    cases = {
+        '[{"name":"a","parameters":{"x":1}},{"name":"b","parameters":{"y":"Os': [
+            ("a", '{"x": 1}'),
+            ("b", '{"y":"Os'),
+        ],
+        '[{"name":"a","parameters":{"x":1}},{"na': [("a", '{"x": 1}')],
+        '[{"name":"b","par': [("b", "")],
+        '[{"name":"b': [],
+        "": [],
+    }
+    for text, calls in cases.items():
+        parsed = required.parse(text)
+        assert parsed.content is None
+        assert [(c.name, c.arguments) for c in parsed.tool_calls] == calls, text
+    named = ForcedToolParser(tools, {"type": "function", "function": {"name": "b"}})
+    parsed = named.parse('{"city":"Os')
+    assert parsed.content is None
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == [("b", '{"city":"Os')]
+    stream = StreamingToolParser(required)
+    assert stream.feed('[{"name":"b') == ""
+    assert stream.finish() == ("", [])  # cut before the name: no content, no call

@@ -15,6 +15,12 @@ LOAD_FORMATS = ("auto", "dummy")
 # as pydaemon.quantization.config.QUANTIZATIONS (no torch import here)
 QUANTIZATIONS = (None, "fp8", "fp8_emulated", "awq", "gptq", "compressed-tensors", "mxfp4")
 BLOCK_SIZES = (8, 16, 32)
+# Said before anything loads (pydaemon.quantization.config checks the GPU's capability later).
+FP8_NEEDS_CUDA = (
+    "quantization 'fp8' needs a CUDA GPU of compute capability 8.9 or newer (FP8 tensor "
+    "cores); 'fp8_emulated' runs the same FP8 weights through dequantized matmuls on any "
+    "device (slow: meant for tests)"
+)
 MAX_LORA_RANK = 512
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 KV_CACHE_DTYPES = (
@@ -113,6 +119,8 @@ class EngineConfig:
                 raise bad(name, f"must be one of {', '.join(allowed)}")
         if self.quantization not in QUANTIZATIONS:
             raise bad("quantization", f"must be None or one of {', '.join(QUANTIZATIONS[1:])}")
+        if self.quantization == "fp8" and self.device == "cpu":
+            raise ValueError(FP8_NEEDS_CUDA + "; device is 'cpu'")
         if self.block_size not in BLOCK_SIZES:
             raise bad("block_size", f"must be one of {BLOCK_SIZES}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

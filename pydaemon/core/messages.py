@@ -53,6 +53,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True):
     finished: bool = False  # no more outputs for this request
     metrics: RequestMetrics | None = None  # set when it changes (first token, finish)
     error: str | None = None  # the core failed or rejected the request
+    # SamplingParams.prompt_logprobs: those of the next prompt positions (from 1, in order)
+    new_prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class UtilityResult(msgspec.Struct, array_like=True):

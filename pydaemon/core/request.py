@@ -96,6 +96,9 @@ class Request:
     beam: BeamSearchState | None = None
     beam_pending: dict = field(default_factory=dict)  # seq_id -> logprob row awaiting its peers
     num_preemptions: int = 0
+    # Prompt logprobs sent so far (prompt positions 1..this); a recomputed prefill (after a
+    # preemption) repeats positions, which are not sent again.
+    num_prompt_logprobs: int = 0
     order: int = field(default_factory=lambda: next(_seq_counter))
 
     @property

@@ -32,3 +32,7 @@ class ModelRunnerOutput:
     # Speculative decoding: seq_id -> drafts it verified this step; its sampled_token_ids
     # entry is then the accepted drafts and one sampled token (not n samples of a fork).
     num_draft_tokens: dict[int, int] = field(default_factory=dict)
+    # Prompt logprobs (SamplingParams.prompt_logprobs): seq_id -> (position of the first
+    # prompt token covered, {token_id: logprob} of each following prompt token and its top-k),
+    # for the prefill chunks of this step.
+    prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)

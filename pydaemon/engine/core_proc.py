@@ -67,6 +67,7 @@ def run_engine_core(
         core = EngineCore(config)
         eos_token_ids = core.resolve_eos_token_ids(eos_token_ids)
         core.warmup(eos_token_ids)
+        core.structured_outputs.prepare(eos_token_ids)  # not on the first request's step
         conn.send_bytes(_dumps(CoreReady(core.model_info(eos_token_ids), core.get_stats())))
     except BaseException as e:  # noqa: BLE001 - reported to the front end, then exit
         bad_setting = isinstance(e, ValueError)

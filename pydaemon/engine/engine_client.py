@@ -129,6 +129,8 @@ def merge_deltas(first: RequestOutput, later: RequestOutput) -> RequestOutput:
         acc.finish_reason = part.finish_reason
         acc.stop_reason = part.stop_reason
         acc.cumulative_logprob = part.cumulative_logprob
+    if later.prompt_logprobs:
+        first.prompt_logprobs = (first.prompt_logprobs or []) + later.prompt_logprobs
     first.outputs = [by_index[i] for i in sorted(by_index)]
     first.finished = later.finished
     first.metrics = later.metrics

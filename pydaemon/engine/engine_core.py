@@ -38,11 +38,36 @@ from pydaemon.engine.structured_outputs import StructuredOutputManager
 from pydaemon.executor.abstract import Executor
 from pydaemon.executor.factory import make_executor
 from pydaemon.lora_request import LoRAAdapterInfo, LoRARequest, prefix_cache_salt
+from pydaemon.model_loader.loader import load_model_config
 from pydaemon.outputs import RequestMetrics
-from pydaemon.sampling_params import SamplingParams
+from pydaemon.sampling_params import SamplingParams, logit_bias_out_of_vocab
 
 # With nothing scheduled, a step waits this long at most for a grammar compile to finish.
 GRAMMAR_POLL_S = 0.05
+
+
+def _cache_salt(r: EngineCoreRequest) -> str:
+    """The salt the prefix cache hashes the request's blocks with. Prompt logprobs need every
+    prompt position computed: a salt of its own, so that it reads no cached block (vLLM skips
+    the cache for them too) and no other request reads its blocks."""
+    salt = prefix_cache_salt(r.cache_salt, r.lora_request)
+    if r.params.prompt_logprobs is not None:
+        salt += f"\x00prompt_logprobs:{r.request_id}"
+    return salt
+
+
+def check_max_model_len(config: EngineConfig) -> None:
+    """ValueError when ``max_model_len`` exceeds the model's own context (vLLM refuses it
+    too: positions past what the model was trained on give wrong output)."""
+    if config.max_model_len is None:
+        return
+    model_len = load_model_config(config.model).max_model_len
+    if config.max_model_len > model_len:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} is greater than the model's context "
+            f"({model_len}: max_position_embeddings in config.json, or the GGUF file's "
+            "context_length); give a value up to it, or leave it unset"
+        )
 
 
 class EngineCore:
@@ -50,6 +75,8 @@ class EngineCore:
         """``config.model`` must be a model directory (front ends resolve "demo");
         ``executor``: the one ``config`` asks for unless given."""
         self.config = config
+        if executor is None:
+            check_max_model_len(config)  # before any weight is loaded
         self.executor = executor if executor is not None else make_executor(config)
         info = self.executor.info
         self.model_config: ModelConfig = self.executor.model_config
@@ -105,7 +132,7 @@ class EngineCore:
             params=params,
             eos_token_ids=set(r.eos_token_ids),
             priority=r.priority,
-            cache_salt=prefix_cache_salt(r.cache_salt, r.lora_request),
+            cache_salt=_cache_salt(r),
             lora_request=r.lora_request,
             metrics=RequestMetrics(arrival_time=r.arrival_time),
         )
@@ -130,13 +157,17 @@ class EngineCore:
 
     def _check_fits(self, r: EngineCoreRequest) -> None:
         token_ids = r.prompt_token_ids
-        if not token_ids:
-            raise ValueError("prompt_token_ids is empty")
+        if not token_ids:  # vLLM's messages, which clients match on
+            raise ValueError("The decoder prompt cannot be empty (prompt_token_ids is empty)")
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(
-                f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})"
+                f"Token id {bad[0]!r} is out of vocabulary (the prompt's ids must be in "
+                f"[0, {self.vocab_size}))"
             )
+        bias_ids = r.params.logit_bias or {}
+        if any(t >= self.vocab_size for t in bias_ids):
+            raise ValueError(logit_bias_out_of_vocab(bias_ids, self.vocab_size))
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens; the model's context is "

@@ -47,6 +47,8 @@ class RequestState:
     metrics: RequestMetrics
     seqs: dict[int, _SeqState] = field(default_factory=dict)
     is_finished: bool = False
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # [None, ...]
+    num_sent_prompt_logprobs: int = 0
 
     @property
     def streams_deltas(self) -> bool:
@@ -93,6 +95,10 @@ class OutputProcessor:
                 continue  # aborted by the front end since
             if core_output.metrics is not None:
                 state.metrics = core_output.metrics
+            if core_output.new_prompt_logprobs:
+                if not state.prompt_logprobs:
+                    state.prompt_logprobs.append(None)  # the first prompt token: no context
+                state.prompt_logprobs += core_output.new_prompt_logprobs
             for seq_output in core_output.seqs:
                 if self._update_seq(state, seq_output):
                     stopped.append((state.request_id, seq_output.index))
@@ -222,6 +228,11 @@ def _completion(
 def _request_output(
     state: RequestState, outputs: list[CompletionOutput], error: str | None
 ) -> RequestOutput:
+    """The prompt logprobs not delivered yet ride along (all of them before the first token)."""
+    prompt_logprobs = None
+    if len(state.prompt_logprobs) > state.num_sent_prompt_logprobs:
+        prompt_logprobs = state.prompt_logprobs[state.num_sent_prompt_logprobs :]
+        state.num_sent_prompt_logprobs = len(state.prompt_logprobs)
     return RequestOutput(
         request_id=state.request_id,
         prompt=state.prompt,
@@ -230,4 +241,5 @@ def _request_output(
         finished=state.is_finished,
         metrics=state.metrics,
         error=error,
+        prompt_logprobs=prompt_logprobs,
     )

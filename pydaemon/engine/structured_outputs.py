@@ -36,6 +36,17 @@ class StructuredOutputManager:
         self.matchers: GrammarMatchers | None = None
         self._waiting: list[tuple[Request, Future]] = []  # in arrival order
 
+    def prepare(self, eos_token_ids: list[int]) -> None:
+        """Builds the grammar compiler now (the tokenizer's vocabulary, xgrammar's tokenizer
+        info: seconds for a large vocabulary), so that the first constrained request does not
+        stall every stream while it is built on the step's thread. The daemon's engine core
+        calls it at start-up; a model without a tokenizer is left as it is."""
+        if self.compiler is None and eos_token_ids:
+            try:
+                self._compiler(sorted(eos_token_ids))
+            except ValueError:
+                pass  # no tokenizer: a constrained request is refused when it comes
+
     def add_request(self, request: Request) -> None:
         """Starts compiling the request's grammar (a cached one is ready at once); ValueError
         for a constraint that does not parse."""
@@ -79,7 +90,9 @@ class StructuredOutputManager:
                     request.request_id,
                     [],
                     finished=True,
-                    error=f"structured_outputs: the grammar did not compile: {error}",
+                    error=str(error)
+                    if isinstance(error, ValueError) and str(error).startswith("structured_outputs")
+                    else f"structured_outputs: the grammar did not compile: {error}",
                 )
             )
         self._waiting = waiting

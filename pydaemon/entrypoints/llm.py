@@ -195,6 +195,8 @@ def _merge(acc: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
         if part.logprobs is not None:
             whole.logprobs = (whole.logprobs or []) + part.logprobs
     acc.outputs = [by_index[i] for i in sorted(by_index)]
+    if delta.prompt_logprobs:
+        acc.prompt_logprobs = (acc.prompt_logprobs or []) + delta.prompt_logprobs
     acc.finished = delta.finished
     acc.error = delta.error
     return acc

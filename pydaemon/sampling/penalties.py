@@ -1,4 +1,5 @@
-"""Logit penalties and masks: repetition (HF/CTRL), presence / frequency (OpenAI), min_tokens."""
+"""Logit penalties and masks: repetition (HF/CTRL), presence / frequency (OpenAI), min_tokens,
+and the logit bias (OpenAI)."""
 
 from __future__ import annotations
 
@@ -68,3 +69,11 @@ def apply_min_tokens_mask(
     scheduling, caught by tests/gpu/test_async_scheduling_gpu.py)."""
     neg_inf = torch.full((), float("-inf"), dtype=logits.dtype, device=logits.device)
     return logits.index_put_((rows, token_ids), neg_inf)
+
+
+def apply_logit_bias(
+    logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor, values: torch.Tensor
+) -> torch.Tensor:
+    """OpenAI's logit_bias: logits[rows[i], token_ids[i]] += values[i], in place (rows,
+    token_ids: [num_biased] int64; values: [num_biased] float32, in [-100, 100])."""
+    return logits.index_put_((rows, token_ids), values, accumulate=True)

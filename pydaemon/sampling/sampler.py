@@ -1,11 +1,12 @@
 """The Sampler: logits of one step -> one token per sequence, plus logprobs.
 
-Order of operations per row (vLLM's):
+Order of operations per row (vLLM's; 1-3: logits_processing.py):
   1. min_tokens mask (EOS / stop ids -> -inf while the row is short of min_tokens)
-  2. repetition penalty (prompt + output), then frequency and presence penalties (output)
-  3. greedy rows (temperature 0): argmax here
-  4. temperature, then top-k, top-p (on the top-k-masked distribution), min-p
-  5. sample with the exponential race: argmax(probs / q), q ~ Exp(1), drawn per seeded row
+  2. logit bias (OpenAI's logit_bias: a value in [-100, 100] added to chosen tokens' logits)
+  3. repetition penalty (prompt + output), then frequency and presence penalties (output)
+  4. greedy rows (temperature 0): argmax here
+  5. temperature, then top-k, top-p (on the top-k-masked distribution), min-p
+  6. sample with the exponential race: argmax(probs / q), q ~ Exp(1), drawn per seeded row
      from that row's own generator, so a seeded row gets the same token whatever the batch.
 
 Logprobs (``logprobs`` and ``chosen_logprobs``) are the log_softmax of the RAW model logits,
@@ -21,11 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pydaemon.sampling.penalties import (
-    apply_min_tokens_mask,
-    apply_presence_frequency_penalties,
-    apply_repetition_penalty,
-)
+from pydaemon.sampling.logits_processing import processed_logits
 from pydaemon.sampling.sampling_metadata import SamplingMetadata
 
 
@@ -124,27 +121,13 @@ class Sampler:
                 f"the vocabulary (size {vocab_size})"
             )
 
-        raw_logits = logits
-        if metadata.min_tokens_rows is not None:
-            logits = apply_min_tokens_mask(
-                logits.clone(), metadata.min_tokens_rows, metadata.min_tokens_token_ids
+        if metadata.max_logit_bias_token_id >= vocab_size:
+            raise ValueError(
+                f"Sampler: logit_bias token id {metadata.max_logit_bias_token_id} is outside "
+                f"the vocabulary (size {vocab_size})"
             )
-        if metadata.output_token_ids is not None:  # some row has a penalty
-            if metadata.prompt_token_ids is not None:
-                logits = apply_repetition_penalty(
-                    logits,
-                    metadata.prompt_token_ids,
-                    metadata.output_token_ids,
-                    metadata.repetition_penalty,
-                )
-            logits = apply_presence_frequency_penalties(
-                logits,
-                metadata.output_token_ids,
-                metadata.presence_penalty,
-                metadata.frequency_penalty,
-            )
-        sampled = self._sample(logits, metadata)
-        return sampled, self._pack(raw_logits, sampled, metadata)
+        sampled = self._sample(processed_logits(logits, metadata), metadata)
+        return sampled, self._pack(logits, sampled, metadata)
 
     @staticmethod
     def _sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -85,6 +85,11 @@ class SamplingMetadata:
     min_tokens_rows: torch.Tensor | None  # [num_masked] int64
     min_tokens_token_ids: torch.Tensor | None  # [num_masked] int64
     max_min_tokens_token_id: int
+    # logit_bias: logits[rows[i], token_ids[i]] += values[i] ([num_biased] each). None if none.
+    logit_bias_rows: torch.Tensor | None
+    logit_bias_token_ids: torch.Tensor | None  # int64
+    logit_bias_values: torch.Tensor | None  # float32
+    max_logit_bias_token_id: int
     # Per-row generator of seeded random rows, None for unseeded or greedy rows.
     generators: list[torch.Generator | None]
     has_seeded_rows: bool
@@ -175,6 +180,20 @@ class SamplingMetadata:
             min_tokens_rows = _to_device(torch.tensor(mask_rows, dtype=torch.int64), device)
             min_tokens_ids = _to_device(torch.tensor(mask_ids, dtype=torch.int64), device)
 
+        bias_rows: list[int] = []
+        bias_ids: list[int] = []
+        bias_values: list[float] = []
+        for i, p in enumerate(params):
+            for token_id, value in (p.logit_bias or {}).items():
+                bias_rows.append(i)
+                bias_ids.append(token_id)
+                bias_values.append(value)
+        logit_bias_rows = logit_bias_ids = logit_bias_values = None
+        if bias_rows:
+            logit_bias_rows = _to_device(torch.tensor(bias_rows, dtype=torch.int64), device)
+            logit_bias_ids = _to_device(torch.tensor(bias_ids, dtype=torch.int64), device)
+            logit_bias_values = f32(bias_values)
+
         gens = [None if g else gen for g, gen in zip(greedy, generators, strict=True)]
         num_logprobs = [p.logprobs for p in params]
         asked = [k for k in num_logprobs if k is not None]
@@ -196,6 +215,10 @@ class SamplingMetadata:
             min_tokens_rows=min_tokens_rows,
             min_tokens_token_ids=min_tokens_ids,
             max_min_tokens_token_id=max(mask_ids, default=-1),
+            logit_bias_rows=logit_bias_rows,
+            logit_bias_token_ids=logit_bias_ids,
+            logit_bias_values=logit_bias_values,
+            max_logit_bias_token_id=max(bias_ids, default=-1),
             generators=gens,
             has_seeded_rows=any(g is not None for g in gens),
             max_num_logprobs=max(asked) if asked else None,

@@ -43,9 +43,14 @@ def encode_chat(
     *,
     chat_template_kwargs: dict[str, Any] | None = None,
     parse_special_tokens_in_content: bool = False,
+    continue_final_message: bool = False,
 ) -> tuple[str, list[int]]:
     """-> (prompt text, its token ids). The template writes the BOS itself, so none is added
-    (as transformers' ``apply_chat_template(tokenize=True)``)."""
+    (as transformers' ``apply_chat_template(tokenize=True)``). ``continue_final_message``
+    (transformers' and vLLM's): the prompt ends right after the last message's content, so
+    that the model continues that message (no end-of-turn, no generation prompt)."""
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be set")
     if tokenizer is None:
         raise ValueError("this model has no tokenizer: chat messages need tokenizer.json")
     kwargs = chat_template_kwargs or {}
@@ -60,6 +65,8 @@ def encode_chat(
         or not _mentions(pattern, (messages, tools))
     ):
         text = tokenizer.apply_chat_template(messages, add_generation_prompt, tools, **kwargs)
+        if continue_final_message:
+            text = _cut_after_final_message(text, messages)
         return text, tokenizer.encode(text, add_bos=False)
     nonce = secrets.token_hex(8)
     index = {s: i for i, s in enumerate(specials)}
@@ -73,9 +80,10 @@ def encode_chat(
             return [hide(v) for v in value]
         return value
 
-    rendered = tokenizer.apply_chat_template(
-        hide(messages), add_generation_prompt, hide(tools), **kwargs
-    )
+    hidden = hide(messages)
+    rendered = tokenizer.apply_chat_template(hidden, add_generation_prompt, hide(tools), **kwargs)
+    if continue_final_message:
+        rendered = _cut_after_final_message(rendered, hidden)
     parts = re.split(f"{_OPEN}{nonce}(\\d+){_CLOSE}", rendered)
     segments: list[tuple[str, bool]] = []
     for k, part in enumerate(parts):  # [template, special index, template, ..., template]
@@ -90,6 +98,22 @@ def encode_chat(
             segments.append((part, True))
     text = "".join(s for s, _ in segments)
     return text, tokenizer.encode_segments(segments)
+
+
+def _cut_after_final_message(rendered: str, messages: list[dict]) -> str:
+    """The rendered prompt up to the end of the last message's content (transformers' rule:
+    its last occurrence, else that of its stripped text)."""
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str) or not final.strip():
+        raise ValueError("continue_final_message needs a last message with text to continue")
+    for text in (final, final.strip()):
+        end = rendered.rfind(text)
+        if end >= 0:
+            return rendered[: end + len(text)]
+    raise ValueError(
+        "continue_final_message: the chat template does not write the last message's content "
+        "as it is, so it cannot be continued"
+    )
 
 
 def _mentions(pattern: re.Pattern, value: Any) -> bool:

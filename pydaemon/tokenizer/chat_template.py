@@ -56,6 +56,11 @@ def select_default_template(template: str | list | dict | None) -> str | None:
     return named["default"]
 
 
+def check_chat_template(template: str) -> None:
+    """ValueError unless ``template`` parses (as render_chat_template compiles it)."""
+    _compile(template)
+
+
 def render_chat_template(
     template: str | None,
     messages: list[dict[str, Any]],

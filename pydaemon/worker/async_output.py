@@ -61,6 +61,12 @@ class AsyncModelRunnerOutput:
         result.num_samples = sum(counts)
         return result
 
+    def attach_prompt_logprobs(
+        self, prompt_logprobs: dict[int, tuple[int, list[dict[int, float]]]]
+    ) -> None:
+        """The step's prompt logprobs (host data already: pydaemon/worker/prompt_logprobs.py)."""
+        self._output.prompt_logprobs = prompt_logprobs
+
     def receive_sampled_token_ids(self, sampled_token_ids: torch.Tensor) -> None:
         """sampled_token_ids: [num_samples] int64 on the device, rank 0's, just broadcast to
         this rank (``awaiting_samples``). The host copy starts now; ``get_output`` waits."""

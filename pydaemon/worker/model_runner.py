@@ -33,6 +33,11 @@ from pydaemon.worker.input_batch import InputBatch, StepInput
 from pydaemon.worker.kv_cache import GiB, KVCacheSpec
 from pydaemon.worker.kv_scale_calibration import KVScales
 from pydaemon.worker.lora_manager import LoRAManager, make_lora_manager
+from pydaemon.worker.prompt_logprobs import (
+    PromptLogprobsPlan,
+    plan_prompt_logprobs,
+    prompt_logprobs,
+)
 from pydaemon.worker.spec_decoder import SpecDecoder, VerifyPlan
 from pydaemon.worker.step_sampler import StepSampler
 
@@ -48,6 +53,8 @@ class _PendingSample:
     logits: torch.Tensor | None  # [num_sampled_rows, vocab] float32; None on ranks > 0
     verify: VerifyPlan | None
     hidden: torch.Tensor | None = None  # [>= num_tokens, hidden_size], for EAGLE heads
+    # Prompt logprobs: the rows asked for and their logits (None on ranks > 0)
+    prompt: tuple[PromptLogprobsPlan, torch.Tensor | None] | None = None
 
 
 def resolve_device(device: str, local_rank: int | None = None) -> torch.device:
@@ -307,7 +314,13 @@ class ModelRunner:
         hidden, logits = self._forward(step)
         if measures_kv_scales:
             self._finish_kv_scales()
-        self._pending = _PendingSample(out, step, logits, verify, hidden)
+        prompt = None
+        # A verify step's prefill group holds its verified decodes too: past their prompts,
+        # the plan leaves them out.
+        plan = plan_prompt_logprobs(step, self.input_batch)
+        if plan is not None:  # every rank: the LM head's gather is collective
+            prompt = (plan, self.model.compute_logits(hidden[to_device(plan.rows, self.device)]))
+        self._pending = _PendingSample(out, step, logits, verify, hidden, prompt)
 
     @torch.inference_mode()
     def sample_tokens(self, grammar: GrammarOutput | None = None) -> AsyncModelRunnerOutput | None:
@@ -331,6 +344,8 @@ class ModelRunner:
             )
         else:
             result = self.step_sampler.sample(pending.logits, step, out.num_samples, grammar)
+        if pending.prompt is not None and is_driver:
+            result.attach_prompt_logprobs(prompt_logprobs(pending.prompt[1], pending.prompt[0]))
         if step is not None and self.draft is not None and self.draft.needs_target_hidden_states:
             # After sampling: a verified sequence's valid rows are its accepted run.
             self.spec_decoder.observe(step, pending.hidden, self._input_ids(step), pending.verify)

@@ -8,6 +8,7 @@ import threading
 import time
 
 import grpc
+import pytest
 from fake_engine import FakeEngine
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from http_helpers import request
@@ -81,3 +82,32 @@ def test_a_drained_server_lets_go_of_its_engine():
     gc.collect()
     assert st.server.is_drained.is_set()
     assert ref() is None
+
+
+def test_new_requests_to_a_stuck_core_fail_fast(start_server):
+    """Issue 46: while health said NOT_SERVING, new requests still waited for the stuck core
+    until the client's own deadline; now UNAVAILABLE / 503 at once (no deadline reached)."""
+    import openai
+    from http_helpers import openai_client
+
+    engine = FakeEngine(num_gpu_blocks=256, step_delay_s=0.002)
+    st = start_server(lambda: engine, http_port=0, engine_stall_timeout_s=STALL_S)
+    client = BidiClient(st.stub())
+    client.start("r", [3], sampling=pb.SamplingParams(max_tokens=8))
+    client.close_send()
+    engine.step_delay_s = STEP_S
+    first = threading.Thread(target=client.collect)
+    first.start()
+    assert _wait_for(lambda: request(st, "GET", "/health").status == 503, STEP_S / 2)
+    late = BidiClient(st.stub())
+    late.start("new", [5], sampling=pb.SamplingParams(max_tokens=2))
+    [frame] = late.close_send().collect()["new"]
+    assert frame.error.code == grpc.StatusCode.UNAVAILABLE.value[0]
+    assert "stopped making progress" in frame.error.message
+    http = openai_client(st, timeout=STEP_S / 2)
+    for stream in (False, True):
+        with pytest.raises(openai.InternalServerError) as e:
+            http.completions.create(model="fake", prompt=[5], max_tokens=2, stream=stream)
+        assert e.value.status_code == 503 and e.value.body["code"] == "engine_stalled"
+    engine.step_delay_s = 0.002
+    first.join(timeout=10 * STEP_S)  # the first request finishes once the core moves again

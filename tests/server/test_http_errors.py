@@ -36,12 +36,16 @@ def _error(r, status: int) -> dict:
         ({"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p", "(0, 1]"),
         ({"model": MODEL, "prompt": "hi", "n": 0}, "n", "n must be"),
         ({"model": MODEL, "prompt": "hi", "presence_penalty": 3}, "presence_penalty", "[-2, 2]"),
-        ({"model": MODEL, "prompt": "hi", "logprobs": 21}, "logprobs", "[0, 20]"),
+        ({"model": MODEL, "prompt": "hi", "logprobs": 21}, "logprobs", "max allowed: 20"),
+        ({"model": MODEL, "prompt": "hi", "logprobs": -1}, "logprobs", "of 512 (logprobs -1"),
+        ({"model": MODEL, "prompt": "hi", "logprobs": -2}, "logprobs", "positive value or -1"),
         ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens", "positive"),
         ({"model": MODEL, "prompt": "hi", "max_tokens": 5000}, "max_tokens", "context length"),
         ({"model": MODEL, "prompt": "hi", "min_tokens": 99}, "min_tokens", "[0, max_tokens]"),
-        ({"model": MODEL, "prompt": ""}, "prompt", "empty"),
-        ({"model": MODEL, "prompt": [1, 2, 512]}, "prompt", "outside [0, 512)"),
+        ({"model": MODEL, "prompt": ""}, "prompt", "must be provided and non-empty"),
+        ({"model": MODEL, "prompt": []}, "prompt", "The decoder prompt cannot be empty"),
+        ({"model": MODEL, "prompt": [[]]}, "prompt", "The decoder prompt cannot be empty"),
+        ({"model": MODEL, "prompt": [1, 2, 512]}, "prompt", "Token id 512 is out of vocabulary"),
         ({"model": MODEL, "prompt": "hi", "stop": ["a"] * 17}, "stop", "at most 16"),
         ({"model": MODEL, "prompt": "hi", "stop": [""]}, "stop", "non-empty"),
         (
@@ -49,11 +53,19 @@ def _error(r, status: int) -> dict:
             "stream_options",
             "stream: true",
         ),  # fmt: skip
-        ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 1.0}}, "logit_bias", "not supported"),
-        ({"model": MODEL, "prompt": "hi", "frobnicate": 1}, "frobnicate", "unknown field"),
+        (
+            {"model": MODEL, "prompt": "hi", "logit_bias": {"five": 1.0}},
+            "logit_bias",
+            "logit_bias contains key(s) that cannot be converted to integer token IDs: ['five']",
+        ),
+        (
+            {"model": MODEL, "prompt": "hi", "logit_bias": {"512": 1.0}},
+            "logit_bias",
+            "token_id(s) [512] in logit_bias contain out-of-vocab token ids. Vocabulary size: 512",
+        ),
         ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, "temperature", "valid number"),
         ({"prompt": "hi"}, "model", "Field required"),
-        ({"model": MODEL, "prompt": "hi", "echo": True, "logprobs": 1}, "echo", "prompt logprobs"),
+        ({"model": MODEL, "prompt": "hi", "prompt_logprobs": -3}, "prompt_logprobs", "or -1"),
     ],
 )
 def test_bad_parameter_is_400_naming_it(server, body, param, words):

@@ -11,6 +11,7 @@ import re
 from typing import Literal
 
 import jsonschema
+import openai
 import pytest
 from http_helpers import MODEL, openai_client, post, start_http_server
 from pydantic import BaseModel, Field
@@ -251,3 +252,103 @@ def test_auto_none_and_a_second_turn_with_the_tool_result(tool_client):
     )  # fmt: skip
     # The tool call and its result are in the prompt: it is longer than the first turn's.
     assert second.usage.prompt_tokens > first.usage.prompt_tokens + 10
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_cut_by_max_tokens(tool_client, stream):
+    """Issue 46: the partial constraint JSON came back as content. Now, as OpenAI does: the
+    call with its arguments as far as they got, finish_reason "length", no content."""
+    client, st, model = tool_client
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(
+        model=model, messages=MESSAGES, tools=[WEATHER], tool_choice=named, max_tokens=3,
+        stream=stream,
+    )  # fmt: skip
+    if stream:
+        chunks = list(r)
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or ()]
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        [delta] = deltas
+        name, arguments = delta.function.name, delta.function.arguments
+    else:
+        choice = r.choices[0]
+        content, finish = choice.message.content or "", choice.finish_reason
+        [call] = choice.message.tool_calls
+        name, arguments = call.function.name, call.function.arguments
+    assert finish == "length" and content == ""
+    assert name == "get_weather" and arguments.startswith("{")
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(arguments)  # 3 tokens: partial
+    st.wait_all_blocks_free()
+
+
+def test_response_format_gives_way_to_a_forced_tool_call(tool_client):
+    """vLLM drops response_format when tool_choice forces a call: the tool calls come back."""
+    client, st, model = tool_client
+    r = client.chat.completions.create(
+        model=model, messages=MESSAGES, tools=[WEATHER], tool_choice="required",
+        response_format={"type": "json_object"}, max_tokens=300, seed=2,
+    )  # fmt: skip
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    _check_call(choice.message.tool_calls[0], [WEATHER])
+    st.wait_all_blocks_free()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_schema_error_names_tools(tool_client, stream):
+    client, st, model = tool_client
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "objec"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=model, messages=MESSAGES, tools=[bad], tool_choice="required", max_tokens=4,
+            stream=stream,
+        )  # fmt: skip
+    assert e.value.body["param"] == "tools"
+    assert e.value.body["message"].startswith("tools: "), e.value.body
+    st.wait_all_blocks_free()
+
+
+LOCATED = {
+    "type": "function",
+    "function": {
+        "name": "locate",
+        "parameters": {
+            "type": "object",
+            "properties": {"place": {"$ref": "#/$defs/Place"}},
+            "required": ["place"],
+            "additionalProperties": False,
+            "$defs": {
+                "Place": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string", "maxLength": 6}},
+                    "required": ["city"],
+                    "additionalProperties": False,
+                }
+            },
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_with_defs_and_refs(tool_client, stream):
+    """Issue 46: parameters using $defs / $ref failed with "Cannot find field '$defs'" (the
+    wrapper schema moved them); pydantic models with nested models write such schemas."""
+    client, st, model = tool_client
+    r = client.chat.completions.create(
+        model=model, messages=MESSAGES, tools=[LOCATED, WEATHER], tool_choice="required",
+        max_tokens=300, seed=4, stream=stream,
+    )  # fmt: skip
+    if stream:
+        chunks = list(r)
+        calls = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or ()]
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    else:
+        calls, finish = r.choices[0].message.tool_calls, r.choices[0].finish_reason
+    assert finish == "tool_calls" and calls
+    for call in calls:
+        tool = next(t for t in (LOCATED, WEATHER) if t["function"]["name"] == call.function.name)
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    st.wait_all_blocks_free()

@@ -63,3 +63,16 @@ def test_health_wait_until_serving():
         assert code == 0 and "SERVING" in out
     finally:
         st.close()
+
+
+def test_info_prints_float32_fields_without_noise():
+    """Issue 46: `pagedd info` printed generation defaults as 0.20000000298023224."""
+    from pydaemon.entrypoints.grpc.admin import _plain_fields
+    from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
+
+    reply = pb.ModelInfo(
+        model_name="m", generation_defaults=pb.GenerationDefaults(temperature=0.2, top_p=0.95)
+    )
+    fields = _plain_fields(reply)
+    assert fields["generation_defaults"] == {"temperature": 0.2, "top_p": 0.95}
+    assert json.dumps(fields["generation_defaults"]) == '{"temperature": 0.2, "top_p": 0.95}'

@@ -118,3 +118,29 @@ def test_version_and_start_up_failure_exit_codes():
         cwd=ROOT,
     )
     assert run.returncode == 2 and "EngineConfig.block_size must be one of" in run.stderr
+
+
+def test_generate_logprobs_prints_text_and_alternatives(demo_server):
+    """Issue 46: --logprobs printed "id:logprob" pairs only. Each token now has its text in
+    context (TokenLogprobs.text) and the N most likely tokens at its place with theirs."""
+    import ast
+
+    st = demo_server()
+    args = build_parser().parse_args(
+        ["generate", "--server", st.address, "--max-tokens", "4", "--temperature", "0",
+         "--ignore-eos", "--logprobs", "2", "Once upon a time"]
+    )  # fmt: skip
+    out, err = io.StringIO(), io.StringIO()
+    assert run_generate(args, out, err) == 0, err.getvalue()
+    lines = [x for x in err.getvalue().splitlines() if x.startswith("  ")]
+    assert len(lines) == 4, err.getvalue()
+    texts = []
+    for line in lines:
+        chosen, _, top = line.partition(" | ")
+        text_repr, logprob = chosen.strip().rsplit(None, 1)
+        texts.append(ast.literal_eval(text_repr))
+        assert float(logprob) <= 0.0
+        alternatives = top.split(", ")
+        assert len(alternatives) == 2  # greedy: the chosen token is the most likely one
+        assert alternatives[0].rsplit(None, 1)[0] == text_repr
+    assert "".join(texts) == out.getvalue().rstrip("\n")

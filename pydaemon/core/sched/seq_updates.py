@@ -107,6 +107,10 @@ class SeqUpdater:
                 self._append(request, scheduled.seq, token_ids, chosen, logprobs, output)
             except Exception as e:  # noqa: BLE001 - one request's failure is that request's
                 outputs[request.request_id] = self._internal_error(request, e, now)
+        for seq_id, (first, entries) in ro.prompt_logprobs.items():
+            request = by_seq_id[seq_id].request
+            if not request.is_finished:
+                self._add_prompt_logprobs(request, first, entries, outputs)
         beams: dict[str, list[tuple[int, Sequence]]] = {}
         for row, seq_id in enumerate(ro.beam_seq_ids):
             scheduled = by_seq_id[seq_id]
@@ -133,7 +137,9 @@ class SeqUpdater:
                 self._finish(request, now)
                 output.finished = True
                 output.metrics = request.metrics
-        return EngineCoreOutputs([o for o in outputs.values() if o.seqs or o.finished])
+        return EngineCoreOutputs(
+            [o for o in outputs.values() if o.seqs or o.finished or o.new_prompt_logprobs]
+        )
 
     # ---- one request ------------------------------------------------------------------------
     def _append(
@@ -236,6 +242,23 @@ class SeqUpdater:
         request.status = RequestStatus.FINISHED
         request.metrics.finished_time = now
         self._finished.append(request)
+
+    @staticmethod
+    def _add_prompt_logprobs(
+        request: Request,
+        first: int,
+        entries: list[TokenLogprobs],
+        outputs: dict[str, EngineCoreOutput],
+    ) -> None:
+        """Prompt logprobs of positions ``first``.. from one prefill chunk: those not sent
+        yet go out in order (a recomputed prefill repeats positions)."""
+        skip = request.num_prompt_logprobs + 1 - first
+        if skip < 0 or skip >= len(entries):
+            return
+        new = entries[skip:]
+        request.num_prompt_logprobs += len(new)
+        output = outputs.setdefault(request.request_id, EngineCoreOutput(request.request_id, []))
+        output.new_prompt_logprobs = (output.new_prompt_logprobs or []) + new
 
     def _fail(self, request: Request, message: str, now: float) -> EngineCoreOutput:
         """Ends a request with an error; no token of it is sent again."""

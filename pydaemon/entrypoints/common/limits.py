@@ -8,6 +8,7 @@ way (``sampling.stop`` in gRPC, ``stop`` in HTTP) and maps it to INVALID_ARGUMEN
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -72,6 +73,37 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, param: str, max_len: in
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise LimitError(f"{param} {bad[:8]} are outside the vocabulary [0, {vocab_size})", param)
+
+
+# A chat message's role: the five OpenAI roles or a custom one, which vLLM passes to the chat
+# template as it is; a name, so that it cannot write a turn of its own into the prompt (a
+# template writes it verbatim, e.g. "<|im_start|>{{ role }}\n").
+MAX_ROLE_LEN = 64
+_ROLE = re.compile(rf"[A-Za-z0-9_.:-]{{1,{MAX_ROLE_LEN}}}")
+
+
+def check_chat_role(role: str, param: str) -> None:
+    """The one rule of HTTP and gRPC (LimitError naming ``param``)."""
+    if not isinstance(role, str) or _ROLE.fullmatch(role) is None:
+        raise LimitError(
+            f"{param} must be a role name (letters, digits, '_', '.', ':' or '-', 1 to "
+            f"{MAX_ROLE_LEN} characters), got {str(role)[:80]!r}",
+            param,
+        )
+
+
+# vLLM's messages, which clients match on (its input processor's and completion protocol's).
+EMPTY_PROMPT = "The decoder prompt cannot be empty"
+EMPTY_TEXT_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty."
+
+
+def out_of_vocabulary(bad: Sequence[int], vocab_size: int, where: str) -> str:
+    """vLLM's "Token id N is out of vocabulary" (N: the largest bad id), then which field and
+    the range."""
+    return (
+        f"Token id {max(bad)} is out of vocabulary ({where}: ids must be in [0, {vocab_size}); "
+        f"out of it: {list(bad[:8])})"
+    )
 
 
 def iter_strings(value: Any) -> Iterator[str]:

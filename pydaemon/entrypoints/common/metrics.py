@@ -10,12 +10,18 @@ import bisect
 import threading
 from collections.abc import Callable
 
-from pydaemon.entrypoints.common.vllm_metrics import vllm_gauges
+from pydaemon.entrypoints.common.vllm_metrics import (
+    vllm_counters,
+    vllm_gauges,
+    vllm_histograms,
+    vllm_request_success,
+)
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 
 # (metric name, EngineStats field, type, help)
 _STATS = (
@@ -62,19 +68,26 @@ class Histogram:
         self.sum = 0.0
         self.count = 0
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
+    def observe(self, value: float, times: int = 1) -> None:
+        """``times`` observations of ``value`` (the inter-token intervals of one request,
+        each counted at the request's mean interval)."""
+        self.counts[bisect.bisect_left(self.buckets, value)] += times
+        self.sum += value * times
+        self.count += times
 
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+    def render(self, name: str | None = None, label: str = "") -> list[str]:
+        """The exposition lines, under ``name`` (default: its own) with ``label`` (e.g.
+        'model_name="m"') on every sample."""
+        name = name or self.name
+        sep = "," if label else ""
+        lines = [f"# HELP {name} {self.help}", f"# TYPE {name} histogram"]
         cumulative = 0
         for bound, n in zip((*self.buckets, float("inf")), self.counts, strict=True):
             cumulative += n
             le = "+Inf" if bound == float("inf") else repr(bound)
-            lines.append(f'{self.name}_bucket{{le="{le}"}} {cumulative}')
-        lines += [f"{self.name}_sum {self.sum!r}", f"{self.name}_count {self.count}"]
+            lines.append(f'{name}_bucket{{{label}{sep}le="{le}"}} {cumulative}')
+        braces = f"{{{label}}}" if label else ""
+        lines += [f"{name}_sum{braces} {self.sum!r}", f"{name}_count{braces} {self.count}"]
         return lines
 
 
@@ -96,6 +109,23 @@ class Metrics:
         self.e2e = Histogram(
             "pagedd_e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS_S
         )
+        # vLLM's names only (dashboards read them): see vllm_metrics.py
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between generated tokens (each request's intervals at its mean).",
+            TPOT_BUCKETS_S,
+        )
+        self.queue = Histogram(
+            "vllm:request_queue_time_seconds", "Arrival to first scheduled.", TTFT_BUCKETS_S
+        )
+        self.prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens per request.", TOKEN_COUNT_BUCKETS
+        )
+        self.generation_tokens = Histogram(
+            "vllm:request_generation_tokens",
+            "Generated tokens per request.",
+            TOKEN_COUNT_BUCKETS,
+        )
         self.finished: dict[str, int] = {}
         self._baseline: dict[str, int] = {}  # engine counters before serving (the warm-up)
         self._spec_baseline = None  # its speculative-decoding counters (SpecDecodeStats)
@@ -110,23 +140,44 @@ class Metrics:
     def observe_request(self, account, finish_reason: int) -> None:
         timings = account.timings_ms()
         ttft_ms = timings.get("time_to_first_token_ms")
+        queue_ms = timings.get("queue_ms")
         self.observe(
             pb.FinishReason.Name(finish_reason).removeprefix("FINISH_REASON_").lower(),
             ttft_s=None if ttft_ms is None else ttft_ms / 1e3,
             tpot_s=account.time_per_output_token_s(),
             e2e_s=timings["total_ms"] / 1e3,
+            queue_s=None if queue_ms is None else queue_ms / 1e3,
+            num_prompt_tokens=account.num_prompt_tokens,
+            num_generation_tokens=account.num_completion_tokens,
+            num_intervals=max(max(account.num_tokens_by_index.values(), default=0) - 1, 0),
         )
 
     def observe(
-        self, finish_reason: str, *, ttft_s: float | None, tpot_s: float | None, e2e_s: float
+        self,
+        finish_reason: str,
+        *,
+        ttft_s: float | None,
+        tpot_s: float | None,
+        e2e_s: float,
+        queue_s: float | None = None,
+        num_prompt_tokens: int = 0,
+        num_generation_tokens: int = 0,
+        num_intervals: int = 0,
     ) -> None:
-        """One finished request, from any front end (gRPC or HTTP)."""
+        """One finished request, from any front end (gRPC or HTTP). ``num_intervals``: the
+        gaps between its longest sequence's tokens (tpot_s is their mean)."""
         with self._lock:
             if ttft_s is not None:
                 self.ttft.observe(ttft_s)
             if tpot_s is not None:
                 self.tpot.observe(tpot_s)
+                if num_intervals:
+                    self.itl.observe(tpot_s, num_intervals)
             self.e2e.observe(e2e_s)
+            if queue_s is not None:
+                self.queue.observe(queue_s)
+            self.prompt_tokens.observe(num_prompt_tokens)
+            self.generation_tokens.observe(num_generation_tokens)
             self.finished[finish_reason] = self.finished.get(finish_reason, 0) + 1
 
     def render(self) -> str:
@@ -159,6 +210,7 @@ class Metrics:
             lines += spec_decode_lines(spec, self._spec_baseline)
         if self.model_name is not None:
             lines += vllm_gauges(stats, self.model_name)
+            lines += vllm_counters(stats, self._baseline, self.model_name)
         lines += _lora_lines(stats)
         with self._lock:
             lines += [
@@ -169,6 +221,9 @@ class Metrics:
                 lines.append(f'pagedd_requests_finished_total{{finish_reason="{reason}"}} {n}')
             for hist in (self.ttft, self.tpot, self.e2e):
                 lines += hist.render()
+            if self.model_name is not None:
+                lines += vllm_histograms(self, self.model_name)
+                lines += vllm_request_success(self.finished, self.model_name)
         return "\n".join(lines) + "\n"
 
 

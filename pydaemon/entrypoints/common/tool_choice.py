@@ -10,6 +10,7 @@ arguments object). A tool whose ``parameters`` schema xgrammar cannot compile is
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from pydaemon.entrypoints.common.tool_parsers import (
@@ -80,12 +81,15 @@ def tool_choice_constraint(
                 "type": "object",
                 "properties": {
                     "name": {"type": "string", "enum": [t["function"]["name"]]},
-                    "parameters": _parameters(t),
+                    # Its references ("#/$defs/...") name its own root, which is now here.
+                    "parameters": _rebased(
+                        _parameters(t), f"#/items/anyOf/{i}/properties/parameters"
+                    ),
                 },
                 "required": ["name", "parameters"],
                 "additionalProperties": False,
             }
-            for t in tools
+            for i, t in enumerate(tools)
         ]
     }
     # Compact JSON: the arguments are re-serialized anyway, and whitespace costs tokens.
@@ -95,18 +99,70 @@ def tool_choice_constraint(
     return StructuredOutputsParams(json=calls, disable_any_whitespace=True)
 
 
+# Keywords whose values are data, not schemas: a "$ref" inside them is not a reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _rebased(schema: Any, root: str) -> Any:
+    """``schema`` with every local reference ("#", "#/...") rewritten to point under
+    ``root``, the JSON pointer where the schema now sits inside a larger one."""
+    if isinstance(schema, list):
+        return [_rebased(v, root) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = root + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key == "properties" and isinstance(value, dict):  # names, then schemas
+            out[key] = {name: _rebased(v, root) for name, v in value.items()}
+        else:
+            out[key] = _rebased(value, root)
+    return out
+
+
 def forced_tool_calls(text: str, tools: list[dict[str, Any]], tool_choice: Any) -> list[ToolCall]:
     """The tool calls of an output generated under ``tool_choice_constraint`` (required or
-    named); [] when the text is not complete JSON (the output was cut by max_tokens)."""
+    named). An output cut by max_tokens (not complete JSON) keeps what it has, as OpenAI
+    answers a call cut by the length limit: every whole call, then the cut one with its
+    arguments as the partial JSON text written so far (finish_reason stays "length")."""
+    named = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
-        return []
-    if isinstance(tool_choice, dict):
-        return [ToolCall(tool_choice["function"]["name"], json.dumps(value, ensure_ascii=False))]
+        return _partial_calls(text, named)
+    if named is not None:
+        return [ToolCall(named, json.dumps(value, ensure_ascii=False))]
     return [
         ToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in value
     ]
+
+
+# The start of one call of tool_choice "required"'s list, as the constraint writes it (compact
+# JSON, "name" first): its whole name, then the parameters object as far as it got.
+_CUT_CALL = re.compile(r'\{"name":("(?:[^"\\]|\\.)*")(?:,"parameters":(.*))?', re.DOTALL)
+
+
+def _partial_calls(text: str, named: str | None) -> list[ToolCall]:
+    if named is not None:
+        return [ToolCall(named, text)] if text else []
+    calls = []
+    decoder = json.JSONDecoder()
+    index = 1 if text.startswith("[") else len(text)
+    while index < len(text):
+        try:
+            item, index = decoder.raw_decode(text, index)
+        except json.JSONDecodeError:
+            cut = _CUT_CALL.match(text, index)
+            if cut is not None:
+                calls.append(ToolCall(json.loads(cut.group(1)), cut.group(2) or ""))
+            break
+        calls.append(ToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False)))
+        if text.startswith(",", index):
+            index += 1
+    return calls
 
 
 def messages_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -151,17 +207,29 @@ class ForcedToolParser(ToolParser):
         return 0
 
     def parse(self, text: str) -> ParsedOutput:
-        calls = forced_tool_calls(text, self.tools, self.tool_choice)
-        return ParsedOutput(None if calls else text, calls)
+        """Never content: the output is the call(s), whole or, cut by max_tokens, partial."""
+        return ParsedOutput(None, forced_tool_calls(text, self.tools, self.tool_choice))
+
+
+AUTO_NEEDS_PARSER = (
+    '"auto" tool choice requires --tool-call-parser to be set: this model\'s chat template '
+    "has no tool-call syntax pagedd recognises, so the model's calls could not be read "
+    '(tool_choice "required" or a named function work with any model; "none" leaves the '
+    "tools out)"
+)
 
 
 def chat_tool_parser(
     tools: list[dict[str, Any]] | None, tool_choice: Any, parser_name: str | None
 ) -> ToolParser | None:
     """How to read tool calls out of a chat output: forced (required / named), the named or
-    detected parser (auto), or None (no tools, tool_choice none, or no parser known)."""
+    detected parser (auto; tools without a tool_choice mean auto, as in vLLM), or None (no
+    tools, tool_choice none). Auto without a parser is a ValueError (vLLM's rule: its calls
+    would come back as plain content, the tools silently ignored)."""
     if not tools or tool_choice == "none":
         return None
     if tool_choice not in (None, "auto"):
         return ForcedToolParser(tools, tool_choice)
-    return None if parser_name is None else get_tool_parser(parser_name)
+    if parser_name is None:
+        raise ValueError(AUTO_NEEDS_PARSER)
+    return get_tool_parser(parser_name)

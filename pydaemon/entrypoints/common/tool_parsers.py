@@ -208,7 +208,9 @@ class StreamingToolParser:
         """At the end: (content not yet sent, the tool calls)."""
         parsed = self.parser.parse(self._text)
         if not parsed.tool_calls:
-            rest = self._text[self._sent :]
+            # No call: what was held back is content, unless the parser says the output has
+            # none (a forced call cut before its name: neither content nor a call).
+            rest = self._text[self._sent :] if parsed.content is not None else ""
             self._sent = len(self._text)
             return rest, []
         self._sent = len(self._text)

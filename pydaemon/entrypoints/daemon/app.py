@@ -25,10 +25,15 @@ from pydaemon.engine.engine_client import EngineClient
 from pydaemon.entrypoints.common.lora_adapters import LoRAAdapters, LoRAOptions
 from pydaemon.entrypoints.common.metrics import Metrics
 from pydaemon.entrypoints.common.tool_parsers import get_tool_parser
-from pydaemon.entrypoints.daemon.fd_limits import quiet_accept_errors, raise_fd_limit
+from pydaemon.entrypoints.daemon.fd_limits import (
+    connection_budget,
+    quiet_accept_errors,
+    raise_fd_limit,
+)
 from pydaemon.entrypoints.daemon.heap_trim import HeapTrimmer
 from pydaemon.entrypoints.daemon.liveness import Liveness
 from pydaemon.entrypoints.daemon.metrics_http import MetricsServer
+from pydaemon.entrypoints.daemon.model_overrides import apply_model_overrides
 from pydaemon.entrypoints.daemon.sd_notify import SdNotifier, watchdog_interval_s
 from pydaemon.entrypoints.grpc.auth import ApiKeyInterceptor
 from pydaemon.entrypoints.grpc.errors import ExceptionInterceptor
@@ -62,8 +67,17 @@ class ServerOptions:
     # An engine core without a step or heartbeat this long is reported NOT_SERVING / 503.
     engine_stall_timeout_s: float = 30.0
     heap_trim_interval_s: float = 10.0  # freed heap given back to the OS this often
+    # gRPC: a connection that has not finished its HTTP/2 handshake (the client preface and
+    # settings) this long is closed; and at most this many connections are held at once
+    # (None: half the process's file descriptors, at most 4096), so that idle sockets cannot
+    # use up the descriptors every port needs.
+    handshake_timeout_s: float = 5.0
+    max_grpc_connections: int | None = None
     serving: ServingOptions = field(default_factory=ServingOptions)
     lora: LoRAOptions = field(default_factory=LoRAOptions)
+    # --served-model-name: the names clients use (the first is the one answers carry)
+    served_model_names: list[str] = field(default_factory=list)
+    chat_template: str | None = None  # --chat-template, read and checked: instead of the model's
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -114,6 +128,11 @@ class PageddServer:
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.min_ping_interval_without_data_ms", 5000),
                 ("grpc.so_reuseport", 0),  # a second daemon on the same port must fail
+                ("grpc.server_handshake_timeout_ms", int(o.handshake_timeout_s * 1e3)),
+                (
+                    "grpc.max_allowed_incoming_connections",
+                    o.max_grpc_connections or connection_budget(),
+                ),
             ],
         )
         pb_grpc.add_GenerationServicer_to_server(self.servicer, server)
@@ -158,11 +177,12 @@ class PageddServer:
         finally:
             self._is_loading = False
         client.start()
+        o = self.options
+        apply_model_overrides(client, o.served_model_names, o.chat_template)
         self.async_engine = client
         self.metrics.set_baseline(client.latest_stats)  # the warm-up is not a served request
         self.metrics.model_name = client.model_info.model_name
         self.servicer.engine = client
-        o = self.options
         self.servicer.adapters = await LoRAAdapters.start(
             client.model_info.model_name, client, o.lora
         )
@@ -178,7 +198,11 @@ class PageddServer:
         if o.http_port is not None:
             info = client.model_info
             model = ServedModel(
-                info.model_name, info.max_model_len, info.vocab_size, info.generation_defaults
+                info.model_name,
+                info.max_model_len,
+                info.vocab_size,
+                info.generation_defaults,
+                aliases=tuple(o.served_model_names[1:]),
             )
             await self._start_http(model, client.tokenizer)
         self.servicer.is_admitting = True

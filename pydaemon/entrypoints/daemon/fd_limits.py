@@ -59,3 +59,13 @@ def quiet_accept_errors(loop: asyncio.AbstractEventLoop, interval_s: float = 10.
         last_logged, num_suppressed = now, 0
 
     loop.set_exception_handler(handler)
+
+
+def connection_budget(share: float = 0.5, most: int = 4096) -> int:
+    """How many connections one port may hold: ``share`` of the file descriptors this process
+    may open (call after ``raise_fd_limit``), at most ``most``; the rest stay for the other
+    ports, the engine core's pipe and the model's files."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return most
+    return max(16, min(most, int(soft * share)))

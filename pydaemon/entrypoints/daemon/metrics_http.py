@@ -17,6 +17,8 @@ import logging
 import ssl
 from collections.abc import Callable
 
+from pydaemon.entrypoints.common.api_key import check_api_key
+
 logger = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 8192
@@ -45,7 +47,7 @@ class MetricsServer:
         self._render = render
         self.host = host
         self.port = port  # the bound port once started (0 asks for any free port)
-        self._expected = f"Bearer {api_key}".encode() if api_key else None
+        self._expected = f"Bearer {check_api_key(api_key)}".encode() if api_key else None
         self.header_timeout_s = header_timeout_s
         self.max_connections = max_connections
         self.num_connections = 0

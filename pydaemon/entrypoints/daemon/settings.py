@@ -14,9 +14,15 @@ import os
 import sys
 from typing import Any
 
-from pydaemon.config.engine import EngineConfig
+from pydaemon.config.engine import FP8_NEEDS_CUDA, EngineConfig
+from pydaemon.entrypoints.common.api_key import check_api_key
 from pydaemon.entrypoints.common.lora_adapters import LoRAOptions, parse_lora_modules
 from pydaemon.entrypoints.daemon.app import ServerOptions
+from pydaemon.entrypoints.daemon.device_probe import has_nvidia_driver
+from pydaemon.entrypoints.daemon.model_overrides import (
+    parse_served_model_names,
+    read_chat_template,
+)
 from pydaemon.entrypoints.grpc.auth import API_KEY_ENV
 from pydaemon.entrypoints.grpc.servicer import ServingOptions
 
@@ -156,6 +162,19 @@ SERVER_FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
         "close an HTTP connection idle, or still sending its request, for this long (s)",
     ),
     ("--max-message-bytes", int, 16 * 1024 * 1024, "largest gRPC message in either direction"),
+    (
+        "--handshake-timeout",
+        float,
+        5.0,
+        "close a gRPC connection that has not finished its HTTP/2 handshake after this long (s)",
+    ),
+    (
+        "--max-grpc-connections",
+        int,
+        None,
+        "gRPC connections held at once; more are closed (default: half the file descriptors, "
+        "at most 4096)",
+    ),
     ("--keepalive-time", float, 30.0, "seconds between HTTP/2 keepalive pings"),
     ("--keepalive-timeout", float, 10.0, "seconds to wait for a keepalive ack"),
     ("--log-level", str, "info", "debug | info | warning | error"),
@@ -217,6 +236,20 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "requests name them in the OpenAI 'model' field or gRPC StartRequest.adapter",
     )
     group = parser.add_argument_group("server")
+    group.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the names clients give in the OpenAI 'model' field (the first is the one "
+        "answers, /v1/models and metrics carry; default: the model's)",
+    )
+    group.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_TEMPLATE",
+        help="a Jinja chat template, or a file holding one, instead of the model's",
+    )
     for flag, type_, default, help_text in SERVER_FLAGS:
         group.add_argument(flag, type=type_, default=None, help=_with_default(help_text, default))
     for flag, default, help_text in SERVER_BOOL_FLAGS:
@@ -254,7 +287,7 @@ def load_toml(path: str) -> dict[str, Any]:
         raise ValueError(f"--config {path}: not valid TOML: {e}") from None
     known = {
         _key(f[0]) for f in (*ENGINE_FLAGS, *ENGINE_BOOL_FLAGS, *SERVER_FLAGS, *SERVER_BOOL_FLAGS)
-    } | {"lora_modules"}
+    } | {"lora_modules", "served_model_name", "chat_template"}
     out = {}
     for raw_key, value in data.items():
         key = raw_key.replace("-", "_")
@@ -285,9 +318,14 @@ def resolve(args: argparse.Namespace) -> tuple[dict[str, Any], ServerOptions, st
         values["api_key"] = _read_key_file(values["api_key_file"])
     if not values.get("api_key"):
         values["api_key"] = os.environ.get(API_KEY_ENV) or None
+    if values.get("api_key") is not None:
+        check_api_key(values["api_key"], "--api-key (or --api-key-file, $" + API_KEY_ENV + ")")
     _check_exposure(values)
     engine_keys = {_key(f[0]) for f in (*ENGINE_FLAGS, *ENGINE_BOOL_FLAGS)}
     engine_kwargs = {k: v for k, v in values.items() if k in engine_keys}
+    if engine_kwargs.get("quantization") == "fp8" and engine_kwargs.get("device", "auto") == "auto":
+        if not has_nvidia_driver():  # --device auto can only mean the CPU here
+            raise ValueError(FP8_NEEDS_CUDA + "; this host has no NVIDIA driver")
     lora_modules = parse_lora_modules(values.get("lora_modules") or [])
     if lora_modules:
         engine_kwargs["enable_lora"] = True
@@ -309,6 +347,8 @@ def resolve(args: argparse.Namespace) -> tuple[dict[str, Any], ServerOptions, st
         tls_cert=values["tls_cert"],
         tls_key=values["tls_key"],
         max_message_bytes=values["max_message_bytes"],
+        handshake_timeout_s=values["handshake_timeout"],
+        max_grpc_connections=values["max_grpc_connections"],
         keepalive_time_s=values["keepalive_time"],
         keepalive_timeout_s=values["keepalive_timeout"],
         grace_period_s=values["grace_period"],
@@ -319,6 +359,8 @@ def resolve(args: argparse.Namespace) -> tuple[dict[str, Any], ServerOptions, st
             lora_modules,
             is_enabled=bool(engine_kwargs.get("enable_lora")),
         ),
+        served_model_names=parse_served_model_names(values.get("served_model_name")),
+        chat_template=read_chat_template(values.get("chat_template")),
     )
     return engine_kwargs, options, values["log_level"]
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import struct
 import sys
 import time
 
@@ -55,21 +56,42 @@ def run_admin(args: argparse.Namespace, out=sys.stdout, err=sys.stderr) -> int:
 
 
 def _plain_fields(message) -> dict:
-    """A reply's fields as JSON-ready values: repeated fields as lists, messages as dicts."""
+    """A reply's fields as JSON-ready values: repeated fields as lists, messages as dicts,
+    float32 fields as the shortest decimal that reads back as the same float32 (0.2, not the
+    0.20000000298023224 that the wire's float32 widens to)."""
     fields: dict = {}
     for f in message.DESCRIPTOR.fields:
         value = getattr(message, f.name)
         if f.message_type is not None and not f.is_repeated:
             if f.name == "spec_decode" and not message.HasField(f.name):
                 continue  # speculative decoding is off
-            value = {
-                g.name: v if isinstance(v, (str, int, float, bool)) else list(v)
-                for g, v in value.ListFields()
-            }
-        elif not isinstance(value, (str, int, float, bool)):
-            value = list(value)
+            value = {g.name: _plain_value(g, v) for g, v in value.ListFields()}
+        else:
+            value = _plain_value(f, value)
         fields[f.name] = value
     return fields
+
+
+def _plain_value(field, value):
+    if field.is_repeated:
+        return [_plain_value_one(field, v) for v in value]
+    return _plain_value_one(field, value)
+
+
+def _plain_value_one(field, value):
+    if field.message_type is not None:
+        return {g.name: _plain_value(g, v) for g, v in value.ListFields()}
+    return _float32(value) if field.type == field.TYPE_FLOAT else value
+
+
+def _float32(value: float) -> float:
+    """The shortest decimal that is the same float32 as ``value``."""
+    exact = struct.pack("<f", value)
+    for digits in range(6, 10):
+        short = float(f"{value:.{digits}g}")
+        if struct.pack("<f", short) == exact:
+            return short
+    return value
 
 
 def _health(args: argparse.Namespace, channel: grpc.Channel, out) -> int:

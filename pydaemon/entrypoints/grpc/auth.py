@@ -6,6 +6,8 @@ import hmac
 
 import grpc
 
+from pydaemon.entrypoints.common.api_key import check_api_key
+
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 # The environment variable that holds the API key, for the daemon and its clients alike.
 API_KEY_ENV = "PAGEDD_API_KEY"
@@ -28,9 +30,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Refuses calls without the right bearer token with UNAUTHENTICATED; health is exempt."""
 
     def __init__(self, api_key: str) -> None:
-        if not api_key:
-            raise ValueError("api_key must not be empty")
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = f"Bearer {check_api_key(api_key)}".encode()
 
     async def intercept_service(self, continuation, handler_call_details):
         if handler_call_details.method.startswith(HEALTH_PREFIX):

@@ -25,7 +25,13 @@ SAMPLING_FLAGS = (
     ("--frequency-penalty", "frequency_penalty", float, ""),
     ("--repetition-penalty", "repetition_penalty", float, ""),
     ("--min-tokens", "min_tokens", int, "tokens before EOS/stop may end a sequence"),
-    ("--logprobs", "logprobs", int, "top log-probabilities per token (printed at the end)"),
+    (
+        "--logprobs",
+        "logprobs",
+        int,
+        "print each token's log-probability and the N most likely tokens at its place (at "
+        "the end, on stderr)",
+    ),
 )
 
 
@@ -168,8 +174,9 @@ def run_generate(args: argparse.Namespace, out=sys.stdout, err=sys.stderr) -> in
                     if n == 1:
                         out.write(frame.delta.text)
                         out.flush()
-                    for lp in frame.delta.logprobs:
-                        logprobs.append(f"{lp.token_id}:{lp.logprob:.3f}")
+                    logprobs += [
+                        _logprob_line(frame.delta.index, n, lp) for lp in frame.delta.logprobs
+                    ]
                 elif event == "error":
                     code = grpc.StatusCode(_code_tuple(frame.error.code))
                     print(f"error: {code.name}: {frame.error.message}", file=err)
@@ -186,6 +193,13 @@ def run_generate(args: argparse.Namespace, out=sys.stdout, err=sys.stderr) -> in
             return 130
     print("\nerror: the stream ended without a Finished frame", file=err)
     return 1
+
+
+def _logprob_line(index: int, n: int, lp: pb.TokenLogprobs) -> str:
+    """One generated token: its text and log-probability, then the alternatives'."""
+    seq = f"[{index}] " if n > 1 else ""
+    top = ", ".join(f"{t.text!r} {t.logprob:.3f}" for t in lp.top_logprobs)
+    return f"  {seq}{lp.text!r:<14} {lp.logprob:8.3f}" + (f"   | {top}" if top else "")
 
 
 def _code_tuple(value: int):
@@ -206,7 +220,8 @@ def _print_finished(finished, texts, n, logprobs, out, err) -> None:
         out.write("\n")
     out.flush()
     if logprobs:
-        print("logprobs: " + " ".join(logprobs), file=err)
+        print("logprobs (token, its log-probability, then the most likely tokens):", file=err)
+        print("\n".join(logprobs), file=err)
     reason = pb.FinishReason.Name(finished.finish_reason).removeprefix("FINISH_REASON_").lower()
     u, t = finished.usage, finished.timings
     print(

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
+from pydaemon.entrypoints.common.constraint_errors import (
+    grpc_constraint_field,
+    is_constraint_error,
+    rename_constraint_field,
+)
+from pydaemon.entrypoints.common.token_texts import TokenTexts
+from pydaemon.entrypoints.common.tool_choice import ForcedToolParser
 from pydaemon.entrypoints.common.tool_parsers import ToolParser
 from pydaemon.outputs import RequestMetrics, RequestOutput
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
@@ -35,12 +43,15 @@ class RequestAccount:
     # Chat with tools: reads each sequence's calls out of its text at the end.
     tool_parser: ToolParser | None = None
     texts: dict[int, list[str]] = field(default_factory=dict)  # kept only with a tool parser
+    # Logprobs: each token's text in context (the model's tokenizer; None: "token_id:<id>").
+    tokenizer: Any = None
+    token_texts: dict[int, TokenTexts] = field(default_factory=dict)  # index -> its texts
 
     def frames(self, output: RequestOutput) -> list[pb.GenerateResponse]:
         """TokenDelta frames of one engine output; records counts and finish reasons."""
         self.num_prompt_tokens = len(output.prompt_token_ids)
         if output.error:
-            self.abort_reason = output.error
+            self.abort_reason = self.user_facing(output.error)
         if output.metrics is not None:
             self.metrics = output.metrics
         frames = []
@@ -65,19 +76,41 @@ class RequestAccount:
                 text=seq.text,
                 cumulative_logprob=seq.cumulative_logprob,
             )
-            for token_id, position in zip(seq.token_ids, seq.logprobs or [], strict=False):
-                delta.logprobs.append(
-                    pb.TokenLogprobs(
-                        token_id=token_id,
-                        logprob=position.get(token_id, 0.0),
-                        top_logprobs=[
-                            pb.TopLogprob(token_id=t, logprob=lp)
-                            for t, lp in sorted(position.items(), key=lambda kv: -kv[1])
-                        ],
-                    )
-                )
+            if seq.logprobs:
+                delta.logprobs.extend(self._logprobs(output, seq.index, seq))
             frames.append(pb.GenerateResponse(request_id=self.request_id, delta=delta))
         return frames
+
+    def user_facing(self, message: str) -> str:
+        """An engine error naming the request's fields as the client wrote them (a constraint
+        error names StartRequest.structured_output.*, or messages.tools for a forced call)."""
+        if not is_constraint_error(message):
+            return message
+        if isinstance(self.tool_parser, ForcedToolParser):
+            return rename_constraint_field(message, lambda kind: "messages.tools")
+        return rename_constraint_field(message, grpc_constraint_field)
+
+    def _logprobs(self, output: RequestOutput, index: int, seq) -> list[pb.TokenLogprobs]:
+        """The delta's logprobs, each token and alternative with its text in context."""
+        texts = self.token_texts.get(index)
+        if texts is None:
+            texts = self.token_texts[index] = TokenTexts(self.tokenizer, output.prompt_token_ids)
+        out = []
+        for token_id, position, names in zip(
+            seq.token_ids, seq.logprobs, texts.texts(seq.token_ids, seq.logprobs), strict=False
+        ):
+            out.append(
+                pb.TokenLogprobs(
+                    token_id=token_id,
+                    logprob=position.get(token_id, 0.0),
+                    text=names[token_id],
+                    top_logprobs=[
+                        pb.TopLogprob(token_id=t, logprob=lp, text=names[t])
+                        for t, lp in sorted(position.items(), key=lambda kv: -kv[1])
+                    ],
+                )
+            )
+        return out
 
     def finished(self, reason: int | None = None) -> pb.GenerateResponse:
         """The Finished frame; ``reason`` overrides the engine's (cancelled, time limit...)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -64,10 +64,12 @@ class _Stream:
 
 class GenerateCalls:
     """Mixed into the servicer, which sets ``engine``, ``options`` (ServingOptions),
-    ``metrics``, ``is_admitting`` and provides ``lora_request_for`` (AdapterCalls)."""
+    ``metrics``, ``is_admitting``, ``is_stalled`` and provides ``lora_request_for``
+    (AdapterCalls)."""
 
     engine: EngineClient | None
     is_admitting: bool
+    is_stalled: Callable[[], bool]  # the engine core missed its heartbeat (liveness.py)
 
     def init_streams(self) -> None:
         self._ids = itertools.count()
@@ -218,7 +220,9 @@ class GenerateCalls:
         except RequestInvalid as e:
             stream.out.put_nowait(error_frame(request_id, e.code, e.message))
             return
-        account = RequestAccount(request_id, num_sequences=args.params.n if args else 1)
+        account = RequestAccount(
+            request_id, num_sequences=args.params.n if args else 1, tokenizer=self.engine.tokenizer
+        )
         live = _Live(account, f"{next(self._ids)}-{request_id}")
         stream.live[request_id] = live
         live.task = asyncio.create_task(self._run(stream, live, args or start))
@@ -235,6 +239,12 @@ class GenerateCalls:
         if not self.is_admitting or self.engine is None or not self.engine.is_alive:
             raise RequestInvalid(
                 grpc.StatusCode.UNAVAILABLE, "server is not serving (starting or draining)"
+            )
+        if self.is_stalled():  # fail fast: the request would wait for a core that is not moving
+            raise RequestInvalid(
+                grpc.StatusCode.UNAVAILABLE,
+                "the engine core has stopped making progress (no step or heartbeat within the "
+                "stall timeout): retry later or on another replica",
             )
 
     def _admit(self, start: pb.StartRequest) -> EngineArgs:
@@ -275,7 +285,8 @@ class GenerateCalls:
         except RequestInvalid as e:
             final = error_frame(account.request_id, e.code, e.message)
         except ValueError as e:
-            final = error_frame(account.request_id, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            message = account.user_facing(str(e))
+            final = error_frame(account.request_id, grpc.StatusCode.INVALID_ARGUMENT, message)
         except EngineCoreDiedError as e:
             if stream.is_open:  # the whole stream ends UNAVAILABLE, not just this request
                 stream.out.put_nowait(_StreamFatal(grpc.StatusCode.UNAVAILABLE, str(e)))

@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 
 from pydaemon.config.generation import GenerationDefaults
+from pydaemon.entrypoints.common.limits import LimitError, check_chat_role
 from pydaemon.entrypoints.common.tool_choice import (
     chat_tool_parser,
     messages_for_template,
@@ -81,6 +82,11 @@ def apply_model_prompt(
     for name, value in unset.items():
         setattr(start.sampling, name, value)
     if has_chat:
+        for i, m in enumerate(start.messages.messages):
+            try:
+                check_chat_role(m.role, f"messages.messages[{i}].role")  # HTTP's rule
+            except LimitError as e:
+                raise _invalid(e.message) from None
         messages = [_message(m) for m in start.messages.messages]
         if not messages:
             raise RequestInvalid(grpc.StatusCode.INVALID_ARGUMENT, "prompt messages is empty")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import grpc
 
 from pydaemon.entrypoints.common.limits import (
+    EMPTY_PROMPT,
     MAX_CACHE_SALT_LEN,
     MAX_REQUEST_ID_LEN,
     MAX_STOP_TOKEN_IDS,
@@ -15,12 +16,17 @@ from pydaemon.entrypoints.common.limits import (
     check_stop,
     check_texts_size,
     check_token_ids,
+    out_of_vocabulary,
 )
 from pydaemon.entrypoints.common.tool_parsers import ToolParser
 from pydaemon.generate_request import GenerateRequest
 from pydaemon.lora_request import LoRARequest
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
-from pydaemon.sampling_params import SamplingParams, StructuredOutputsParams
+from pydaemon.sampling_params import (
+    SamplingParams,
+    StructuredOutputsParams,
+    logit_bias_out_of_vocab,
+)
 
 # proto field name -> SamplingParams field name (the same everywhere).
 _OPTIONAL_SAMPLING_FIELDS = (
@@ -103,6 +109,11 @@ def to_sampling_params(
         raise _invalid(e.message) from None
     kwargs["stop"] = list(msg.stop)
     kwargs["stop_token_ids"] = list(msg.stop_token_ids)
+    if msg.logit_bias:
+        bias = dict(msg.logit_bias)
+        if any(t >= vocab_size for t in bias):
+            raise _invalid(f"sampling.logit_bias: {logit_bias_out_of_vocab(bias, vocab_size)}")
+        kwargs["logit_bias"] = bias
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:
@@ -145,7 +156,7 @@ def to_engine_args(
         raise _invalid("prompt is not set: give prompt text or token_ids")
     if which == "text":
         if not start.text:
-            raise _invalid("prompt text is empty")
+            raise _invalid(f"{EMPTY_PROMPT} (prompt text is empty)")
         if not has_tokenizer:
             raise _invalid("this model has no tokenizer: send token_ids, not text")
         check_text_size(start.text, max_model_len)
@@ -153,7 +164,7 @@ def to_engine_args(
     else:
         num_ids = len(start.token_ids.ids)
         if not num_ids:
-            raise _invalid("prompt token_ids is empty")
+            raise _invalid(f"{EMPTY_PROMPT} (prompt token_ids is empty)")
         if num_ids > max_model_len:
             raise _invalid(
                 f"prompt token_ids has {num_ids} tokens, longer than the context "
@@ -162,9 +173,7 @@ def to_engine_args(
         ids = list(start.token_ids.ids)
         bad = [t for t in ids if t >= vocab_size]
         if bad:
-            raise _invalid(
-                f"prompt token_ids {bad[:8]} are outside the vocabulary [0, {vocab_size})"
-            )
+            raise _invalid(out_of_vocabulary(bad, vocab_size, "prompt token_ids"))
         prompt = ids
     if len(start.cache_salt) > MAX_CACHE_SALT_LEN:
         raise _invalid(f"cache_salt is longer than {MAX_CACHE_SALT_LEN} characters")

@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from pydaemon.entrypoints.common.token_texts import TokenTexts
 from pydaemon.entrypoints.openai.engine_stream import EnginePrompt
-from pydaemon.entrypoints.openai.logprobs import TokenTexts
 from pydaemon.entrypoints.openai.responses import Usage, make_usage
 from pydaemon.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 
@@ -39,6 +39,8 @@ class PromptState:
     arrival_time: float = field(default_factory=time.monotonic)
     metrics: RequestMetrics | None = None
     is_finished: bool = False
+    # prompt_logprobs (or echo with logprobs): [None, {token_id: logprob}...], one per token
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
 
 @dataclass
@@ -66,6 +68,8 @@ class Accumulator:
         if output.metrics is not None:
             prompt.metrics = output.metrics
         prompt.is_finished = output.finished
+        if output.prompt_logprobs:
+            prompt.prompt_logprobs += output.prompt_logprobs
         deltas = []
         for seq in output.outputs:
             choice = self.choices[prompt_index * self.n + seq.index]

@@ -2,7 +2,8 @@
 
 Routes: ``GET /v1/models``, ``GET /v1/models/{model}``, ``POST /v1/completions``,
 ``POST /v1/chat/completions``, ``GET /health`` (200 serving, 503 otherwise) and
-``GET /metrics`` (Prometheus, the same registry as the gRPC side's); with LoRA, vLLM's
+``GET /metrics`` (Prometheus, the same registry as the gRPC side's), vLLM's ``POST /tokenize``,
+``POST /detokenize`` and ``GET /version`` (tokenize_routes.py); with LoRA, vLLM's
 ``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter`` (pydaemon/entrypoints/
 openai/lora_routes.py). Adapters are listed as models whose ``parent`` is the base model.
 """
@@ -27,6 +28,7 @@ from pydaemon.entrypoints.openai.errors import ApiError, error_middleware, error
 from pydaemon.entrypoints.openai.lora_routes import add_lora_routes
 from pydaemon.entrypoints.openai.responses import ModelCard, ModelList
 from pydaemon.entrypoints.openai.serving import HttpOptions, OpenAIServing, ServedModel
+from pydaemon.entrypoints.openai.tokenize_routes import add_tokenize_routes
 
 logger = logging.getLogger(__name__)
 # aiohttp's connection-level log: a malformed request would log an ERROR traceback each time.
@@ -56,9 +58,10 @@ def build_app(serving: OpenAIServing) -> web.Application:
     app = web.Application(middlewares=middlewares, client_max_size=serving.options.max_body_bytes)
 
     def card(name: str | None = None) -> ModelCard:
-        """The base model's card, or adapter ``name``'s (its parent the base model)."""
+        """The base model's card (under one of its names), or adapter ``name``'s (its parent
+        the base model)."""
         m = serving.model
-        if name is not None and name != m.name:
+        if name is not None and not m.is_named(name):
             served = serving.adapters.get(name)  # AdapterNotFound -> 404
             return ModelCard(
                 id=name,
@@ -69,7 +72,7 @@ def build_app(serving: OpenAIServing) -> web.Application:
                 vocab_size=m.vocab_size,
             )
         return ModelCard(
-            id=m.name,
+            id=name or m.name,
             created=m.created,
             root=m.name,
             max_model_len=m.max_model_len,
@@ -80,8 +83,9 @@ def build_app(serving: OpenAIServing) -> web.Application:
         return web.Response(text=model.model_dump_json(), content_type="application/json")
 
     async def list_models(request: web.Request) -> web.Response:
+        aliases = [card(name) for name in serving.model.aliases]
         adapters = [card(a.lora_name) for a in serving.adapters.list()]
-        return as_json(ModelList(data=[card(), *adapters]))
+        return as_json(ModelList(data=[card(), *aliases, *adapters]))
 
     async def get_model(request: web.Request) -> web.Response:
         name = request.match_info["model"]
@@ -122,6 +126,7 @@ def build_app(serving: OpenAIServing) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     add_lora_routes(app, serving)
+    add_tokenize_routes(app, serving)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app

@@ -15,6 +15,7 @@ import uuid
 
 from aiohttp import web
 
+from pydaemon.entrypoints.common.token_texts import TokenTexts
 from pydaemon.entrypoints.common.tool_choice import chat_tool_parser, messages_for_template
 from pydaemon.entrypoints.common.tool_parsers import (
     StreamingToolParser,
@@ -23,10 +24,12 @@ from pydaemon.entrypoints.common.tool_parsers import (
     detect_tool_call_parser,
 )
 from pydaemon.entrypoints.openai.accumulator import Accumulator, ChoiceDelta, ChoiceState
-from pydaemon.entrypoints.openai.chunk_template import TEXT_MARKER, ChunkTemplate
+from pydaemon.entrypoints.openai.chunk_template import IDS_MARKER, TEXT_MARKER, ChunkTemplate
 from pydaemon.entrypoints.openai.engine_stream import EnginePrompt
-from pydaemon.entrypoints.openai.logprobs import TokenTexts, chat_logprobs
+from pydaemon.entrypoints.openai.logprobs import chat_logprobs
+from pydaemon.entrypoints.openai.prompt_logprobs import vllm_prompt_logprobs
 from pydaemon.entrypoints.openai.protocol import ChatCompletionRequest
+from pydaemon.entrypoints.openai.request_fields import InvalidParam
 from pydaemon.entrypoints.openai.responses import (
     ChatChoice,
     ChatChunkChoice,
@@ -35,6 +38,7 @@ from pydaemon.entrypoints.openai.responses import (
     ChatResponseMessage,
     DeltaMessage,
     Usage,
+    make_usage,
 )
 from pydaemon.entrypoints.openai.runner import respond
 from pydaemon.entrypoints.openai.serving import OpenAIServing
@@ -45,15 +49,16 @@ async def create_chat_completion(
 ) -> web.StreamResponse:
     body = ChatCompletionRequest.model_validate_json(await serving.read_body(request))
     body.check(serving.model.vocab_size)
+    tool_parser = _tool_parser(serving, body)
     lora_request = serving.admit(body.model, body.n)
-    prompt = EnginePrompt(
-        await serving.encode_chat(
-            messages_for_template([m.for_template() for m in body.messages]),
-            body.template_tools,
-            body.add_generation_prompt,
-            body.chat_template_kwargs,
-        )
+    prompt_ids = await serving.encode_chat(
+        messages_for_template([m.for_template() for m in body.messages]),
+        body.template_tools,
+        body.generation_prompt,
+        body.chat_template_kwargs,
+        body.continue_final_message,
     )
+    prompt = EnginePrompt(body.truncated(prompt_ids, serving.model.max_model_len))
     max_tokens = serving.resolve_max_tokens(
         len(prompt.token_ids),
         body.requested_max_tokens,
@@ -65,16 +70,13 @@ async def create_chat_completion(
     params = body.sampling_params(
         max_tokens, body.engine_logprobs, defaults=serving.model.generation_defaults
     )
-    parser_name = serving.options.tool_call_parser or detect_tool_call_parser(
-        serving.tokenizer.chat_template
-    )
     formatter = ChatFormatter(
         f"chatcmpl-{uuid.uuid4().hex}",
         serving.model_name(lora_request),
         serving.tokenizer,
         prompt,
         body,
-        chat_tool_parser(body.tools, body.tool_choice, parser_name),
+        tool_parser,
     )
     return await respond(
         serving,
@@ -86,7 +88,19 @@ async def create_chat_completion(
         include_usage=body.include_usage,
         cache_salt=body.cache_salt,
         lora_request=lora_request,
+        constraint_source=body.constraint_source,
     )
+
+
+def _tool_parser(serving: OpenAIServing, body: ChatCompletionRequest) -> ToolParser | None:
+    """How the output's tool calls are read (InvalidParam for tool_choice auto without a
+    parser: --tool-call-parser, or one the chat template's syntax implies)."""
+    template = serving.tokenizer.chat_template if serving.tokenizer is not None else None
+    parser_name = serving.options.tool_call_parser or detect_tool_call_parser(template)
+    try:
+        return chat_tool_parser(body.tools, body.tool_choice, parser_name)
+    except ValueError as e:
+        raise InvalidParam(str(e), "tool_choice") from None
 
 
 class ChatFormatter:
@@ -104,50 +118,88 @@ class ChatFormatter:
         self.created = int(time.time())
         self.top_logprobs = body.top_logprobs or 0
         self.has_logprobs = body.logprobs
+        self.role = body.reply_role
+        self.echo = body.echo_text
         self._tokenizer = tokenizer
         self._prompt = prompt
         self._templates: dict[int, ChunkTemplate] = {}  # choice index -> its text-chunk template
         self._tool_parser = tool_parser
         self._tool_streams: dict[int, StreamingToolParser] = {}  # choice index -> its parser
+        self._return_token_ids = body.return_token_ids
+        # Without return_token_ids the fields are left out, not written as null.
+        self._exclude = (
+            None
+            if body.return_token_ids
+            else {"prompt_token_ids": True, "choices": {"__all__": {"token_ids"}}}
+        )
+        self._continuous_usage = body.continuous_usage
+        self._prompt_logprobs = body.prompt_logprobs
+        if body.prompt_logprobs is None:  # not asked: left out, not written as null
+            self._exclude = {**(self._exclude or {}), "prompt_logprobs": True}
 
     def _template(self, index: int) -> ChunkTemplate:
         template = self._templates.get(index)
         if template is None:
-            choice = ChatChunkChoice(index=index, delta=DeltaMessage(content=TEXT_MARKER))
+            ids = IDS_MARKER if self._return_token_ids else None
+            choice = ChatChunkChoice(
+                index=index, delta=DeltaMessage(content=TEXT_MARKER), token_ids=ids
+            )
             template = ChunkTemplate(
                 ChatCompletionChunk(
                     id=self.request_id, created=self.created, model=self.model, choices=[choice]
-                )
+                ),
+                self._exclude,
+                has_ids=self._return_token_ids,
             )
             self._templates[index] = template
         return template
 
-    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+    def _chunk(
+        self,
+        choices: list[ChatChunkChoice],
+        usage: Usage | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> str:
         return ChatCompletionChunk(
             id=self.request_id,
             created=self.created,
             model=self.model,
             choices=choices,
             usage=usage,
-        ).model_dump_json()
+            prompt_token_ids=prompt_token_ids,
+        ).model_dump_json(exclude=self._exclude)
+
+    def _usage(self, acc: Accumulator, choice: ChoiceState) -> Usage | None:
+        """stream_options.continuous_usage_stats: the usage so far on every chunk."""
+        if not self._continuous_usage:
+            return None
+        return make_usage(acc.prompts[0].num_prompt_tokens, len(choice.token_ids), 0)
 
     def start_chunks(self, acc: Accumulator) -> list[str]:
-        """OpenAI's first chunk of each choice names the role."""
-        return [
-            self._chunk(
-                [ChatChunkChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))]
-            )
-            for c in acc.choices
-        ]
+        """OpenAI's first chunk of each choice names the role (vLLM's return_token_ids: the
+        first chunk has the prompt's ids); echo: the echoed content follows."""
+        chunks = []
+        for k, c in enumerate(acc.choices):
+            role = ChatChunkChoice(index=c.index, delta=DeltaMessage(role=self.role, content=""))
+            ids = self._prompt.token_ids if self._return_token_ids and k == 0 else None
+            chunks.append(self._chunk([role], self._usage(acc, c), ids))
+            if self.echo:
+                echo = ChatChunkChoice(index=c.index, delta=DeltaMessage(content=self.echo))
+                chunks.append(self._chunk([echo], self._usage(acc, c)))
+        return chunks
 
-    def delta_chunks(self, deltas: list[ChoiceDelta]) -> list[str]:
+    def delta_chunks(self, deltas: list[ChoiceDelta], acc: Accumulator) -> list[str]:
         if self._tool_parser is not None:
-            return self._tool_delta_chunks(deltas)
+            return self._tool_delta_chunks(deltas, acc)
         chunks = []
         for d in deltas:
             out = d.output
-            if out.finish_reason is None and not (self.has_logprobs and out.logprobs):
-                chunks.append(self._template(d.choice.index).render(out.text))
+            if (
+                out.finish_reason is None
+                and not (self.has_logprobs and out.logprobs)
+                and not self._continuous_usage
+            ):
+                chunks.append(self._template(d.choice.index).render(out.text, out.token_ids))
                 continue
             logprobs = None
             if self.has_logprobs and out.logprobs is not None:
@@ -160,11 +212,12 @@ class ChatFormatter:
                 logprobs=logprobs,
                 finish_reason=out.finish_reason,
                 stop_reason=out.stop_reason,
+                token_ids=out.token_ids,
             )
-            chunks.append(self._chunk([choice]))
+            chunks.append(self._chunk([choice], self._usage(acc, d.choice)))
         return chunks
 
-    def _tool_delta_chunks(self, deltas: list[ChoiceDelta]) -> list[str]:
+    def _tool_delta_chunks(self, deltas: list[ChoiceDelta], acc: Accumulator) -> list[str]:
         """Content streams until a tool call may start; the calls come whole at the end."""
         chunks = []
         for d in deltas:
@@ -178,7 +231,7 @@ class ChatFormatter:
             if out.finish_reason is not None:
                 rest, calls = stream.finish()
                 content += rest
-            elif not content:
+            elif not content and not self._return_token_ids and not self._continuous_usage:
                 continue
             choice = ChatChunkChoice(
                 index=d.choice.index,
@@ -188,8 +241,9 @@ class ChatFormatter:
                 ),
                 finish_reason=_finish_reason(out.finish_reason, calls),
                 stop_reason=out.stop_reason,
+                token_ids=out.token_ids,
             )
-            chunks.append(self._chunk([choice]))
+            chunks.append(self._chunk([choice], self._usage(acc, d.choice)))
         return chunks
 
     def abort_chunks(self, choices: list[ChoiceState]) -> list[str]:
@@ -214,8 +268,10 @@ class ChatFormatter:
             if self._tool_parser is not None:
                 parsed = self._tool_parser.parse(c.text)
                 content, calls = parsed.content, parsed.tool_calls
+            if self.echo:
+                content = self.echo + (content or "")
             message = ChatResponseMessage(
-                content=content, tool_calls=[t.to_openai() for t in calls] or None
+                role=self.role, content=content, tool_calls=[t.to_openai() for t in calls] or None
             )
             choices.append(
                 ChatChoice(
@@ -224,6 +280,7 @@ class ChatFormatter:
                     logprobs=logprobs,
                     finish_reason=_finish_reason(c.finish_reason, calls),
                     stop_reason=c.stop_reason,
+                    token_ids=c.token_ids,
                 )
             )
         response = ChatCompletionResponse(
@@ -232,8 +289,16 @@ class ChatFormatter:
             model=self.model,
             choices=choices,
             usage=acc.usage(),
+            prompt_token_ids=self._prompt.token_ids if self._return_token_ids else None,
         )
-        return response.model_dump_json()
+        if self._prompt_logprobs is not None:
+            response.prompt_logprobs = vllm_prompt_logprobs(
+                self._tokenizer,
+                self._prompt.token_ids,
+                acc.prompts[0].prompt_logprobs,
+                self._prompt_logprobs,
+            )
+        return response.model_dump_json(exclude=self._exclude)
 
 
 def _finish_reason(finish_reason: str | None, calls: list[ToolCall]) -> str | None:

@@ -48,6 +48,10 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None  # vLLM's return_token_ids: this choice's (new) tokens
+    prompt_token_ids: list[int] | None = None  # return_token_ids: its prompt's (first chunk)
+    # vLLM's prompt_logprobs: per prompt token, None (the first) or {token_id: {"logprob",
+    # "rank", "decoded_token"}}
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -80,7 +84,7 @@ class ChatLogprobs(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"  # or the continued message's (continue_final_message)
     content: str | None
     tool_calls: list[dict[str, Any]] | None = None  # {"id", "type": "function", "function"}
 
@@ -91,6 +95,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids: the choice's tokens
 
 
 class ChatCompletionResponse(BaseModel):
@@ -100,10 +105,12 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids: the rendered prompt's
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # as CompletionChoice's
 
 
 class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
+    role: str | None = None
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # whole calls, each with its "index"
 
@@ -114,6 +121,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: the chunk's new tokens
 
 
 class ChatCompletionChunk(BaseModel):
@@ -123,6 +131,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: in the first chunk
 
 
 # ---- models and errors ------------------------------------------------------------------

@@ -19,6 +19,11 @@ from typing import Protocol
 
 from aiohttp import web
 
+from pydaemon.entrypoints.common.constraint_errors import (
+    http_constraint_field,
+    is_constraint_error,
+    rename_constraint_field,
+)
 from pydaemon.entrypoints.openai.accumulator import Accumulator, ChoiceDelta, ChoiceState
 from pydaemon.entrypoints.openai.engine_stream import EnginePrompt, engine_requests, generate_all
 from pydaemon.entrypoints.openai.errors import ApiError, bad_request, error_event
@@ -38,7 +43,7 @@ class Formatter(Protocol):
     request_id: str
 
     def start_chunks(self, acc: Accumulator) -> list[str]: ...
-    def delta_chunks(self, deltas: list[ChoiceDelta]) -> list[str]: ...
+    def delta_chunks(self, deltas: list[ChoiceDelta], acc: Accumulator) -> list[str]: ...
     def abort_chunks(self, choices: list[ChoiceState]) -> list[str]: ...
     def usage_chunk(self, usage: Usage) -> str: ...
     def response_json(self, acc: Accumulator) -> str: ...
@@ -55,6 +60,7 @@ async def respond(
     include_usage: bool,
     cache_salt: str | None = None,
     lora_request: LoRARequest | None = None,
+    constraint_source: str | None = None,
 ) -> web.StreamResponse:
     acc = Accumulator(prompts, params.n, serving.tokenizer)
     with serving.track() as live:
@@ -71,13 +77,14 @@ async def respond(
                     raise ApiError(503, "the server is shutting down", code="not_serving") from None
                 except Exception as e:  # e.g. refused by the engine: nothing was sent yet
                     live.is_failed = True
-                    raise _engine_error(serving, e) from None
+                    raise _engine_error(serving, e, constraint_source) from None
                 deltas = acc.add(*first)
                 if stream:
                     return await _stream(
-                        request, serving, live, acc, deltas, outputs, formatter, include_usage
-                    )
-                return await _collect(serving, live, acc, outputs, formatter)
+                        request, serving, live, acc, deltas, outputs, formatter, include_usage,
+                        constraint_source,
+                    )  # fmt: skip
+                return await _collect(serving, live, acc, outputs, formatter, constraint_source)
         finally:
             if not live.is_failed:  # failures are errors, not finished requests (as in gRPC)
                 serving.observe(acc, "aborted" if live.is_aborted_by_server else None)
@@ -89,6 +96,7 @@ async def _collect(
     acc: Accumulator,
     outputs: AsyncIterator[tuple[int, RequestOutput]],
     formatter: Formatter,
+    constraint_source: str | None = None,
 ) -> web.Response:
     try:
         async for item in outputs:
@@ -100,7 +108,7 @@ async def _collect(
         acc.abort_unfinished()
     except Exception as e:  # a later prompt of a batch refused, or the engine failed
         live.is_failed = True
-        raise _engine_error(serving, e) from None
+        raise _engine_error(serving, e, constraint_source) from None
     return web.Response(text=formatter.response_json(acc), content_type="application/json")
 
 
@@ -113,14 +121,15 @@ async def _stream(
     outputs: AsyncIterator[tuple[int, RequestOutput]],
     formatter: Formatter,
     include_usage: bool,
+    constraint_source: str | None = None,
 ) -> web.StreamResponse:
     events = EventStream(request, serving.options.stall_timeout_s)
     try:
         await events.open()
         try:
-            await events.send(formatter.start_chunks(acc) + formatter.delta_chunks(deltas))
+            await events.send(formatter.start_chunks(acc) + formatter.delta_chunks(deltas, acc))
             async for item in outputs:
-                await events.send(formatter.delta_chunks(acc.add(*item)))
+                await events.send(formatter.delta_chunks(acc.add(*item), acc))
         except asyncio.CancelledError:
             if not live.is_aborted_by_server:
                 raise
@@ -130,7 +139,7 @@ async def _stream(
             raise
         except Exception as e:  # noqa: BLE001 - after the headers: an error event ends the stream
             live.is_failed = True
-            await events.send([error_event(_engine_error(serving, e))])
+            await events.send([error_event(_engine_error(serving, e, constraint_source))])
             return await events.close()
         if include_usage:
             await events.send([formatter.usage_chunk(acc.usage())])
@@ -148,9 +157,17 @@ async def _stream(
     raise asyncio.CancelledError
 
 
-def _engine_error(serving: OpenAIServing, e: Exception) -> ApiError:
+def _engine_error(
+    serving: OpenAIServing, e: Exception, constraint_source: str | None = None
+) -> ApiError:
+    """``constraint_source``: the request field the output's constraint came from
+    ("response_format", "tools", "structured_outputs"), which a constraint error names."""
     if isinstance(e, ValueError):
-        return bad_request(str(e))
+        message = str(e)
+        if constraint_source is not None and is_constraint_error(message):
+            field = http_constraint_field(constraint_source)
+            return bad_request(rename_constraint_field(message, field), constraint_source)
+        return bad_request(message)
     if not serving.engine.is_alive:
         return ApiError(503, f"the engine failed: {e}", code="engine_dead")
     logger.error("generation failed", exc_info=e)

@@ -17,6 +17,8 @@ from aiohttp import web
 
 from pydaemon.config.generation import GenerationDefaults
 from pydaemon.entrypoints.common.limits import (
+    EMPTY_PROMPT,
+    EMPTY_TEXT_PROMPT,
     check_text_size,
     check_texts_size,
     iter_strings,
@@ -26,7 +28,7 @@ from pydaemon.entrypoints.common.metrics import Metrics
 from pydaemon.entrypoints.openai.accumulator import Accumulator
 from pydaemon.entrypoints.openai.engine_stream import GenerateClient
 from pydaemon.entrypoints.openai.errors import ApiError, bad_request
-from pydaemon.entrypoints.openai.protocol import InvalidParam
+from pydaemon.entrypoints.openai.request_fields import InvalidParam
 from pydaemon.lora_request import LoRARequest
 from pydaemon.tokenizer.chat_encoding import encode_chat
 
@@ -39,6 +41,10 @@ class ServedModel:
     # generation_config.json's sampling defaults, for the fields a request leaves unset
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     created: int = field(default_factory=lambda: int(time.time()))
+    aliases: tuple[str, ...] = ()  # more names of the base model (--served-model-name)
+
+    def is_named(self, name: str) -> bool:
+        return name == self.name or name in self.aliases
 
 
 @dataclass
@@ -115,18 +121,14 @@ class OpenAIServing:
             raise ApiError(
                 503, "the server is not serving (draining or failed)", code="not_serving"
             )
-        lora_request = None
-        if model_name != self.model.name:
-            try:
-                lora_request = self.adapters.get(model_name)
-            except AdapterNotFound:
-                raise ApiError(
-                    404,
-                    f"model {model_name!r} does not exist; this server serves "
-                    f"{self.model.name!r}" + self.adapters.names_hint(),
-                    param="model",
-                    code="model_not_found",
-                ) from None
+        if self.is_stalled():  # fail fast: the request would wait for a core that is not moving
+            raise ApiError(
+                503,
+                "the engine core has stopped making progress (no step or heartbeat within the "
+                "stall timeout): retry later or on another replica",
+                code="engine_stalled",
+            )
+        lora_request = self.resolve_model(model_name)
         num_queued = self.num_queued()
         limit = self.options.max_queued_requests
         if num_queued + num_sequences > limit:
@@ -138,6 +140,22 @@ class OpenAIServing:
                 code="queue_full",
             )
         return lora_request
+
+    def resolve_model(self, model_name: str) -> LoRARequest | None:
+        """The adapter ``model_name`` names, None for the base model (one of its names);
+        404 for anything else."""
+        if self.model.is_named(model_name):
+            return None
+        try:
+            return self.adapters.get(model_name)
+        except AdapterNotFound:
+            raise ApiError(
+                404,
+                f"model {model_name!r} does not exist; this server serves "
+                f"{self.model.name!r}" + self.adapters.names_hint(),
+                param="model",
+                code="model_not_found",
+            ) from None
 
     def model_name(self, lora_request: LoRARequest | None) -> str:
         """The ``model`` a response names: the adapter's, or the base model's."""
@@ -167,7 +185,10 @@ class OpenAIServing:
         if self.tokenizer is None:
             raise bad_request("this model has no tokenizer: send the prompt as token ids", param)
         if not text:
-            raise bad_request(f"{param} is empty", param)
+            raise bad_request(
+                EMPTY_TEXT_PROMPT if param == "prompt" else f"{EMPTY_PROMPT} ({param} is empty)",
+                param,
+            )
         check_text_size(text, self.model.max_model_len, param)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(None, self.tokenizer.encode, text, add_bos)
@@ -178,6 +199,7 @@ class OpenAIServing:
         tools: list | None,
         add_generation_prompt: bool,
         chat_template_kwargs: dict[str, Any] | None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """Token ids of a conversation rendered by the chat template. Its size is checked first;
         rendering and tokenizing run off the event loop (a big conversation takes seconds)."""
@@ -195,6 +217,7 @@ class OpenAIServing:
             tools,
             chat_template_kwargs=chat_template_kwargs,
             parse_special_tokens_in_content=self.options.parse_special_tokens_in_chat,
+            continue_final_message=continue_final_message,
         )
         try:
             _, ids = await loop.run_in_executor(None, encode)
@@ -275,9 +298,17 @@ class OpenAIServing:
                 reason = acc.choices[i * acc.n].finish_reason or "stop"
             else:
                 reason = cancel_reason or "cancelled"
+            queue = None
+            if m is not None and m.first_scheduled_time is not None:
+                queue = m.first_scheduled_time - arrival
+            choices = acc.choices[i * acc.n : (i + 1) * acc.n]
             self.metrics.observe(
                 "aborted" if reason == "abort" else reason,
                 ttft_s=ttft,
                 tpot_s=tpot,
                 e2e_s=end - arrival,
+                queue_s=queue,
+                num_prompt_tokens=prompt.num_prompt_tokens,
+                num_generation_tokens=sum(len(c.token_ids) for c in choices),
+                num_intervals=max(longest - 1, 0),
             )

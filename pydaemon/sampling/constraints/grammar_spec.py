@@ -12,6 +12,7 @@ import re
 
 import xgrammar as xgr
 
+from pydaemon.sampling.constraints.schema_support import check_enforceable
 from pydaemon.sampling_params import StructuredOutputsParams
 
 # Whitespace a JSON grammar allows in one run: pretty-printed JSON fits; a small model cannot
@@ -57,6 +58,7 @@ def build_grammar(spec: StructuredOutputsParams) -> xgr.Grammar:
                     raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
             if not isinstance(schema, dict):
                 raise ValueError("structured_outputs.json must be a JSON schema object")
+            check_enforceable(schema)
             return xgr.Grammar.from_json_schema(
                 json.dumps(_plain_bounded_strings(schema)),
                 any_whitespace=any_whitespace,

@@ -26,11 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pydaemon.sampling.penalties import (
-    apply_min_tokens_mask,
-    apply_presence_frequency_penalties,
-    apply_repetition_penalty,
-)
+from pydaemon.sampling.logits_processing import processed_logits
 from pydaemon.sampling.sampler import apply_min_p, apply_top_k_top_p
 from pydaemon.sampling.sampling_metadata import SamplingMetadata
 
@@ -46,24 +42,9 @@ class AcceptedRun:
 
 
 def target_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """The Sampler's steps before temperature: min_tokens mask and penalties.
-    logits: [num_rows, vocab] float32 -> the same shape."""
-    if metadata.min_tokens_rows is not None:
-        logits = apply_min_tokens_mask(
-            logits.clone(), metadata.min_tokens_rows, metadata.min_tokens_token_ids
-        )
-    if metadata.output_token_ids is not None:
-        if metadata.prompt_token_ids is not None:
-            logits = apply_repetition_penalty(
-                logits,
-                metadata.prompt_token_ids,
-                metadata.output_token_ids,
-                metadata.repetition_penalty,
-            )
-        logits = apply_presence_frequency_penalties(
-            logits, metadata.output_token_ids, metadata.presence_penalty, metadata.frequency_penalty
-        )
-    return logits
+    """The Sampler's steps before temperature (min_tokens mask, logit bias, penalties: one
+    function for both). logits: [num_rows, vocab] float32 -> the same shape."""
+    return processed_logits(logits, metadata)
 
 
 def target_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
