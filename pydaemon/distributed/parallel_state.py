@@ -128,3 +128,14 @@ def min_across_ranks(value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_TP.cpu_group)
     return int(t.item())
+
+
+def min_max_across_ranks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: a CPU int64 tensor of the same shape on every rank -> (elementwise min, max) over
+    the ranks (host-side agreements, on the CPU group); (x, x) at TP=1."""
+    if _TP is None or _TP.world_size == 1:
+        return x, x
+    low, high = x.clone(), x.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=_TP.cpu_group)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=_TP.cpu_group)
+    return low, high

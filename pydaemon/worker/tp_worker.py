@@ -91,4 +91,5 @@ def worker_main(args: WorkerArgs, conn: Connection) -> None:
     finally:
         if runner is not None:
             runner.release_cuda_graphs()  # before the communicator they captured goes
+            runner.shutdown()  # the KV copies in flight; the disk tier's file
         ps.destroy_tensor_parallel()
