@@ -125,8 +125,7 @@ class SeqBlocks:
         kept = [r for r in records if not is_lora_salt(r.salt)]
         if len(kept) < len(records):
             logger.info(
-                "disk tier: %d blocks computed under LoRA adapters are not reused after a "
-                "restart",
+                "disk tier: %d blocks computed under LoRA adapters are not reused after a restart",
                 len(records) - len(kept),
             )
         native = [

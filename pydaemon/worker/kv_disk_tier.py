@@ -264,7 +264,9 @@ class DiskTier:
         if n != self.block_bytes or zlib.crc32(row) != self._crc.get(slot):
             # Checked at start and written by this process since: the disk changed under it.
             self.num_corrupt_reads += 1
-            logger.error("disk tier: slot %d of %s no longer holds what was written", slot, self.path)
+            logger.error(
+                "disk tier: slot %d of %s no longer holds what was written", slot, self.path
+            )
 
     def _slot_header(self, record: DiskBlockRecord, crc: int) -> bytes:
         salt = record.salt.encode()

@@ -112,5 +112,3 @@ def _whole_on_every_rank(records: list[DiskBlockRecord], num_slots: int) -> list
             len(records) - len(kept),
         )
     return kept
-
-

@@ -126,7 +126,9 @@ class KVTransfer:
             self._background_done.record(self.stream)
             self._has_background = True
         if has_disk:
-            after = torch.cuda.Event()  # after every copy issued so far (its own: never re-recorded)
+            after = (
+                torch.cuda.Event()
+            )  # after every copy issued so far (its own: never re-recorded)
             after.record(self.stream)
             self.disk.submit(
                 out.blocks_to_write_to_disk,

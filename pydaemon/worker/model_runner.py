@@ -433,4 +433,3 @@ class ModelRunner:
         rows = to_device(last.sample_rows(step.placeholder_seq_ids.tolist()), self.device)
         index = to_device(step.placeholder_index, self.device)
         input_ids[index] = last.sampled_token_ids[rows]
-
