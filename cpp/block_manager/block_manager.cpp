@@ -246,8 +246,9 @@ int64_t BlockManager::allocate(SeqId seq_id, const std::vector<int32_t>& token_i
                             " new GPU blocks, only " +
                             std::to_string(m.gpu.num_free() - num_free_gpu_hits) + " free");
 
-  // Commit (nothing below can fail). The hits' blocks are held first, so that no allocation
-  // below evicts them.
+  // Commit (nothing below can fail). Every hit's block is held before any block is popped, so
+  // that no allocation below evicts one (a disk hit's staging block must not be a later CPU
+  // hit's, nor a GPU block a GPU hit's).
   Sequence seq;
   seq.token_ids = token_ids;
   seq.cache_salt = cache_salt;
@@ -265,16 +266,18 @@ int64_t BlockManager::allocate(SeqId seq_id, const std::vector<int32_t>& token_i
       sources[i] = m.cache.location(hit.entry, Device::CPU);
       m.pin(Device::CPU, sources[i]);
     } else {
-      const BlockId d = m.cache.location(hit.entry, Device::DISK);
-      m.pin(Device::DISK, d);
-      const BlockId c = m.alloc_cpu();  // counted above: one is free
-      m.adopt_pin(Device::CPU, c);
-      m.cache.set_location(hit.entry, Device::CPU, c);
-      m.cpu_ready_step[c] = m.step_index + 1;  // filled by the read, after this step's copies
-      m.moves.blocks_to_read_from_disk.emplace_back(d, c);
-      ++m.stats.num_read_blocks;
-      sources[i] = c;
+      m.pin(Device::DISK, m.cache.location(hit.entry, Device::DISK));
     }
+  }
+  for (size_t i = 0; i < hits.size(); ++i) {
+    if (hits[i].tier != Device::DISK) continue;
+    const BlockId c = m.alloc_cpu();  // counted above: one is free
+    m.adopt_pin(Device::CPU, c);
+    m.cache.set_location(hits[i].entry, Device::CPU, c);
+    m.cpu_ready_step[c] = m.step_index + 1;  // filled by the read, after this step's copies
+    m.moves.blocks_to_read_from_disk.emplace_back(m.cache.location(hits[i].entry, Device::DISK), c);
+    ++m.stats.num_read_blocks;
+    sources[i] = c;
   }
   for (int64_t i = 0; i < num_blocks; ++i) {
     if (seq.block_table[i] != BlockPool::kNone) continue;
@@ -433,6 +436,7 @@ void BlockManager::mark_blocks_computed(SeqId seq_id, int64_t num_computed_token
       if (reach == PrefixCache::kNoEntry) {
         reach = m.cache.insert(s.block_hashes[i], tokens, s.cache_salt, s.chain_parent_uid);
         m.cache.set_location(reach, Device::GPU, b);
+        if (m.has_disk_tier()) m.written_through.emplace_back(reach, m.cache.uid(reach));
       }
       // else: already registered (shared with a forked sequence under another chain)
     } else if (m.cache.location(reach, Device::GPU) < 0 && !m.cache.is_cached(Device::GPU, b)) {

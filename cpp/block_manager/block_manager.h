@@ -50,11 +50,15 @@
 //     (cpu, gpu) in blocks_to_load_from_cpu while the step runs; the sequence may be scheduled
 //     from the next step on (seq_ready_step). The GPU block and the CPU block then both hold
 //     the entry (the CPU copy stays, so a later eviction costs no copy).
-//   - Disk (behind the CPU tier): every block saved into the CPU tier is also written to a
-//     disk block (blocks_to_write_to_disk, with its record) if its entry has no disk copy; a
-//     hit on an entry held only on disk reads it into a CPU block (blocks_to_read_from_disk)
-//     in one step and loads it to the GPU in the next (the sequence runs the step after).
-//     restore_disk_blocks() enters the blocks a previous run left on disk (warm restart).
+//   - Disk (behind the CPU tier): the disk tier is written through. Every block entered in
+//     the GPU prefix cache is saved to the CPU tier at the end of the step (with the ahead
+//     saves: a computed full block is never written again), and every block saved into the
+//     CPU tier is written to a disk block (blocks_to_write_to_disk, with its record) if its
+//     entry has no disk copy, so the disk holds whole chains from their first block, the
+//     hottest ones included (a restart finds them). A hit on an entry held only on disk reads
+//     it into a CPU block (blocks_to_read_from_disk) in one step and loads it to the GPU in
+//     the next (the sequence runs the step after). restore_disk_blocks() enters the blocks a
+//     previous run left on disk (warm restart).
 //   - Pins: every CPU and disk block that a step's copies read or write is pinned (one
 //     reference) until the next step's moves are taken, so no later step's copy overwrites it
 //     out of order; the runner orders each step's copies after the previous step's.

@@ -63,6 +63,9 @@ struct BlockManager::Impl {
   BlockMoves moves;                 // this step's, so far
   std::vector<BlockPair> deferred_loads;  // (cpu, gpu) of disk reads: loaded next step
   std::vector<BlockId> saved_cpu_blocks;  // CPU blocks saved into this step (disk writes)
+  // With a disk tier: entries registered on the GPU since the last step (slot, uid), saved
+  // through the CPU tier to disk at the step's end (write-through).
+  std::vector<std::pair<PrefixCache::EntryId, uint64_t>> written_through;
   // Pins (one reference each) taken during this step, and during the step before; the older
   // ones are released when this step's moves are taken.
   std::vector<std::pair<Device, BlockId>> pins, previous_pins;
@@ -109,6 +112,7 @@ struct BlockManager::Impl {
   void compute_hashes(Sequence& seq, int64_t num_blocks) const;
   // Tiers (tiers.cpp): ahead saves, disk writes, and the loads that survived the step.
   void plan_saves_ahead();
+  void plan_write_through();
   void plan_disk_writes();
   void check_loads();
 };

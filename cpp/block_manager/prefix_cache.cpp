@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <stdexcept>
 
 namespace pagedd {
 
@@ -71,6 +72,7 @@ PrefixCache::EntryId PrefixCache::insert(uint64_t hash, const int32_t* token_ids
                                          uint64_t uid) {
   // Every live entry holds at least one block, so a slot is always free for a new copy's
   // entry (the caller drops the block's old entry first).
+  if (free_entries_.empty()) throw std::logic_error("PrefixCache::insert: no free entry slot");
   const EntryId e = free_entries_.back();
   free_entries_.pop_back();
   Entry& entry = entries_[e];
@@ -88,6 +90,8 @@ PrefixCache::EntryId PrefixCache::insert(uint64_t hash, const int32_t* token_ids
 
 void PrefixCache::set_location(EntryId e, Device d, BlockId b) {
   const int t = tier_index(d);
+  if (entry_of_[t][b] != kNoEntry || entries_[e].block[t] >= 0)
+    throw std::logic_error("PrefixCache::set_location: the block or the entry has a copy there");
   entries_[e].block[t] = b;
   entry_of_[t][b] = e;
   ++num_cached_[t];

@@ -33,6 +33,19 @@ void BlockManager::Impl::plan_saves_ahead() {
   }
 }
 
+void BlockManager::Impl::plan_write_through() {
+  size_t kept = 0;  // entries no CPU block was free for: tried again next step
+  for (const auto& [e, uid] : written_through) {
+    if (!cache.is_alive(e, uid)) continue;
+    const BlockId g = cache.location(e, Device::GPU);
+    if (g < 0 || cache.location(e, Device::CPU) >= 0 || cache.location(e, Device::DISK) >= 0)
+      continue;
+    // A computed full block is never written again: its copy runs while the step runs.
+    if (kept > 0 || !save_to_cpu(e, g, true)) written_through[kept++] = {e, uid};
+  }
+  written_through.resize(kept);
+}
+
 void BlockManager::Impl::plan_disk_writes() {
   if (!has_disk_tier()) {
     saved_cpu_blocks.clear();
@@ -62,11 +75,14 @@ void BlockManager::Impl::plan_disk_writes() {
 
 void BlockManager::Impl::check_loads() {
   std::vector<BlockPair>& loads = moves.blocks_to_load_from_cpu;
+  std::unordered_set<BlockId> targets;
   size_t kept = 0;
   for (const BlockPair& load : loads) {
     const PrefixCache::EntryId e = cache.entry_at(Device::GPU, load.second);
     if (e != PrefixCache::kNoEntry && e == cache.entry_at(Device::CPU, load.first)) {
-      loads[kept++] = load;
+      // The same load twice (its block was let go, evicted and reloaded for the same entry
+      // in one step): copied once.
+      if (targets.insert(load.second).second) loads[kept++] = load;
     } else {
       ++stats.num_dropped_loads;  // its GPU block was handed to other content
     }
@@ -78,6 +94,7 @@ void BlockManager::Impl::check_loads() {
 BlockMoves BlockManager::take_block_moves() {
   Impl& m = *impl_;
   m.plan_saves_ahead();
+  m.plan_write_through();
   m.plan_disk_writes();
   m.check_loads();
   BlockMoves out = std::move(m.moves);
