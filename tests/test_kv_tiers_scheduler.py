@@ -76,12 +76,12 @@ class Harness:
         return out
 
     def finish(self) -> None:
-        """Steps until every request is done and the last pins are gone; every block of every
-        pool is free then."""
+        """Steps until every request is done and the last copies' pins are gone (the idle
+        steps write the last blocks through to disk); every block of every pool is free then."""
         while self.scheduler.has_unfinished_requests():
             self.step()
-        self.step()
-        self.step()
+        for _ in range(4):
+            self.step()
         for device, total in self.pools.items():
             assert self.bm.num_free_blocks(device) == total, device
             assert self.bm.num_pinned_blocks(device) == 0
