@@ -5,7 +5,7 @@ The scheduler decides which block goes to which slot (``SchedulerOutput.blocks_t
 CPU pool and its file, on one I/O thread, in step order. Bytes are copied as they are (an FP8
 cache stays FP8).
 
-File: ``DIR/<identity digest>/rank<r>-of-<n>.kvtier``: a 4 KiB file header (magic, format,
+File: ``DIR/<digest of the identity but the rank>/rank<r>-of-<n>.kvtier``: a 4 KiB file header (magic, format,
 identity digest, slot size, slot count, the identity as JSON), then ``num_blocks`` slots of
 ``SLOT_HEADER_BYTES`` + the block's bytes (rounded up to 4 KiB). A slot header holds the
 block's prefix-cache record (uid, parent uid, chained hash, salt, token ids), the CRC-32 of its
@@ -85,7 +85,10 @@ class DiskTier:
             cpu_kv_cache.view(torch.uint8).reshape(len(cpu_kv_cache), self.block_bytes).numpy()
         )
         self.slot_bytes = SLOT_HEADER_BYTES + _round_up(self.block_bytes, _ALIGN)
-        folder = Path(directory) / self.digest.hex()[:16]
+        # One folder per model and settings, one file per rank in it (the rank is in the
+        # file's identity, not the folder's).
+        shared = {k: v for k, v in identity.items() if k != "tp_rank"}
+        folder = Path(directory) / _digest(json.dumps(shared, sort_keys=True)).hex()[:16]
         folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / f"rank{rank}-of-{world_size}.kvtier"
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -102,6 +105,7 @@ class DiskTier:
         self._crc: dict[int, int] = {}  # slot -> CRC of the bytes it holds (valid slots)
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedd-kv-disk")
         self._busy: dict[int, Future] = {}  # CPU block -> the last batch touching it
+        self._last: Future | None = None  # the last batch queued
         self._lock = threading.Lock()
         self.num_corrupt_reads = 0
 
@@ -210,6 +214,7 @@ class DiskTier:
             return
         future = self._io.submit(self._run_batch, list(writes), list(records), list(reads), after)
         with self._lock:
+            self._last = future
             for cpu_block, _ in writes:
                 self._busy[cpu_block] = future
             for _, cpu_block in reads:
@@ -230,17 +235,22 @@ class DiskTier:
                 del self._busy[b]
 
     def drain(self) -> None:
-        """Waits for every queued batch (tests, shutdown)."""
-        self._io.submit(lambda: None).result()
+        """Waits for every queued batch (tests, shutdown); raises the error of one that
+        failed."""
         with self._lock:
-            futures = set(self._busy.values())
+            last, futures = self._last, set(self._busy.values())
             self._busy.clear()
-        for future in futures:
+        for future in futures | ({last} if last is not None else set()):
             future.result()
 
     def close(self) -> None:
+        """Finishes the queued batches and closes the file (idempotent; also at exit, when
+        the I/O thread may already be stopped)."""
+        if self._fd < 0:
+            return
         self._io.shutdown(wait=True)
         os.close(self._fd)
+        self._fd = -1
 
     def _run_batch(self, writes, records, reads, after) -> None:
         if after is not None:

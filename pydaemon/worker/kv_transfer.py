@@ -86,11 +86,13 @@ class KVTransfer:
             self.disk.drain()
 
     def close(self) -> None:
-        """Finishes the queued copies and closes the disk tier (its file keeps the blocks)."""
-        self.synchronize()
+        """Finishes the queued copies and closes the disk tier (its file keeps the blocks).
+        Idempotent."""
+        if self.is_async:
+            self.stream.synchronize()
         if self.disk is not None:
-            self.disk.close()
-            self.disk = None
+            disk, self.disk = self.disk, None
+            disk.close()
 
     # ---- CUDA: two streams and events -------------------------------------------------------
     def _move_async(self, out: SchedulerOutput) -> None:
