@@ -6,6 +6,7 @@ lose no block (exact free counts in every pool). The runner's side is its real I
 from __future__ import annotations
 
 import itertools
+import logging
 
 import numpy as np
 
@@ -16,6 +17,7 @@ from pydaemon.core.sched.scheduler import Scheduler
 from pydaemon.core.sched.scheduler_output import SchedulerOutput
 from pydaemon.core.sched.tier_config import KVTierConfig
 from pydaemon.core.stop_checker import StopChecker
+from pydaemon.lora_request import LoRARequest, is_lora_salt, prefix_cache_salt
 from pydaemon.outputs import RequestMetrics
 from pydaemon.sampling_params import SamplingParams
 from pydaemon.worker.input_batch import InputBatch
@@ -208,3 +210,45 @@ def test_preemption_during_a_load_then_resume():
     assert a2.seqs[0].seq_id not in out.num_scheduled_tokens
     h.finish()  # a2 comes back later and completes; nothing is left behind
     assert a2.status == RequestStatus.FINISHED
+
+
+def test_a_step_that_never_ran_leaves_no_block_unloaded():
+    """The runner failed on the step that carried the loads: discard() forgets them, so the
+    next request with that prefix loads it again instead of reading blocks never written."""
+    h = Harness(num_gpu_blocks=6, num_cpu_blocks=8)
+    _evict_into_cpu(h)
+    h.add(make_request("a2", _prompt(10, 8) + [99]))
+    out = h.scheduler.schedule()
+    assert len(out.blocks_to_load_from_cpu) == 2
+    h.scheduler.discard(out)
+    assert h.scheduler.abort_request("a2")  # what a caller that keeps the engine does
+    h.add(make_request("a3", _prompt(10, 8) + [98]))
+    out = h.step()
+    assert len(out.blocks_to_load_from_cpu) == 2  # from the CPU tier again
+    assert h.bm.tier_stats().gpu_hit_tokens == 0
+    h.finish()
+
+
+def test_a_restart_reuses_the_disk_records_but_not_lora_ones(caplog):
+    h = Harness(num_gpu_blocks=6, num_cpu_blocks=4, num_disk_blocks=8)
+    plain = make_request("p", _prompt(10, 9))
+    lora = make_request("l", _prompt(10, 9))
+    lora.cache_salt = prefix_cache_salt("", LoRARequest("sql", 1, "/x"))
+    h.add(plain, lora)
+    records = []
+    for _ in range(4):  # computed, then written through to disk
+        records += h.step().disk_write_records
+    assert len(records) == 4 and sum(is_lora_salt(r.salt) for r in records) == 2
+    with caplog.at_level(logging.INFO):
+        restarted = Scheduler(
+            block_size=BLOCK_SIZE,
+            num_gpu_blocks=6,
+            num_cpu_blocks=4,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            max_model_len=64,
+            tiers=KVTierConfig(enable_cpu_tier=True, num_disk_blocks=8, disk_records=records),
+        )
+    assert restarted.block_manager.num_cached_blocks(DISK) == 2  # the adapter's are not
+    assert "LoRA adapters are not reused" in caplog.text
+    assert restarted.make_stats().kv_tiers.num_restored_disk_blocks == 2

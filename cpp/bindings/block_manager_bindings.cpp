@@ -60,6 +60,22 @@ void bind_block_manager(nb::module_& m) {
       .def_ro("blocks_to_write_to_disk", &BlockMoves::blocks_to_write_to_disk)
       .def_ro("disk_write_records", &BlockMoves::disk_write_records)
       .def_ro("blocks_to_read_from_disk", &BlockMoves::blocks_to_read_from_disk);
+  m.def(
+      "block_moves",
+      [](std::vector<pagedd::BlockPair> save, std::vector<pagedd::BlockPair> save_ahead,
+         std::vector<pagedd::BlockPair> load, std::vector<pagedd::BlockPair> write,
+         std::vector<pagedd::BlockPair> read) {
+        BlockMoves moves;
+        moves.blocks_to_save_to_cpu = std::move(save);
+        moves.blocks_to_save_ahead_to_cpu = std::move(save_ahead);
+        moves.blocks_to_load_from_cpu = std::move(load);
+        moves.blocks_to_write_to_disk = std::move(write);
+        moves.blocks_to_read_from_disk = std::move(read);
+        return moves;
+      },
+      "blocks_to_save_to_cpu"_a, "blocks_to_save_ahead_to_cpu"_a, "blocks_to_load_from_cpu"_a,
+      "blocks_to_write_to_disk"_a, "blocks_to_read_from_disk"_a,
+      "A BlockMoves from plain lists (discard_block_moves of a step that never ran).");
 
   nb::class_<TierStats>(m, "TierStats", "Counters of the tiers since construction.")
       .def_ro("gpu_hit_tokens", &TierStats::gpu_hit_tokens)
@@ -112,6 +128,8 @@ void bind_block_manager(nb::module_& m) {
       .def("take_block_moves", &BlockManager::take_block_moves,
            "Ends the step: its BlockMoves (saves, loads, disk writes and reads).")
       .def("step_index", &BlockManager::step_index)
+      .def("discard_block_moves", &BlockManager::discard_block_moves, "moves"_a,
+           "A step that never ran: forget the copies it was to make.")
       .def("restore_disk_blocks", &BlockManager::restore_disk_blocks, "records"_a,
            "Warm restart: enter the disk blocks of a previous run; returns how many.")
       .def("tier_stats", &BlockManager::tier_stats)

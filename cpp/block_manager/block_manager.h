@@ -233,6 +233,10 @@ class BlockManager {
   BlockMoves take_block_moves();
   // The index of the step being scheduled (the number of take_block_moves calls so far).
   int64_t step_index() const;
+  // The step whose moves these are never ran (its runner failed): every copy they were to
+  // make is forgotten (the destination block drops its entry), so that no content that was
+  // never copied is served. Deferred loads out of blocks it read are dropped at the next take.
+  void discard_block_moves(const BlockMoves& moves);
   // Warm restart, before anything else is allocated: enter the disk blocks a previous run
   // wrote (same model and settings), in any order (by uid: the oldest first at the LRU end,
   // evicted first). A record is skipped when its block id is

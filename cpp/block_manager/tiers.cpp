@@ -113,6 +113,18 @@ BlockMoves BlockManager::take_block_moves() {
 
 int64_t BlockManager::step_index() const { return impl_->step_index; }
 
+void BlockManager::discard_block_moves(const BlockMoves& moves) {
+  Impl& m = *impl_;
+  auto drop = [&m](Device d, BlockId b) {
+    if (m.pool(d).is_valid(b)) m.cache.drop_location(d, b);
+  };
+  for (const auto& [g, c] : moves.blocks_to_save_to_cpu) drop(Device::CPU, c);
+  for (const auto& [g, c] : moves.blocks_to_save_ahead_to_cpu) drop(Device::CPU, c);
+  for (const auto& [c, g] : moves.blocks_to_load_from_cpu) drop(Device::GPU, g);
+  for (const auto& [c, d] : moves.blocks_to_write_to_disk) drop(Device::DISK, d);
+  for (const auto& [d, c] : moves.blocks_to_read_from_disk) drop(Device::CPU, c);
+}
+
 int64_t BlockManager::seq_ready_step(SeqId seq_id) const {
   return impl_->get(seq_id, "seq_ready_step").ready_step;
 }

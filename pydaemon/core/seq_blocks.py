@@ -118,6 +118,20 @@ class SeqBlocks:
             blocks_to_read_from_disk=moves.blocks_to_read_from_disk,
         )
 
+    def discard_tier_moves(self, moves: TierMoves) -> None:
+        """The step that carried these copies never ran: forget what they were to copy, so
+        that no block is served with content that never arrived. ``moves``: a TierMoves, or
+        anything with its five lists of pairs (a SchedulerOutput)."""
+        self.block_manager.discard_block_moves(
+            _core.block_moves(
+                moves.blocks_to_save_to_cpu,
+                moves.blocks_to_save_ahead_to_cpu,
+                moves.blocks_to_load_from_cpu,
+                moves.blocks_to_write_to_disk,
+                moves.blocks_to_read_from_disk,
+            )
+        )
+
     def restore_disk_blocks(self, records: list[DiskBlockRecord]) -> int:
         """Warm restart: enter the blocks a previous run left in the disk tier. Blocks
         computed under a LoRA adapter are left out: adapter ids are given per run, so the

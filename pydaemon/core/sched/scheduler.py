@@ -271,9 +271,12 @@ class Scheduler:
 
     def discard(self, scheduler_output: SchedulerOutput) -> None:
         """The step of ``scheduler_output`` never ran (the runner failed): it is no longer
-        pending, so that the steps after it can be updated. Its requests stay where schedule()
-        put them; a caller that keeps the engine aborts them."""
+        pending, so that the steps after it can be updated, and the copies between KV tiers
+        it carried are forgotten (no block keeps content that never arrived). Its requests stay
+        where schedule() put them; a caller that keeps the engine aborts them."""
         self._plans = deque((out, plan) for out, plan in self._plans if out is not scheduler_output)
+        if scheduler_output.has_tier_moves:
+            self.blocks.discard_tier_moves(scheduler_output)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
