@@ -175,6 +175,28 @@ def test_fp8_cache_keeps_its_bytes_through_the_tiers(model_dir, tmp_path):
     llm.engine.shutdown()
 
 
+def test_abort_during_a_load_then_the_prefix_again(model_dir, reference):
+    """A request aborted in the step its prefix loads: nothing is lost, and the next request
+    with that prefix still gets exactly the reference tokens."""
+    from pydaemon.generate_request import GenerateRequest
+
+    convs = conversations()
+    llm = LLM(model_dir, **COMMON, **tiers(cpu_blocks=64))
+    run_turns(llm, [c[:1] for c in convs])  # first turns: their blocks end up in the CPU tier
+    engine = llm.engine
+    loaded_before = engine.get_stats().kv_tiers.cpu_to_gpu_bytes
+    engine.add_request(GenerateRequest("doomed", convs[0][1], GREEDY))
+    engine.step()  # admitted: its history loads from the CPU tier while the step runs
+    assert engine.get_stats().kv_tiers.cpu_to_gpu_bytes > loaded_before
+    assert engine.abort_request("doomed")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_nothing_left(llm)
+    again = llm.generate(prompt_token_ids=[convs[0][1]], sampling_params=GREEDY, use_tqdm=False)
+    assert again[0].outputs[0].token_ids == reference[1][0]
+    llm.engine.shutdown()
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
