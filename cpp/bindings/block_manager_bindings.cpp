@@ -40,10 +40,15 @@ void bind_block_manager(nb::module_& m) {
       .def(nb::init<>())
       .def(
           "__init__",
-          [](DiskBlockRecord* r, int disk_block, uint64_t uid, uint64_t parent_uid,
-             uint64_t hash, std::string salt, std::vector<int32_t> token_ids) {
-            new (r) DiskBlockRecord{disk_block, uid, parent_uid, hash, std::move(salt),
-                                    std::move(token_ids)};
+          [](DiskBlockRecord* r, int disk_block, uint64_t uid, uint64_t parent_uid, uint64_t hash,
+             std::string salt, std::vector<int32_t> token_ids) {
+            new (r) DiskBlockRecord();
+            r->disk_block = disk_block;
+            r->uid = uid;
+            r->parent_uid = parent_uid;
+            r->hash = hash;
+            r->salt = std::move(salt);
+            r->token_ids = std::move(token_ids);
           },
           "disk_block"_a, "uid"_a, "parent_uid"_a, "hash"_a, "salt"_a, "token_ids"_a)
       .def_rw("disk_block", &DiskBlockRecord::disk_block)
@@ -92,8 +97,8 @@ void bind_block_manager(nb::module_& m) {
                            "swap and prefix caching (see block_manager.h).")
       .def(nb::init<int, int, int, double, bool, bool, int, int>(), "block_size"_a,
            "num_gpu_blocks"_a, "num_cpu_blocks"_a, "watermark"_a = 0.01,
-           "enable_prefix_caching"_a = true, "enable_cpu_tier"_a = false,
-           "num_disk_blocks"_a = 0, "save_ahead_blocks"_a = 0)
+           "enable_prefix_caching"_a = true, "enable_cpu_tier"_a = false, "num_disk_blocks"_a = 0,
+           "save_ahead_blocks"_a = 0)
       .def("can_allocate", &BlockManager::can_allocate, "token_ids"_a, "cache_salt"_a = "")
       .def("allocate", &BlockManager::allocate, "seq_id"_a, "token_ids"_a, "cache_salt"_a = "",
            "Create seq_id with blocks for every token; returns the number of cached tokens.")

@@ -65,9 +65,9 @@ std::vector<BlockId> distinct_blocks(const std::vector<const Sequence*>& group) 
 
 // ---- Impl -------------------------------------------------------------------------------
 
-BlockManager::Impl::Impl(int block_size_, int num_gpu_blocks, int num_cpu_blocks,
-                         double watermark, bool enable_prefix_caching_, bool enable_cpu_tier_,
-                         int num_disk_blocks, int save_ahead_blocks_)
+BlockManager::Impl::Impl(int block_size_, int num_gpu_blocks, int num_cpu_blocks, double watermark,
+                         bool enable_prefix_caching_, bool enable_cpu_tier_, int num_disk_blocks,
+                         int save_ahead_blocks_)
     : block_size(block_size_),
       watermark_blocks(static_cast<int>(watermark * num_gpu_blocks)),
       enable_prefix_caching(enable_prefix_caching_),
@@ -164,7 +164,7 @@ std::vector<Hit> BlockManager::Impl::lookup(const std::vector<int32_t>& token_id
     if (e == PrefixCache::kNoEntry) break;
     const Device tier = cache.location(e, Device::GPU) >= 0   ? Device::GPU
                         : cache.location(e, Device::CPU) >= 0 ? Device::CPU
-                                                               : Device::DISK;
+                                                              : Device::DISK;
     hits.push_back(Hit{e, tier});
     if (hashes) hashes->push_back(h);
     parent_hash = h;
@@ -175,9 +175,9 @@ std::vector<Hit> BlockManager::Impl::lookup(const std::vector<int32_t>& token_id
 
 // ---- BlockManager -----------------------------------------------------------------------
 
-BlockManager::BlockManager(int block_size, int num_gpu_blocks, int num_cpu_blocks,
-                           double watermark, bool enable_prefix_caching, bool enable_cpu_tier,
-                           int num_disk_blocks, int save_ahead_blocks) {
+BlockManager::BlockManager(int block_size, int num_gpu_blocks, int num_cpu_blocks, double watermark,
+                           bool enable_prefix_caching, bool enable_cpu_tier, int num_disk_blocks,
+                           int save_ahead_blocks) {
   check_ctor_args(block_size, num_gpu_blocks, num_cpu_blocks, watermark, enable_prefix_caching,
                   enable_cpu_tier, num_disk_blocks, save_ahead_blocks);
   impl_ = std::make_unique<Impl>(block_size, num_gpu_blocks, num_cpu_blocks, watermark,

@@ -127,9 +127,9 @@ struct BlockMoves {
 
 // Counters of the tiers since construction.
 struct TierStats {
-  int64_t gpu_hit_tokens = 0;   // prefix-cache hits served by GPU blocks (allocate)
-  int64_t cpu_hit_tokens = 0;   // ... loaded from the CPU tier
-  int64_t disk_hit_tokens = 0;  // ... read from disk, then loaded
+  int64_t gpu_hit_tokens = 0;      // prefix-cache hits served by GPU blocks (allocate)
+  int64_t cpu_hit_tokens = 0;      // ... loaded from the CPU tier
+  int64_t disk_hit_tokens = 0;     // ... read from disk, then loaded
   int64_t num_saved_blocks = 0;    // GPU -> CPU copies (evictions and ahead)
   int64_t num_loaded_blocks = 0;   // CPU -> GPU copies
   int64_t num_written_blocks = 0;  // CPU -> disk copies

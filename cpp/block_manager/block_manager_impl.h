@@ -59,8 +59,8 @@ struct BlockManager::Impl {
   TierStats stats;
 
   // ---- the step's moves (tiers.cpp) ----
-  int64_t step_index = 0;           // the step being scheduled
-  BlockMoves moves;                 // this step's, so far
+  int64_t step_index = 0;                 // the step being scheduled
+  BlockMoves moves;                       // this step's, so far
   std::vector<BlockPair> deferred_loads;  // (cpu, gpu) of disk reads: loaded next step
   std::vector<BlockId> saved_cpu_blocks;  // CPU blocks saved into this step (disk writes)
   // With a disk tier: entries registered on the GPU since the last step (slot, uid), saved

@@ -95,10 +95,10 @@ class PrefixCache {
   int block_size_;
   uint64_t mask_ = ~uint64_t{0};
   uint64_t next_uid_ = 1;
-  std::unordered_multimap<uint64_t, EntryId> table_;  // masked hash -> live entry
-  std::vector<Entry> entries_;                        // one slot per block of every tier
-  std::vector<EntryId> free_entries_;                 // free slots (a stack)
-  std::vector<int32_t> token_ids_;                    // [num_slots, block_size]
+  std::unordered_multimap<uint64_t, EntryId> table_;      // masked hash -> live entry
+  std::vector<Entry> entries_;                            // one slot per block of every tier
+  std::vector<EntryId> free_entries_;                     // free slots (a stack)
+  std::vector<int32_t> token_ids_;                        // [num_slots, block_size]
   std::array<std::vector<EntryId>, kNumTiers> entry_of_;  // per tier: block -> entry
   std::array<int, kNumTiers> num_cached_{{0, 0, 0}};
 };

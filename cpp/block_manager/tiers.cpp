@@ -141,8 +141,9 @@ int BlockManager::restore_disk_blocks(const std::vector<DiskBlockRecord>& record
   std::vector<const DiskBlockRecord*> order;
   order.reserve(records.size());
   for (const DiskBlockRecord& r : records) order.push_back(&r);
-  std::stable_sort(order.begin(), order.end(),
-                   [](const DiskBlockRecord* a, const DiskBlockRecord* b) { return a->uid < b->uid; });
+  std::stable_sort(
+      order.begin(), order.end(),
+      [](const DiskBlockRecord* a, const DiskBlockRecord* b) { return a->uid < b->uid; });
   std::unordered_map<uint64_t, PrefixCache::EntryId> by_uid;
   std::unordered_set<BlockId> taken;
   int num_restored = 0;

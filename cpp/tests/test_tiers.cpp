@@ -195,7 +195,7 @@ static void test_dropped_load() {
   bm.free(2);
   bm.take_block_moves();
   CHECK(bm.allocate(3, tokens(9)) == 8);
-  bm.free(3);                        // aborted in the step that loads it
+  bm.free(3);                       // aborted in the step that loads it
   bm.allocate(4, tokens(16, 200));  // takes every GPU block, the loading ones included
   BlockMoves m = bm.take_block_moves();
   CHECK(m.blocks_to_load_from_cpu.empty());
@@ -274,8 +274,10 @@ static void test_random_steps() {
         }
         if (op == 4 && on_gpu) bm.mark_blocks_computed(id, bm.num_tokens(id));
         if (op == 5) {
-          if (on_gpu && bm.can_swap_out({id})) bm.swap_out({id});
-          else if (!on_gpu && bm.can_swap_in({id}) == AllocStatus::OK) bm.swap_in({id});
+          if (on_gpu && bm.can_swap_out({id}))
+            bm.swap_out({id});
+          else if (!on_gpu && bm.can_swap_in({id}) == AllocStatus::OK)
+            bm.swap_in({id});
         }
       }
     } catch (const NoFreeBlocksError&) {
