@@ -157,8 +157,8 @@ def test_engine_greedy_equal_with_cpu_and_disk_tiers_and_a_restart(
         device="cuda",
         dtype="float16",
         block_size=16,
-        num_kv_blocks=48,  # 8 conversations of up to 220 tokens need ~112 blocks
-        max_num_seqs=8,
+        num_kv_blocks=64,  # a turn of 4 conversations fits; the 8 histories (~112 blocks) do not
+        max_num_seqs=4,
         watermark=0.0,
         kv_cache_dtype=kv_cache_dtype,
         swap_space=0,
