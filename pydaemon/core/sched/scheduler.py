@@ -303,8 +303,9 @@ class Scheduler:
         """The request's sequences that decode one token now; notes whether it has more. A
         sequence whose prefix is still loading (KV tiers) does neither this step."""
         decoding = []
+        step_index = plan.step_index
         for seq in request.seqs:
-            if not self.blocks.is_ready(seq, plan.step_index):
+            if seq.ready_step > step_index:  # inline: this loop runs per sequence, every step
                 continue
             num_uncomputed = seq.num_tokens - seq.num_computed_tokens
             if num_uncomputed == 1 and seq.output_token_ids:
