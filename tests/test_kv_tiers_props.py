@@ -303,8 +303,13 @@ class KVTiersMachine(RuleBasedStateMachine):
             return
         for seq_id in list(self.tokens):
             self.bm.free(seq_id)
-        self.bm.take_block_moves()
-        self.bm.take_block_moves()  # the last pins go
+        # Idle steps until the last copies' pins are gone (a write-through waiting for a free
+        # CPU block is tried again each step, and pins its block for two).
+        devices = list(NUM_BLOCKS)
+        for _ in range(20):
+            self.bm.take_block_moves()
+            if not any(self.bm.num_pinned_blocks(d) for d in devices):
+                break
         for device, total in NUM_BLOCKS.items():
             assert self.bm.num_free_blocks(device) == total
             assert self.bm.num_pinned_blocks(device) == 0
