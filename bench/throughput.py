@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"), default=None,
                    help="KV-cache storage: auto (the model's dtype) or fp8 (e4m3)")  # fmt: skip
     e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--kv-offloading-size", type=float, default=None,
+                   help="GiB of the CPU tier of the prefix cache (pagedd; default: off)")  # fmt: skip
     e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap each step's host work with the GPU (default: on for CUDA)")  # fmt: skip

@@ -122,7 +122,8 @@ def engine_kwargs(args) -> dict:
     keys = ("device", "dtype", "block_size", "num_kv_blocks", "gpu_memory_utilization",
             "max_num_seqs", "max_num_batched_tokens", "max_model_len", "preemption_mode",
             "load_format", "seed", "tensor_parallel_size", "kv_cache_dtype",
-            "async_scheduling", "quantization", "distributed_executor_backend")  # fmt: skip
+            "async_scheduling", "quantization", "distributed_executor_backend",
+            "kv_offloading_size")  # fmt: skip
     kwargs = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     kwargs["enable_prefix_caching"] = not args.no_prefix_caching
     kwargs["enforce_eager"] = args.enforce_eager

@@ -30,13 +30,21 @@ class LoRARequest:
             raise ValueError("LoRARequest.lora_path must not be empty")
 
 
+_LORA_SALT_MARK = "\x00lora:"
+
+
 def prefix_cache_salt(cache_salt: str, lora_request: LoRARequest | None) -> str:
     """The salt the prefix cache hashes a request's blocks with: its ``cache_salt`` and its
     adapter, so that KV computed under one adapter is never served to another (or to the
     base model)."""
     if lora_request is None:
         return cache_salt
-    return f"{cache_salt}\x00lora:{lora_request.lora_int_id}"
+    return f"{cache_salt}{_LORA_SALT_MARK}{lora_request.lora_int_id}"
+
+
+def is_lora_salt(salt: str) -> bool:
+    """Whether a prefix-cache salt is a LoRA adapter's (prefix_cache_salt)."""
+    return _LORA_SALT_MARK in salt
 
 
 @dataclass(frozen=True)

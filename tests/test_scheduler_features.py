@@ -117,9 +117,9 @@ def test_swap_round_trip_restores_kv_exactly(model_dir):
     before = runner.kv_cache[[3, 7]].clone()
     from pydaemon.core.sched.scheduler import SchedulerOutput
 
-    runner._move_blocks(SchedulerOutput(blocks_to_swap_out=[(3, 0), (7, 1)]))
+    runner.kv_transfer.move(SchedulerOutput(blocks_to_swap_out=[(3, 0), (7, 1)]))
     runner.kv_cache[[3, 7]] = 0
-    runner._move_blocks(SchedulerOutput(blocks_to_swap_in=[(0, 10), (1, 12)]))
+    runner.kv_transfer.move(SchedulerOutput(blocks_to_swap_in=[(0, 10), (1, 12)]))
     assert torch.equal(runner.kv_cache[[10, 12]], before)
 
 

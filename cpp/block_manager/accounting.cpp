@@ -8,6 +8,12 @@
 
 namespace pagedd {
 
+namespace {
+const char* device_name(Device d) {
+  return d == Device::GPU ? "GPU" : d == Device::CPU ? "CPU" : "disk";
+}
+}  // namespace
+
 // ---- accounting and introspection -------------------------------------------------------
 
 int BlockManager::block_size() const { return impl_->block_size; }
@@ -54,7 +60,10 @@ int64_t BlockManager::num_blocks_saved_by_sharing() const {
 
 int64_t BlockManager::prefix_cache_query_tokens() const { return impl_->prefix_cache_query_tokens; }
 int64_t BlockManager::prefix_cache_hit_tokens() const { return impl_->prefix_cache_hit_tokens; }
-int BlockManager::num_cached_blocks() const { return impl_->cache.num_cached(); }
+int BlockManager::num_cached_blocks(Device device) const { return impl_->cache.num_cached(device); }
+int BlockManager::num_pinned_blocks(Device device) const {
+  return impl_->num_pinned[tier_index(device)];
+}
 
 bool BlockManager::has_seq(SeqId seq_id) const { return impl_->seqs.count(seq_id) != 0; }
 Device BlockManager::seq_device(SeqId seq_id) const {
@@ -70,9 +79,9 @@ std::vector<BlockId> BlockManager::block_table(SeqId seq_id) const {
 int BlockManager::ref_count(BlockId block_id, Device device) const {
   const BlockPool& p = impl_->pool(device);
   if (!p.is_valid(block_id))
-    throw BlockManagerError("ref_count: block_id " + std::to_string(block_id) +
-                            " is outside the " + (device == Device::GPU ? "GPU" : "CPU") +
-                            " pool [0, " + std::to_string(p.num_blocks()) + ")");
+    throw BlockManagerError("ref_count: block_id " + std::to_string(block_id) + " is outside the " +
+                            device_name(device) + " pool [0, " + std::to_string(p.num_blocks()) +
+                            ")");
   return p.ref_count(block_id);
 }
 

@@ -1,5 +1,5 @@
-// Allocation, growth, fork, free, swap and prefix-cache registration. The accounting is in
-// accounting.cpp.
+// Allocation, growth, fork, free, swap and prefix-cache registration. The tiers' step
+// (saves ahead, disk writes, restores) is in tiers.cpp, the accounting in accounting.cpp.
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -17,7 +17,9 @@ std::string seq_str(SeqId id) { return "sequence " + std::to_string(id); }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-void check_ctor_args(int block_size, int num_gpu_blocks, int num_cpu_blocks, double watermark) {
+void check_ctor_args(int block_size, int num_gpu_blocks, int num_cpu_blocks, double watermark,
+                     bool enable_prefix_caching, bool enable_cpu_tier, int num_disk_blocks,
+                     int save_ahead_blocks) {
   if (block_size <= 0)
     throw std::invalid_argument("BlockManager: block_size must be positive, got " +
                                 std::to_string(block_size));
@@ -30,6 +32,23 @@ void check_ctor_args(int block_size, int num_gpu_blocks, int num_cpu_blocks, dou
   if (!(watermark >= 0.0 && watermark < 1.0))
     throw std::invalid_argument("BlockManager: watermark must be in [0, 1), got " +
                                 std::to_string(watermark));
+  if (enable_cpu_tier && !enable_prefix_caching)
+    throw std::invalid_argument(
+        "BlockManager: the CPU tier keeps evicted prefix-cache blocks: it needs "
+        "enable_prefix_caching");
+  if (enable_cpu_tier && num_cpu_blocks < 1)
+    throw std::invalid_argument("BlockManager: the CPU tier needs num_cpu_blocks >= 1, got " +
+                                std::to_string(num_cpu_blocks));
+  if (num_disk_blocks < 0)
+    throw std::invalid_argument("BlockManager: num_disk_blocks must be >= 0, got " +
+                                std::to_string(num_disk_blocks));
+  if (num_disk_blocks > 0 && !enable_cpu_tier)
+    throw std::invalid_argument(
+        "BlockManager: the disk tier sits behind the CPU tier: num_disk_blocks > 0 needs "
+        "enable_cpu_tier");
+  if (save_ahead_blocks < 0)
+    throw std::invalid_argument("BlockManager: save_ahead_blocks must be >= 0, got " +
+                                std::to_string(save_ahead_blocks));
 }
 
 // Distinct blocks referenced by a group, in first-reference order.
@@ -46,14 +65,20 @@ std::vector<BlockId> distinct_blocks(const std::vector<const Sequence*>& group) 
 
 // ---- Impl -------------------------------------------------------------------------------
 
-BlockManager::Impl::Impl(int block_size_, int num_gpu_blocks, int num_cpu_blocks,
-                         double watermark, bool enable_prefix_caching_)
+BlockManager::Impl::Impl(int block_size_, int num_gpu_blocks, int num_cpu_blocks, double watermark,
+                         bool enable_prefix_caching_, bool enable_cpu_tier_, int num_disk_blocks,
+                         int save_ahead_blocks_)
     : block_size(block_size_),
       watermark_blocks(static_cast<int>(watermark * num_gpu_blocks)),
       enable_prefix_caching(enable_prefix_caching_),
+      enable_cpu_tier(enable_cpu_tier_),
+      save_ahead_blocks(save_ahead_blocks_),
       gpu(num_gpu_blocks),
       cpu(num_cpu_blocks),
-      cache(num_gpu_blocks, block_size_) {}
+      disk(num_disk_blocks),
+      cache({num_gpu_blocks, num_cpu_blocks, num_disk_blocks}, block_size_),
+      gpu_ready_step(num_gpu_blocks, 0),
+      cpu_ready_step(num_cpu_blocks, 0) {}
 
 Sequence& BlockManager::Impl::get(SeqId seq_id, const char* op) {
   auto it = seqs.find(seq_id);
@@ -71,18 +96,50 @@ BlockId BlockManager::Impl::alloc_gpu(const char* op) {
   if (gpu.num_free() == 0)
     throw NoFreeBlocksError(std::string(op) + ": no free GPU block (all " +
                             std::to_string(gpu.num_blocks()) + " in use)");
-  BlockId b = gpu.pop_free();
-  cache.reuse(b);
+  const BlockId b = gpu.pop_free();
+  const PrefixCache::EntryId e = cache.entry_at(Device::GPU, b);
+  if (e != PrefixCache::kNoEntry) {
+    // Evicted: the entry lives on in the CPU tier if it has (or gets) a copy there. A block
+    // still loading has its CPU source pinned, so it never needs a save.
+    if (enable_cpu_tier && cache.location(e, Device::CPU) < 0) save_to_cpu(e, b, false);
+    cache.drop_location(Device::GPU, b);
+  }
+  gpu_ready_step[b] = 0;
   return b;
+}
+
+BlockId BlockManager::Impl::alloc_cpu() {
+  if (cpu.num_free() == 0) return BlockPool::kNone;
+  const BlockId c = cpu.pop_free();
+  cache.drop_location(Device::CPU, c);  // evicted from the CPU tier (a disk copy may remain)
+  cpu_ready_step[c] = 0;
+  return c;
+}
+
+BlockId BlockManager::Impl::alloc_disk() {
+  if (disk.num_free() == 0) return BlockPool::kNone;
+  const BlockId d = disk.pop_free();
+  cache.drop_location(Device::DISK, d);
+  return d;
 }
 
 void BlockManager::Impl::release(Device d, BlockId b) {
   BlockPool& p = pool(d);
   if (p.dec_ref(b) > 0) return;
-  if (d == Device::GPU && cache.is_cached(b))
+  if (cache.is_cached(d, b))
     p.push_tail(b);  // keeps its content: LRU end
   else
     p.push_head(b);
+}
+
+void BlockManager::Impl::pin(Device d, BlockId b) {
+  pool(d).inc_ref(b);
+  adopt_pin(d, b);
+}
+
+void BlockManager::Impl::adopt_pin(Device d, BlockId b) {
+  pins.emplace_back(d, b);
+  ++num_pinned[tier_index(d)];
 }
 
 void BlockManager::Impl::compute_hashes(Sequence& seq, int64_t num_blocks) const {
@@ -93,33 +150,39 @@ void BlockManager::Impl::compute_hashes(Sequence& seq, int64_t num_blocks) const
   }
 }
 
-std::vector<BlockId> BlockManager::Impl::lookup(const std::vector<int32_t>& token_ids,
-                                                const std::string& salt, int64_t max_blocks,
-                                                std::vector<uint64_t>* hashes) const {
-  std::vector<BlockId> hits;
+std::vector<Hit> BlockManager::Impl::lookup(const std::vector<int32_t>& token_ids,
+                                            const std::string& salt, int64_t max_blocks,
+                                            std::vector<uint64_t>* hashes) const {
+  std::vector<Hit> hits;
   const uint64_t salt_hash = hash_salt(salt);
   uint64_t parent_hash = 0;
-  BlockId parent = PrefixCache::kNoParent;
+  uint64_t parent_uid = PrefixCache::kNoParentUid;
   for (int64_t i = 0; i < max_blocks; ++i) {
     const int32_t* block = token_ids.data() + i * block_size;
-    uint64_t h = hash_block(parent_hash, block, block_size, salt_hash);
-    BlockId b = cache.find(h, block, salt, parent);
-    if (b < 0) break;
-    hits.push_back(b);
+    const uint64_t h = hash_block(parent_hash, block, block_size, salt_hash);
+    const PrefixCache::EntryId e = cache.find(h, block, salt, parent_uid);
+    if (e == PrefixCache::kNoEntry) break;
+    const Device tier = cache.location(e, Device::GPU) >= 0   ? Device::GPU
+                        : cache.location(e, Device::CPU) >= 0 ? Device::CPU
+                                                              : Device::DISK;
+    hits.push_back(Hit{e, tier});
     if (hashes) hashes->push_back(h);
     parent_hash = h;
-    parent = b;
+    parent_uid = cache.uid(e);
   }
   return hits;
 }
 
 // ---- BlockManager -----------------------------------------------------------------------
 
-BlockManager::BlockManager(int block_size, int num_gpu_blocks, int num_cpu_blocks,
-                           double watermark, bool enable_prefix_caching) {
-  check_ctor_args(block_size, num_gpu_blocks, num_cpu_blocks, watermark);
+BlockManager::BlockManager(int block_size, int num_gpu_blocks, int num_cpu_blocks, double watermark,
+                           bool enable_prefix_caching, bool enable_cpu_tier, int num_disk_blocks,
+                           int save_ahead_blocks) {
+  check_ctor_args(block_size, num_gpu_blocks, num_cpu_blocks, watermark, enable_prefix_caching,
+                  enable_cpu_tier, num_disk_blocks, save_ahead_blocks);
   impl_ = std::make_unique<Impl>(block_size, num_gpu_blocks, num_cpu_blocks, watermark,
-                                 enable_prefix_caching);
+                                 enable_prefix_caching, enable_cpu_tier, num_disk_blocks,
+                                 save_ahead_blocks);
 }
 
 BlockManager::~BlockManager() = default;
@@ -133,8 +196,9 @@ AllocStatus BlockManager::can_allocate(const std::vector<int32_t>& token_ids,
   int64_t num_in_use_hits = 0;
   if (m.enable_prefix_caching) {
     const int64_t max_blocks = (static_cast<int64_t>(token_ids.size()) - 1) / m.block_size;
-    for (BlockId b : m.lookup(token_ids, cache_salt, max_blocks, nullptr))
-      if (!m.gpu.is_free(b)) ++num_in_use_hits;
+    for (const Hit& hit : m.lookup(token_ids, cache_salt, max_blocks, nullptr))
+      if (hit.tier == Device::GPU && !m.gpu.is_free(m.cache.location(hit.entry, Device::GPU)))
+        ++num_in_use_hits;
   }
   if (num_blocks - num_in_use_hits <= m.gpu.num_free() - m.watermark_blocks)
     return AllocStatus::OK;
@@ -155,36 +219,96 @@ int64_t BlockManager::allocate(SeqId seq_id, const std::vector<int32_t>& token_i
   // always computed, so the model produces the logits of the next token.
   const int64_t max_lookup_blocks = m.enable_prefix_caching ? (num_tokens - 1) / m.block_size : 0;
   std::vector<uint64_t> hashes;
-  std::vector<BlockId> hits = m.lookup(token_ids, cache_salt, max_lookup_blocks, &hashes);
-  int64_t num_free_hits = 0;
-  for (BlockId b : hits)
-    if (m.gpu.is_free(b)) ++num_free_hits;
-  const int64_t num_new = num_blocks - static_cast<int64_t>(hits.size());
-  if (num_new > m.gpu.num_free() - num_free_hits)
+  std::vector<Hit> hits = m.lookup(token_ids, cache_salt, max_lookup_blocks, &hashes);
+  // A disk hit is staged in a CPU block: the hits stop where no CPU block is left for one.
+  int64_t num_cpu_free = m.cpu.num_free();
+  for (const Hit& hit : hits)
+    if (hit.tier == Device::CPU && m.cpu.is_free(m.cache.location(hit.entry, Device::CPU)))
+      --num_cpu_free;
+  for (size_t i = 0; i < hits.size(); ++i) {
+    if (hits[i].tier != Device::DISK) continue;
+    if (num_cpu_free == 0) {
+      hits.resize(i);
+      hashes.resize(i);
+      break;
+    }
+    --num_cpu_free;
+  }
+  int64_t num_gpu_hits = 0, num_free_gpu_hits = 0;
+  for (const Hit& hit : hits) {
+    if (hit.tier != Device::GPU) continue;
+    ++num_gpu_hits;
+    if (m.gpu.is_free(m.cache.location(hit.entry, Device::GPU))) ++num_free_gpu_hits;
+  }
+  const int64_t num_new = num_blocks - num_gpu_hits;
+  if (num_new > m.gpu.num_free() - num_free_gpu_hits)
     throw NoFreeBlocksError("allocate: " + seq_str(seq_id) + " needs " + std::to_string(num_new) +
                             " new GPU blocks, only " +
-                            std::to_string(m.gpu.num_free() - num_free_hits) + " free");
+                            std::to_string(m.gpu.num_free() - num_free_gpu_hits) + " free");
 
-  // Commit (nothing below can fail).
+  // Commit (nothing below can fail). Every hit's block is held before any block is popped, so
+  // that no allocation below evicts one (a disk hit's staging block must not be a later CPU
+  // hit's, nor a GPU block a GPU hit's).
   Sequence seq;
   seq.token_ids = token_ids;
   seq.cache_salt = cache_salt;
   seq.salt_hash = hash_salt(cache_salt);
-  seq.block_table.reserve(num_blocks);
-  for (BlockId b : hits) {
-    m.gpu.inc_ref(b);
-    seq.block_table.push_back(b);
+  seq.block_table.assign(num_blocks, BlockPool::kNone);
+  std::vector<BlockId> sources(hits.size(), BlockPool::kNone);  // CPU block to load from
+  for (size_t i = 0; i < hits.size(); ++i) {
+    const Hit& hit = hits[i];
+    if (hit.tier == Device::GPU) {
+      const BlockId g = m.cache.location(hit.entry, Device::GPU);
+      m.gpu.inc_ref(g);
+      seq.block_table[i] = g;
+      seq.ready_step = std::max(seq.ready_step, m.gpu_ready_step[g]);
+    } else if (hit.tier == Device::CPU) {
+      sources[i] = m.cache.location(hit.entry, Device::CPU);
+      m.pin(Device::CPU, sources[i]);
+    } else {
+      m.pin(Device::DISK, m.cache.location(hit.entry, Device::DISK));
+    }
   }
-  for (int64_t i = 0; i < num_new; ++i) seq.block_table.push_back(m.alloc_gpu("allocate"));
+  for (size_t i = 0; i < hits.size(); ++i) {
+    if (hits[i].tier != Device::DISK) continue;
+    const BlockId c = m.alloc_cpu();  // counted above: one is free
+    m.adopt_pin(Device::CPU, c);
+    m.cache.set_location(hits[i].entry, Device::CPU, c);
+    m.cpu_ready_step[c] = m.step_index + 1;  // filled by the read, after this step's copies
+    m.moves.blocks_to_read_from_disk.emplace_back(m.cache.location(hits[i].entry, Device::DISK), c);
+    ++m.stats.num_read_blocks;
+    sources[i] = c;
+  }
+  for (int64_t i = 0; i < num_blocks; ++i) {
+    if (seq.block_table[i] != BlockPool::kNone) continue;
+    const BlockId g = m.alloc_gpu("allocate");
+    seq.block_table[i] = g;
+    if (i >= static_cast<int64_t>(hits.size())) continue;
+    // A hit restored from the CPU tier: loaded while this step runs (or the next one, after a
+    // disk read), read from the step after.
+    const BlockId c = sources[i];
+    m.cache.set_location(hits[i].entry, Device::GPU, g);
+    const int64_t load_step = std::max(m.step_index, m.cpu_ready_step[c]);
+    (load_step == m.step_index ? m.moves.blocks_to_load_from_cpu : m.deferred_loads)
+        .emplace_back(c, g);
+    m.gpu_ready_step[g] = load_step + 1;
+    seq.ready_step = std::max(seq.ready_step, load_step + 1);
+  }
   seq.block_hashes = std::move(hashes);
   seq.num_marked_blocks = static_cast<int64_t>(hits.size());
   if (!hits.empty()) {
-    seq.chain_parent = hits.back();
-    seq.chain_parent_gen = m.cache.generation(hits.back());
+    seq.chain_parent = hits.back().entry;
+    seq.chain_parent_uid = m.cache.uid(hits.back().entry);
   }
   m.prefix_cache_query_tokens += max_lookup_blocks * m.block_size;
   const int64_t num_cached_tokens = static_cast<int64_t>(hits.size()) * m.block_size;
   m.prefix_cache_hit_tokens += num_cached_tokens;
+  for (const Hit& hit : hits) {
+    int64_t& counter = hit.tier == Device::GPU   ? m.stats.gpu_hit_tokens
+                       : hit.tier == Device::CPU ? m.stats.cpu_hit_tokens
+                                                 : m.stats.disk_hit_tokens;
+    counter += m.block_size;
+  }
   m.seqs.emplace(seq_id, std::move(seq));
   return num_cached_tokens;
 }
@@ -296,28 +420,34 @@ void BlockManager::mark_blocks_computed(SeqId seq_id, int64_t num_computed_token
   if (!m.enable_prefix_caching || s.chain_broken) return;
   const int64_t num_full = num_computed_tokens / m.block_size;
   if (num_full <= s.num_marked_blocks) return;
-  if (s.chain_parent != PrefixCache::kNoParent &&
-      m.cache.generation(s.chain_parent) != s.chain_parent_gen) {
-    s.chain_broken = true;  // the cached block our chain hangs on was evicted
+  if (s.chain_parent != PrefixCache::kNoEntry &&
+      !m.cache.is_alive(s.chain_parent, s.chain_parent_uid)) {
+    s.chain_broken = true;  // the entry our chain hangs on died
     return;
   }
   m.compute_hashes(s, num_full);
   for (int64_t i = s.num_marked_blocks; i < num_full; ++i) {
     const BlockId b = s.block_table[i];
     const int32_t* tokens = s.token_ids.data() + i * m.block_size;
-    BlockId reach = m.cache.find(s.block_hashes[i], tokens, s.cache_salt, s.chain_parent);
-    if (reach < 0) {
-      if (m.cache.is_cached(b)) {
-        reach = b;  // already registered (shared with a forked sequence under another chain)
-      } else {
-        m.cache.insert(b, s.block_hashes[i], tokens, s.cache_salt, s.chain_parent);
-        reach = b;
+    PrefixCache::EntryId reach =
+        m.cache.find(s.block_hashes[i], tokens, s.cache_salt, s.chain_parent_uid);
+    if (reach == PrefixCache::kNoEntry) {
+      reach = m.cache.entry_at(Device::GPU, b);
+      if (reach == PrefixCache::kNoEntry) {
+        reach = m.cache.insert(s.block_hashes[i], tokens, s.cache_salt, s.chain_parent_uid);
+        m.cache.set_location(reach, Device::GPU, b);
+        if (m.has_disk_tier()) m.written_through.emplace_back(reach, m.cache.uid(reach));
       }
+      // else: already registered (shared with a forked sequence under another chain)
+    } else if (m.cache.location(reach, Device::GPU) < 0 && !m.cache.is_cached(Device::GPU, b)) {
+      // The same content is kept in a lower tier only: b becomes its GPU copy (its later
+      // eviction then costs no save).
+      m.cache.set_location(reach, Device::GPU, b);
     }
-    // else: an equal block is already cached; b stays unregistered, the chain goes on
+    // else: an equal block is already on the GPU; b stays unregistered, the chain goes on
     // through the cached one.
     s.chain_parent = reach;
-    s.chain_parent_gen = m.cache.generation(reach);
+    s.chain_parent_uid = m.cache.uid(reach);
   }
   s.num_marked_blocks = num_full;
 }
@@ -378,9 +508,12 @@ std::vector<BlockPair> BlockManager::Impl::move_group(const std::vector<SeqId>& 
   std::vector<BlockPair> pairs;
   pairs.reserve(blocks.size());
   for (BlockId src : blocks) {
-    const BlockId dst = to == Device::GPU ? m.alloc_gpu(op) : dst_pool.pop_free();
+    const BlockId dst = to == Device::GPU ? m.alloc_gpu(op) : m.alloc_cpu();
     mapping.emplace(src, dst);  // dst holds one reference now: the first table entry's
     pairs.emplace_back(src, dst);
+    // With the CPU tier, a swapped-in CPU block stays off the free list until the next step:
+    // its copy to the GPU must not be overtaken by a save into it later in this step.
+    if (to == Device::GPU && m.enable_cpu_tier) m.pin(Device::CPU, src);
   }
   std::unordered_set<BlockId> first_seen;
   for (Sequence* s : group) {
@@ -392,9 +525,10 @@ std::vector<BlockPair> BlockManager::Impl::move_group(const std::vector<SeqId>& 
     s->device = to;
     if (to == Device::GPU) {  // fresh blocks: nothing of them is registered yet
       s->num_marked_blocks = 0;
-      s->chain_parent = PrefixCache::kNoParent;
-      s->chain_parent_gen = 0;
+      s->chain_parent = PrefixCache::kNoEntry;
+      s->chain_parent_uid = PrefixCache::kNoParentUid;
       s->chain_broken = false;
+      s->ready_step = 0;  // swapped in before this step's writes
     }
   }
   return pairs;
@@ -416,15 +550,18 @@ PrefixMatch BlockManager::lookup_prefix(const std::vector<int32_t>& token_ids,
   PrefixMatch match;
   if (!m.enable_prefix_caching) return match;
   const int64_t max_blocks = static_cast<int64_t>(token_ids.size()) / m.block_size;
-  match.block_ids = m.lookup(token_ids, cache_salt, max_blocks, nullptr);
+  for (const Hit& hit : m.lookup(token_ids, cache_salt, max_blocks, nullptr)) {
+    if (hit.tier != Device::GPU) break;
+    match.block_ids.push_back(m.cache.location(hit.entry, Device::GPU));
+  }
   match.num_cached_tokens = static_cast<int64_t>(match.block_ids.size()) * m.block_size;
   return match;
 }
 
 void BlockManager::reset_prefix_cache() {
   Impl& m = *impl_;
-  for (BlockId b : m.gpu.free_block_ids())
-    if (m.cache.is_cached(b)) m.cache.reuse(b);  // children registered under b die with it
+  for (Device d : {Device::GPU, Device::CPU, Device::DISK})
+    for (BlockId b : m.pool(d).free_block_ids()) m.cache.drop_location(d, b);
 }
 
 void BlockManager::set_hash_mask(uint64_t mask) { impl_->cache.set_hash_mask(mask); }

@@ -1,4 +1,4 @@
-// One pool of KV blocks (the GPU cache or the CPU swap space): per-block ref_count and an
+// One pool of KV blocks (the GPU cache, the CPU pool or the disk tier): per-block ref_count and an
 // O(1) intrusive doubly-linked free list over the block ids (prev/next index arrays).
 //
 // A block is on the free list exactly when its ref_count is 0. The list order is the reuse
@@ -35,6 +35,8 @@ class BlockPool {
   int ref_count(BlockId b) const { return ref_count_[b]; }
   bool is_free(BlockId b) const { return ref_count_[b] == 0; }
   BlockId head() const { return head_; }
+  // The block after b on the free list (kNone at the tail); b must be free.
+  BlockId next_free(BlockId b) const { return next_[b]; }
 
   // Take the head of the free list and give it one reference. Caller checks num_free() > 0.
   BlockId pop_free() {

@@ -1,7 +1,9 @@
+// The tier-spanning prefix cache (prefix_cache.h): hashing, lookup, entries and their copies.
 #include "prefix_cache.h"
 
 #include <algorithm>
 #include <cstring>
+#include <stdexcept>
 
 namespace pagedd {
 
@@ -36,64 +38,95 @@ uint64_t hash_block(uint64_t parent_hash, const int32_t* token_ids, int block_si
   return h;
 }
 
-PrefixCache::PrefixCache(int num_blocks, int block_size)
-    : block_size_(block_size),
-      is_cached_(num_blocks, 0),
-      hash_(num_blocks, 0),
-      generation_(num_blocks, 0),
-      parent_(num_blocks, kNoParent),
-      parent_gen_(num_blocks, 0),
-      salt_(num_blocks),
-      token_ids_(static_cast<size_t>(num_blocks) * block_size, 0) {}
-
-bool PrefixCache::matches(BlockId b, const int32_t* token_ids, const std::string& salt,
-                          BlockId parent) const {
-  if (parent_[b] != parent) return false;
-  if (parent != kNoParent && parent_gen_[b] != generation_[parent]) return false;
-  if (salt_[b] != salt) return false;
-  const int32_t* stored = token_ids_.data() + static_cast<size_t>(b) * block_size_;
-  return std::memcmp(stored, token_ids, sizeof(int32_t) * block_size_) == 0;
+PrefixCache::PrefixCache(const std::array<int, kNumTiers>& num_blocks, int block_size)
+    : block_size_(block_size) {
+  int num_slots = 0;
+  for (int t = 0; t < kNumTiers; ++t) {
+    entry_of_[t].assign(num_blocks[t], kNoEntry);
+    num_slots += num_blocks[t];
+  }
+  entries_.resize(num_slots);
+  token_ids_.assign(static_cast<size_t>(num_slots) * block_size, 0);
+  free_entries_.reserve(num_slots);
+  for (EntryId e = num_slots - 1; e >= 0; --e) free_entries_.push_back(e);
 }
 
-BlockId PrefixCache::find(uint64_t hash, const int32_t* token_ids, const std::string& salt,
-                          BlockId parent) const {
+bool PrefixCache::matches(EntryId e, const int32_t* token_ids, const std::string& salt,
+                          uint64_t parent_uid) const {
+  const Entry& entry = entries_[e];
+  if (entry.parent_uid != parent_uid || entry.salt != salt) return false;
+  return std::memcmp(this->token_ids(e), token_ids, sizeof(int32_t) * block_size_) == 0;
+}
+
+PrefixCache::EntryId PrefixCache::find(uint64_t hash, const int32_t* token_ids,
+                                       const std::string& salt, uint64_t parent_uid) const {
   auto range = table_.equal_range(hash & mask_);
   for (auto it = range.first; it != range.second; ++it) {
-    if (matches(it->second, token_ids, salt, parent)) return it->second;
+    if (matches(it->second, token_ids, salt, parent_uid)) return it->second;
   }
-  return -1;
+  return kNoEntry;
 }
 
-void PrefixCache::insert(BlockId b, uint64_t hash, const int32_t* token_ids,
-                         const std::string& salt, BlockId parent) {
-  is_cached_[b] = 1;
-  hash_[b] = hash;
-  parent_[b] = parent;
-  parent_gen_[b] = parent == kNoParent ? 0 : generation_[parent];
-  salt_[b] = salt;
-  std::memcpy(token_ids_.data() + static_cast<size_t>(b) * block_size_, token_ids,
+PrefixCache::EntryId PrefixCache::insert(uint64_t hash, const int32_t* token_ids,
+                                         const std::string& salt, uint64_t parent_uid,
+                                         uint64_t uid) {
+  // Every live entry holds at least one block, so a slot is always free for a new copy's
+  // entry (the caller drops the block's old entry first).
+  if (free_entries_.empty()) throw std::logic_error("PrefixCache::insert: no free entry slot");
+  const EntryId e = free_entries_.back();
+  free_entries_.pop_back();
+  Entry& entry = entries_[e];
+  entry.uid = uid != 0 ? uid : next_uid_;
+  next_uid_ = std::max(next_uid_, entry.uid + 1);
+  entry.hash = hash;
+  entry.parent_uid = parent_uid;
+  entry.salt = salt;
+  entry.block = {{-1, -1, -1}};
+  std::memcpy(token_ids_.data() + static_cast<size_t>(e) * block_size_, token_ids,
               sizeof(int32_t) * block_size_);
-  table_.emplace(hash & mask_, b);
+  table_.emplace(hash & mask_, e);
+  return e;
 }
 
-void PrefixCache::erase(BlockId b) {
-  if (!is_cached_[b]) return;
-  auto range = table_.equal_range(hash_[b] & mask_);
+void PrefixCache::set_location(EntryId e, Device d, BlockId b) {
+  const int t = tier_index(d);
+  if (entry_of_[t][b] != kNoEntry || entries_[e].block[t] >= 0)
+    throw std::logic_error("PrefixCache::set_location: the block or the entry has a copy there");
+  entries_[e].block[t] = b;
+  entry_of_[t][b] = e;
+  ++num_cached_[t];
+}
+
+void PrefixCache::drop_location(Device d, BlockId b) {
+  const int t = tier_index(d);
+  const EntryId e = entry_of_[t][b];
+  if (e == kNoEntry) return;
+  entry_of_[t][b] = kNoEntry;
+  --num_cached_[t];
+  Entry& entry = entries_[e];
+  entry.block[t] = -1;
+  if (entry.block[0] < 0 && entry.block[1] < 0 && entry.block[2] < 0) erase(e);
+}
+
+void PrefixCache::erase(EntryId e) {
+  Entry& entry = entries_[e];
+  auto range = table_.equal_range(entry.hash & mask_);
   for (auto it = range.first; it != range.second; ++it) {
-    if (it->second == b) {
+    if (it->second == e) {
       table_.erase(it);
       break;
     }
   }
-  is_cached_[b] = 0;
-  salt_[b].clear();
+  entry.uid = 0;
+  entry.salt.clear();
+  free_entries_.push_back(e);
 }
 
 void PrefixCache::set_hash_mask(uint64_t mask) {
   mask_ = mask;
-  std::unordered_multimap<uint64_t, BlockId> rebuilt;
+  std::unordered_multimap<uint64_t, EntryId> rebuilt;
   rebuilt.reserve(table_.size());
-  for (const auto& kv : table_) rebuilt.emplace(hash_[kv.second] & mask_, kv.second);
+  for (const auto& kv : table_) rebuilt.emplace(entries_[kv.second].hash & mask_, kv.second);
   table_.swap(rebuilt);
 }
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from pydaemon.config.kv_offloading import check_kv_offloading
 from pydaemon.config.speculative import SpeculativeConfig
 
 # The out-of-the-box model (model_loader/default_model.py finds its file).
@@ -68,6 +69,12 @@ class EngineConfig:
     device slots (the most distinct adapters in one batch), ranks up to ``max_lora_rank``, and
     at most ``max_cpu_loras`` adapters loaded at once (each loaded adapter's checked weights
     stay in host memory until it is unloaded; None: no limit).
+    KV tiers (vLLM's names; config/kv_offloading.py): ``kv_offloading_size`` GiB of host
+    memory keep the prefix-cache blocks evicted from the device (the CPU tier, beside the swap
+    space in one host pool; a hit there is loaded back while other requests run);
+    ``kv_offloading_backend`` "native" only; ``kv_offloading_dir`` and
+    ``kv_offloading_disk_size`` GiB: a disk tier behind it, found again by a restarted daemon
+    with the same model and settings. Sizes are over every tensor-parallel rank together.
     """
 
     model: str = DEFAULT_MODEL
@@ -102,6 +109,10 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str | None = None
+    kv_offloading_dir: str | None = None
+    kv_offloading_disk_size: float | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -163,6 +174,7 @@ class EngineConfig:
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)  # raises naming the key
         self._check_lora(bad)
+        check_kv_offloading(self, bad)
         if self.async_scheduling not in (None, True, False):
             raise bad("async_scheduling", "must be true, false or None (auto)")
         if not self.model:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from pydaemon.core.disk_blocks import DiskBlockRecord
 
 
 @dataclass
@@ -29,6 +31,10 @@ class RunnerInfo:
     vocab_size: int
     max_num_batched_tokens: int  # the step's token budget
     num_gpu_blocks: int  # KV blocks on the device (the same on every rank)
-    num_cpu_blocks: int  # swap blocks in host memory
+    num_cpu_blocks: int  # host memory blocks: swap space and the CPU tier (one pool)
     device: str  # the real one, e.g. "cuda:0", never "auto"
     dtype: str  # e.g. "bfloat16"
+    kv_block_bytes: int = 0  # one KV block on this rank
+    num_disk_blocks: int = 0  # the disk tier's blocks (0: none)
+    # A warm restart: the blocks found whole in the disk tier (of every rank).
+    disk_records: list[DiskBlockRecord] = field(default_factory=list)

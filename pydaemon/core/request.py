@@ -49,6 +49,7 @@ class Sequence:
     is_in_runner: bool = False
     num_sent_tokens: int = 0  # token ids the runner has
     changed_block_start: int | None = None  # block_table[start:] changed since last sent
+    ready_step: int = 0  # KV tiers: the first step that may read its KV (loads in flight)
 
     @classmethod
     def new(cls, index: int, prompt_token_ids: list[int], **kw) -> Sequence:

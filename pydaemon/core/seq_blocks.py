@@ -5,20 +5,54 @@ here, so that one place records what changes for the runner: which sequences it 
 (freed, preempted, swapped out), which block ids changed (a new block, a copy-on-write that
 replaced the last one), and the copy-on-write pairs of the step. A sequence the runner does
 not hold is sent whole the next time it is scheduled (``SchedulerOutput`` docstring).
+
+KV tiers: ``allocate`` may load a prefix from the CPU or disk tier; the sequence may run from
+``seq.ready_step`` on (``is_ready``), and ``take_tier_moves`` ends each step with its copies.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass, field
+
 from pydaemon import _core
+from pydaemon.core.disk_blocks import DiskBlockRecord
 from pydaemon.core.request import PLACEHOLDER_TOKEN_ID, Sequence
-from pydaemon.core.stats import KVCacheStats
+from pydaemon.core.stats import KVCacheStats, KVTierStats
+from pydaemon.lora_request import is_lora_salt
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TierMoves:
+    """One step's copies between tiers (``SchedulerOutput``'s fields of the same names)."""
+
+    blocks_to_save_to_cpu: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_save_ahead_to_cpu: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_load_from_cpu: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_write_to_disk: list[tuple[int, int]] = field(default_factory=list)
+    disk_write_records: list[DiskBlockRecord] = field(default_factory=list)
+    blocks_to_read_from_disk: list[tuple[int, int]] = field(default_factory=list)
 
 
 class SeqBlocks:
-    def __init__(self, block_manager: _core.BlockManager, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        block_manager: _core.BlockManager,
+        enable_prefix_caching: bool,
+        *,
+        has_tiers: bool = False,
+        kv_block_bytes: int = 0,
+    ) -> None:
+        """``has_tiers``: the block manager has a CPU tier; ``kv_block_bytes``: the bytes of
+        one KV block over every tensor-parallel rank (for the tiers' byte counters)."""
         self.block_manager = block_manager
         self.block_size = block_manager.block_size()
         self.enable_prefix_caching = enable_prefix_caching
+        self.has_tiers = has_tiers
+        self.kv_block_bytes = kv_block_bytes
+        self.num_restored_disk_blocks = 0
         self.finished_seq_ids: list[int] = []  # the runner forgets these at the next step
         self.blocks_to_copy: list[tuple[int, int]] = []  # (src, dst) on the GPU, this step
 
@@ -47,11 +81,82 @@ class SeqBlocks:
         return self.block_manager.can_allocate(seq.token_ids(), cache_salt)
 
     def allocate(self, seq: Sequence, cache_salt: str) -> int:
-        """Blocks for every token of ``seq``; returns the number of prefix-cached tokens."""
+        """Blocks for every token of ``seq``; returns the number of prefix-cached tokens (in
+        any tier: ``seq.ready_step`` says when the ones being loaded are readable)."""
         tokens = seq.token_ids()
         num_cached = self.block_manager.allocate(seq.seq_id, tokens, cache_salt)
         seq.num_slots = len(tokens)
+        seq.ready_step = self.block_manager.seq_ready_step(seq.seq_id) if self.has_tiers else 0
         return num_cached
+
+    # ---- tiers ------------------------------------------------------------------------------
+    def step_index(self) -> int:
+        """The index of the step being scheduled."""
+        return self.block_manager.step_index()
+
+    @staticmethod
+    def is_ready(seq: Sequence, step_index: int) -> bool:
+        """Whether the step ``step_index`` may read the sequence's KV (no load in flight)."""
+        return seq.ready_step <= step_index
+
+    def take_tier_moves(self) -> TierMoves:
+        """Ends the step in the block manager: its copies between tiers, as plain data."""
+        moves = self.block_manager.take_block_moves()
+        if not self.has_tiers:
+            return TierMoves()
+        return TierMoves(
+            blocks_to_save_to_cpu=moves.blocks_to_save_to_cpu,
+            blocks_to_save_ahead_to_cpu=moves.blocks_to_save_ahead_to_cpu,
+            blocks_to_load_from_cpu=moves.blocks_to_load_from_cpu,
+            blocks_to_write_to_disk=moves.blocks_to_write_to_disk,
+            disk_write_records=[
+                DiskBlockRecord(
+                    r.disk_block, r.uid, r.parent_uid, r.hash, r.salt, tuple(r.token_ids)
+                )
+                for r in moves.disk_write_records
+            ],
+            blocks_to_read_from_disk=moves.blocks_to_read_from_disk,
+        )
+
+    def discard_tier_moves(self, moves: TierMoves) -> None:
+        """The step that carried these copies never ran: forget what they were to copy, so
+        that no block is served with content that never arrived. ``moves``: a TierMoves, or
+        anything with its five lists of pairs (a SchedulerOutput)."""
+        self.block_manager.discard_block_moves(
+            _core.block_moves(
+                moves.blocks_to_save_to_cpu,
+                moves.blocks_to_save_ahead_to_cpu,
+                moves.blocks_to_load_from_cpu,
+                moves.blocks_to_write_to_disk,
+                moves.blocks_to_read_from_disk,
+            )
+        )
+
+    def restore_disk_blocks(self, records: list[DiskBlockRecord]) -> int:
+        """Warm restart: enter the blocks a previous run left in the disk tier. Blocks
+        computed under a LoRA adapter are left out: adapter ids are given per run, so the
+        same id may name another adapter now. Returns the number entered."""
+        kept = [r for r in records if not is_lora_salt(r.salt)]
+        if len(kept) < len(records):
+            logger.info(
+                "disk tier: %d blocks computed under LoRA adapters are not reused after a restart",
+                len(records) - len(kept),
+            )
+        native = [
+            _core.DiskBlockRecord(
+                r.disk_block, r.uid, r.parent_uid, r.hash, r.salt, list(r.token_ids)
+            )
+            for r in kept
+        ]
+        self.num_restored_disk_blocks = self.block_manager.restore_disk_blocks(native)
+        if self.num_restored_disk_blocks < len(kept):
+            logger.warning(
+                "disk tier: %d of %d blocks found on disk are not reused (broken chain, bad "
+                "hash or slot)",
+                len(kept) - self.num_restored_disk_blocks,
+                len(kept),
+            )
+        return self.num_restored_disk_blocks
 
     def can_append_slots(self, seqs: list[Sequence]) -> bool:
         return self.block_manager.can_append_slots([s.seq_id for s in seqs])
@@ -111,6 +216,7 @@ class SeqBlocks:
         """``child`` shares every block of ``parent`` (it starts outside the runner)."""
         self.block_manager.fork(parent.seq_id, child.seq_id)
         child.num_slots = parent.num_slots
+        child.ready_step = parent.ready_step
 
     def free(self, seq: Sequence) -> None:
         if self.block_manager.has_seq(seq.seq_id):
@@ -136,6 +242,8 @@ class SeqBlocks:
 
     def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
         """-> blocks_to_swap_in [(cpu, gpu)]; each sequence is sent whole when scheduled."""
+        for seq in seqs:
+            seq.ready_step = 0  # swapped in before the step's writes
         return self.block_manager.swap_in([s.seq_id for s in seqs])
 
     def num_used_gpu_blocks(self) -> int:
@@ -153,4 +261,22 @@ class SeqBlocks:
             num_shared_blocks=bm.num_shared_blocks(),
             prefix_cache_query_tokens=bm.prefix_cache_query_tokens(),
             prefix_cache_hit_tokens=bm.prefix_cache_hit_tokens(),
+            kv_tiers=self._tier_stats() if self.has_tiers else None,
+        )
+
+    def _tier_stats(self) -> KVTierStats:
+        bm, t, size = self.block_manager, self.block_manager.tier_stats(), self.kv_block_bytes
+        return KVTierStats(
+            gpu_hit_tokens=t.gpu_hit_tokens,
+            cpu_hit_tokens=t.cpu_hit_tokens,
+            disk_hit_tokens=t.disk_hit_tokens,
+            gpu_to_cpu_bytes=t.num_saved_blocks * size,
+            cpu_to_gpu_bytes=t.num_loaded_blocks * size,
+            cpu_to_disk_bytes=t.num_written_blocks * size,
+            disk_to_cpu_bytes=t.num_read_blocks * size,
+            num_cpu_cached_blocks=bm.num_cached_blocks(_core.Device.CPU),
+            num_disk_blocks=bm.num_total_blocks(_core.Device.DISK),
+            num_disk_cached_blocks=bm.num_cached_blocks(_core.Device.DISK),
+            num_dropped_loads=t.num_dropped_loads,
+            num_restored_disk_blocks=self.num_restored_disk_blocks,
         )

@@ -27,6 +27,7 @@ class EngineStats:
     # LoRA: adapter name -> (running, waiting) requests, for adapters with live requests
     lora_requests: dict[str, tuple[int, int]] = field(default_factory=dict)
     max_loras: int = 0  # 0: LoRA is off
+    kv_tiers: KVTierStats | None = None  # None: no CPU tier (--kv-offloading-size)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -45,6 +46,34 @@ class KVCacheStats:
     num_shared_blocks: int
     prefix_cache_query_tokens: int
     prefix_cache_hit_tokens: int
+    kv_tiers: KVTierStats | None = None
+
+
+@dataclass
+class KVTierStats:
+    """The KV tiers since start: prefix-cache hits by the tier that served them (tokens; a
+    miss is a queried token no tier held: ``prefix_cache_query_tokens`` minus every hit),
+    copies each way (bytes, summed over tensor-parallel ranks) and what each tier holds now
+    (blocks). The CPU pool is shared with swap: ``num_cpu_cached_blocks`` of its blocks hold
+    the CPU tier's entries (free for swap to take), the rest is free or swapped out."""
+
+    gpu_hit_tokens: int = 0
+    cpu_hit_tokens: int = 0
+    disk_hit_tokens: int = 0
+    gpu_to_cpu_bytes: int = 0
+    cpu_to_gpu_bytes: int = 0
+    cpu_to_disk_bytes: int = 0
+    disk_to_cpu_bytes: int = 0
+    num_cpu_cached_blocks: int = 0
+    num_disk_blocks: int = 0  # 0: no disk tier
+    num_disk_cached_blocks: int = 0
+    num_dropped_loads: int = 0  # loads cancelled because their sequence was freed first
+    num_restored_disk_blocks: int = 0  # found on disk at start (warm restart)
+
+    @property
+    def external_hit_tokens(self) -> int:
+        """Hits served from below the GPU (vLLM's external prefix-cache hits)."""
+        return self.cpu_hit_tokens + self.disk_hit_tokens
 
 
 @dataclass

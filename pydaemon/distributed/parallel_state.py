@@ -274,6 +274,17 @@ def min_across_ranks(value: int) -> int:
     return int(t.item())
 
 
+def min_max_across_ranks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: a CPU int64 tensor of the same shape on every rank -> (elementwise min, max) over
+    every rank, every stage included (host-side agreements, on the CPU group); (x, x) alone."""
+    if _STATE is None or _STATE.world_size == 1:
+        return x, x
+    low, high = x.clone(), x.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=_STATE.world_cpu_group)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=_STATE.world_cpu_group)
+    return low, high
+
+
 # ---- pipeline point to point (between stages, same tp_rank) -------------------------------
 def send_to_next_stage(x: torch.Tensor) -> None:
     """x: the intermediate tensors of this stage, to the same tp_rank of the next stage."""

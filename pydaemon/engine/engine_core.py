@@ -24,10 +24,11 @@ from pydaemon.config.engine import EngineConfig
 from pydaemon.config.model import ModelConfig
 from pydaemon.core.beam_search import BeamSearchState
 from pydaemon.core.messages import EngineCoreOutputs, EngineCoreRequest
-from pydaemon.core.model_info import ModelInfo
+from pydaemon.core.model_info import ModelInfo, RunnerInfo
 from pydaemon.core.request import Request, Sequence
 from pydaemon.core.sched.scheduler import Scheduler
 from pydaemon.core.sched.scheduler_output import WARMUP_REQUEST_ID
+from pydaemon.core.sched.tier_config import KVTierConfig
 from pydaemon.core.stats import EngineStats
 from pydaemon.core.stop_checker import StopChecker
 from pydaemon.engine.async_stepper import AsyncStepper, launch, sample
@@ -44,6 +45,24 @@ from pydaemon.sampling_params import SamplingParams, logit_bias_out_of_vocab
 
 # With nothing scheduled, a step waits this long at most for a grammar compile to finish.
 GRAMMAR_POLL_S = 0.05
+# KV tiers: each step saves early at most this share of the CPU pool (ahead saves).
+SAVE_AHEAD_POOL_SHARE = 8
+
+
+def kv_tier_config(config: EngineConfig, info: RunnerInfo) -> KVTierConfig:
+    """The scheduler's KV tiers from the config and what the ranks built. Each step saves
+    early as many cached blocks as one step can evict (its token budget's worth), so that an
+    eviction rarely waits for its copy, within a share of the CPU pool."""
+    if not config.kv_offloading_size:
+        return KVTierConfig()
+    one_step = info.max_num_batched_tokens // config.block_size
+    return KVTierConfig(
+        enable_cpu_tier=True,
+        num_disk_blocks=info.num_disk_blocks,
+        save_ahead_blocks=min(one_step, info.num_cpu_blocks // SAVE_AHEAD_POOL_SHARE),
+        kv_block_bytes=info.kv_block_bytes * config.tensor_parallel_size,
+        disk_records=info.disk_records,
+    )
 
 
 def _cache_salt(r: EngineCoreRequest) -> str:
@@ -99,6 +118,7 @@ class EngineCore:
             enable_prefix_caching=config.enable_prefix_caching,
             speculative=config.speculative,
             max_loras=config.max_loras if config.enable_lora else None,
+            tiers=kv_tier_config(config, info),
         )
         self.structured_outputs = StructuredOutputManager(config.model, self.vocab_size)
         self.loras = LoadedLoRAs(

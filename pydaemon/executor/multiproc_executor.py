@@ -331,6 +331,7 @@ class MultiprocExecutor(Executor):
         self._stop_workers(graceful=True)
         if self.driver_runner is not None:
             self.driver_runner.release_cuda_graphs()  # before the communicator they captured goes
+            self.driver_runner.shutdown()  # the KV copies in flight; the disk tier's file
         ps.destroy_model_parallel()
 
     def _stop_workers(self, graceful: bool) -> None:

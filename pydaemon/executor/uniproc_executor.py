@@ -37,4 +37,4 @@ class UniProcExecutor(Executor):
         return self.driver_runner.list_loras()
 
     def shutdown(self) -> None:
-        pass
+        self.driver_runner.shutdown()  # the KV copies in flight; the disk tier's file

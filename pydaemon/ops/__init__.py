@@ -30,7 +30,7 @@ without CUDA kernels or no CUDA device is visible; every wrapper then raises Run
 
 from pydaemon.ops._core_ext import LAYER_KERNEL_DTYPES, core, is_available, unavailable_reason
 from pydaemon.ops.activation import gated_act_and_mul, silu_and_mul
-from pydaemon.ops.cache_ops import SwapStream, copy_blocks, reshape_and_cache, swap_blocks
+from pydaemon.ops.cache_ops import copy_blocks, reshape_and_cache, swap_blocks
 from pydaemon.ops.fp8_gemm import FP8_GEMV_MAX_ROWS, fp8_gemv, fp8_gemv_available
 from pydaemon.ops.fp8_quant import (
     per_token_fp8_quant,
@@ -74,7 +74,6 @@ __all__ = [
     "LAYER_KERNEL_DTYPES",
     "MOE_DECODE_MAX_HIDDEN",
     "PARTITION_SIZE",
-    "SwapStream",
     "copy_blocks",
     "core",
     "decode_span",

@@ -1,4 +1,5 @@
-"""KV-cache writes and block moves on the GPU, and a swap stream ordered with events."""
+"""KV-cache writes and block moves on the GPU (the copy stream and its events that order the
+moves with a step are the worker's: pydaemon/worker/kv_transfer.py)."""
 
 from __future__ import annotations
 
@@ -85,59 +86,3 @@ def swap_blocks(
     if stream is None:
         stream = stream_handle(gpu.device)
     core().swap_blocks(kv_cache_arg(src), kv_cache_arg(dst), arg(mapping), stream)
-
-
-class SwapStream:
-    """Swaps whole blocks between the GPU kv_cache and a pinned CPU kv_cache on its own stream.
-
-    gpu_kv_cache: [num_gpu_blocks, num_layers, 2, num_kv_heads, block_size, head_dim] (cuda)
-    cpu_kv_cache: [num_cpu_blocks, num_layers, 2, num_kv_heads, block_size, head_dim] (pinned)
-
-    Ordering: each swap first waits for the work already queued on the caller's current
-    stream (the blocks it reads or overwrites may still be in use there); ``wait()`` makes the
-    compute stream wait for the swaps issued so far, so call it before the forward pass that
-    reads swapped-in blocks or reuses swapped-out ones. Nothing here blocks the host.
-    """
-
-    def __init__(self, gpu_kv_cache: torch.Tensor, cpu_kv_cache: torch.Tensor) -> None:
-        if not gpu_kv_cache.is_cuda or cpu_kv_cache.is_cuda:
-            raise ValueError("gpu_kv_cache must be on the GPU and cpu_kv_cache on the CPU")
-        if not cpu_kv_cache.is_pinned():
-            raise ValueError("cpu_kv_cache must be pinned (torch.empty(..., pin_memory=True))")
-        if gpu_kv_cache.shape[1:] != cpu_kv_cache.shape[1:]:
-            raise ValueError(
-                f"block shapes differ: gpu {tuple(gpu_kv_cache.shape[1:])} vs "
-                f"cpu {tuple(cpu_kv_cache.shape[1:])}"
-            )
-        self.gpu_kv_cache = gpu_kv_cache
-        self.cpu_kv_cache = cpu_kv_cache
-        self.device = gpu_kv_cache.device
-        self.stream = torch.cuda.Stream(self.device)
-        self._done = torch.cuda.Event()
-        self._pending = False
-
-    def _issue(self, src: torch.Tensor, dst: torch.Tensor, pairs: BlockPairs) -> None:
-        if len(pairs) == 0:
-            return
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        swap_blocks(src, dst, pairs, stream=self.stream.cuda_stream)
-        self._done.record(self.stream)
-        self._pending = True
-
-    def swap_out(self, blocks_to_swap_out: BlockPairs) -> None:
-        """(gpu_block, cpu_block) pairs: copy GPU blocks to the CPU cache."""
-        self._issue(self.gpu_kv_cache, self.cpu_kv_cache, blocks_to_swap_out)
-
-    def swap_in(self, blocks_to_swap_in: BlockPairs) -> None:
-        """(cpu_block, gpu_block) pairs: copy CPU blocks back into the GPU cache."""
-        self._issue(self.cpu_kv_cache, self.gpu_kv_cache, blocks_to_swap_in)
-
-    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
-        """Make ``stream`` (default: the current stream) wait for every swap issued so far."""
-        if self._pending:
-            (stream or torch.cuda.current_stream(self.device)).wait_event(self._done)
-
-    def synchronize(self) -> None:
-        """Block the host until the swaps issued so far are done (for tests / shutdown)."""
-        if self._pending:
-            self._done.synchronize()

@@ -31,7 +31,9 @@ from pydaemon.worker.draft_model import DraftModelProposer
 from pydaemon.worker.eagle_proposer import EagleProposer
 from pydaemon.worker.input_batch import InputBatch, StepInput
 from pydaemon.worker.kv_cache import GiB, KVCacheSpec
+from pydaemon.worker.kv_host_pool import build_host_kv
 from pydaemon.worker.kv_scale_calibration import KVScales
+from pydaemon.worker.kv_transfer import KVTransfer
 from pydaemon.worker.lora_manager import LoRAManager, make_lora_manager
 from pydaemon.worker.prompt_logprobs import (
     PromptLogprobsPlan,
@@ -138,14 +140,13 @@ class ModelRunner:
         # Model parallel: one block manager drives every rank, so all hold as many blocks.
         self.num_gpu_blocks = ps.min_across_ranks(self.num_gpu_blocks)
         max_useful = config.max_num_seqs * math.ceil(self.max_model_len / config.block_size) + 1
-        self.num_cpu_blocks = min(
-            self.spec.num_blocks_for_bytes(config.swap_space * GiB), max_useful
-        )
-        pin = self.device.type == "cuda"
         self.kv_cache = self.spec.allocate(self.num_gpu_blocks, self.device)
-        self.cpu_kv_cache = self.spec.allocate(
-            self.num_cpu_blocks, torch.device("cpu"), pin_memory=pin
+        # The CPU pool (swap space + the CPU tier) and the disk tier (kv_host_pool.py).
+        self.host_kv = build_host_kv(
+            config, self.spec, max_useful, self.device, str(self.dtype).removeprefix("torch.")
         )
+        self.num_cpu_blocks = self.host_kv.num_cpu_blocks
+        self.cpu_kv_cache = self.host_kv.cpu_kv_cache
         self.input_batch = InputBatch(config.max_num_seqs, self.max_model_len, config.block_size)
         self.step_sampler = StepSampler(self.input_batch, self.device)
         self.spec_decoder = None
@@ -155,11 +156,9 @@ class ModelRunner:
             self.spec_decoder = SpecDecoder(spec, self.input_batch, self.step_sampler, self.draft)
         self._last_output: AsyncModelRunnerOutput | None = None  # the previous step's
         self._pending: _PendingSample | None = None  # launched, not sampled yet
-        self.swap_stream = None
-        if uses_kernels(self.kv_cache):
-            from pydaemon.ops import SwapStream
-
-            self.swap_stream = SwapStream(self.kv_cache, self.cpu_kv_cache)
+        self.kv_transfer = KVTransfer(
+            self.kv_cache, self.cpu_kv_cache, self.host_kv.disk, uses_kernels(self.kv_cache)
+        )
         # Decode (and verify) graphs hold the real cache's pointers: captured after it exists (their memory
         # was kept out of the cache's budget by _profile_num_blocks).
         self.cuda_graphs: CUDAGraphRunner | None = None
@@ -180,8 +179,17 @@ class ModelRunner:
             self.device,
             self.spec.dtype,
             self.num_gpu_blocks * self.spec.block_bytes / GiB,
-            self.num_cpu_blocks,
+            self.host_kv.num_swap_blocks,
         )
+        if self.host_kv.num_cpu_tier_blocks:
+            logger.info(
+                "KV tiers: %d CPU-tier blocks (%.2f GiB on this rank)%s",
+                self.host_kv.num_cpu_tier_blocks,
+                self.host_kv.num_cpu_tier_blocks * self.spec.block_bytes / GiB,
+                f", {self.host_kv.num_disk_blocks} disk blocks in {self.host_kv.disk.path}"
+                if self.host_kv.disk is not None
+                else "",
+            )
 
     def runner_info(self) -> RunnerInfo:
         """What the engine core sizes its scheduler with (plain data)."""
@@ -193,7 +201,15 @@ class ModelRunner:
             num_cpu_blocks=self.num_cpu_blocks,
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
+            kv_block_bytes=self.spec.block_bytes,
+            num_disk_blocks=self.host_kv.num_disk_blocks,
+            disk_records=self.host_kv.disk_records,
         )
+
+    def shutdown(self) -> None:
+        """Finishes the block copies in flight and closes the disk tier (its file keeps the
+        blocks for the next run). Idempotent."""
+        self.kv_transfer.close()
 
     # ---- LoRA adapters (the executor's control calls) ---------------------------------------
     def add_lora(self, lora_request: LoRARequest, adapter: LoRAAdapterConfig) -> None:
@@ -293,7 +309,8 @@ class ModelRunner:
         self.step_sampler.forget(out.finished_request_ids)
         if self.spec_decoder is not None:
             self.spec_decoder.forget(out.finished_seq_ids)
-        self._move_blocks(out)
+        # Swaps, tier saves and loads, copy-on-write: ordered with the step by events.
+        self.kv_transfer.move(out)
         if out.num_seqs == 0:
             self._pending = _PendingSample(out, None, None, None)
             return
@@ -481,31 +498,3 @@ class ModelRunner:
         rows = to_device(last.sample_rows(step.placeholder_seq_ids.tolist()), self.device)
         index = to_device(step.placeholder_index, self.device)
         input_ids[index] = last.sampled_token_ids[rows]
-
-    def _move_blocks(self, out: SchedulerOutput) -> None:
-        """Swap out, swap in, then copy-on-write, before this step's K/V writes."""
-        if self.swap_stream is not None:
-            from pydaemon import ops
-
-            # Batched copies on their own stream; the compute stream waits on an event
-            # (no host sync) before it reuses swapped-out blocks or reads swapped-in ones.
-            self.swap_stream.swap_out(out.blocks_to_swap_out)
-            self.swap_stream.swap_in(out.blocks_to_swap_in)
-            self.swap_stream.wait()
-            if out.blocks_to_copy:
-                ops.copy_blocks(self.kv_cache, out.blocks_to_copy)
-            return
-        if out.blocks_to_swap_out:
-            src, dst = _pairs(out.blocks_to_swap_out)
-            self.cpu_kv_cache[dst] = self.kv_cache[src.to(self.device)].to("cpu")
-        if out.blocks_to_swap_in:
-            src, dst = _pairs(out.blocks_to_swap_in)
-            self.kv_cache[dst.to(self.device)] = self.cpu_kv_cache[src].to(self.device)
-        if out.blocks_to_copy:
-            src, dst = _pairs(out.blocks_to_copy)
-            self.kv_cache[dst.to(self.device)] = self.kv_cache[src.to(self.device)]
-
-
-def _pairs(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    both = torch.tensor(pairs, dtype=torch.long)
-    return both[:, 0], both[:, 1]

@@ -131,6 +131,7 @@ class RankWorker:
 
         if self.runner is not None:
             self.runner.release_cuda_graphs()  # before the communicator they captured goes
+            self.runner.shutdown()  # the KV copies in flight; the disk tier's file
         ps.destroy_model_parallel()
 
     def ping(self) -> str | None:

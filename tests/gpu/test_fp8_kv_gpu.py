@@ -221,10 +221,9 @@ def test_copy_and_swap_fp8_blocks_exact():
     ops.copy_blocks(kv_cache, [(0, 5), (3, 7), (11, 2)])
     assert torch.equal(kv_cache.view(torch.uint8), expected.view(torch.uint8))
     cpu = torch.zeros(6, 4, 2, 2, 16, 64, dtype=FP8_DTYPE).pin_memory()
-    swap = ops.SwapStream(kv_cache, cpu)
-    swap.swap_out([(3, 0), (4, 1), (9, 5)])
-    swap.swap_in([(0, 10)])  # after the swap-out on the same stream
-    swap.synchronize()
+    ops.swap_blocks(kv_cache, cpu, [(3, 0), (4, 1), (9, 5)])
+    ops.swap_blocks(cpu, kv_cache, [(0, 10)])  # after the swap-out on the same stream
+    torch.cuda.synchronize()
     assert torch.equal(
         cpu[[0, 1, 5]].view(torch.uint8), kv_cache[[3, 4, 9]].cpu().view(torch.uint8)
     )

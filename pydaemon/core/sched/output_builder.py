@@ -18,6 +18,7 @@ from pydaemon.core.seq_blocks import SeqBlocks
 def build_scheduler_output(
     plan: StepPlan, blocks: SeqBlocks, finished_request_ids: list[str]
 ) -> SchedulerOutput:
+    moves = blocks.take_tier_moves()  # ends the block manager's step
     out = SchedulerOutput(
         num_prefills=len(plan.prefills),
         blocks_to_swap_out=plan.blocks_to_swap_out,
@@ -25,6 +26,12 @@ def build_scheduler_output(
         blocks_to_copy=blocks.blocks_to_copy,
         finished_seq_ids=blocks.finished_seq_ids,
         finished_request_ids=finished_request_ids,
+        blocks_to_save_to_cpu=moves.blocks_to_save_to_cpu,
+        blocks_to_save_ahead_to_cpu=moves.blocks_to_save_ahead_to_cpu,
+        blocks_to_load_from_cpu=moves.blocks_to_load_from_cpu,
+        blocks_to_write_to_disk=moves.blocks_to_write_to_disk,
+        disk_write_records=moves.disk_write_records,
+        blocks_to_read_from_disk=moves.blocks_to_read_from_disk,
     )
     blocks.blocks_to_copy, blocks.finished_seq_ids = [], []
     cached = out.scheduled_cached_seqs

@@ -11,6 +11,11 @@ Policy lives here; memory lives in the C++ block manager; tensors never appear. 
 4. waiting requests are admitted in order while blocks, ``max_num_seqs`` and the budget allow
    (prefix-cache hits make their first tokens free).
 
+KV tiers (``enable_cpu_tier``, ``num_disk_blocks``): a prefix hit in the CPU or disk tier is
+loaded while the step runs; the request holds its blocks and is scheduled from the step its
+KV is readable (``Sequence.ready_step``: the next one, or the one after for a disk read), so
+a load never stalls the batch. The step's copies go down in its ``SchedulerOutput``.
+
 ``schedule()`` returns a plain ``SchedulerOutput`` (pydaemon.core.sched.scheduler_output) and keeps
 the live sequences it scheduled to itself; ``update_from_output()`` records what the runner
 computed and sampled (``pydaemon.core.sched.seq_updates``). The scheduler builds and alone owns
@@ -39,6 +44,7 @@ from pydaemon.core.sched.scheduler_output import SchedulerOutput
 from pydaemon.core.sched.seq_updates import SeqUpdater
 from pydaemon.core.sched.spec_slots import DraftSlots
 from pydaemon.core.sched.step_plan import ScheduledSeq, StepPlan
+from pydaemon.core.sched.tier_config import KVTierConfig
 from pydaemon.core.seq_blocks import SeqBlocks
 from pydaemon.core.stats import EngineStats, SchedulerStats
 
@@ -63,11 +69,27 @@ class Scheduler:
         enable_prefix_caching: bool = True,
         speculative: SpeculativeConfig | None = None,
         max_loras: int | None = None,  # adapters in one batch; None: LoRA is off
+        tiers: KVTierConfig | None = None,  # None: no CPU or disk tier
     ) -> None:
+        tiers = tiers or KVTierConfig()
         self.block_manager = _core.BlockManager(
-            block_size, num_gpu_blocks, num_cpu_blocks, watermark, enable_prefix_caching
+            block_size,
+            num_gpu_blocks,
+            num_cpu_blocks,
+            watermark,
+            enable_prefix_caching,
+            tiers.enable_cpu_tier,
+            tiers.num_disk_blocks,
+            tiers.save_ahead_blocks,
         )
-        self.blocks = SeqBlocks(self.block_manager, enable_prefix_caching)
+        self.blocks = SeqBlocks(
+            self.block_manager,
+            enable_prefix_caching,
+            has_tiers=tiers.enable_cpu_tier,
+            kv_block_bytes=tiers.kv_block_bytes,
+        )
+        if tiers.disk_records:
+            self.blocks.restore_disk_blocks(tiers.disk_records)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
@@ -132,6 +154,7 @@ class Scheduler:
             if self.loras.max_loras
             else {},
             max_loras=self.loras.max_loras or 0,
+            kv_tiers=kv.kv_tiers,
         )
 
     def num_running_seqs(self) -> int:
@@ -178,11 +201,11 @@ class Scheduler:
         having changed nothing, when this step cannot be planned without its results."""
         if overlap and not self.can_overlap():
             return None
-        plan = StepPlan()
+        plan = StepPlan(step_index=self.blocks.step_index())
         budget = self.max_num_batched_tokens
         # 1. Decodes of running requests, preempting from the tail when blocks run out.
         pending_prefill: set[str] = set()  # requests with work besides their decodes
-        decodes = [(r, self._split_decoding(r, pending_prefill)) for r in self.running]
+        decodes = [(r, self._split_decoding(r, pending_prefill, plan)) for r in self.running]
         if not self._reserve_all_decode_slots(decodes, budget, plan):
             if overlap:
                 return None  # it may preempt: after the previous step's sequences are freed
@@ -204,6 +227,8 @@ class Scheduler:
                         break
                     if seq.num_uncomputed_tokens == 0 or seq.seq_id in decoding_ids:
                         continue
+                    if not self.blocks.is_ready(seq, plan.step_index):
+                        continue  # its prefix is loading (KV tiers): a later step
                     budget -= self._schedule_prefill(request, seq, budget, plan)
         # 3. Swapped requests come back, unless this step had to preempt.
         if not plan.preempted:
@@ -248,9 +273,12 @@ class Scheduler:
 
     def discard(self, scheduler_output: SchedulerOutput) -> None:
         """The step of ``scheduler_output`` never ran (the runner failed): it is no longer
-        pending, so that the steps after it can be updated. Its requests stay where schedule()
-        put them; a caller that keeps the engine aborts them."""
+        pending, so that the steps after it can be updated, and the copies between KV tiers
+        it carried are forgotten (no block keeps content that never arrived). Its requests stay
+        where schedule() put them; a caller that keeps the engine aborts them."""
         self._plans = deque((out, plan) for out, plan in self._plans if out is not scheduler_output)
+        if scheduler_output.has_tier_moves:
+            self.blocks.discard_tier_moves(scheduler_output)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -271,11 +299,16 @@ class Scheduler:
         return outputs
 
     # ---- helpers ----------------------------------------------------------------------------
-    @staticmethod
-    def _split_decoding(request: Request, pending_prefill: set[str]) -> list[Sequence]:
-        """The request's sequences that decode one token now; notes whether it has more."""
+    def _split_decoding(
+        self, request: Request, pending_prefill: set[str], plan: StepPlan
+    ) -> list[Sequence]:
+        """The request's sequences that decode one token now; notes whether it has more. A
+        sequence whose prefix is still loading (KV tiers) does neither this step."""
         decoding = []
+        step_index = plan.step_index
         for seq in request.seqs:
+            if seq.ready_step > step_index:  # inline: this loop runs per sequence, every step
+                continue
             num_uncomputed = seq.num_tokens - seq.num_computed_tokens
             if num_uncomputed == 1 and seq.output_token_ids:
                 decoding.append(seq)
@@ -306,7 +339,7 @@ class Scheduler:
         index = 0
         while index < len(self.running):
             request = self.running[index]
-            decoding = self._split_decoding(request, pending_prefill)
+            decoding = self._split_decoding(request, pending_prefill, plan)
             if not decoding:
                 index += 1
                 continue
@@ -346,7 +379,10 @@ class Scheduler:
     def _schedule_after_resume(
         self, request: Request, seq: Sequence, budget: int, plan: StepPlan
     ) -> int:
-        """Schedule a sequence that just got its blocks (admitted or swapped in)."""
+        """Schedule a sequence that just got its blocks (admitted or swapped in); one whose
+        prefix is loading from a lower tier waits for a later step."""
+        if not self.blocks.is_ready(seq, plan.step_index):
+            return 0
         if seq.num_slots < seq.num_tokens:  # swapped in while decoding: needs one more slot
             if not self.blocks.can_append_slots([seq]):
                 return 0

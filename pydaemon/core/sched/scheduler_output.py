@@ -9,6 +9,13 @@ arrives whole as ``NewSeqData``; a sequence it holds arrives as one column entry
 computed prefix ends. ``finished_seq_ids`` are sequences the runner must forget before it
 adds new ones (finished, aborted, preempted, swapped out, or replaced beams).
 
+KV tiers (block_manager.h, "Tiers"): the step's copies between the GPU cache, the CPU pool
+and the disk tier go down as (src, dst) pairs, direction in the name. The runner issues the
+swaps, ``blocks_to_save_to_cpu`` and ``blocks_to_copy`` before the step's K/V writes, and the
+loads and ahead saves on its copy stream while the step runs (the next step waits for them);
+the disk writes (after the step's saves) and reads run on its I/O thread. A load's GPU block
+is read from the next step on; a block read from disk is loaded the step after its read.
+
 ``GrammarOutput`` is the step's other half for structured outputs: the engine core owns the
 grammar matchers and sends, once the forward is launched, the bitmask of every constrained
 sequence that samples (``SchedulerOutput.structured_output_seq_ids``); the rank that samples
@@ -21,6 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pydaemon.core.disk_blocks import DiskBlockRecord
 from pydaemon.lora_request import LoRARequest
 from pydaemon.sampling_params import SamplingParams
 
@@ -78,6 +86,13 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) on GPU
+    # KV tiers (see the module docstring).
+    blocks_to_save_to_cpu: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
+    blocks_to_save_ahead_to_cpu: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
+    blocks_to_load_from_cpu: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
+    blocks_to_write_to_disk: list[tuple[int, int]] = field(default_factory=list)  # (cpu, disk)
+    disk_write_records: list[DiskBlockRecord] = field(default_factory=list)  # one per write
+    blocks_to_read_from_disk: list[tuple[int, int]] = field(default_factory=list)  # (disk, cpu)
     # Structured outputs: the constrained sequences that sample this step, in batch order
     # (seq_id -> request_id). The sampling waits for their GrammarOutput.
     structured_output_seq_ids: dict[int, str] = field(default_factory=dict)
@@ -92,7 +107,22 @@ class SchedulerOutput:
 
     @property
     def has_block_moves(self) -> bool:
-        return bool(self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)
+        return bool(
+            self.blocks_to_swap_out
+            or self.blocks_to_swap_in
+            or self.blocks_to_copy
+            or self.has_tier_moves
+        )
+
+    @property
+    def has_tier_moves(self) -> bool:
+        return bool(
+            self.blocks_to_save_to_cpu
+            or self.blocks_to_save_ahead_to_cpu
+            or self.blocks_to_load_from_cpu
+            or self.blocks_to_write_to_disk
+            or self.blocks_to_read_from_disk
+        )
 
 
 @dataclass

@@ -29,6 +29,7 @@ class StepPlan:
     by_seq_id: dict[int, ScheduledSeq] = field(default_factory=dict)  # set by advance
     speculating: bool = False  # planned with draft slots due (spec_slots.py, spec_governor.py)
     num_running_seqs: int = 0  # when planned
+    step_index: int = 0  # the block manager's step (KV tiers: which loads are readable)
     # When the plan was made: a request's first_scheduled_time (its queue time ends here, not
     # after the step's compute, which a synchronous step's advance comes after).
     scheduled_time: float = field(default_factory=time.monotonic)

@@ -10,6 +10,7 @@ import bisect
 import threading
 from collections.abc import Callable
 
+from pydaemon.entrypoints.common.kv_tier_metrics import kv_tier_lines
 from pydaemon.entrypoints.common.vllm_metrics import (
     vllm_counters,
     vllm_gauges,
@@ -129,6 +130,7 @@ class Metrics:
         self.finished: dict[str, int] = {}
         self._baseline: dict[str, int] = {}  # engine counters before serving (the warm-up)
         self._spec_baseline = None  # its speculative-decoding counters (SpecDecodeStats)
+        self._stats_baseline = None  # the whole EngineStats then (KV tiers' counters)
 
     def set_baseline(self, stats: object) -> None:
         """Counters start from here: what the warm-up request did is not reported."""
@@ -136,6 +138,7 @@ class Metrics:
             attr: getattr(stats, attr, 0) for _, attr, kind, _ in _STATS if kind == "counter"
         }
         self._spec_baseline = getattr(stats, "spec_decode", None)
+        self._stats_baseline = stats
 
     def observe_request(self, account, finish_reason: int) -> None:
         timings = account.timings_ms()
@@ -210,7 +213,12 @@ class Metrics:
             lines += spec_decode_lines(spec, self._spec_baseline)
         if self.model_name is not None:
             lines += vllm_gauges(stats, self.model_name)
-            lines += vllm_counters(stats, self._baseline, self.model_name)
+        has_tiers = getattr(stats, "kv_tiers", None) is not None  # --kv-offloading-size
+        if self.model_name is not None:
+            # With tiers, kv_tier_lines reports the prefix cache under vLLM's names (GPU hits).
+            lines += vllm_counters(stats, self._baseline, self.model_name, not has_tiers)
+        if has_tiers:
+            lines += kv_tier_lines(stats, self._stats_baseline, self.model_name)
         lines += _lora_lines(stats)
         with self._lock:
             lines += [

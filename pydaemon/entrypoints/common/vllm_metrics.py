@@ -54,11 +54,16 @@ _COUNTERS = (
 )
 
 
-def vllm_counters(stats: object, baseline: dict[str, int], model_name: str) -> list[str]:
-    """The engine counters under vLLM's names, less ``baseline`` (the warm-up's)."""
+def vllm_counters(
+    stats: object, baseline: dict[str, int], model_name: str, with_prefix_cache: bool = True
+) -> list[str]:
+    """The engine counters under vLLM's names, less ``baseline`` (the warm-up's); the prefix
+    cache's only ``with_prefix_cache`` (KV tiers report theirs, GPU hits apart)."""
     label = f"{{{_label(model_name)}}}"
     lines = []
     for name, attr, help_text in _COUNTERS:
+        if not with_prefix_cache and name.startswith("vllm:prefix_cache"):
+            continue
         value = getattr(stats, attr) - baseline.get(attr, 0)
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name}{label} {value}"]
     return lines

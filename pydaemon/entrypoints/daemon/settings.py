@@ -81,6 +81,20 @@ ENGINE_FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("--max-loras", int, "LoRA: the most distinct adapters in one batch (device slots)"),
     ("--max-lora-rank", int, "LoRA: the largest adapter rank served"),
     ("--max-cpu-loras", int, "LoRA: the most adapters loaded at once (default: no limit)"),
+    (
+        "--kv-offloading-size",
+        float,
+        "GiB of host memory that keep the prefix-cache blocks evicted from the GPU (the CPU "
+        "tier; over all tensor-parallel ranks, as vLLM's flag; default: off)",
+    ),
+    ("--kv-offloading-backend", str, "native (vLLM's name for the built-in tiers; the only one)"),
+    (
+        "--kv-offloading-dir",
+        str,
+        "directory of a disk tier behind the CPU tier; a restart with the same model and "
+        "settings finds its blocks again (needs --kv-offloading-disk-size)",
+    ),
+    ("--kv-offloading-disk-size", float, "GiB of the disk tier (over all ranks)"),
 )
 ENGINE_BOOL_FLAGS = (
     ("--enable-prefix-caching", "automatic prefix caching"),

@@ -63,9 +63,11 @@ def _plain_fields(message) -> dict:
     for f in message.DESCRIPTOR.fields:
         value = getattr(message, f.name)
         if f.message_type is not None and not f.is_repeated:
-            if f.name == "spec_decode" and not message.HasField(f.name):
-                continue  # speculative decoding is off
-            value = {g.name: _plain_value(g, v) for g, v in value.ListFields()}
+            if not message.HasField(f.name):
+                continue  # the feature is off (speculative decoding, KV tiers)
+            value = {  # every field, zeros included (a counter at 0 says something)
+                g.name: _plain_value(g, getattr(value, g.name)) for g in value.DESCRIPTOR.fields
+            }
         else:
             value = _plain_value(f, value)
         fields[f.name] = value
@@ -116,6 +118,12 @@ def _print(fields: dict, as_json: bool, out) -> None:
     if as_json:
         out.write(json.dumps(fields, indent=2) + "\n")
         return
-    width = max(map(len, fields), default=0)
+    lines = []  # a message's fields one a line, under its name: kv_tiers.cpu_hit_tokens
     for name, value in fields.items():
+        if isinstance(value, dict):
+            lines += [(f"{name}.{sub}", v) for sub, v in value.items()]
+        else:
+            lines.append((name, value))
+    width = max((len(name) for name, _ in lines), default=0)
+    for name, value in lines:
         out.write(f"{name:<{width}}  {value}\n")

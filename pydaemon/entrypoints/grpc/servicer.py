@@ -93,8 +93,13 @@ class GenerationServicer(GenerateCalls, AdapterCalls, pb_grpc.GenerationServicer
         fields = {
             name: getattr(s, name)
             for name in pb.ServerStatus.DESCRIPTOR.fields_by_name
-            if hasattr(s, name) and name != "spec_decode"
+            if hasattr(s, name) and name not in ("spec_decode", "kv_tiers")
         }
+        tiers = getattr(s, "kv_tiers", None)
+        if tiers is not None:  # --kv-offloading-size: the same fields, as plain data
+            fields["kv_tiers"] = pb.KVTierStatus(
+                **{name: getattr(tiers, name) for name in pb.KVTierStatus.DESCRIPTOR.fields_by_name}
+            )
         spec = getattr(s, "spec_decode", None)
         if spec is not None:  # speculative decoding is on
             fields["spec_decode"] = pb.SpecDecodeStatus(

@@ -360,7 +360,7 @@ class GetServerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStatus(_message.Message):
-    __slots__ = ("is_serving", "num_running", "num_waiting", "num_swapped", "num_gpu_blocks", "num_free_gpu_blocks", "num_cpu_blocks", "num_free_cpu_blocks", "kv_waste_slots", "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "num_preemptions", "num_swapped_out_blocks", "num_swapped_in_blocks", "num_prompt_tokens", "num_generation_tokens", "uptime_s", "spec_decode", "adapters", "max_loras")
+    __slots__ = ("is_serving", "num_running", "num_waiting", "num_swapped", "num_gpu_blocks", "num_free_gpu_blocks", "num_cpu_blocks", "num_free_cpu_blocks", "kv_waste_slots", "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "num_preemptions", "num_swapped_out_blocks", "num_swapped_in_blocks", "num_prompt_tokens", "num_generation_tokens", "uptime_s", "spec_decode", "adapters", "max_loras", "kv_tiers")
     IS_SERVING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -381,6 +381,7 @@ class ServerStatus(_message.Message):
     SPEC_DECODE_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    KV_TIERS_FIELD_NUMBER: _ClassVar[int]
     is_serving: bool
     num_running: int
     num_waiting: int
@@ -401,7 +402,36 @@ class ServerStatus(_message.Message):
     spec_decode: SpecDecodeStatus
     adapters: _containers.RepeatedCompositeFieldContainer[AdapterLoad]
     max_loras: int
-    def __init__(self, is_serving: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_free_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., num_free_cpu_blocks: _Optional[int] = ..., kv_waste_slots: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_swapped_out_blocks: _Optional[int] = ..., num_swapped_in_blocks: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generation_tokens: _Optional[int] = ..., uptime_s: _Optional[float] = ..., spec_decode: _Optional[_Union[SpecDecodeStatus, _Mapping]] = ..., adapters: _Optional[_Iterable[_Union[AdapterLoad, _Mapping]]] = ..., max_loras: _Optional[int] = ...) -> None: ...
+    kv_tiers: KVTierStatus
+    def __init__(self, is_serving: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., num_free_gpu_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., num_free_cpu_blocks: _Optional[int] = ..., kv_waste_slots: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_swapped_out_blocks: _Optional[int] = ..., num_swapped_in_blocks: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_generation_tokens: _Optional[int] = ..., uptime_s: _Optional[float] = ..., spec_decode: _Optional[_Union[SpecDecodeStatus, _Mapping]] = ..., adapters: _Optional[_Iterable[_Union[AdapterLoad, _Mapping]]] = ..., max_loras: _Optional[int] = ..., kv_tiers: _Optional[_Union[KVTierStatus, _Mapping]] = ...) -> None: ...
+
+class KVTierStatus(_message.Message):
+    __slots__ = ("gpu_hit_tokens", "cpu_hit_tokens", "disk_hit_tokens", "gpu_to_cpu_bytes", "cpu_to_gpu_bytes", "cpu_to_disk_bytes", "disk_to_cpu_bytes", "num_cpu_cached_blocks", "num_disk_blocks", "num_disk_cached_blocks", "num_dropped_loads", "num_restored_disk_blocks")
+    GPU_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CPU_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DISK_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GPU_TO_CPU_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CPU_TO_GPU_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CPU_TO_DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_TO_CPU_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_CPU_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DISK_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DROPPED_LOADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RESTORED_DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    gpu_hit_tokens: int
+    cpu_hit_tokens: int
+    disk_hit_tokens: int
+    gpu_to_cpu_bytes: int
+    cpu_to_gpu_bytes: int
+    cpu_to_disk_bytes: int
+    disk_to_cpu_bytes: int
+    num_cpu_cached_blocks: int
+    num_disk_blocks: int
+    num_disk_cached_blocks: int
+    num_dropped_loads: int
+    num_restored_disk_blocks: int
+    def __init__(self, gpu_hit_tokens: _Optional[int] = ..., cpu_hit_tokens: _Optional[int] = ..., disk_hit_tokens: _Optional[int] = ..., gpu_to_cpu_bytes: _Optional[int] = ..., cpu_to_gpu_bytes: _Optional[int] = ..., cpu_to_disk_bytes: _Optional[int] = ..., disk_to_cpu_bytes: _Optional[int] = ..., num_cpu_cached_blocks: _Optional[int] = ..., num_disk_blocks: _Optional[int] = ..., num_disk_cached_blocks: _Optional[int] = ..., num_dropped_loads: _Optional[int] = ..., num_restored_disk_blocks: _Optional[int] = ...) -> None: ...
 
 class SpecDecodeStatus(_message.Message):
     __slots__ = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position", "drafts_off_at")

@@ -1,0 +1,57 @@
+"""Checks of the KV tiers' settings (vLLM's flag names): ``kv_offloading_size`` GiB of host
+memory keep evicted prefix-cache blocks (the CPU tier), ``kv_offloading_backend`` "native"
+(vLLM's name for it: the only backend), ``kv_offloading_dir`` and ``kv_offloading_disk_size``
+GiB the disk tier behind it. Sizes are over every tensor-parallel rank together, as vLLM's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+KV_OFFLOADING_BACKENDS = ("native",)
+
+
+def check_kv_offloading(config, bad: Callable[[str, str], ValueError]) -> None:
+    """Raises ``bad(field, why)`` for the first KV-tier setting that cannot work."""
+    size = config.kv_offloading_size
+    if size is not None and (not _is_number(size) or size < 0):
+        raise bad("kv_offloading_size", "must be a number of GiB >= 0 (0 or None: no CPU tier)")
+    backend = config.kv_offloading_backend
+    if backend is not None and backend not in KV_OFFLOADING_BACKENDS:
+        raise bad(
+            "kv_offloading_backend",
+            "must be 'native' (pagedd keeps the tiers in its own block manager; LMCache is "
+            "not supported)",
+        )
+    if backend is not None and not size:
+        raise bad("kv_offloading_backend", "needs kv_offloading_size (GiB of the CPU tier)")
+    if size and not config.enable_prefix_caching:
+        raise bad(
+            "kv_offloading_size",
+            "keeps evicted prefix-cache blocks: it needs enable_prefix_caching",
+        )
+    directory, disk_size = config.kv_offloading_dir, config.kv_offloading_disk_size
+    if disk_size is not None and (not _is_number(disk_size) or disk_size <= 0):
+        raise bad("kv_offloading_disk_size", "must be a positive number of GiB")
+    if directory is not None and not isinstance(directory, str):
+        raise bad("kv_offloading_dir", "must be a directory path")
+    if directory == "":
+        raise bad("kv_offloading_dir", "must be a directory path, not empty")
+    if directory and disk_size is None:
+        raise bad("kv_offloading_dir", "needs kv_offloading_disk_size (GiB of the disk tier)")
+    if disk_size is not None and not directory:
+        raise bad("kv_offloading_disk_size", "needs kv_offloading_dir (where the disk tier is)")
+    if directory and not size:
+        raise bad(
+            "kv_offloading_dir",
+            "the disk tier sits behind the CPU tier: it needs kv_offloading_size",
+        )
+    if directory and config.calculate_kv_scales:
+        raise bad(
+            "kv_offloading_dir",
+            "cannot keep an FP8 cache whose scales are measured anew each run "
+            "(calculate_kv_scales): a restarted daemon would read its blocks with other scales",
+        )
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
