@@ -65,8 +65,10 @@ def _plain_fields(message) -> dict:
         if f.message_type is not None and not f.is_repeated:
             if not message.HasField(f.name):
                 continue  # the feature is off (speculative decoding, KV tiers)
-            value = {  # every field, zeros included (a counter at 0 says something)
-                g.name: _plain_value(g, getattr(value, g.name)) for g in value.DESCRIPTOR.fields
+            value = {  # zeros included (a counter at 0 says something), unset optionals not
+                g.name: _plain_value(g, getattr(value, g.name))
+                for g in value.DESCRIPTOR.fields
+                if not (g.has_presence and not value.HasField(g.name))
             }
         else:
             value = _plain_value(f, value)
