@@ -12,6 +12,7 @@ MAX_N = 256
 MAX_ABS_LENGTH_PENALTY = 10.0
 
 _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+REASONING_END_MAX_GAP = 20  # tokens between reasoning_end and its suffix (a channel header)
 
 
 @dataclass
@@ -30,6 +31,18 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    # Reasoning models: the grammar applies to the answer, not the reasoning before it. With
+    # ``reasoning_end`` (token ids, e.g. those of "</think>") the sequence samples freely until
+    # they appear in its output, and the grammar reads the tokens after them; with
+    # ``reasoning_end_suffix`` too, after that suffix when it follows within
+    # REASONING_END_MAX_GAP tokens (gpt-oss: "<|channel|>final", header tokens, "<|message|>").
+    # With ``reasoning_start`` (Qwen3's "<think>", which the model may leave out) the first
+    # token may be its first id or one the grammar allows: the first means reasoning until
+    # ``reasoning_end``, anything else an answer under the grammar from the first token.
+    # The chat front ends set them from the daemon's --reasoning-parser.
+    reasoning_end: tuple[int, ...] | None = None
+    reasoning_end_suffix: tuple[int, ...] | None = None
+    reasoning_start: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.choice is not None:
@@ -50,6 +63,19 @@ class StructuredOutputsParams:
             not self.choice or any(not isinstance(c, str) or not c for c in self.choice)
         ):
             raise ValueError("StructuredOutputsParams.choice must be a list of non-empty strings")
+        for name in ("reasoning_end", "reasoning_end_suffix", "reasoning_start"):
+            ids = getattr(self, name)
+            if ids is None:
+                continue
+            ids = tuple(ids)
+            if not ids or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
+                raise ValueError(
+                    f"StructuredOutputsParams.{name} must be a non-empty sequence of token ids"
+                )
+            setattr(self, name, ids)
+        for name in ("reasoning_end_suffix", "reasoning_start"):
+            if getattr(self, name) is not None and self.reasoning_end is None:
+                raise ValueError(f"StructuredOutputsParams.{name} needs reasoning_end")
 
     @property
     def kind(self) -> str:
@@ -101,6 +127,9 @@ class SamplingParams:
     # OpenAI's logit_bias: token id -> a value added to its logit before sampling (clamped to
     # [-100, 100], as vLLM does); logprobs stay those of the raw logits.
     logit_bias: dict[int, float] | None = None
+    # Special tokens (an EOS, chat markers) left out of the text; False keeps them (a harmony
+    # model's channels are special tokens that its parser reads).
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

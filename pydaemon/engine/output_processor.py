@@ -121,7 +121,9 @@ class OutputProcessor:
         if seq is None:
             detokenizer = None
             if self.tokenizer is not None and not state.params.is_beam_search:
-                detokenizer = IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids)
+                detokenizer = IncrementalDetokenizer(
+                    self.tokenizer, state.prompt_token_ids, state.params.skip_special_tokens
+                )
             seq = state.seqs[out.index] = _SeqState(out.index, detokenizer)
             if state.params.logprobs is not None:
                 seq.logprobs = []
@@ -132,7 +134,9 @@ class OutputProcessor:
             seq.token_ids = list(out.new_token_ids)
             seq.finish_reason = out.finish_reason
             if self.tokenizer is not None:
-                seq.text = self.tokenizer.decode(seq.token_ids)
+                seq.text = self.tokenizer.decode(
+                    seq.token_ids, skip_special_tokens=state.params.skip_special_tokens
+                )
             return False
         if seq.logprobs is not None and out.new_logprobs is not None:
             seq.logprobs.extend(out.new_logprobs)

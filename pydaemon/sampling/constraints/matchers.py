@@ -18,6 +18,12 @@ sequence with reason "stop" unless ``ignore_eos``) leaves the row unconstrained 
 sequence whose tokens the grammar rejected, or whose grammar allows no token of this
 vocabulary, may only end (its stop tokens), with a warning, so that it never runs on
 unconstrained.
+
+A reasoning model's grammar starts after its reasoning (``StructuredOutputsParams.
+reasoning_end``): until the end marker is in the output the row is unconstrained and the
+matcher reads nothing; the tokens after the marker are the grammar's input. With
+``reasoning_start`` the first row allows the grammar's tokens and the start marker's first
+id: the sequence's first token decides whether it reasons first or answers at once.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import numpy as np
 import xgrammar as xgr
 
 from pydaemon.sampling.constraints.compiler import GrammarCompiler
-from pydaemon.sampling_params import StructuredOutputsParams
+from pydaemon.sampling_params import REASONING_END_MAX_GAP, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +65,9 @@ class _SeqMatcher:
     matcher: xgr.GrammarMatcher
     num_accepted: int = 0  # output tokens the matcher has seen
     is_rejected: bool = False  # a token the grammar did not allow, or nothing allowed
+    in_reasoning: bool = False  # the reasoning has not ended: the grammar has not started
+    undecided: bool = False  # no token yet; the first says whether the reasoning comes first
+    searched: int = 0  # output tokens already searched for the reasoning's end
 
 
 @dataclass
@@ -99,7 +108,9 @@ class GrammarMatchers:
         for i, row in enumerate(rows):
             entry = self._advance(row)
             entries.append(entry)
-            if entry.is_rejected:
+            if entry.in_reasoning and not entry.undecided:
+                array[i] = -1  # the reasoning is free; the grammar is for the answer
+            elif entry.is_rejected:
                 array[i] = self._stop_only
             elif entry.matcher.is_terminated():
                 array[i] = -1  # done: the row is not constrained any more
@@ -117,6 +128,10 @@ class GrammarMatchers:
                 )
                 entries[i].is_rejected = True
                 array[i] = self._stop_only
+            for i in indices:
+                if entries[i].undecided:  # or the reasoning's start
+                    t = rows[i].spec.reasoning_start[0]
+                    array[i, t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
         stats = self.stats
         stats.num_steps += 1
         stats.num_rows += len(rows)
@@ -128,14 +143,28 @@ class GrammarMatchers:
         entry = self._matchers.get(row.seq_id)
         if entry is None:
             entry = _SeqMatcher(xgr.GrammarMatcher(self.compiler.get(row.spec)))
+            entry.in_reasoning = row.spec.reasoning_end is not None
+            entry.undecided = row.spec.reasoning_start is not None
             self._matchers[row.seq_id] = entry
             self._request_seqs.setdefault(row.request_id, []).append(row.seq_id)
-        tokens = row.output_token_ids[entry.num_accepted :]
-        if tokens and tokens[-1] < 0:
+        output = row.output_token_ids
+        if output and output[-1] < 0:
             raise RuntimeError(
                 f"request {row.request_id}: its bitmask was asked for before the previous "
                 "step's token reached the host"
             )
+        if entry.undecided:
+            if not output:
+                return entry
+            entry.undecided = False
+            entry.in_reasoning = output[0] == row.spec.reasoning_start[0]
+        if entry.in_reasoning:
+            start = _answer_start(output, row.spec, entry)
+            if start is None:
+                return entry
+            entry.in_reasoning = False
+            entry.num_accepted = start
+        tokens = output[entry.num_accepted :]
         entry.num_accepted += len(tokens)
         matcher = entry.matcher
         for token_id in tokens:
@@ -149,3 +178,25 @@ class GrammarMatchers:
                 )
                 entry.is_rejected = True
         return entry
+
+
+def _answer_start(output: list[int], spec: StructuredOutputsParams, entry: _SeqMatcher):
+    """Where the answer starts in ``output`` (just after the reasoning's end marker), None
+    while the reasoning goes on; ``entry.searched`` keeps the scan linear over the steps."""
+    end = list(spec.reasoning_end)
+    suffix = list(spec.reasoning_end_suffix or ())
+    for i in range(entry.searched, len(output) - len(end) + 1):
+        if output[i : i + len(end)] != end:
+            continue
+        after = i + len(end)
+        if not suffix:
+            return after
+        last = min(len(output) - len(suffix), after + REASONING_END_MAX_GAP)
+        for j in range(after, last + 1):
+            if output[j : j + len(suffix)] == suffix:
+                return j + len(suffix)
+        if len(output) - len(suffix) < after + REASONING_END_MAX_GAP:
+            entry.searched = i  # the suffix may still come after this marker
+            return None
+    entry.searched = max(entry.searched, len(output) - len(end) + 1)
+    return None
