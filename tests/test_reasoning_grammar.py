@@ -8,13 +8,23 @@ import re
 
 import pytest
 import torch
-from test_constraints import _mask, _matchers, _walk, demo_compiler  # noqa: F401
+from test_constraints import _mask, _matchers, _walk
 
 from pydaemon.entrypoints.llm import LLM
+from pydaemon.model_loader.demo_model import demo_model_dir
+from pydaemon.sampling.constraints.compiler import GrammarCompiler
 from pydaemon.sampling_params import REASONING_END_MAX_GAP, SamplingParams
 from pydaemon.sampling_params import StructuredOutputsParams as SO
+from pydaemon.tokenizer.loader import load_tokenizer
+from pydaemon.tokenizer.token_bytes import token_bytes
 
 END = (300, 301)  # two ids standing for "</think>"
+
+
+@pytest.fixture(scope="module")
+def demo_compiler():
+    tok = load_tokenizer(demo_model_dir())
+    return tok, GrammarCompiler(token_bytes(tok), 520, sorted(tok.eos_token_ids))
 
 
 def _free(matchers, seq_id, spec) -> bool:

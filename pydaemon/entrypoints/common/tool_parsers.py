@@ -5,7 +5,10 @@ Named as vLLM's ``--tool-call-parser`` values:
   blocks, any number, after optional content;
 - ``llama3_json`` (Llama 3.1+): the output is one JSON object (or several joined by ``;``)
   ``{"name": ..., "parameters": {...}}``, optionally after ``<|python_tag|>``;
-- ``mistral``: ``[TOOL_CALLS]`` then a JSON list of ``{"name": ..., "arguments": {...}}``.
+- ``mistral``: ``[TOOL_CALLS]`` then a JSON list of ``{"name": ..., "arguments": {...}}``;
+- ``openai`` (gpt-oss, harmony): commentary messages to ``functions.NAME`` whose body is the
+  arguments' JSON, as the ``openai_gptoss`` reasoning parser leaves them in the content
+  (``<|channel|>commentary to=functions.NAME<|message|>{...}<|call|>``).
 ``detect_tool_call_parser`` picks one from a chat template. Text that looks like a call but
 does not parse stays content. Streaming holds back only text that may start a call: content
 streams as it comes, calls arrive whole (id, name and the JSON arguments) once complete.
@@ -143,12 +146,40 @@ class MistralToolParser(ToolParser):
         return ParsedOutput(content or None, calls)
 
 
+class HarmonyToolParser(ToolParser):
+    name = "openai"
+    start_marker = "<|channel|>commentary to=functions."
+    _CALL = re.compile(
+        r"<\|channel\|>commentary to=functions\.([^<\s]+)<\|message\|>(.*?)(?:<\|call\|>|$)",
+        re.DOTALL,
+    )
+
+    def parse(self, text: str) -> ParsedOutput:
+        start = text.find(self.start_marker)
+        if start < 0:
+            return ParsedOutput(text, [])
+        calls = []
+        for name, body in self._CALL.findall(text[start:]):
+            try:
+                arguments = json.loads(body) if body.strip() else {}
+            except json.JSONDecodeError:
+                return ParsedOutput(text, [])
+            if not isinstance(arguments, dict):
+                return ParsedOutput(text, [])
+            calls.append(ToolCall(name, json.dumps(arguments, ensure_ascii=False)))
+        if not calls:
+            return ParsedOutput(text, [])
+        content = text[:start].strip()
+        return ParsedOutput(content or None, calls)
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "qwen": HermesToolParser,  # Qwen's format is Hermes'
     "llama3_json": Llama3JsonToolParser,
     "llama4_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
+    "openai": HarmonyToolParser,
 }
 
 
@@ -166,6 +197,8 @@ def detect_tool_call_parser(chat_template: str | None) -> str | None:
     """The parser a chat template's tool-call syntax calls for, None if it has none."""
     if not chat_template or "tool" not in chat_template:
         return None
+    if "<|channel|>" in chat_template and "functions." in chat_template:
+        return "openai"
     if "<tool_call>" in chat_template:
         return "hermes"
     if "[TOOL_CALLS]" in chat_template:

@@ -24,6 +24,7 @@ from pydaemon import heap_freeze
 from pydaemon.engine.engine_client import EngineClient
 from pydaemon.entrypoints.common.lora_adapters import LoRAAdapters, LoRAOptions
 from pydaemon.entrypoints.common.metrics import Metrics
+from pydaemon.entrypoints.common.reasoning_parsers import get_reasoning_parser
 from pydaemon.entrypoints.common.tool_parsers import get_tool_parser
 from pydaemon.entrypoints.daemon.fd_limits import (
     connection_budget,
@@ -84,6 +85,8 @@ class ServerOptions:
             raise ValueError("tls_cert and tls_key must be given together")
         if self.serving.tool_call_parser is not None:
             get_tool_parser(self.serving.tool_call_parser)  # ValueError naming the known ones
+        if self.serving.reasoning_parser is not None:
+            get_reasoning_parser(self.serving.reasoning_parser)
         if self.grace_period_s < 0:
             raise ValueError(f"grace_period_s must be >= 0 (got {self.grace_period_s})")
 
@@ -251,6 +254,7 @@ class PageddServer:
             parse_special_tokens_in_chat=o.serving.parse_special_tokens_in_chat,
             max_body_bytes=o.max_message_bytes,
             tool_call_parser=o.serving.tool_call_parser,
+            reasoning_parser=o.serving.reasoning_parser,
         )
         async_engine = self.async_engine
         self.http = HttpServer(

@@ -197,7 +197,14 @@ SERVER_FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
         str,
         None,
         "how tool calls are read from chat outputs with tool_choice auto: hermes (also Qwen), "
-        "llama3_json, mistral (default: from the chat template's syntax)",
+        "llama3_json, mistral, openai (gpt-oss) (default: from the chat template's syntax)",
+    ),
+    (
+        "--reasoning-parser",
+        str,
+        None,
+        "splits chat outputs into reasoning_content and content: deepseek_r1, qwen3, "
+        "openai_gptoss (default: openai_gptoss for a harmony chat template, else none)",
     ),
 )
 
@@ -347,6 +354,7 @@ def resolve(args: argparse.Namespace) -> tuple[dict[str, Any], ServerOptions, st
         max_queued_requests=values["max_queued_requests"],
         stall_timeout_s=values["stall_timeout"],
         tool_call_parser=values["tool_call_parser"],
+        reasoning_parser=values["reasoning_parser"],
         parse_special_tokens_in_chat=values["parse_special_tokens_in_chat"],
     )
     options = ServerOptions(

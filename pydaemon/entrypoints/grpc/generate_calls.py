@@ -22,6 +22,11 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from pydaemon.engine.engine_client import EngineClient, EngineCoreDiedError, EngineDeadError
+from pydaemon.entrypoints.common.reasoning_parsers import (
+    apply_reasoning,
+    chat_reasoning_parser,
+    prompt_tail,
+)
 from pydaemon.entrypoints.grpc.admission import admit, check_chat_size, render_chat
 from pydaemon.entrypoints.grpc.frames import RequestAccount, error_frame
 from pydaemon.entrypoints.grpc.validation import EngineArgs, RequestInvalid, check_request_id
@@ -253,6 +258,17 @@ class GenerateCalls:
         args.lora_request = self.lora_request_for(start.adapter)
         return args
 
+    def _reasoning(self, account: RequestAccount, args: EngineArgs) -> None:
+        """A chat request on a reasoning model: the account splits the outputs, the constraint
+        waits for the answer (--reasoning-parser, or the harmony template's own)."""
+        tokenizer = self.engine.tokenizer
+        parser = chat_reasoning_parser(self.options.reasoning_parser, tokenizer)
+        if parser is None or not isinstance(args.prompt, list):
+            return
+        account.reasoning_parser = parser
+        account.prompt_tail = prompt_tail(tokenizer, args.prompt)
+        apply_reasoning(args.params, parser, tokenizer, account.prompt_tail)
+
     def _cancel(self, live: _Live, reason: int) -> None:
         if live.cancel_reason is None:
             live.cancel_reason = reason
@@ -270,6 +286,7 @@ class GenerateCalls:
                 )
                 args = self._admit(rendered)
                 args.tool_parser = account.tool_parser = tool_parser
+                self._reasoning(account, args)
                 account.num_sequences = args.params.n
                 self._arm_time_limit(live, args)
             async for output in self.engine.generate(args.engine_request(live.engine_request_id)):

@@ -29,6 +29,7 @@ class ServingOptions:
     max_queued_requests: int = 1024  # beyond this many unscheduled sequences: RESOURCE_EXHAUSTED
     stall_timeout_s: float = 30.0  # a client not reading this long has its requests aborted
     tool_call_parser: str | None = None  # vLLM's names; None: from the chat template
+    reasoning_parser: str | None = None  # vLLM's names; None: harmony templates' own, or none
     status_timeout_s: float = 5.0  # GetServerStatus waits this long for the core's stats
     # Special-token text in chat messages parsed as control tokens (role injection): off.
     parse_special_tokens_in_chat: bool = False

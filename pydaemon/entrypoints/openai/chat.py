@@ -5,7 +5,9 @@ the rendered prompt is tokenized without an added BOS, since templates write the
 With ``tools``, the template renders them (unless tool_choice is "none") and the output's tool
 calls come back as ``tool_calls`` with finish_reason "tool_calls": enforced by a constraint
 for tool_choice "required" or a named function, read by the tool-call parser (the daemon's
-``--tool-call-parser``, else the one the template's syntax calls for) for "auto".
+``--tool-call-parser``, else the one the template's syntax calls for) for "auto". With a
+reasoning parser (``--reasoning-parser``; harmony templates bring their own) the reasoning comes
+apart as ``reasoning``/``reasoning_content``, and a constraint applies to the answer after it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,13 @@ import uuid
 
 from aiohttp import web
 
+from pydaemon.entrypoints.common.reasoning_parsers import (
+    ReasoningParser,
+    ReasoningStream,
+    apply_reasoning,
+    chat_reasoning_parser,
+    prompt_tail,
+)
 from pydaemon.entrypoints.common.token_texts import TokenTexts
 from pydaemon.entrypoints.common.tool_choice import chat_tool_parser, messages_for_template
 from pydaemon.entrypoints.common.tool_parsers import (
@@ -70,6 +79,9 @@ async def create_chat_completion(
     params = body.sampling_params(
         max_tokens, body.engine_logprobs, defaults=serving.model.generation_defaults
     )
+    reasoning = chat_reasoning_parser(serving.options.reasoning_parser, serving.tokenizer)
+    tail = prompt_tail(serving.tokenizer, prompt.token_ids) if reasoning is not None else ""
+    params = apply_reasoning(params, reasoning, serving.tokenizer, tail)
     formatter = ChatFormatter(
         f"chatcmpl-{uuid.uuid4().hex}",
         serving.model_name(lora_request),
@@ -77,6 +89,8 @@ async def create_chat_completion(
         prompt,
         body,
         tool_parser,
+        reasoning,
+        tail,
     )
     return await respond(
         serving,
@@ -112,6 +126,8 @@ class ChatFormatter:
         prompt: EnginePrompt,
         body: ChatCompletionRequest,
         tool_parser: ToolParser | None = None,
+        reasoning_parser: ReasoningParser | None = None,
+        prompt_tail: str = "",
     ) -> None:
         self.request_id = request_id
         self.model = model
@@ -125,6 +141,9 @@ class ChatFormatter:
         self._templates: dict[int, ChunkTemplate] = {}  # choice index -> its text-chunk template
         self._tool_parser = tool_parser
         self._tool_streams: dict[int, StreamingToolParser] = {}  # choice index -> its parser
+        self._reasoning_parser = reasoning_parser
+        self._prompt_tail = prompt_tail  # the rendered prompt's end: did it open the reasoning?
+        self._reasoning_streams: dict[int, ReasoningStream] = {}  # choice index -> its stream
         self._return_token_ids = body.return_token_ids
         # Without return_token_ids the fields are left out, not written as null.
         self._exclude = (
@@ -189,8 +208,8 @@ class ChatFormatter:
         return chunks
 
     def delta_chunks(self, deltas: list[ChoiceDelta], acc: Accumulator) -> list[str]:
-        if self._tool_parser is not None:
-            return self._tool_delta_chunks(deltas, acc)
+        if self._tool_parser is not None or self._reasoning_parser is not None:
+            return self._parsed_delta_chunks(deltas, acc)
         chunks = []
         for d in deltas:
             out = d.output
@@ -217,34 +236,59 @@ class ChatFormatter:
             chunks.append(self._chunk([choice], self._usage(acc, d.choice)))
         return chunks
 
-    def _tool_delta_chunks(self, deltas: list[ChoiceDelta], acc: Accumulator) -> list[str]:
-        """Content streams until a tool call may start; the calls come whole at the end."""
+    def _parsed_delta_chunks(self, deltas: list[ChoiceDelta], acc: Accumulator) -> list[str]:
+        """The reasoning apart from the content; content streams until a tool call may start,
+        the calls come whole at the end."""
         chunks = []
         for d in deltas:
-            out = d.output
-            stream = self._tool_streams.get(d.choice.index)
-            if stream is None:
-                stream = StreamingToolParser(self._tool_parser)
-                self._tool_streams[d.choice.index] = stream
-            content = stream.feed(out.text)
+            out, index = d.output, d.choice.index
+            reasoning, content = self._split_reasoning(index, out.text, out.finish_reason)
             calls: list[ToolCall] = []
-            if out.finish_reason is not None:
-                rest, calls = stream.finish()
-                content += rest
-            elif not content and not self._return_token_ids and not self._continuous_usage:
+            if self._tool_parser is not None:
+                stream = self._tool_streams.get(index)
+                if stream is None:
+                    stream = self._tool_streams[index] = StreamingToolParser(self._tool_parser)
+                content = stream.feed(content)
+                if out.finish_reason is not None:
+                    rest, calls = stream.finish()
+                    content += rest
+            logprobs = None
+            if self.has_logprobs and out.logprobs:
+                logprobs = chat_logprobs(
+                    d.choice.texts, out.token_ids, out.logprobs, self.top_logprobs
+                )
+            quiet = not (content or reasoning or logprobs or out.finish_reason is not None)
+            if quiet and not self._return_token_ids and not self._continuous_usage:
                 continue
             choice = ChatChunkChoice(
-                index=d.choice.index,
+                index=index,
                 delta=DeltaMessage(
                     content=content or None,
+                    reasoning=reasoning or None,
+                    reasoning_content=reasoning or None,
                     tool_calls=[{"index": k, **c.to_openai()} for k, c in enumerate(calls)] or None,
                 ),
+                logprobs=logprobs,
                 finish_reason=_finish_reason(out.finish_reason, calls),
                 stop_reason=out.stop_reason,
                 token_ids=out.token_ids,
             )
             chunks.append(self._chunk([choice], self._usage(acc, d.choice)))
         return chunks
+
+    def _split_reasoning(self, index: int, text: str, finish_reason) -> tuple[str, str]:
+        """-> (reasoning, content) of a choice's new text (all content without a parser)."""
+        if self._reasoning_parser is None:
+            return "", text
+        stream = self._reasoning_streams.get(index)
+        if stream is None:
+            stream = self._reasoning_parser.stream(self._prompt_tail)
+            self._reasoning_streams[index] = stream
+        reasoning, content = stream.feed(text)
+        if finish_reason is not None:
+            more_reasoning, more_content = stream.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        return reasoning, content
 
     def abort_chunks(self, choices: list[ChoiceState]) -> list[str]:
         return [
@@ -264,14 +308,21 @@ class ChatFormatter:
             if self.has_logprobs:
                 texts = TokenTexts(self._tokenizer, self._prompt.token_ids)
                 logprobs = chat_logprobs(texts, c.token_ids, c.positions, self.top_logprobs)
-            content, calls = c.text, []
-            if self._tool_parser is not None:
-                parsed = self._tool_parser.parse(c.text)
+            content, calls, reasoning = c.text, [], None
+            if self._reasoning_parser is not None:
+                split = self._reasoning_parser.split(c.text, self._prompt_tail)
+                content, reasoning = split.content, split.reasoning
+            if self._tool_parser is not None and content is not None:
+                parsed = self._tool_parser.parse(content)
                 content, calls = parsed.content, parsed.tool_calls
             if self.echo:
                 content = self.echo + (content or "")
             message = ChatResponseMessage(
-                role=self.role, content=content, tool_calls=[t.to_openai() for t in calls] or None
+                role=self.role,
+                content=content,
+                reasoning=reasoning,
+                reasoning_content=reasoning,
+                tool_calls=[t.to_openai() for t in calls] or None,
             )
             choices.append(
                 ChatChoice(

@@ -2,13 +2,16 @@
 
 ``finish_reason`` is "stop", "length" or "abort" (vLLM's value for a request ended by the
 server); ``stop_reason`` (vLLM's extra) is the stop string or token id that matched.
+A reasoning model's reasoning (--reasoning-parser) is in ``reasoning`` (vLLM's current name)
+and ``reasoning_content`` (the name DeepSeek's API and older clients read); both are left out
+when there is none.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, model_serializer
 
 
 class PromptTokensDetails(BaseModel):
@@ -83,7 +86,20 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
-class ChatResponseMessage(BaseModel):
+class _ReasoningFields(BaseModel):
+    reasoning: str | None = None
+    reasoning_content: str | None = None  # the same text, under the older name
+
+    @model_serializer(mode="wrap")
+    def _without_empty_reasoning(self, handler):
+        data = handler(self)
+        if self.reasoning is None:
+            data.pop("reasoning", None)
+            data.pop("reasoning_content", None)
+        return data
+
+
+class ChatResponseMessage(_ReasoningFields):
     role: str = "assistant"  # or the continued message's (continue_final_message)
     content: str | None
     tool_calls: list[dict[str, Any]] | None = None  # {"id", "type": "function", "function"}
@@ -109,7 +125,7 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: list[dict[str, Any] | None] | None = None  # as CompletionChoice's
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(_ReasoningFields):
     role: str | None = None
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # whole calls, each with its "index"

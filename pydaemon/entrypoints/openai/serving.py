@@ -64,6 +64,7 @@ class HttpOptions:
     parse_special_tokens_in_chat: bool = False
     max_body_bytes: int = 16 * 1024 * 1024
     tool_call_parser: str | None = None  # vLLM's names; None: the chat template's syntax
+    reasoning_parser: str | None = None  # vLLM's names; None: harmony templates' own, or none
 
 
 @dataclass(eq=False)

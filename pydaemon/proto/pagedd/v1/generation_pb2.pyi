@@ -230,18 +230,22 @@ class TopLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., text: _Optional[str] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
-    __slots__ = ("index", "token_ids", "text", "logprobs", "cumulative_logprob")
+    __slots__ = ("index", "token_ids", "text", "logprobs", "cumulative_logprob", "reasoning", "content")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     CUMULATIVE_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     cumulative_logprob: float
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., cumulative_logprob: _Optional[float] = ...) -> None: ...
+    reasoning: str
+    content: str
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., cumulative_logprob: _Optional[float] = ..., reasoning: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
@@ -264,7 +268,7 @@ class Timings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., time_to_first_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class Finished(_message.Message):
-    __slots__ = ("finish_reason", "sequence_finish_reasons", "usage", "timings", "stop_reason", "abort_reason", "tool_calls")
+    __slots__ = ("finish_reason", "sequence_finish_reasons", "usage", "timings", "stop_reason", "abort_reason", "tool_calls", "reasoning")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FINISH_REASONS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +276,7 @@ class Finished(_message.Message):
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     ABORT_REASON_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     sequence_finish_reasons: _containers.RepeatedScalarFieldContainer[FinishReason]
     usage: Usage
@@ -279,7 +284,18 @@ class Finished(_message.Message):
     stop_reason: str
     abort_reason: str
     tool_calls: _containers.RepeatedCompositeFieldContainer[SequenceToolCalls]
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., sequence_finish_reasons: _Optional[_Iterable[_Union[FinishReason, str]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., stop_reason: _Optional[str] = ..., abort_reason: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[SequenceToolCalls, _Mapping]]] = ...) -> None: ...
+    reasoning: _containers.RepeatedCompositeFieldContainer[SequenceReasoning]
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., sequence_finish_reasons: _Optional[_Iterable[_Union[FinishReason, str]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., stop_reason: _Optional[str] = ..., abort_reason: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[SequenceToolCalls, _Mapping]]] = ..., reasoning: _Optional[_Iterable[_Union[SequenceReasoning, _Mapping]]] = ...) -> None: ...
+
+class SequenceReasoning(_message.Message):
+    __slots__ = ("index", "reasoning", "content")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    reasoning: str
+    content: str
+    def __init__(self, index: _Optional[int] = ..., reasoning: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class RequestError(_message.Message):
     __slots__ = ("code", "message")
