@@ -121,7 +121,7 @@ def test_grpc_account_of_a_harmony_chat_with_a_tool_call():
     )
     cuts = [0, 5, 17, 40, 41, 90, 120, len(text)]
     deltas = []
-    for k, (a, b) in enumerate(zip(cuts, cuts[1:])):
+    for k, (a, b) in enumerate(zip(cuts[:-1], cuts[1:], strict=True)):
         finish = "stop" if b == len(text) else None
         out = CompletionOutput(0, [k], text[a:b], finish_reason=finish)
         for frame in account.frames(RequestOutput("a", None, [1], [out], finished=bool(finish))):
