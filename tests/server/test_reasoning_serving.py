@@ -76,7 +76,11 @@ def test_the_schema_applies_to_the_answer_after_the_reasoning(served, stream):
     if not stream:
         r = client.chat.completions.create(**kwargs)
         message = r.choices[0].message
-        reasoning, content, finish = _reasoning(message), message.content, r.choices[0].finish_reason
+        reasoning, content, finish = (
+            _reasoning(message),
+            message.content,
+            r.choices[0].finish_reason,
+        )
     else:
         reasoning, content, finish = None, "", None
         for chunk in client.chat.completions.create(stream=True, **kwargs):
