@@ -135,3 +135,24 @@ def test_an_unknown_parser_is_refused_at_start_up():
 
     with pytest.raises(ValueError, match="unknown reasoning parser 'r3'"):
         ServerOptions(serving=ServingOptions(reasoning_parser="r3"))
+
+
+def test_cli_chat_prints_the_answer_on_stdout_and_the_thinking_on_stderr(served):
+    import io
+
+    from pydaemon.entrypoints.cli import build_parser
+    from pydaemon.entrypoints.grpc.client import run_generate
+
+    st, client, model, end_id = served
+    argv = ["generate", "--server", st.address, "--chat", "--max-tokens", "6",
+            "--temperature", "0", "Pick a digit."]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    out, err = io.StringIO(), io.StringIO()
+    assert run_generate(args, out, err) == 0
+    r = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=6, temperature=0)
+    reasoning = _reasoning(r.choices[0].message)
+    if r.choices[0].message.content is None:  # cut while thinking: all of it on stderr
+        assert out.getvalue().strip() == "" and err.getvalue().startswith(reasoning)
+    else:
+        assert out.getvalue().strip() == r.choices[0].message.content.strip()
+        assert reasoning is None or err.getvalue().startswith(reasoning)

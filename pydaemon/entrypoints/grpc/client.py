@@ -172,8 +172,7 @@ def run_generate(args: argparse.Namespace, out=sys.stdout, err=sys.stderr) -> in
                 if event == "delta":
                     texts.setdefault(frame.delta.index, []).append(frame.delta.text)
                     if n == 1:
-                        out.write(frame.delta.text)
-                        out.flush()
+                        _write_delta(frame.delta, out, err)
                     logprobs += [
                         _logprob_line(frame.delta.index, n, lp) for lp in frame.delta.logprobs
                     ]
@@ -193,6 +192,19 @@ def run_generate(args: argparse.Namespace, out=sys.stdout, err=sys.stderr) -> in
             return 130
     print("\nerror: the stream ended without a Finished frame", file=err)
     return 1
+
+
+def _write_delta(delta: pb.TokenDelta, out, err) -> None:
+    """The new text; a reasoning model's thinking (the daemon's --reasoning-parser) goes to
+    stderr, its answer to stdout."""
+    if delta.HasField("content"):
+        if delta.reasoning:
+            err.write(delta.reasoning)
+            err.flush()
+        out.write(delta.content)
+    else:
+        out.write(delta.text)
+    out.flush()
 
 
 def _logprob_line(index: int, n: int, lp: pb.TokenLogprobs) -> str:
@@ -215,7 +227,8 @@ def _print_finished(finished, texts, n, logprobs, out, err) -> None:
             out.write(
                 f"--- sequence {i} ({pb.FinishReason.Name(finished.sequence_finish_reasons[i]).removeprefix('FINISH_REASON_').lower() if i < len(finished.sequence_finish_reasons) else '?'}) ---\n"
             )
-            out.write("".join(texts.get(i, [])) + "\n")
+            answers = {r.index: r.content for r in finished.reasoning}  # a reasoning model's
+            out.write(answers.get(i, "".join(texts.get(i, []))) + "\n")
     else:
         out.write("\n")
     out.flush()

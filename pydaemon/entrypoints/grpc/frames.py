@@ -81,9 +81,9 @@ class RequestAccount:
                 token_ids=seq.token_ids,
                 text=seq.text,
                 cumulative_logprob=seq.cumulative_logprob,
-                reasoning=reasoning,
-                content=content,
             )
+            if self.reasoning_parser is not None:  # set, even empty: the split is on
+                delta.reasoning, delta.content = reasoning, content
             if seq.logprobs:
                 delta.logprobs.extend(self._logprobs(output, seq.index, seq))
             frames.append(pb.GenerateResponse(request_id=self.request_id, delta=delta))
