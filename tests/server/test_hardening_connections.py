@@ -106,3 +106,22 @@ def test_accept_out_of_descriptors_logs_one_line_not_a_storm(tmp_path):
     text = err.read_text()
     assert "cannot accept connections" in text
     assert text.count("Too many open files") <= 2, text[:2000]
+
+
+def test_stopping_the_metrics_server_ends_idle_connections_quietly():
+    """At shutdown the handlers of sockets still waiting for their head end (their reads see
+    the close), so no cancelled handler task is left for the loop to report."""
+
+    async def main():
+        server = MetricsServer(lambda: "up 1\n", "127.0.0.1", 0, max_connections=16)
+        await server.start()
+        idle = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(8)]
+        await asyncio.sleep(0.05)
+        assert server.num_connections == 8
+        await server.stop()
+        left = server.num_connections
+        for _, w in idle:
+            w.close()
+        return left
+
+    assert asyncio.run(main()) == 0

@@ -73,6 +73,12 @@ class MetricsServer:
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
+            for writer in list(self._waiting):  # idle sockets: their handlers end, not cancelled
+                writer.close()
+            for _ in range(100):  # a few loop turns: each closed socket's read ends
+                if not self._waiting:
+                    break
+                await asyncio.sleep(0)
             await self._server.wait_closed()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
