@@ -72,6 +72,13 @@ def _broken(good: Path, out: Path, how: str) -> Path:
     elif how == "header_lies":  # the header's size field points past the file
         data = weights.read_bytes()
         weights.write_bytes(struct.pack("<Q", 10**9) + data[8:])
+    elif how == "huge_header":  # a valid header padded past the bound (a stall for the core)
+        data = weights.read_bytes()
+        (size,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8 : 8 + size])
+        header["__metadata__"] = {"pad": "x" * (20 * 1024 * 1024)}
+        text = json.dumps(header).encode()
+        weights.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + size :])
     elif how == "pissa":  # PEFT's PiSSA init changes the base weights: not servable as LoRA
         config = json.loads((out / "adapter_config.json").read_text())
         config["init_lora_weights"] = "pissa"
@@ -87,6 +94,7 @@ def _broken(good: Path, out: Path, how: str) -> Path:
         ("int", "not floating point"),
         ("wrong_shape", "do not fit the model"),
         ("header_lies", "unreadable adapter_model.safetensors"),
+        ("huge_header", "header is missing, too large"),
         ("pissa", "pissa"),
     ],
 )
