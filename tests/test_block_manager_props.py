@@ -61,6 +61,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def _write(self, seq_id: int, pos: int) -> None:
         block = self.bm.block_table(seq_id)[pos // BLOCK_SIZE]
+        assert block != -1, "a write into a released block"
         self.content[(GPU, block)] = (self.salt[seq_id], tuple(self.tokens[seq_id][: pos + 1]))
 
     def _snapshot(self) -> tuple:
@@ -136,6 +137,23 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), frac=st.floats(0.0, 1.0))
+    def release_before(self, data: st.DataObject, frac: float) -> None:
+        """A sliding window: the blocks wholly before a token go (their entries become -1);
+        prefix-cache hits on them stay exact (the content model keeps what they hold)."""
+        gpu_ids = self._ids(GPU)
+        if not gpu_ids:
+            return
+        seq_id = data.draw(st.sampled_from(gpu_ids))
+        upto = int(frac * len(self.tokens[seq_id]))
+        before = self.bm.num_released_blocks(seq_id)
+        released = self.bm.release_blocks_before(seq_id, upto)
+        after = self.bm.num_released_blocks(seq_id)
+        assert after == max(before, upto // BLOCK_SIZE) and released == after - before
+        table = self.bm.block_table(seq_id)
+        assert table[:after] == [-1] * after and -1 not in table[after:]
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), frac=st.floats(0.0, 1.0))
     def mark_blocks_computed(self, data: st.DataObject, frac: float) -> None:
         gpu_ids = self._ids(GPU)
         if not gpu_ids:
@@ -191,7 +209,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 assert bm.num_tokens(seq_id) == n
                 assert len(table) == -(-n // BLOCK_SIZE)
                 for b in table:
-                    refs[b] += 1
+                    if b != -1:  # a block a sliding window released
+                        refs[b] += 1
             assert [bm.ref_count(b, device) for b in range(total)] == refs
             free = bm.free_block_ids(device)
             assert len(set(free)) == len(free) == bm.num_free_blocks(device)

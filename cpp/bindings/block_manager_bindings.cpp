@@ -109,6 +109,11 @@ void bind_block_manager(nb::module_& m) {
            "Replace the last token's (placeholder) id before its block is marked computed.")
       .def("replace_tail", &BlockManager::replace_tail, "seq_id"_a, "start"_a, "token_ids"_a,
            "Keep start slots, give the next ones token_ids, drop the rest (rejected drafts).")
+      .def("release_blocks_before", &BlockManager::release_blocks_before, "seq_id"_a,
+           "num_tokens"_a,
+           "Sliding windows: release the blocks wholly before token num_tokens (their entries "
+           "become -1); returns how many now.")
+      .def("num_released_blocks", &BlockManager::num_released_blocks, "seq_id"_a)
       .def("fork", &BlockManager::fork, "parent_id"_a, "child_id"_a)
       .def("free", &BlockManager::free, "seq_id"_a)
       .def("mark_blocks_computed", &BlockManager::mark_blocks_computed, "seq_id"_a,

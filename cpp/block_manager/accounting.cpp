@@ -32,6 +32,7 @@ int64_t BlockManager::kv_waste() const {
     if (s.device != Device::GPU) continue;
     const int64_t n = static_cast<int64_t>(s.token_ids.size());
     for (size_t j = 0; j < s.block_table.size(); ++j) {
+      if (s.block_table[j] == kNoBlock) continue;
       const int64_t f = std::min<int64_t>(m.block_size, n - static_cast<int64_t>(j) * m.block_size);
       int32_t& cur = filled[s.block_table[j]];
       cur = std::max<int32_t>(cur, static_cast<int32_t>(f));

@@ -57,7 +57,7 @@ std::vector<BlockId> distinct_blocks(const std::vector<const Sequence*>& group) 
   std::unordered_set<BlockId> seen;
   for (const Sequence* s : group)
     for (BlockId b : s->block_table)
-      if (seen.insert(b).second) out.push_back(b);
+      if (b != kNoBlock && seen.insert(b).second) out.push_back(b);
   return out;
 }
 
@@ -379,9 +379,10 @@ void BlockManager::replace_tail(SeqId seq_id, int64_t start, const std::vector<i
   s.token_ids.resize(new_n);
   const size_t num_blocks = static_cast<size_t>(ceil_div(new_n, m.block_size));
   while (s.block_table.size() > num_blocks) {
-    m.release(Device::GPU, s.block_table.back());
+    if (s.block_table.back() != kNoBlock) m.release(Device::GPU, s.block_table.back());
     s.block_table.pop_back();
   }
+  s.num_released_blocks = std::min<int64_t>(s.num_released_blocks, num_blocks);
 }
 
 void BlockManager::fork(SeqId parent_id, SeqId child_id) {
@@ -391,7 +392,8 @@ void BlockManager::fork(SeqId parent_id, SeqId child_id) {
     throw BlockManagerError("fork: child " + seq_str(child_id) + " already exists");
   Sequence child = parent;
   BlockPool& p = m.pool(child.device);
-  for (BlockId b : child.block_table) p.inc_ref(b);
+  for (BlockId b : child.block_table)
+    if (b != kNoBlock) p.inc_ref(b);
   m.seqs.emplace(child_id, std::move(child));
 }
 
@@ -402,8 +404,35 @@ void BlockManager::free(SeqId seq_id) {
     throw BlockManagerError("free: unknown " + seq_str(seq_id) +
                             " (never allocated or already freed)");
   const Sequence& s = it->second;
-  for (auto b = s.block_table.rbegin(); b != s.block_table.rend(); ++b) m.release(s.device, *b);
+  for (auto b = s.block_table.rbegin(); b != s.block_table.rend(); ++b)
+    if (*b != kNoBlock) m.release(s.device, *b);
   m.seqs.erase(it);
+}
+
+int BlockManager::release_blocks_before(SeqId seq_id, int64_t num_tokens) {
+  Impl& m = *impl_;
+  Sequence& s = m.get(seq_id, "release_blocks_before");
+  if (num_tokens < 0 || num_tokens > static_cast<int64_t>(s.token_ids.size()))
+    throw BlockManagerError("release_blocks_before: num_tokens=" + std::to_string(num_tokens) +
+                            " is outside [0, " + std::to_string(s.token_ids.size()) +
+                            "] for " + seq_str(seq_id));
+  if (s.device != Device::GPU)
+    throw BlockManagerError("release_blocks_before: " + seq_str(seq_id) +
+                            " is swapped out to the CPU");
+  const int64_t upto = num_tokens / m.block_size;
+  if (upto <= s.num_released_blocks) return 0;
+  // Last first, as free() releases: the earlier blocks of a prefix are evicted later.
+  for (int64_t i = upto - 1; i >= s.num_released_blocks; --i) {
+    m.release(Device::GPU, s.block_table[i]);
+    s.block_table[i] = kNoBlock;
+  }
+  const int released = static_cast<int>(upto - s.num_released_blocks);
+  s.num_released_blocks = upto;
+  return released;
+}
+
+int64_t BlockManager::num_released_blocks(SeqId seq_id) const {
+  return impl_->get(seq_id, "num_released_blocks").num_released_blocks;
 }
 
 void BlockManager::mark_blocks_computed(SeqId seq_id, int64_t num_computed_tokens) {
@@ -428,6 +457,10 @@ void BlockManager::mark_blocks_computed(SeqId seq_id, int64_t num_computed_token
   m.compute_hashes(s, num_full);
   for (int64_t i = s.num_marked_blocks; i < num_full; ++i) {
     const BlockId b = s.block_table[i];
+    if (b == kNoBlock) {  // released before it was registered: the chain cannot go on
+      s.chain_broken = true;
+      break;
+    }
     const int32_t* tokens = s.token_ids.data() + i * m.block_size;
     PrefixCache::EntryId reach =
         m.cache.find(s.block_hashes[i], tokens, s.cache_salt, s.chain_parent_uid);
@@ -518,10 +551,12 @@ std::vector<BlockPair> BlockManager::Impl::move_group(const std::vector<SeqId>& 
   std::unordered_set<BlockId> first_seen;
   for (Sequence* s : group) {
     for (BlockId b : s->block_table)
-      if (!first_seen.insert(b).second) dst_pool.inc_ref(mapping[b]);
+      if (b != kNoBlock && !first_seen.insert(b).second) dst_pool.inc_ref(mapping[b]);
     // Release the source references last block first (the free-list order of free()).
-    for (auto b = s->block_table.rbegin(); b != s->block_table.rend(); ++b) m.release(from, *b);
-    for (BlockId& b : s->block_table) b = mapping[b];
+    for (auto b = s->block_table.rbegin(); b != s->block_table.rend(); ++b)
+      if (*b != kNoBlock) m.release(from, *b);
+    for (BlockId& b : s->block_table)
+      if (b != kNoBlock) b = mapping[b];
     s->device = to;
     if (to == Device::GPU) {  // fresh blocks: nothing of them is registered yet
       s->num_marked_blocks = 0;

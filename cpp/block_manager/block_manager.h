@@ -8,7 +8,9 @@
 //   ref_count      number of references to a block: block-table entries (over all
 //                  sequences) plus the pins of the block moves in flight (see "Tiers").
 //   block_table    per sequence, the list of block ids holding its tokens, in order.
-//                  Append-only while the sequence lives on one device.
+//                  Append-only while the sequence lives on one device, except that
+//                  release_blocks_before() replaces leading entries with kNoBlock (-1):
+//                  blocks a sliding window will never read again.
 //   slot           block_id * block_size + offset: the flat index of one token's K/V.
 //   step           one scheduler output: take_block_moves() ends it (step_index() counts them).
 //
@@ -99,6 +101,7 @@ class NoFreeBlocksError : public BlockManagerError {
 using SeqId = int64_t;
 using BlockId = int32_t;
 using BlockPair = std::pair<BlockId, BlockId>;  // (src, dst)
+constexpr BlockId kNoBlock = -1;  // a released leading entry of a block table
 
 // Disk records carry the salt: a longer one is not written to disk (it stays in the other
 // tiers).
@@ -198,6 +201,16 @@ class BlockManager {
   // changed or dropped slot lies in a block that already has a prefix-cache hash (only
   // accepted ids may ever be hashed) or the sequence is swapped out.
   void replace_tail(SeqId seq_id, int64_t start, const std::vector<int32_t>& token_ids);
+
+  // Sliding windows: release every block that lies wholly before token num_tokens (the
+  // blocks [0, num_tokens / block_size)): its table entry becomes kNoBlock and its reference
+  // goes (a cached block stays in the prefix cache, free and evictable). Returns how many it
+  // released now (idempotent). The caller keeps num_tokens at or below the first key any
+  // later query of the sequence reads. Throws BlockManagerError if the sequence is swapped
+  // out or num_tokens is outside [0, num_tokens(seq_id)].
+  int release_blocks_before(SeqId seq_id, int64_t num_tokens);
+  // Blocks released so far by release_blocks_before (the leading kNoBlock entries).
+  int64_t num_released_blocks(SeqId seq_id) const;
 
   // The child gets the parent's block table and tokens; every block's ref_count rises by one.
   void fork(SeqId parent_id, SeqId child_id);

@@ -31,6 +31,7 @@ struct Sequence {
   uint64_t chain_parent_uid = PrefixCache::kNoParentUid;
   bool chain_broken = false;  // chain_parent died: register nothing more
   int64_t ready_step = 0;     // the first step that may read its KV (loads in flight)
+  int64_t num_released_blocks = 0;  // leading entries released (kNoBlock): a sliding window
 };
 
 // A prefix hit: the entry, and the tier its copy is taken from (the highest one holding it).

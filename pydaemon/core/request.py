@@ -50,6 +50,9 @@ class Sequence:
     num_sent_tokens: int = 0  # token ids the runner has
     changed_block_start: int | None = None  # block_table[start:] changed since last sent
     ready_step: int = 0  # KV tiers: the first step that may read its KV (loads in flight)
+    # Sliding windows: where the last scheduled step's queries started (its keys, and any
+    # later step's, lie at or after that position minus the window, plus one).
+    last_step_start: int = 0
 
     @classmethod
     def new(cls, index: int, prompt_token_ids: list[int], **kw) -> Sequence:

@@ -8,6 +8,13 @@ not hold is sent whole the next time it is scheduled (``SchedulerOutput`` docstr
 
 KV tiers: ``allocate`` may load a prefix from the CPU or disk tier; the sequence may run from
 ``seq.ready_step`` on (``is_ready``), and ``take_tier_moves`` ends each step with its copies.
+
+Sliding windows (``kv_window``: every layer attends within that many tokens): the blocks
+wholly before the first key that a sequence's next query reads are released as it advances
+(``release_outside_window``), so a windowed sequence holds about window / block_size blocks,
+not its whole length. Their table entries become -1; the runner keeps its old ids for them
+(the kernels never read a block wholly before the window, and the torch path masks it) and a
+table sent whole shows them as block 0 (the caches are zero-filled: any block reads finite).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ class SeqBlocks:
         *,
         has_tiers: bool = False,
         kv_block_bytes: int = 0,
+        kv_window: int | None = None,
     ) -> None:
         """``has_tiers``: the block manager has a CPU tier; ``kv_block_bytes``: the bytes of
         one KV block over every tensor-parallel rank (for the tiers' byte counters)."""
@@ -52,6 +60,7 @@ class SeqBlocks:
         self.enable_prefix_caching = enable_prefix_caching
         self.has_tiers = has_tiers
         self.kv_block_bytes = kv_block_bytes
+        self.kv_window = kv_window  # every layer's window (tokens); None: some layer sees all
         self.num_restored_disk_blocks = 0
         self.finished_seq_ids: list[int] = []  # the runner forgets these at the next step
         self.blocks_to_copy: list[tuple[int, int]] = []  # (src, dst) on the GPU, this step
@@ -69,11 +78,18 @@ class SeqBlocks:
         if start is None:
             return None
         seq.changed_block_start = None
-        return start, self.block_manager.block_table(seq.seq_id)[start:]
+        return start, _readable(self.block_manager.block_table(seq.seq_id)[start:])
 
     def block_ids(self, seq: Sequence) -> list[int]:
         seq.changed_block_start = None
-        return self.block_manager.block_table(seq.seq_id)
+        return _readable(self.block_manager.block_table(seq.seq_id))
+
+    def release_outside_window(self, seq: Sequence, first_query: int) -> None:
+        """With ``kv_window``: release the blocks wholly before the first key that a query at
+        ``first_query`` (the earliest of the step being scheduled or any later one) reads."""
+        first_key = first_query - self.kv_window + 1
+        if first_key >= self.block_size:
+            self.block_manager.release_blocks_before(seq.seq_id, first_key)
 
     # ---- block operations -------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, cache_salt: str) -> _core.AllocStatus:
@@ -86,6 +102,7 @@ class SeqBlocks:
         tokens = seq.token_ids()
         num_cached = self.block_manager.allocate(seq.seq_id, tokens, cache_salt)
         seq.num_slots = len(tokens)
+        seq.last_step_start = 0  # a recomputed sequence reads from its start again
         seq.ready_step = self.block_manager.seq_ready_step(seq.seq_id) if self.has_tiers else 0
         return num_cached
 
@@ -217,11 +234,13 @@ class SeqBlocks:
         self.block_manager.fork(parent.seq_id, child.seq_id)
         child.num_slots = parent.num_slots
         child.ready_step = parent.ready_step
+        child.last_step_start = parent.last_step_start
 
     def free(self, seq: Sequence) -> None:
         if self.block_manager.has_seq(seq.seq_id):
             self.block_manager.free(seq.seq_id)
         seq.num_slots = 0
+        seq.last_step_start = 0
         self.forget(seq)
 
     def mark_computed(self, seq: Sequence) -> None:
@@ -280,3 +299,8 @@ class SeqBlocks:
             num_dropped_loads=t.num_dropped_loads,
             num_restored_disk_blocks=self.num_restored_disk_blocks,
         )
+
+
+def _readable(block_ids: list[int]) -> list[int]:
+    """A table for the runner: released entries (-1, outside every window) as block 0."""
+    return [b if b >= 0 else 0 for b in block_ids] if -1 in block_ids else block_ids

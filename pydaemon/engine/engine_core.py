@@ -119,6 +119,7 @@ class EngineCore:
             speculative=config.speculative,
             max_loras=config.max_loras if config.enable_lora else None,
             tiers=kv_tier_config(config, info),
+            kv_window=kv_window(self.model_config, config.speculative),
         )
         self.structured_outputs = StructuredOutputManager(config.model, self.vocab_size)
         self.loras = LoadedLoRAs(
@@ -335,3 +336,16 @@ class EngineCore:
 
     def get_stats(self) -> EngineStats:
         return self.scheduler.make_stats(num_waiting_elsewhere=self.structured_outputs.num_waiting)
+
+
+def kv_window(model_config: ModelConfig, speculative) -> int | None:
+    """The window every layer attends within, so that the scheduler frees the blocks that
+    leave it; None when some layer sees the whole context (Gemma's and gpt-oss's global
+    layers: that needs per-layer-group tables) or a draft model or EAGLE head with a KV
+    cache of its own reads the same tables without a window."""
+    windows = model_config.layer_sliding_windows
+    if not windows or any(w is None for w in windows):
+        return None
+    if speculative is not None and speculative.method != "ngram":
+        return None
+    return max(windows)

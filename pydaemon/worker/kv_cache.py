@@ -33,10 +33,14 @@ class KVCacheSpec:
     def allocate(
         self, num_blocks: int, device: torch.device, pin_memory: bool = False
     ) -> torch.Tensor:
-        """kv_cache: [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]."""
-        return torch.empty(
-            (num_blocks, *self.block_shape), dtype=self.dtype, device=device, pin_memory=pin_memory
-        )
+        """kv_cache: [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]. A device
+        cache starts zero-filled: a block a sliding window released may be read (and masked)
+        through a table entry that now shows block 0, so every block must read finite."""
+        if pin_memory:  # a host pool: written before it is ever read
+            return torch.empty(
+                (num_blocks, *self.block_shape), dtype=self.dtype, device=device, pin_memory=True
+            )
+        return torch.zeros((num_blocks, *self.block_shape), dtype=self.dtype, device=device)
 
 
 def layer_caches(kv_cache: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -70,6 +70,7 @@ class Scheduler:
         speculative: SpeculativeConfig | None = None,
         max_loras: int | None = None,  # adapters in one batch; None: LoRA is off
         tiers: KVTierConfig | None = None,  # None: no CPU or disk tier
+        kv_window: int | None = None,  # every layer's sliding window: older blocks are freed
     ) -> None:
         tiers = tiers or KVTierConfig()
         self.block_manager = _core.BlockManager(
@@ -87,6 +88,7 @@ class Scheduler:
             enable_prefix_caching,
             has_tiers=tiers.enable_cpu_tier,
             kv_block_bytes=tiers.kv_block_bytes,
+            kv_window=kv_window,
         )
         if tiers.disk_records:
             self.blocks.restore_disk_blocks(tiers.disk_records)

@@ -73,6 +73,11 @@ class SeqUpdater:
             # and is replaced before the step that computes it is advanced.
             if after // block_size > before // block_size:  # a block just filled up
                 self.blocks.mark_computed(seq)
+            if self.blocks.kv_window is not None:
+                # One step behind: the step before this one may still be running (async
+                # scheduling), and its queries started at last_step_start.
+                self.blocks.release_outside_window(seq, seq.last_step_start)
+                seq.last_step_start = before
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = plan.scheduled_time
             if placeholders and request.has_one_seq:
