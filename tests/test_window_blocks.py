@@ -118,3 +118,27 @@ def test_no_freeing_where_a_layer_sees_everything(tmp_path):
     engine = LLMEngine(EngineConfig(model=str(d), device="cpu", dtype="float32", block_size=BLOCK,
                                     num_kv_blocks=64))  # fmt: skip
     assert engine.scheduler.blocks.kv_window is None
+
+
+def test_beam_search_gives_the_beams_of_a_cache_that_keeps_every_block(model_dir, monkeypatch):
+    """Beams fork and drop sequences every step: with freeing, the same beams as without."""
+
+    def beams():
+        engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32",
+                                        block_size=BLOCK, num_kv_blocks=96, max_num_seqs=16))  # fmt: skip
+        params = SamplingParams(beam_width=3, n=3, temperature=0.0, max_tokens=MAX_NEW,
+                                ignore_eos=True)  # fmt: skip
+        for i, p in enumerate(PROMPTS[:2]):
+            engine.add_request(GenerateRequest(str(i), list(p), params))
+        final = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    final[out.request_id] = [o.token_ids for o in out.outputs]
+        stats = engine.get_stats()
+        assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
+        return final
+
+    freeing = beams()
+    monkeypatch.setattr(engine_core, "kv_window", lambda *a: None)
+    assert freeing == beams()
