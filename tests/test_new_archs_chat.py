@@ -219,3 +219,23 @@ def test_gemma_roles_must_alternate(tmp_path_factory):
     _, ours, _ = _pair("gemma", tmp_path_factory)
     with pytest.raises(ValueError, match="roles must alternate"):
         ours.apply_chat_template([{"role": "assistant", "content": "first"}])
+
+
+def test_grpc_chat_message_reasoning_is_rendered_back(tmp_path_factory):
+    """gRPC ChatMessage.reasoning (a previous Finished.reasoning) reaches the template as the
+    message's reasoning: gpt-oss renders the analysis before the assistant's tool call."""
+    from pydaemon.entrypoints.grpc.model_prompt import _message
+    from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
+
+    _, ours, _ = _pair("harmony", tmp_path_factory)
+    call = pb.ToolCall(id="call_1", name="get_weather", arguments_json='{"city": "Oslo"}')
+    messages = [
+        pb.ChatMessage(role="user", content="Weather in Oslo?"),
+        pb.ChatMessage(role="assistant", reasoning="Use the tool.", tool_calls=[call]),
+        pb.ChatMessage(role="tool", content='{"temp": -3}', tool_call_id="call_1"),
+    ]
+    got = ours.apply_chat_template([_message(m) for m in messages], tools=TOOLS)
+    assert "<|channel|>analysis<|message|>Use the tool.<|end|>" in got
+    plain = [_message(m) for m in messages]
+    plain[1].pop("reasoning_content")
+    assert "Use the tool." not in ours.apply_chat_template(plain, tools=TOOLS)

@@ -156,3 +156,34 @@ def test_cli_chat_prints_the_answer_on_stdout_and_the_thinking_on_stderr(served)
     else:
         assert out.getvalue().strip() == r.choices[0].message.content.strip()
         assert reasoning is None or err.getvalue().startswith(reasoning)
+
+
+def test_a_forced_tool_call_comes_after_the_reasoning(served):
+    """tool_choice required: the call's constraint starts after "</think>" and the call is
+    read from the answer, the reasoning apart."""
+    st, client, model, end_id = served
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"enum": ["Oslo", "Bergen"]}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    r = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=60, temperature=0, tools=[weather],
+        tool_choice="required", logit_bias={str(end_id): 100},
+    )  # fmt: skip
+    choice = r.choices[0]
+    # A random model may pad the closed call with whitespace until max_tokens: then the call
+    # comes as written, with "length" (issue 46's rule for a forced call cut short).
+    assert choice.finish_reason in ("tool_calls", "length"), choice
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["city"] in ("Oslo", "Bergen")
+    assert not _reasoning(choice.message) and not choice.message.content
+    st.wait_all_blocks_free()

@@ -115,6 +115,8 @@ def _message(m: pb.ChatMessage) -> dict[str, Any]:
     message: dict[str, Any] = {"role": m.role, "content": m.content}
     if m.tool_call_id:
         message["tool_call_id"] = m.tool_call_id
+    if m.reasoning:  # the template sees it as reasoning_content and thinking (chat_template.py)
+        message["reasoning_content"] = m.reasoning
     if m.tool_calls:
         message["tool_calls"] = [
             {
