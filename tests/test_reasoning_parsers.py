@@ -10,6 +10,7 @@ import pytest
 
 from pydaemon.entrypoints.common.reasoning_parsers import (
     ReasoningSplit,
+    ReasoningStreams,
     detect_reasoning_parser,
     get_reasoning_parser,
 )
@@ -117,7 +118,9 @@ def test_grpc_account_of_a_harmony_chat_with_a_tool_call():
         'functions.get_weather<|channel|>commentary <|constrain|>json<|message|>{"city": "Oslo"}'
     )
     account = RequestAccount(
-        "a", tool_parser=get_tool_parser("openai"), reasoning_parser=get_reasoning_parser(HARMONY)
+        "a",
+        tool_parser=get_tool_parser("openai"),
+        reasoning=ReasoningStreams(get_reasoning_parser(HARMONY)),
     )
     cuts = [0, 5, 17, 40, 41, 90, 120, len(text)]
     deltas = []

@@ -71,6 +71,41 @@ class ReasoningStream:
         raise NotImplementedError
 
 
+class ReasoningStreams:
+    """One request's outputs through a parser, by output index: each delta's (reasoning,
+    content) as it comes, and each output's whole split (what the deltas gave, joined)."""
+
+    def __init__(self, parser: ReasoningParser, prompt_text: str = "") -> None:
+        self.parser = parser
+        self.prompt_text = prompt_text
+        self._streams: dict[int, ReasoningStream] = {}
+        self._reasoning: dict[int, list[str]] = {}
+        self._content: dict[int, list[str]] = {}
+
+    def feed(self, index: int, text: str, finished: bool) -> tuple[str, str]:
+        """-> (reasoning, content) of output ``index``'s new text; ``finished`` flushes what
+        was held back."""
+        stream = self._streams.get(index)
+        if stream is None:
+            stream = self._streams[index] = self.parser.stream(self.prompt_text)
+        reasoning, content = stream.feed(text)
+        if finished:
+            more_reasoning, more_content = stream.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        self._reasoning.setdefault(index, []).append(reasoning)
+        self._content.setdefault(index, []).append(content)
+        return reasoning, content
+
+    def split(self, index: int) -> ReasoningSplit:
+        """Output ``index`` whole, held-back text included (an output cut short ends here)."""
+        self.feed(index, "", finished=True)
+        stream = self._streams[index]
+        return ReasoningSplit(
+            "".join(self._reasoning[index]) if stream.had_reasoning else None,
+            "".join(self._content[index]) or None,
+        )
+
+
 def _held_back(text: str, markers: tuple[str, ...]) -> int:
     """The length of the longest suffix of ``text`` that is a proper prefix of a marker."""
     for n in range(min(max(len(m) for m in markers) - 1, len(text)), 0, -1):

@@ -13,7 +13,7 @@ from pydaemon.entrypoints.common.constraint_errors import (
     is_constraint_error,
     rename_constraint_field,
 )
-from pydaemon.entrypoints.common.reasoning_parsers import ReasoningParser, ReasoningStream
+from pydaemon.entrypoints.common.reasoning_parsers import ReasoningStreams
 from pydaemon.entrypoints.common.token_texts import TokenTexts
 from pydaemon.entrypoints.common.tool_choice import ForcedToolParser
 from pydaemon.entrypoints.common.tool_parsers import ToolParser
@@ -43,11 +43,9 @@ class RequestAccount:
     arrival_time: float = field(default_factory=time.monotonic)
     # Chat with tools: reads each sequence's calls out of its text at the end.
     tool_parser: ToolParser | None = None
-    texts: dict[int, list[str]] = field(default_factory=dict)  # kept only with a parser
+    texts: dict[int, list[str]] = field(default_factory=dict)  # kept only with a tool parser
     # Chat with a reasoning parser: each sequence's reasoning apart from its answer.
-    reasoning_parser: ReasoningParser | None = None
-    prompt_tail: str = ""  # the rendered prompt's end (did the template open the reasoning?)
-    reasoning_streams: dict[int, ReasoningStream] = field(default_factory=dict)
+    reasoning: ReasoningStreams | None = None
     # Logprobs: each token's text in context (the model's tokenizer; None: "token_id:<id>").
     tokenizer: Any = None
     token_texts: dict[int, TokenTexts] = field(default_factory=dict)  # index -> its texts
@@ -67,10 +65,14 @@ class RequestAccount:
                 )
                 if seq.stop_reason is not None and not self.stop_reason:
                     self.stop_reason = str(seq.stop_reason)
-            reasoning, content = self._split_reasoning(seq.index, seq.text, seq.finish_reason)
+            reasoning = content = ""
+            if self.reasoning is not None:
+                reasoning, content = self.reasoning.feed(
+                    seq.index, seq.text, seq.finish_reason is not None
+                )
             if not seq.token_ids and not seq.text and not reasoning and not content:
                 continue
-            if self.tool_parser is not None or self.reasoning_parser is not None:
+            if self.tool_parser is not None:
                 self.texts.setdefault(seq.index, []).append(seq.text)
             self.num_completion_tokens += len(seq.token_ids)
             self.num_tokens_by_index[seq.index] = self.num_tokens_by_index.get(seq.index, 0) + len(
@@ -82,24 +84,12 @@ class RequestAccount:
                 text=seq.text,
                 cumulative_logprob=seq.cumulative_logprob,
             )
-            if self.reasoning_parser is not None:  # set, even empty: the split is on
+            if self.reasoning is not None:  # set, even empty: the split is on
                 delta.reasoning, delta.content = reasoning, content
             if seq.logprobs:
                 delta.logprobs.extend(self._logprobs(output, seq.index, seq))
             frames.append(pb.GenerateResponse(request_id=self.request_id, delta=delta))
         return frames
-
-    def _split_reasoning(self, index: int, text: str, finish_reason) -> tuple[str, str]:
-        if self.reasoning_parser is None:
-            return "", ""
-        stream = self.reasoning_streams.get(index)
-        if stream is None:
-            stream = self.reasoning_streams[index] = self.reasoning_parser.stream(self.prompt_tail)
-        reasoning, content = stream.feed(text)
-        if finish_reason is not None:
-            more_reasoning, more_content = stream.finish()
-            reasoning, content = reasoning + more_reasoning, content + more_content
-        return reasoning, content
 
     def user_facing(self, message: str) -> str:
         """An engine error naming the request's fields as the client wrote them (a constraint
@@ -157,17 +147,16 @@ class RequestAccount:
         )
 
     def _answer(self, index: int) -> str:
-        text = "".join(self.texts.get(index, ()))
-        if self.reasoning_parser is None:
-            return text
-        return self.reasoning_parser.split(text, self.prompt_tail).content or ""
+        if self.reasoning is None:
+            return "".join(self.texts.get(index, ()))
+        return self.reasoning.split(index).content or ""
 
     def _reasoning(self) -> list[pb.SequenceReasoning]:
-        if self.reasoning_parser is None:
+        if self.reasoning is None:
             return []
         out = []
-        for index, parts in sorted(self.texts.items()):
-            split = self.reasoning_parser.split("".join(parts), self.prompt_tail)
+        for index in sorted(self.num_tokens_by_index):
+            split = self.reasoning.split(index)
             content = split.content or ""
             if self.tool_parser is not None and content:
                 parsed = self.tool_parser.parse(content)

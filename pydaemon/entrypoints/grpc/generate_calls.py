@@ -23,6 +23,7 @@ from google.protobuf.message import DecodeError
 
 from pydaemon.engine.engine_client import EngineClient, EngineCoreDiedError, EngineDeadError
 from pydaemon.entrypoints.common.reasoning_parsers import (
+    ReasoningStreams,
     apply_reasoning,
     chat_reasoning_parser,
     prompt_tail,
@@ -265,9 +266,9 @@ class GenerateCalls:
         parser = chat_reasoning_parser(self.options.reasoning_parser, tokenizer)
         if parser is None or not isinstance(args.prompt, list):
             return
-        account.reasoning_parser = parser
-        account.prompt_tail = prompt_tail(tokenizer, args.prompt)
-        apply_reasoning(args.params, parser, tokenizer, account.prompt_tail)
+        tail = prompt_tail(tokenizer, args.prompt)
+        account.reasoning = ReasoningStreams(parser, tail)
+        apply_reasoning(args.params, parser, tokenizer, tail)
 
     def _cancel(self, live: _Live, reason: int) -> None:
         if live.cancel_reason is None:

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from pydaemon.entrypoints.common.reasoning_parsers import (
     ReasoningParser,
-    ReasoningStream,
+    ReasoningStreams,
     apply_reasoning,
     chat_reasoning_parser,
     prompt_tail,
@@ -143,7 +143,9 @@ class ChatFormatter:
         self._tool_streams: dict[int, StreamingToolParser] = {}  # choice index -> its parser
         self._reasoning_parser = reasoning_parser
         self._prompt_tail = prompt_tail  # the rendered prompt's end: did it open the reasoning?
-        self._reasoning_streams: dict[int, ReasoningStream] = {}  # choice index -> its stream
+        self._reasoning_streams = (
+            None if reasoning_parser is None else ReasoningStreams(reasoning_parser, prompt_tail)
+        )
         self._return_token_ids = body.return_token_ids
         # Without return_token_ids the fields are left out, not written as null.
         self._exclude = (
@@ -242,7 +244,11 @@ class ChatFormatter:
         chunks = []
         for d in deltas:
             out, index = d.output, d.choice.index
-            reasoning, content = self._split_reasoning(index, out.text, out.finish_reason)
+            reasoning, content = "", out.text
+            if self._reasoning_streams is not None:
+                reasoning, content = self._reasoning_streams.feed(
+                    index, out.text, out.finish_reason is not None
+                )
             calls: list[ToolCall] = []
             if self._tool_parser is not None:
                 stream = self._tool_streams.get(index)
@@ -275,20 +281,6 @@ class ChatFormatter:
             )
             chunks.append(self._chunk([choice], self._usage(acc, d.choice)))
         return chunks
-
-    def _split_reasoning(self, index: int, text: str, finish_reason) -> tuple[str, str]:
-        """-> (reasoning, content) of a choice's new text (all content without a parser)."""
-        if self._reasoning_parser is None:
-            return "", text
-        stream = self._reasoning_streams.get(index)
-        if stream is None:
-            stream = self._reasoning_parser.stream(self._prompt_tail)
-            self._reasoning_streams[index] = stream
-        reasoning, content = stream.feed(text)
-        if finish_reason is not None:
-            more_reasoning, more_content = stream.finish()
-            reasoning, content = reasoning + more_reasoning, content + more_content
-        return reasoning, content
 
     def abort_chunks(self, choices: list[ChoiceState]) -> list[str]:
         return [
