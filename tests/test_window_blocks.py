@@ -112,7 +112,8 @@ def test_the_same_cache_runs_more_sequences_at_once(model_dir, monkeypatch):
 
 
 def test_no_freeing_where_a_layer_sees_everything(tmp_path):
-    """Only every layer windowed frees blocks: Qwen2 with windows on layers >= 1 keeps all."""
+    """Only every layer windowed frees through ``kv_window``: Qwen2 with windows on layers >= 1
+    mixes windowed and global layers, which per-layer-group tables serve (test_kv_groups.py)."""
     d = save_hf_model(tmp_path, "qwen2", use_sliding_window=True, sliding_window=WINDOW,
                       max_window_layers=1)  # fmt: skip
     engine = LLMEngine(EngineConfig(model=str(d), device="cpu", dtype="float32", block_size=BLOCK,

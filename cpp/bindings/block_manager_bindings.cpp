@@ -102,6 +102,12 @@ void bind_block_manager(nb::module_& m) {
       .def("can_allocate", &BlockManager::can_allocate, "token_ids"_a, "cache_salt"_a = "")
       .def("allocate", &BlockManager::allocate, "seq_id"_a, "token_ids"_a, "cache_salt"_a = "",
            "Create seq_id with blocks for every token; returns the number of cached tokens.")
+      .def("can_allocate_group", &BlockManager::can_allocate_group, "token_ids"_a, "salts"_a,
+           "can_allocate for one table per layer group (salts: one per group).")
+      .def("allocate_group", &BlockManager::allocate_group, "seq_ids"_a, "token_ids"_a,
+           "salts"_a,
+           "allocate for one table per layer group, the same prefix hit in each; returns the "
+           "number of cached tokens.")
       .def("can_append_slots", &BlockManager::can_append_slots, "seq_ids"_a)
       .def("append_slot", &BlockManager::append_slot, "seq_id"_a, "token_id"_a,
            "One more token; returns (src, dst) to copy on write, else None.")

@@ -2,6 +2,7 @@
 // (saves ahead, disk writes, restores) is in tiers.cpp, the accounting in accounting.cpp.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -311,6 +312,121 @@ int64_t BlockManager::allocate(SeqId seq_id, const std::vector<int32_t>& token_i
   }
   m.seqs.emplace(seq_id, std::move(seq));
   return num_cached_tokens;
+}
+
+// ---- per-layer-group tables ----------------------------------------------------------------
+
+std::vector<std::vector<Hit>> BlockManager::Impl::group_hits(
+    const std::vector<int32_t>& token_ids, const std::vector<std::string>& salts,
+    std::vector<std::vector<uint64_t>>* hashes) const {
+  const Impl& m = *this;
+  std::vector<std::vector<Hit>> hits(salts.size());
+  if (hashes) hashes->assign(salts.size(), {});
+  if (!m.enable_prefix_caching) return hits;
+  const int64_t max_blocks = (static_cast<int64_t>(token_ids.size()) - 1) / m.block_size;
+  size_t n = SIZE_MAX;
+  for (size_t g = 0; g < salts.size(); ++g) {
+    hits[g] = m.lookup(token_ids, salts[g], max_blocks, hashes ? &(*hashes)[g] : nullptr);
+    size_t gpu = 0;  // leading GPU hits (no tier is on here)
+    while (gpu < hits[g].size() && hits[g][gpu].tier == Device::GPU) ++gpu;
+    n = std::min(n, gpu);
+  }
+  for (size_t g = 0; g < salts.size(); ++g) {
+    hits[g].resize(n);
+    if (hashes) (*hashes)[g].resize(n);
+  }
+  return hits;
+}
+
+void BlockManager::Impl::check_group_args(const std::vector<int32_t>& token_ids,
+                                          const std::vector<std::string>& salts,
+                                          size_t num_seqs, const char* op) const {
+  const Impl& m = *this;
+  if (token_ids.empty()) throw BlockManagerError(std::string(op) + ": token_ids is empty");
+  if (salts.empty() || salts.size() != num_seqs)
+    throw BlockManagerError(std::string(op) + ": " + std::to_string(num_seqs) + " seq_ids and " +
+                            std::to_string(salts.size()) + " salts (one per group, >= 1)");
+  if (m.enable_cpu_tier)
+    throw BlockManagerError(std::string(op) +
+                            ": per-layer-group tables do not support the CPU tier");
+}
+
+AllocStatus BlockManager::can_allocate_group(const std::vector<int32_t>& token_ids,
+                                             const std::vector<std::string>& salts) const {
+  const Impl& m = *impl_;
+  m.check_group_args(token_ids, salts, salts.size(), "can_allocate_group");
+  const int64_t num_groups = static_cast<int64_t>(salts.size());
+  const int64_t num_blocks =
+      num_groups * ceil_div(static_cast<int64_t>(token_ids.size()), m.block_size);
+  if (num_blocks > m.gpu.num_blocks() - m.watermark_blocks) return AllocStatus::NEVER;
+  int64_t num_in_use_hits = 0;
+  for (const auto& hits : m.group_hits(token_ids, salts, nullptr))
+    for (const Hit& hit : hits)
+      if (!m.gpu.is_free(m.cache.location(hit.entry, Device::GPU))) ++num_in_use_hits;
+  if (num_blocks - num_in_use_hits <= m.gpu.num_free() - m.watermark_blocks)
+    return AllocStatus::OK;
+  return AllocStatus::LATER;
+}
+
+int64_t BlockManager::allocate_group(const std::vector<SeqId>& seq_ids,
+                                     const std::vector<int32_t>& token_ids,
+                                     const std::vector<std::string>& salts) {
+  Impl& m = *impl_;
+  m.check_group_args(token_ids, salts, seq_ids.size(), "allocate_group");
+  for (size_t g = 0; g < seq_ids.size(); ++g) {
+    if (m.seqs.count(seq_ids[g]))
+      throw BlockManagerError("allocate_group: " + seq_str(seq_ids[g]) + " already exists");
+    for (size_t h = 0; h < g; ++h)
+      if (seq_ids[h] == seq_ids[g])
+        throw BlockManagerError("allocate_group: " + seq_str(seq_ids[g]) + " listed twice");
+  }
+  const int64_t num_tokens = static_cast<int64_t>(token_ids.size());
+  const int64_t num_blocks = ceil_div(num_tokens, m.block_size);
+  std::vector<std::vector<uint64_t>> hashes;
+  std::vector<std::vector<Hit>> hits = m.group_hits(token_ids, salts, &hashes);
+  const int64_t num_hits = hits.empty() ? 0 : static_cast<int64_t>(hits[0].size());
+  int64_t num_free_hits = 0;
+  for (const auto& group : hits)
+    for (const Hit& hit : group)
+      if (m.gpu.is_free(m.cache.location(hit.entry, Device::GPU))) ++num_free_hits;
+  const int64_t num_new = static_cast<int64_t>(seq_ids.size()) * (num_blocks - num_hits);
+  if (num_new > m.gpu.num_free() - num_free_hits)
+    throw NoFreeBlocksError("allocate_group: " + seq_str(seq_ids[0]) + " and its groups need " +
+                            std::to_string(num_new) + " new GPU blocks, only " +
+                            std::to_string(m.gpu.num_free() - num_free_hits) + " free");
+  // Commit: every group's hits are held before any block is popped.
+  std::vector<Sequence> seqs(seq_ids.size());
+  for (size_t g = 0; g < seq_ids.size(); ++g) {
+    Sequence& seq = seqs[g];
+    seq.token_ids = token_ids;
+    seq.cache_salt = salts[g];
+    seq.salt_hash = hash_salt(salts[g]);
+    seq.block_table.assign(num_blocks, BlockPool::kNone);
+    for (int64_t i = 0; i < num_hits; ++i) {
+      const BlockId b = m.cache.location(hits[g][i].entry, Device::GPU);
+      m.gpu.inc_ref(b);
+      seq.block_table[i] = b;
+      seq.ready_step = std::max(seq.ready_step, m.gpu_ready_step[b]);
+    }
+  }
+  for (size_t g = 0; g < seq_ids.size(); ++g) {
+    Sequence& seq = seqs[g];
+    for (int64_t i = num_hits; i < num_blocks; ++i) seq.block_table[i] = m.alloc_gpu("allocate");
+    seq.block_hashes = std::move(hashes[g]);
+    seq.num_marked_blocks = num_hits;
+    if (num_hits > 0) {
+      seq.chain_parent = hits[g].back().entry;
+      seq.chain_parent_uid = m.cache.uid(hits[g].back().entry);
+    }
+    m.seqs.emplace(seq_ids[g], std::move(seq));
+  }
+  // Counted once, as one sequence: the groups' tables hold the same tokens.
+  if (m.enable_prefix_caching) {
+    m.prefix_cache_query_tokens += (num_tokens - 1) / m.block_size * m.block_size;
+    m.prefix_cache_hit_tokens += num_hits * m.block_size;
+    m.stats.gpu_hit_tokens += num_hits * m.block_size;
+  }
+  return num_hits * m.block_size;
 }
 
 bool BlockManager::can_append_slots(const std::vector<SeqId>& seq_ids) const {

@@ -177,6 +177,20 @@ class BlockManager {
   int64_t allocate(SeqId seq_id, const std::vector<int32_t>& token_ids,
                    const std::string& cache_salt = "");
 
+  // Per-layer-group KV (models that mix windowed and full-attention layers): one sequence of
+  // the model is one table per layer group, seq_ids[g] with salts[g] (distinct salts, so that
+  // no group is served another's blocks). can_allocate_group / allocate_group do for the
+  // tables together what can_allocate / allocate do for one: the prefix hit is the same for
+  // every table (the shortest of the groups' hits), every table's hits are held before any
+  // block is popped (no table's allocation evicts another's hit), and nothing is changed when
+  // they do not all fit. Returns the cached tokens, as allocate. Throws BlockManagerError with
+  // the CPU tier on (its loads are per table; not supported for groups), empty token_ids,
+  // sizes that differ, or an existing seq_id.
+  AllocStatus can_allocate_group(const std::vector<int32_t>& token_ids,
+                                 const std::vector<std::string>& salts) const;
+  int64_t allocate_group(const std::vector<SeqId>& seq_ids, const std::vector<int32_t>& token_ids,
+                         const std::vector<std::string>& salts);
+
   // ---- growth ----------------------------------------------------------------------------
   // True if every listed sequence can take one more token now (counts one block for each
   // sequence whose last block is full or shared).

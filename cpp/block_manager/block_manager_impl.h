@@ -103,6 +103,14 @@ struct BlockManager::Impl {
   // the chain hashes of the hit blocks.
   std::vector<Hit> lookup(const std::vector<int32_t>& token_ids, const std::string& salt,
                           int64_t max_blocks, std::vector<uint64_t>* hashes) const;
+  // Per-layer-group tables: the groups' GPU prefix hits, each cut to the shortest (the hit
+  // every table can serve); hashes (if given) get each group's hit hashes.
+  std::vector<std::vector<Hit>> group_hits(const std::vector<int32_t>& token_ids,
+                                           const std::vector<std::string>& salts,
+                                           std::vector<std::vector<uint64_t>>* hashes) const;
+  void check_group_args(const std::vector<int32_t>& token_ids,
+                        const std::vector<std::string>& salts, size_t num_seqs,
+                        const char* op) const;
   // The sequences of a swap group, all on device `from`, each listed once.
   std::vector<Sequence*> swap_group(const std::vector<SeqId>& seq_ids, Device from,
                                     const char* op);

@@ -15,6 +15,12 @@ wholly before the first key that a sequence's next query reads are released as i
 not its whole length. Their table entries become -1; the runner keeps its old ids for them
 (the kernels never read a block wholly before the window, and the torch path masks it) and a
 table sent whole shows them as block 0 (the caches are zero-filled: any block reads finite).
+
+Per-layer-group tables (``kv_groups``, core/kv_groups.py: windowed and global layers mixed):
+a sequence is one block-manager sequence per group, ids ``seq_id * G + g``, each with its
+group's salt; they hold the same tokens and are allocated, grown, forked, swapped and freed
+together, and a windowed group releases what leaves its window. The runner sees one table
+per sequence, the groups interleaved: entry ``i * G + g`` is group g's block i.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from dataclasses import dataclass, field
 
 from pydaemon import _core
 from pydaemon.core.disk_blocks import DiskBlockRecord
+from pydaemon.core.kv_groups import KVGroups
 from pydaemon.core.request import PLACEHOLDER_TOKEN_ID, Sequence
 from pydaemon.core.stats import KVCacheStats, KVTierStats
 from pydaemon.lora_request import is_lora_salt
@@ -52,6 +59,7 @@ class SeqBlocks:
         has_tiers: bool = False,
         kv_block_bytes: int = 0,
         kv_window: int | None = None,
+        kv_groups: KVGroups | None = None,
     ) -> None:
         """``has_tiers``: the block manager has a CPU tier; ``kv_block_bytes``: the bytes of
         one KV block over every tensor-parallel rank (for the tiers' byte counters)."""
@@ -61,6 +69,17 @@ class SeqBlocks:
         self.has_tiers = has_tiers
         self.kv_block_bytes = kv_block_bytes
         self.kv_window = kv_window  # every layer's window (tokens); None: some layer sees all
+        if kv_window is not None and kv_groups is not None:
+            raise ValueError("kv_window (every layer windowed) and kv_groups exclude each other")
+        self.kv_groups = kv_groups
+        self.num_groups = 1 if kv_groups is None else kv_groups.num_groups
+        # (group, window) of each windowed table, shortest window first
+        self._windowed = (
+            []
+            if kv_groups is None
+            else sorted(((g, w) for g, w in enumerate(kv_groups.windows) if w), key=lambda x: x[1])
+        )
+        self.releases_windows = kv_window is not None or bool(self._windowed)
         self.num_restored_disk_blocks = 0
         self.finished_seq_ids: list[int] = []  # the runner forgets these at the next step
         self.blocks_to_copy: list[tuple[int, int]] = []  # (src, dst) on the GPU, this step
@@ -73,34 +92,65 @@ class SeqBlocks:
             seq.is_in_runner = False
 
     def take_block_delta(self, seq: Sequence) -> tuple[int, list[int]] | None:
-        """(start, ids) of the block ids changed since the runner last heard, else None."""
+        """(start, ids) of the block ids changed since the runner last heard, else None
+        (groups: in the runner's interleaved table)."""
         start = seq.changed_block_start
         if start is None:
             return None
         seq.changed_block_start = None
-        return start, _readable(self.block_manager.block_table(seq.seq_id)[start:])
+        if self.num_groups == 1:
+            return start, _readable(self.block_manager.block_table(seq.seq_id)[start:])
+        return start * self.num_groups, self._interleaved(seq, start)
 
     def block_ids(self, seq: Sequence) -> list[int]:
         seq.changed_block_start = None
-        return _readable(self.block_manager.block_table(seq.seq_id))
+        if self.num_groups == 1:
+            return _readable(self.block_manager.block_table(seq.seq_id))
+        return self._interleaved(seq, 0)
+
+    def _ids(self, seq: Sequence) -> list[int]:
+        """The block manager's sequences of ``seq``: one per group."""
+        g = self.num_groups
+        return [seq.seq_id] if g == 1 else [seq.seq_id * g + i for i in range(g)]
+
+    def _interleaved(self, seq: Sequence, start: int) -> list[int]:
+        tables = [self.block_manager.block_table(i)[start:] for i in self._ids(seq)]
+        return _readable([b for entries in zip(*tables, strict=True) for b in entries])
 
     def release_outside_window(self, seq: Sequence, first_query: int) -> None:
-        """With ``kv_window``: release the blocks wholly before the first key that a query at
+        """Release each windowed table's blocks wholly before the first key that a query at
         ``first_query`` (the earliest of the step being scheduled or any later one) reads."""
-        first_key = first_query - self.kv_window + 1
-        if first_key >= self.block_size:
-            self.block_manager.release_blocks_before(seq.seq_id, first_key)
+        if self.kv_window is not None:
+            first_key = first_query - self.kv_window + 1
+            if first_key >= self.block_size:
+                self.block_manager.release_blocks_before(seq.seq_id, first_key)
+            return
+        g = self.num_groups
+        for group, window in self._windowed:
+            first_key = first_query - window + 1
+            if first_key < self.block_size:
+                return  # the longer windows release nothing either
+            self.block_manager.release_blocks_before(seq.seq_id * g + group, first_key)
 
     # ---- block operations -------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, cache_salt: str) -> _core.AllocStatus:
         """Whether ``seq``'s tokens fit now (OK), after others free blocks (LATER) or never."""
-        return self.block_manager.can_allocate(seq.token_ids(), cache_salt)
+        if self.kv_groups is None:
+            return self.block_manager.can_allocate(seq.token_ids(), cache_salt)
+        return self.block_manager.can_allocate_group(
+            seq.token_ids(), self.kv_groups.salts(cache_salt)
+        )
 
     def allocate(self, seq: Sequence, cache_salt: str) -> int:
         """Blocks for every token of ``seq``; returns the number of prefix-cached tokens (in
         any tier: ``seq.ready_step`` says when the ones being loaded are readable)."""
         tokens = seq.token_ids()
-        num_cached = self.block_manager.allocate(seq.seq_id, tokens, cache_salt)
+        if self.kv_groups is None:
+            num_cached = self.block_manager.allocate(seq.seq_id, tokens, cache_salt)
+        else:
+            num_cached = self.block_manager.allocate_group(
+                self._ids(seq), tokens, self.kv_groups.salts(cache_salt)
+            )
         seq.num_slots = len(tokens)
         seq.last_step_start = 0  # a recomputed sequence reads from its start again
         seq.ready_step = self.block_manager.seq_ready_step(seq.seq_id) if self.has_tiers else 0
@@ -176,15 +226,19 @@ class SeqBlocks:
         return self.num_restored_disk_blocks
 
     def can_append_slots(self, seqs: list[Sequence]) -> bool:
-        return self.block_manager.can_append_slots([s.seq_id for s in seqs])
+        return self.block_manager.can_append_slots([i for s in seqs for i in self._ids(s)])
 
     def append_slot(self, seq: Sequence) -> None:
         """A slot for the sequence's last token (a new block or a copy-on-write, maybe)."""
-        pair = self.block_manager.append_slot(seq.seq_id, seq.last_token_id)
+        copied = False
+        for i in self._ids(seq):
+            pair = self.block_manager.append_slot(i, seq.last_token_id)
+            if pair is not None:
+                self.blocks_to_copy.append(pair)
+                copied = True
         seq.num_slots += 1
         changed = None
-        if pair is not None:
-            self.blocks_to_copy.append(pair)
+        if copied:
             changed = (seq.num_slots - 1) // self.block_size  # the copied block's index
         elif (seq.num_slots - 1) % self.block_size == 0:
             changed = (seq.num_slots - 1) // self.block_size  # a new block
@@ -196,12 +250,13 @@ class SeqBlocks:
         """Slots for ``num_drafts`` drafts past the sequence's tokens (speculative decoding:
         the runner writes their K/V while verifying them). Their ids are placeholders until
         ``accept_drafts``; ``seq.num_slots`` counts them meanwhile."""
+        ids = self._ids(seq)
         for _ in range(num_drafts):
-            pair = self.block_manager.append_slot(seq.seq_id, PLACEHOLDER_TOKEN_ID)
+            pairs = [self.block_manager.append_slot(i, PLACEHOLDER_TOKEN_ID) for i in ids]
             seq.num_slots += 1
             changed = None
-            if pair is not None:
-                self.blocks_to_copy.append(pair)
+            if any(p is not None for p in pairs):
+                self.blocks_to_copy.extend(p for p in pairs if p is not None)
                 changed = (seq.num_slots - 1) // self.block_size
             elif (seq.num_slots - 1) % self.block_size == 0:
                 changed = (seq.num_slots - 1) // self.block_size
@@ -212,8 +267,9 @@ class SeqBlocks:
         """After a verify step: the draft slots from ``start`` keep the ``accepted`` ids, the
         rest are dropped with the blocks only they used (nothing leaks; only accepted ids are
         ever hashed for the prefix cache)."""
-        num_blocks = len(self.block_manager.block_table(seq.seq_id))
-        self.block_manager.replace_tail(seq.seq_id, start, accepted)
+        num_blocks = len(self.block_manager.block_table(self._ids(seq)[0]))
+        for i in self._ids(seq):
+            self.block_manager.replace_tail(i, start, accepted)
         seq.num_slots = start + len(accepted)
         kept = -(-seq.num_slots // self.block_size)
         if kept < num_blocks:
@@ -227,43 +283,47 @@ class SeqBlocks:
     def set_last_token(self, seq: Sequence) -> None:
         """The sequence's last token, which has a slot, replaced a placeholder: tell the
         block manager (the token's block is hashed only after this)."""
-        self.block_manager.set_last_token_id(seq.seq_id, seq.output_token_ids[-1])
+        for i in self._ids(seq):
+            self.block_manager.set_last_token_id(i, seq.output_token_ids[-1])
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares every block of ``parent`` (it starts outside the runner)."""
-        self.block_manager.fork(parent.seq_id, child.seq_id)
+        for p, c in zip(self._ids(parent), self._ids(child), strict=True):
+            self.block_manager.fork(p, c)
         child.num_slots = parent.num_slots
         child.ready_step = parent.ready_step
         child.last_step_start = parent.last_step_start
 
     def free(self, seq: Sequence) -> None:
-        if self.block_manager.has_seq(seq.seq_id):
-            self.block_manager.free(seq.seq_id)
+        for i in self._ids(seq):
+            if self.block_manager.has_seq(i):
+                self.block_manager.free(i)
         seq.num_slots = 0
         seq.last_step_start = 0
         self.forget(seq)
 
     def mark_computed(self, seq: Sequence) -> None:
         if self.enable_prefix_caching:
-            self.block_manager.mark_blocks_computed(seq.seq_id, seq.num_computed_tokens)
+            for i in self._ids(seq):
+                self.block_manager.mark_blocks_computed(i, seq.num_computed_tokens)
 
     def can_swap_out(self, seqs: list[Sequence]) -> bool:
-        return self.block_manager.can_swap_out([s.seq_id for s in seqs])
+        return self.block_manager.can_swap_out([i for s in seqs for i in self._ids(s)])
 
     def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
         """-> blocks_to_swap_out [(gpu, cpu)]; the runner forgets the sequences."""
         for seq in seqs:
             self.forget(seq)
-        return self.block_manager.swap_out([s.seq_id for s in seqs])
+        return self.block_manager.swap_out([i for s in seqs for i in self._ids(s)])
 
     def can_swap_in(self, seqs: list[Sequence]) -> _core.AllocStatus:
-        return self.block_manager.can_swap_in([s.seq_id for s in seqs])
+        return self.block_manager.can_swap_in([i for s in seqs for i in self._ids(s)])
 
     def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
         """-> blocks_to_swap_in [(cpu, gpu)]; each sequence is sent whole when scheduled."""
         for seq in seqs:
             seq.ready_step = 0  # swapped in before the step's writes
-        return self.block_manager.swap_in([s.seq_id for s in seqs])
+        return self.block_manager.swap_in([i for s in seqs for i in self._ids(s)])
 
     def num_used_gpu_blocks(self) -> int:
         return self.block_manager.num_used_blocks(_core.Device.GPU)

@@ -112,6 +112,9 @@ class PagedAttention(nn.Module):
         # calculate_kv_scales: (K, V) scales to measure on the next forward, before its cache
         # write; the model runner arms them for its first step only.
         self.kv_scales_to_calculate = (False, False)
+        # Per-layer-group tables (core/kv_groups.py): the group whose tables this layer reads
+        # (attn_metadata.groups); set by the model runner.
+        self.kv_group = 0
 
     def forward(
         self,
@@ -127,6 +130,8 @@ class PagedAttention(nn.Module):
         """``rotary``: rotate query and key (rotate_half convention) before the cache write;
         None when the caller has rotated them already (or the model has no rotary).
         ``sinks``: each head's sink logit, joining its softmax's denominator."""
+        if self.kv_group:
+            attn_metadata = attn_metadata.groups[self.kv_group]
         if self.kv_scales_to_calculate != (False, False):
             if rotary is not None:  # measure K as it is stored: rotated (first step only)
                 query, key = apply_rotary_qk(query, key, *rotary)

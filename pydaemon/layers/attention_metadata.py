@@ -17,11 +17,16 @@ head's block as one run of memory. A token at position ``p`` of a sequence lives
 
 Token order in a step: sequences with prefill work (query_len >= 1, possibly a chunk) come
 first, then decode sequences (query_len == 1). ``num_prefills`` counts the former.
+
+Per-layer-group tables (core/kv_groups.py): ``kv_cache`` is [num_blocks, num_slots, 2, ...],
+a layer reads slot ``layer_slot[l]`` (``worker.kv_cache.LayerSlotCache``), and ``groups[g]``
+is the metadata of group g's layers: the same step with group g's ``block_tables`` and
+``slot_mapping`` (``groups[0]`` is this object). ``PagedAttention.kv_group`` picks it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -42,6 +47,18 @@ class AttentionMetadata:
     # device tensor back (no host-device sync inside the forward pass).
     seq_lens_cpu: list[int]
     query_lens_cpu: list[int]
+    groups: list[AttentionMetadata] | None = None  # per layer group; None: one table
+
+    def with_groups(
+        self, slot_mappings: torch.Tensor, block_tables: torch.Tensor
+    ) -> AttentionMetadata:
+        """Sets ``groups`` from [G, num_tokens] slot mappings and [G, num_seqs, max_blocks]
+        block tables (group 0's are this object's); returns self."""
+        self.groups = [self] + [
+            replace(self, slot_mapping=slot_mappings[g], block_tables=block_tables[g])
+            for g in range(1, slot_mappings.shape[0])
+        ]
+        return self
 
     @property
     def num_seqs(self) -> int:

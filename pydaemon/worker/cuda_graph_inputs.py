@@ -44,11 +44,14 @@ block-table width ``w``: one int64 device tensor, so that a step costs one host-
 
     int64 words  [0, T)        input_ids        [T, 2T)   positions     [2T, 3T) slot_mapping
     int32 words  [6T, 6T+b*w)  block_tables [b, w]        then seq_lens [b], query_start_loc [b+1]
+
+With G per-layer-group tables (core/kv_groups.py) the slot mappings are [G, T] from word 2T
+and the block tables [G, b, w] from int32 word 2(2+G)T; group 0's are the plain fields.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -120,6 +123,7 @@ class GraphPlan:
     tiered: frozenset[int]
     verify_batch_sizes: tuple[int, ...] = ()
     verify_query_lens: tuple[int, ...] = ()
+    num_groups: int = 1  # per-layer-group tables (core/kv_groups.py)
 
     def keys(self) -> list[GraphKey]:
         """Every graph, most tokens first (so that smaller ones reuse the shared memory
@@ -154,7 +158,8 @@ class GraphPlan:
     @property
     def max_buffer_words(self) -> int:
         return max(
-            buffer_words(k.batch_size, k.block_table_width, k.query_len) for k in self.keys()
+            buffer_words(k.batch_size, k.block_table_width, k.query_len, self.num_groups)
+            for k in self.keys()
         )
 
     def _key(self, batch_size: int, tier: int, query_len: int = 1) -> GraphKey:
@@ -162,7 +167,11 @@ class GraphPlan:
 
 
 def cuda_graph_plan(
-    config: EngineConfig, model_config: ModelConfig, kv_cache: torch.Tensor, max_model_len: int
+    config: EngineConfig,
+    model_config: ModelConfig,
+    kv_cache: torch.Tensor,
+    max_model_len: int,
+    num_groups: int = 1,
 ) -> GraphPlan | None:
     """The decode graphs this runner captures (and verify graphs for the configured k under
     speculative decoding), or None when every step runs eagerly:
@@ -176,7 +185,7 @@ def cuda_graph_plan(
         return None
     tp = config.tensor_parallel_size
     spec = config.speculative
-    return make_graph_plan(
+    plan = make_graph_plan(
         config.max_num_seqs,
         min(config.max_seq_len_to_capture, max_model_len),
         config.block_size,
@@ -187,6 +196,7 @@ def cuda_graph_plan(
         num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
         max_verify_seqs=0 if spec is None else spec.disable_by_batch_size,
     )
+    return plan if num_groups == 1 else replace(plan, num_groups=num_groups)
 
 
 def make_graph_plan(
@@ -227,23 +237,24 @@ def make_graph_plan(
     )
 
 
-def buffer_words(batch_size: int, width: int, query_len: int = 1) -> int:
-    """int64 words of the static buffer of a graph of this bucket, block-table width and
-    query length."""
-    b, t = batch_size, batch_size * query_len
-    return 3 * t + -(-(b * width + 2 * b + 1) // 2)
+def buffer_words(batch_size: int, width: int, query_len: int = 1, num_groups: int = 1) -> int:
+    """int64 words of the static buffer of a graph of this bucket, block-table width, query
+    length and number of layer groups."""
+    b, t, g = batch_size, batch_size * query_len, num_groups
+    return (2 + g) * t + -(-(g * b * width + 2 * b + 1) // 2)
 
 
 def pack_graph_inputs(
     input_ids: np.ndarray,  # [n * q] int64
     positions: np.ndarray,  # [n * q] int64
-    slot_mapping: np.ndarray,  # [n * q] int64
-    block_tables: np.ndarray,  # [n, any width] int32
+    slot_mapping: np.ndarray,  # [n * q] int64; groups: [G, n * q]
+    block_tables: np.ndarray,  # [n, any width] int32; groups: [G, n, any width]
     seq_lens: np.ndarray,  # [n] int32
     key: GraphKey,
+    num_groups: int = 1,
 ) -> np.ndarray:
-    """-> [buffer_words(b, w, q)] int64: the step's n sequences of q = key.query_len tokens
-    each, padded to ``key``'s bucket.
+    """-> [buffer_words(b, w, q, G)] int64: the step's n sequences of q = key.query_len
+    tokens each, padded to ``key``'s bucket.
 
     Block-table columns past ``w`` are dropped: no sequence of the step reaches them, since
     every context is at most the tier (a step may hold a block allocated ahead).
@@ -253,43 +264,55 @@ def pack_graph_inputs(
         raise ValueError(f"{n} sequences do not fit a graph of batch size {b}")
     if len(input_ids) != n * q:
         raise ValueError(f"{len(input_ids)} tokens are not {n} sequences of {q} tokens")
-    t, nt = b * q, n * q
-    words = np.zeros(buffer_words(b, w, q), dtype=np.int64)
+    t, nt, g = b * q, n * q, num_groups
+    words = np.zeros(buffer_words(b, w, q, g), dtype=np.int64)
     words[:nt] = input_ids
     words[t : t + nt] = positions
-    words[2 * t : 2 * t + nt] = slot_mapping
-    words[2 * t + nt : 3 * t] = PAD_SLOT_ID
+    slots = words[2 * t : (2 + g) * t].reshape(g, t)
+    slots[:, :nt] = slot_mapping.reshape(g, nt)
+    slots[:, nt:] = PAD_SLOT_ID
     ints = words.view(np.int32)
-    bt, lens, qsl = _int32_fields(ints[6 * t :], b, w)
-    cols = min(w, block_tables.shape[1])
-    bt[:n, :cols] = block_tables[:, :cols]  # padding rows stay block 0
+    bt, lens, qsl = _int32_fields(ints[2 * (2 + g) * t :], b, w, g)
+    tables = block_tables.reshape(g, n, block_tables.shape[-1])
+    cols = min(w, tables.shape[2])
+    bt[:, :n, :cols] = tables[:, :, :cols]  # padding rows stay block 0
     lens[:n] = seq_lens
     lens[n:] = q  # a padding row's queries are its whole context: none past it
     qsl[:] = np.arange(0, (b + 1) * q, q, dtype=np.int32)  # every row is q query tokens
     return words
 
 
-def graph_input_views(buffer: torch.Tensor, key: GraphKey) -> dict[str, torch.Tensor]:
+def graph_input_views(
+    buffer: torch.Tensor, key: GraphKey, num_groups: int = 1
+) -> dict[str, torch.Tensor]:
     """Views of the static buffer (int64, contiguous) in ``pack_graph_inputs``' layout, T =
     b * q: input_ids [T] int64, positions [T] int64, slot_mapping [T] int64, block_tables
-    [b, w] int32, seq_lens [b] int32, query_start_loc [b + 1] int32."""
-    b, w, q = key.batch_size, key.block_table_width, key.query_len
+    [b, w] int32, seq_lens [b] int32, query_start_loc [b + 1] int32; and with groups,
+    group_slot_mapping [G, T] and group_block_tables [G, b, w]."""
+    b, w, q, g = key.batch_size, key.block_table_width, key.query_len, num_groups
     t = b * q
-    ints = buffer[: buffer_words(b, w, q)].view(torch.int32)
-    block_tables, seq_lens, query_start_loc = _int32_fields(ints[6 * t :], b, w)
-    return {
+    ints = buffer[: buffer_words(b, w, q, g)].view(torch.int32)
+    block_tables, seq_lens, query_start_loc = _int32_fields(ints[2 * (2 + g) * t :], b, w, g)
+    slots = buffer[2 * t : (2 + g) * t].view(g, t)
+    views = {
         "input_ids": buffer[:t],
         "positions": buffer[t : 2 * t],
-        "slot_mapping": buffer[2 * t : 3 * t],
-        "block_tables": block_tables,
+        "slot_mapping": slots[0],
+        "block_tables": block_tables[0],
         "seq_lens": seq_lens,
         "query_start_loc": query_start_loc,
     }
+    if g > 1:
+        views["group_slot_mapping"] = slots
+        views["group_block_tables"] = block_tables
+    return views
 
 
-def _int32_fields(ints, b: int, w: int):
-    """(block_tables [b, w], seq_lens [b], query_start_loc [b + 1]) views of the int32 part."""
-    block_tables = ints[: b * w].reshape(b, w)
-    seq_lens = ints[b * w : b * w + b]
-    query_start_loc = ints[b * w + b : b * w + 2 * b + 1]
+def _int32_fields(ints, b: int, w: int, g: int = 1):
+    """(block_tables [g, b, w], seq_lens [b], query_start_loc [b + 1]) views of the int32
+    part."""
+    n = g * b * w
+    block_tables = ints[:n].reshape(g, b, w)
+    seq_lens = ints[n : n + b]
+    query_start_loc = ints[n + b : n + 2 * b + 1]
     return block_tables, seq_lens, query_start_loc

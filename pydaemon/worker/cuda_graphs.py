@@ -58,9 +58,14 @@ class _Graph:
 class CUDAGraphRunner:
     """Holds the captured decode and verify graphs of one model and one KV cache (one TP rank)."""
 
-    def __init__(self, model: nn.Module, kv_cache: torch.Tensor, plan: GraphPlan) -> None:
+    def __init__(
+        self, model: nn.Module, kv_cache: torch.Tensor, plan: GraphPlan, model_cache=None
+    ) -> None:
+        """``model_cache``: what the model reads the cache through (a LayerSlotCache with
+        per-layer-group tables); default ``kv_cache``."""
         self.model = model
         self.kv_cache = kv_cache  # [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]
+        self.model_cache = kv_cache if model_cache is None else model_cache
         self.plan = plan
         self.device = kv_cache.device
         # The static inputs of every graph: one buffer, each graph its own views of it.
@@ -121,7 +126,15 @@ class CUDAGraphRunner:
     ) -> None:
         """Writes a decode or verify batch, padded to ``key``, into the static buffer (one copy)."""
         host = torch.from_numpy(
-            pack_graph_inputs(input_ids, positions, slot_mapping, block_tables, seq_lens, key)
+            pack_graph_inputs(
+                input_ids,
+                positions,
+                slot_mapping,
+                block_tables,
+                seq_lens,
+                key,
+                self.plan.num_groups,
+            )  # fmt: skip
         )
         if self.device.type == "cuda":
             # Pinned through the caching host allocator, which keeps the page until the copy
@@ -136,7 +149,7 @@ class CUDAGraphRunner:
 
         A verify key (query_len q > 1): every row is a prefill row of q tokens, so attention is
         one paged-prefill launch whose grid depends on b and q only (max_query_len = q)."""
-        views = graph_input_views(self.buffer, key)
+        views = graph_input_views(self.buffer, key, self.plan.num_groups)
         b, q = key.batch_size, key.query_len
         is_verify = q > 1
         meta = AttentionMetadata(
@@ -155,7 +168,9 @@ class CUDAGraphRunner:
             seq_lens_cpu=[key.max_seq_len] * b,
             query_lens_cpu=[q] * b,
         )
-        return self.model(views["input_ids"], views["positions"], self.kv_cache, meta)
+        if self.plan.num_groups > 1:
+            meta.with_groups(views["group_slot_mapping"], views["group_block_tables"])
+        return self.model(views["input_ids"], views["positions"], self.model_cache, meta)
 
     # ---- replay -----------------------------------------------------------------------------
     def key_for(self, step: StepInput) -> GraphKey | None:
@@ -192,8 +207,14 @@ class CUDAGraphRunner:
         a [batch, vocab] float32 buffer per graph would pin up to ~0.26 GB of pool memory at
         batch 512 for one GEMM launch saved.
         """
+        grouped = step.group_slot_mapping is not None
         self.load_inputs(
-            step.input_ids, step.positions, step.slot_mapping, step.block_tables, step.seq_lens, key
+            step.input_ids,
+            step.positions,
+            step.group_slot_mapping if grouped else step.slot_mapping,
+            step.group_block_tables if grouped else step.block_tables,
+            step.seq_lens,
+            key,
         )
         if fill_input_ids is not None:  # async scheduling: placeholders filled on the device
             fill_input_ids(graph_input_views(self.buffer, key)["input_ids"])
@@ -248,7 +269,9 @@ def capture_all(runner: CUDAGraphRunner) -> CUDAGraphRunner | None:
     return runner
 
 
-def measure_graph_memory(model: nn.Module, kv_cache: torch.Tensor, plan: GraphPlan) -> int:
+def measure_graph_memory(
+    model: nn.Module, kv_cache: torch.Tensor, plan: GraphPlan, model_cache=None
+) -> int:
     """Bytes of device memory the plan's graphs will take, measured before the KV cache is
     sized: the largest graph on ``kv_cache`` (the profiling cache) holds the shared pool plus
     one graph's own memory; the smallest one, captured next into the same pool, costs about
@@ -259,7 +282,7 @@ def measure_graph_memory(model: nn.Module, kv_cache: torch.Tensor, plan: GraphPl
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     free0 = torch.cuda.mem_get_info(device)[0]
-    probe = CUDAGraphRunner(model, kv_cache, plan)
+    probe = CUDAGraphRunner(model, kv_cache, plan, model_cache)
     try:
         probe.capture(keys[:1])
         torch.cuda.synchronize(device)

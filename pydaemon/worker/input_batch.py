@@ -7,6 +7,10 @@ mapping, block tables) are then gathered from those rows with a few numpy operat
 the whole batch: no Python loop over tokens, and O(num_seqs) Python with small constants.
 Every tensor-parallel rank holds the same state, built from the same SchedulerOutput.
 
+Per-layer-group tables (core/kv_groups.py): a row's table interleaves the G groups' tables
+(entry ``i * G + g`` is group g's block i), as the scheduler sends it; a step gets each
+group's block tables and slot mapping (``StepInput.group_*``).
+
 Async scheduling: a decode may arrive with a placeholder token (``PLACEHOLDER_TOKEN_ID``), the
 token the previous step is still sampling. The step's inputs list where placeholders are (the
 runner fills them on the device); the rows get the real ids once that step's output is on
@@ -62,15 +66,22 @@ class StepInput:
     # Tokens that are placeholders (async scheduling), and their sequences; none by default.
     placeholder_index: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     placeholder_seq_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    # Per-layer-group tables: [G, num_tokens] int64 and [G, num_seqs, max_blocks] int32, group
+    # 0's being slot_mapping and block_tables; None with one table per sequence.
+    group_slot_mapping: np.ndarray | None = None
+    group_block_tables: np.ndarray | None = None
 
 
 class InputBatch:
     """Rows of fixed numpy arrays, one per held sequence (grows by doubling if needed)."""
 
-    def __init__(self, capacity: int, max_model_len: int, block_size: int) -> None:
+    def __init__(
+        self, capacity: int, max_model_len: int, block_size: int, num_groups: int = 1
+    ) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.max_blocks = -(-max_model_len // block_size)
+        self.num_groups = num_groups
+        self.max_blocks = -(-max_model_len // block_size) * num_groups  # table columns
         self.seqs: dict[int, CachedSeqState] = {}
         self._free_rows: list[int] = []
         self.capacity = 0
@@ -199,12 +210,23 @@ class InputBatch:
         if np.any(positions >= self.num_tokens[token_rows]):
             raise RuntimeError("SchedulerOutput schedules tokens the runner does not hold")
         input_ids = self.token_ids[token_rows, positions].astype(np.int64)
-        bs = self.block_size
-        slot_mapping = (
-            self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
-        )
+        bs, g = self.block_size, self.num_groups
         max_blocks = int(self.num_blocks[rows].max()) if num_seqs else 0
-        block_tables = np.ascontiguousarray(self.block_table[rows, :max_blocks])
+        group_slot_mapping = group_block_tables = None
+        if g == 1:
+            slot_mapping = (
+                self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+            )
+            block_tables = np.ascontiguousarray(self.block_table[rows, :max_blocks])
+        else:
+            columns = (positions // bs)[None, :] * g + np.arange(g)[:, None]  # [G, T]
+            group_slot_mapping = (
+                self.block_table[token_rows[None, :], columns].astype(np.int64) * bs
+                + positions % bs
+            )
+            tables = self.block_table[rows, :max_blocks].reshape(num_seqs, max_blocks // g, g)
+            group_block_tables = np.ascontiguousarray(tables.transpose(2, 0, 1))
+            slot_mapping, block_tables = group_slot_mapping[0], group_block_tables[0]
         seq_lens = (start + query_lens).astype(np.int32)
         is_sampled = seq_lens == self.num_tokens[rows]
         sample_index = (query_start_loc[1:][is_sampled] - 1).astype(np.int64)
@@ -227,6 +249,8 @@ class InputBatch:
             sample_index=sample_index,
             placeholder_index=placeholder_index,
             placeholder_seq_ids=placeholder_seq_ids,
+            group_slot_mapping=group_slot_mapping,
+            group_block_tables=group_block_tables,
         )
 
     def resolve_placeholders(self) -> None:

@@ -46,3 +46,17 @@ class KVCacheSpec:
 def layer_caches(kv_cache: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Strided views key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_dim]."""
     return kv_cache[:, layer, 0], kv_cache[:, layer, 1]
+
+
+class LayerSlotCache:
+    """The model's view of a cache of per-layer-group tables (core/kv_groups.py): the pool is
+    [num_blocks, num_slots, 2, num_kv_heads, block_size, head_dim] and a model's
+    ``kv_cache[:, layer, kv]`` reads layer ``layer``'s slot."""
+
+    def __init__(self, pool: torch.Tensor, layer_slot: tuple[int, ...]) -> None:
+        self.pool = pool
+        self.layer_slot = layer_slot
+
+    def __getitem__(self, key: tuple) -> torch.Tensor:
+        rows, layer, *rest = key
+        return self.pool[(rows, self.layer_slot[layer], *rest)]

@@ -14,11 +14,12 @@ import torch
 
 from pydaemon.config.engine import EngineConfig
 from pydaemon.config.lora import LoRAAdapterConfig
+from pydaemon.core.kv_groups import KVGroups, kv_groups
 from pydaemon.core.model_info import RunnerInfo
 from pydaemon.core.runner_output import ModelRunnerOutput
 from pydaemon.core.sched.scheduler_output import GrammarOutput, SchedulerOutput
 from pydaemon.distributed import parallel_state as ps
-from pydaemon.layers.attention import uses_kernels
+from pydaemon.layers.attention import PagedAttention, uses_kernels
 from pydaemon.layers.attention_metadata import AttentionMetadata, to_device
 from pydaemon.lora_request import LoRARequest
 from pydaemon.model_loader.loader import load_model
@@ -30,7 +31,7 @@ from pydaemon.worker.cuda_graphs import CUDAGraphRunner, capture_all, measure_gr
 from pydaemon.worker.draft_model import DraftModelProposer
 from pydaemon.worker.eagle_proposer import EagleProposer
 from pydaemon.worker.input_batch import InputBatch, StepInput
-from pydaemon.worker.kv_cache import GiB, KVCacheSpec
+from pydaemon.worker.kv_cache import GiB, KVCacheSpec, LayerSlotCache
 from pydaemon.worker.kv_host_pool import build_host_kv
 from pydaemon.worker.kv_scale_calibration import KVScales
 from pydaemon.worker.kv_transfer import KVTransfer
@@ -110,8 +111,13 @@ class ModelRunner:
         self.lora_manager = make_lora_manager(self.model, config, self.max_num_batched_tokens)
         # Pipeline parallel: this stage's layers only.
         start, end = pp_layer_range(mc.num_hidden_layers, ps.get_pp_rank(), ps.get_pp_world_size())
+        # Windowed and global layers mixed: a block holds num_slots layers, one table per
+        # group (core/kv_groups.py; the scheduler decides the same).
+        self.kv_groups = kv_groups(mc, config)
+        if self.kv_groups is not None:
+            assign_kv_groups(self.model, self.kv_groups)
         self.spec = KVCacheSpec(
-            num_layers=end - start,
+            num_layers=end - start if self.kv_groups is None else self.kv_groups.num_slots,
             num_kv_heads=mc.num_key_value_heads // config.tensor_parallel_size,  # this rank's
             block_size=config.block_size,
             head_dim=mc.head_dim,
@@ -147,7 +153,9 @@ class ModelRunner:
         )
         self.num_cpu_blocks = self.host_kv.num_cpu_blocks
         self.cpu_kv_cache = self.host_kv.cpu_kv_cache
-        self.input_batch = InputBatch(config.max_num_seqs, self.max_model_len, config.block_size)
+        self.input_batch = InputBatch(
+            config.max_num_seqs, self.max_model_len, config.block_size, self.num_groups
+        )
         self.step_sampler = StepSampler(self.input_batch, self.device)
         self.spec_decoder = None
         if spec is not None:
@@ -163,11 +171,13 @@ class ModelRunner:
         # was kept out of the cache's budget by _profile_num_blocks).
         self.cuda_graphs: CUDAGraphRunner | None = None
         self._graphs_to_capture: CUDAGraphRunner | None = None  # after the KV scales' step
-        plan = cuda_graph_plan(config, self.model_config, self.kv_cache, self.max_model_len)
+        plan = cuda_graph_plan(
+            config, self.model_config, self.kv_cache, self.max_model_len, self.num_groups
+        )
         if plan is not None:
             if self.spec_decoder is not None and plan.verify_query_lens:
                 self.spec_decoder.pad_drafts = True  # decode steps with drafts: graph shapes
-            graphs = CUDAGraphRunner(self.model, self.kv_cache, plan)
+            graphs = CUDAGraphRunner(self.model, self.kv_cache, plan, self._model_cache())
             if self.kv_scales is not None and self.kv_scales.is_pending:
                 self._graphs_to_capture = graphs  # graphs bake the KV scales in: not yet
             else:
@@ -244,8 +254,14 @@ class ModelRunner:
         self._dummy_forward(num_tokens)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        plan = cuda_graph_plan(cfg, self.model_config, self.kv_cache, self.max_model_len)
-        graphs = 0 if plan is None else measure_graph_memory(self.model, self.kv_cache, plan)
+        plan = cuda_graph_plan(
+            cfg, self.model_config, self.kv_cache, self.max_model_len, self.num_groups
+        )
+        graphs = (
+            0
+            if plan is None
+            else measure_graph_memory(self.model, self.kv_cache, plan, self._model_cache())
+        )
         del self.kv_cache
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
@@ -282,8 +298,11 @@ class ModelRunner:
             seq_lens_cpu=[num_tokens],
             query_lens_cpu=[num_tokens],
         )
+        if self.num_groups > 1:  # every group on the same blocks: a probe
+            g = self.num_groups
+            meta.with_groups(meta.slot_mapping.expand(g, -1), meta.block_tables.expand(g, -1, -1))
         if ps.get_pp_world_size() == 1:
-            hidden = self.model(ids, positions, self.kv_cache, meta)
+            hidden = self.model(ids, positions, self._model_cache(), meta)
             self.model.compute_logits(hidden[-1:])
             return
         # A pipeline stage alone (no peer is in step with it now): zeros for its input.
@@ -296,6 +315,16 @@ class ModelRunner:
         hidden = self.model(ids, positions, self.kv_cache, meta, intermediate)
         if ps.is_last_pp_rank():
             self.model.compute_logits(hidden[-1:])
+
+    @property
+    def num_groups(self) -> int:
+        return 1 if self.kv_groups is None else self.kv_groups.num_groups
+
+    def _model_cache(self):
+        """What the model reads the cache through: the tensor, or its layers' slots."""
+        if self.kv_groups is None:
+            return self.kv_cache
+        return LayerSlotCache(self.kv_cache, self.kv_groups.layer_slot)
 
     # ---- the step ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -442,10 +471,14 @@ class ModelRunner:
             seq_lens_cpu=step.seq_lens.tolist(),
             query_lens_cpu=query_len.tolist(),
         )
+        if step.group_slot_mapping is not None:
+            meta.with_groups(
+                to_device(step.group_slot_mapping, dev), to_device(step.group_block_tables, dev)
+            )
         if ps.get_pp_world_size() > 1:
             return self._forward_stage(step, meta)
         hidden = self.model(
-            self._input_ids(step), to_device(step.positions, dev), self.kv_cache, meta
+            self._input_ids(step), to_device(step.positions, dev), self._model_cache(), meta
         )
         if len(step.sample_index) == 0:
             return hidden, hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
@@ -498,3 +531,15 @@ class ModelRunner:
         rows = to_device(last.sample_rows(step.placeholder_seq_ids.tolist()), self.device)
         index = to_device(step.placeholder_index, self.device)
         input_ids[index] = last.sampled_token_ids[rows]
+
+
+def assign_kv_groups(model: torch.nn.Module, groups: KVGroups) -> None:
+    """Tells each layer's attention which group's tables it reads (core/kv_groups.py)."""
+    layers = model.model.layers
+    if len(layers) != len(groups.layer_group):
+        raise ValueError(f"{len(layers)} layers, {len(groups.layer_group)} in the KV groups")
+    for layer, group in zip(layers, groups.layer_group, strict=True):
+        attns = [m for m in layer.modules() if isinstance(m, PagedAttention)]
+        if len(attns) != 1:
+            raise ValueError(f"a layer with {len(attns)} paged attention modules")
+        attns[0].kv_group = group

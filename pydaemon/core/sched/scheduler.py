@@ -35,6 +35,7 @@ from collections import deque
 
 from pydaemon import _core
 from pydaemon.config.speculative import SpeculativeConfig
+from pydaemon.core.kv_groups import KVGroups
 from pydaemon.core.messages import EngineCoreOutputs
 from pydaemon.core.request import Request, RequestStatus, Sequence
 from pydaemon.core.runner_output import ModelRunnerOutput
@@ -71,6 +72,7 @@ class Scheduler:
         max_loras: int | None = None,  # adapters in one batch; None: LoRA is off
         tiers: KVTierConfig | None = None,  # None: no CPU or disk tier
         kv_window: int | None = None,  # every layer's sliding window: older blocks are freed
+        kv_groups: KVGroups | None = None,  # windowed and global layers: a table per group
     ) -> None:
         tiers = tiers or KVTierConfig()
         self.block_manager = _core.BlockManager(
@@ -89,6 +91,7 @@ class Scheduler:
             has_tiers=tiers.enable_cpu_tier,
             kv_block_bytes=tiers.kv_block_bytes,
             kv_window=kv_window,
+            kv_groups=kv_groups,
         )
         if tiers.disk_records:
             self.blocks.restore_disk_blocks(tiers.disk_records)

@@ -73,7 +73,7 @@ class SeqUpdater:
             # and is replaced before the step that computes it is advanced.
             if after // block_size > before // block_size:  # a block just filled up
                 self.blocks.mark_computed(seq)
-            if self.blocks.kv_window is not None:
+            if self.blocks.releases_windows:
                 # One step behind: the step before this one may still be running (async
                 # scheduling), and its queries started at last_step_start.
                 self.blocks.release_outside_window(seq, seq.last_step_start)

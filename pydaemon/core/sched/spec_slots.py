@@ -84,7 +84,7 @@ class DraftSlots:
             num_new_blocks = -(-(num_tokens + k) // block_size) - num_held
             if seq.num_slots % block_size:
                 num_new_blocks += 1  # a shared last block would be copied on write
-            if num_new_blocks > num_free:
+            if num_new_blocks * blocks.num_groups > num_free:  # one table per layer group
                 continue
             blocks.append_draft_slots(seq, k)
             num_free = blocks.block_manager.num_free_blocks(_core.Device.GPU)
