@@ -96,6 +96,33 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for pos in range(num_cached, len(token_ids)):
             self._write(seq_id, pos)
 
+    @rule(token_ids=token_lists, salt=salts, num_groups=st.integers(2, 3))
+    def allocate_group(self, token_ids: list[int], salt: str, num_groups: int) -> None:
+        """Per-layer-group tables: one sequence per group, each with its own salt; the hit is
+        the same in every table and serves only its group's KV; a refusal changes nothing."""
+        ids = list(range(self.next_id, self.next_id + num_groups))
+        self.next_id += num_groups
+        group_salts = [salt + "\x1fg" * g for g in range(num_groups)]
+        status = self.bm.can_allocate_group(token_ids, group_salts)
+        before = self._snapshot()
+        try:
+            num_cached = self.bm.allocate_group(ids, token_ids, group_salts)
+        except NoFreeBlocksError:
+            assert status != AllocStatus.OK
+            assert self._snapshot() == before
+            return
+        assert num_cached % BLOCK_SIZE == 0 and num_cached < len(token_ids)
+        tables = [self.bm.block_table(i) for i in ids]
+        assert len({b for t in tables for b in t}) == num_groups * len(tables[0])  # disjoint
+        for seq_id, table, group_salt in zip(ids, tables, group_salts, strict=True):
+            for i in range(num_cached // BLOCK_SIZE):
+                expected = (group_salt, tuple(token_ids[: (i + 1) * BLOCK_SIZE]))
+                assert self.content[(GPU, table[i])] == expected
+            self.tokens[seq_id] = list(token_ids)
+            self.salt[seq_id] = group_salt
+            for pos in range(num_cached, len(token_ids)):
+                self._write(seq_id, pos)
+
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), token=st.integers(0, 2))
     def append(self, data: st.DataObject, token: int) -> None:
