@@ -171,7 +171,7 @@ def test_unsupported_architecture_is_named(tmp_path):
 @pytest.mark.parametrize(
     "tokenizer,message",
     [
-        ({"model": "llama"}, "unsupported GGUF tokenizer 'llama'"),
+        ({"model": "bert"}, "unsupported GGUF tokenizer 'bert'"),
         ({"pre": "mystery"}, "unsupported GGUF pre-tokenizer 'mystery'"),
         ({"valid": False}, "tokenizer.ggml.merges has 'a b', whose parts or result are not"),
     ],

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 GGUF_SUFFIX = ".gguf"
 SUPPORTED_TENSOR_TYPES = tuple(
     GGMLQuantizationType[name]
-    for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+    for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 )
 
 

@@ -7,6 +7,17 @@ so the rotate-half RoPE of the model sees the original layout. ``qwen2`` and ``q
 stored unpermuted. Mixtures of experts keep each projection of all experts in one tensor
 (``blk.N.ffn_gate_exps`` [E, I, H] ...): it is split into the per-expert names of a Hugging
 Face checkpoint, which the loader stacks again.
+
+Gemma 2 / 3 (``gemma2``, ``gemma3``): their norms are stored as llama.cpp's converter writes
+them, ``1 + w`` (it folds Gemma's ``(1 + w)`` RMSNorm into the weight), so ``w`` is taken back;
+``ffn_norm`` is their pre-feed-forward norm and ``post_attention_norm`` / ``post_ffw_norm``
+the norms after attention and the feed-forward.
+
+gpt-oss (``gpt-oss``): llama.cpp's converter splits the stacked, interleaved
+``experts.gate_up_proj`` [E, H, 2I] into ``ffn_gate_exps`` and ``ffn_up_exps`` [E, I, H] (and
+their biases), writes ``ffn_down_exps`` [E, H, I] (MXFP4 from an MXFP4 checkpoint); they are
+put back into the checkpoint's stacked layout (stacked_experts.py reads it). The router is
+``ffn_gate_inp``, the sinks ``attn_sinks``, the pre-feed-forward norm ``post_attention_norm``.
 """
 
 from __future__ import annotations
@@ -44,22 +55,45 @@ _LAYER_NAMES = {
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # Merged expert tensors [E, rows, cols] -> (gate, up, down) index of the per-expert name.
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
+_GPT_OSS_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_gate_inp": "mlp.router",
+    "attn_sinks": "self_attn.sinks",
+}
+# gpt-oss's expert tensors: (gate, up) pairs joined into one stacked tensor, and down.
+_GPT_OSS_GATE = re.compile(r"blk\.(\d+)\.ffn_gate_exps\.(weight|bias)")
 _EXPERT_TENSORS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 _PERMUTED_ARCHITECTURES = ("llama",)
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """-> the parameter name of a GGUF tensor, None for one pagedd does not use."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """-> the parameter name of a GGUF tensor of architecture ``arch``, None for one pagedd
+    does not use."""
+    names = (
+        _GEMMA_LAYER_NAMES
+        if arch in _GEMMA_ARCHITECTURES
+        else _GPT_OSS_LAYER_NAMES
+        if arch == "gpt-oss"
+        else _LAYER_NAMES
+    )
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER_TENSOR.fullmatch(gguf_name)
     if match is not None and match.group(2) in _EXPERT_TENSORS:
         return f"model.layers.{match.group(1)}.mlp.experts"
-    if match is None or match.group(2) not in _LAYER_NAMES:
+    if match is None or match.group(2) not in names:
         return None
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    return f"model.layers.{layer}.{names[part]}.{kind}"
 
 
 def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -78,9 +112,13 @@ def iter_gguf_weights(
     time, so at most one dequantized tensor is alive beside the model."""
     f.check_tensor_types()
     permuted = f.architecture in _PERMUTED_ARCHITECTURES
+    gemma = f.architecture in _GEMMA_ARCHITECTURES
     mixtral = config.architecture == "MixtralForCausalLM"
+    if f.architecture == "gpt-oss":
+        yield from _gpt_oss_weights(f, dtype)
+        return
     for name in f.tensors:
-        param_name = hf_name(name)
+        param_name = hf_name(name, f.architecture)
         if param_name is None:
             continue
         # Dequantize in float32 and cast once at the end: the permutation is exact either way.
@@ -89,6 +127,8 @@ def iter_gguf_weights(
             tensor = unpermute_rotary(tensor, config.num_attention_heads)
         elif permuted and ".attn_k." in name:
             tensor = unpermute_rotary(tensor, config.num_key_value_heads)
+        if gemma and name.endswith("norm.weight"):
+            tensor = tensor - 1.0  # stored as 1 + w
         if mixtral:  # Mixtral's checkpoints call the MoE block block_sparse_moe
             param_name = param_name.replace(".mlp.", ".block_sparse_moe.")
         if param_name.endswith(".experts"):  # [E, rows, cols]: one tensor per expert
@@ -105,3 +145,38 @@ def expert_name(prefix: str, expert: int, part: int, config: ModelConfig) -> str
     """-> the checkpoint name of expert ``expert``'s gate (0), up (1) or down (2) weight."""
     assert config.moe is not None
     return f"{prefix}.{expert}.{config.moe.expert_names[part]}.weight"
+
+
+def _gpt_oss_weights(f: GGUFFile, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """gpt-oss's tensors under the checkpoint's names (module docstring)."""
+    for name in f.tensors:
+        match = _LAYER_TENSOR.fullmatch(name)
+        part = match.group(2) if match else None
+        if part in ("ffn_up_exps",):
+            continue  # joined with its gate
+        if part == "ffn_gate_exps":
+            layer, kind = match.group(1), match.group(3)
+            gate = f.load(name, torch.float32)
+            up = f.load(f"blk.{layer}.ffn_up_exps.{kind}", torch.float32)
+            prefix = f"model.layers.{layer}.mlp.experts.gate_up_proj"
+            if kind == "weight":  # [E, I, H] each -> [E, H, 2I], gate j at 2j, up j at 2j + 1
+                joined = torch.stack((gate, up), dim=2).flatten(1, 2).transpose(1, 2)
+                yield prefix, joined.contiguous().to(dtype)
+            else:  # [E, I] each -> [E, 2I]
+                yield f"{prefix}_bias", torch.stack((gate, up), dim=2).flatten(1).to(dtype)
+            continue
+        if part == "ffn_down_exps":
+            layer, kind = match.group(1), match.group(3)
+            tensor = f.load(name, torch.float32)
+            prefix = f"model.layers.{layer}.mlp.experts.down_proj"
+            if kind == "weight":  # [E, H, I] -> [E, I, H]
+                yield prefix, tensor.transpose(1, 2).contiguous().to(dtype)
+            else:
+                yield f"{prefix}_bias", tensor.to(dtype)
+            continue
+        param_name = hf_name(name, "gpt-oss")
+        if param_name is None:
+            continue
+        if param_name.endswith(".sinks.weight"):
+            param_name = param_name.removesuffix(".weight")
+        yield param_name, f.load(name, torch.float32).to(dtype)

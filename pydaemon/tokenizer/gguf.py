@@ -1,7 +1,8 @@
 """The tokenizer a GGUF file describes, built in memory as a ``tokenizers.Tokenizer``.
 
 Supported: ``tokenizer.ggml.model == "gpt2"`` (byte-level BPE: the vocabulary is already
-spelled in GPT-2's byte alphabet, merges are "a b" strings). The pre-tokenizer follows
+spelled in GPT-2's byte alphabet, merges are "a b" strings) and ``"llama"`` (SentencePiece:
+Gemma, Llama 2, Mistral; gguf_spm.py). The pre-tokenizer follows
 ``tokenizer.ggml.pre`` as llama.cpp does (``llama-vocab.cpp``); an unknown one is an error
 naming it rather than a silently different split. Tokens typed CONTROL (3) become special
 added tokens, USER_DEFINED (4) plain added tokens, so both are matched whole in text.
@@ -19,6 +20,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
 
 from pydaemon.gguf.reader import GGUFFile
+from pydaemon.tokenizer.gguf_spm import spm_tokenizer
 from pydaemon.tokenizer.hf import HFTokenizer
 
 TOKEN_TYPE_CONTROL = 3
@@ -31,6 +33,14 @@ _LLAMA3_SPLIT = (
 _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# o200k (gpt-oss, GPT-4o): cased words with their contraction, numbers in threes.
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 # tokenizer.ggml.pre -> how llama.cpp splits text before BPE:
 #   "gpt2": GPT-2's regex; "digits": every digit alone, then GPT-2's regex; else a regex.
@@ -47,6 +57,7 @@ _PRE_TOKENIZERS: dict[str, str] = {
     "smaug-bpe": _LLAMA3_SPLIT,
     "qwen2": _QWEN2_SPLIT,
     "deepseek-r1-qwen": _QWEN2_SPLIT,
+    "gpt-4o": _GPT4O_SPLIT,
 }
 
 
@@ -70,9 +81,15 @@ def load_gguf_tokenizer(f: GGUFFile) -> HFTokenizer:
     kind = f.get("tokenizer.ggml.model")
     if kind is None:
         raise ValueError(f"{f.path.name} has no tokenizer (no tokenizer.ggml.model)")
+    if kind == "llama":
+        tok, add_bos = spm_tokenizer(f)
+        config = _tokenizer_config(f, list(f.require("tokenizer.ggml.tokens")))
+        config["add_bos_token"] = add_bos
+        return HFTokenizer.from_tokenizer_object(tok, config, f.get("tokenizer.chat_template"))
     if kind != "gpt2":
         raise ValueError(
-            f"{f.path.name}: unsupported GGUF tokenizer {kind!r} (supported: 'gpt2', byte-level BPE)"
+            f"{f.path.name}: unsupported GGUF tokenizer {kind!r} (supported: 'gpt2', byte-level "
+            "BPE; 'llama', SentencePiece)"
         )
     tokens: list[str] = f.require("tokenizer.ggml.tokens")
     merges: list[str] = f.require("tokenizer.ggml.merges")
