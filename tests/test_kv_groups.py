@@ -264,3 +264,21 @@ def test_qwen2_windows_on_some_layers_use_groups(tmp_path):
                                     block_size=BLOCK, num_kv_blocks=64))  # fmt: skip
     assert engine.scheduler.blocks.kv_window is None
     assert engine.scheduler.blocks.num_groups == engine.runner.kv_groups.num_groups > 1
+
+
+def test_ngram_speculation_over_group_tables(arch):
+    """Verify steps write drafts' K/V into every group's table and drop the rejected ones:
+    with n-gram drafts, greedy tokens stay transformers' and nothing leaks."""
+    from pydaemon import LLM
+
+    model_dir, reference = arch
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", block_size=BLOCK,
+              num_kv_blocks=96, speculative_config=spec)  # fmt: skip
+    assert llm.engine.scheduler.blocks.num_groups > 1
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    out = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    assert [list(o.outputs[0].token_ids) for o in out] == reference
+    assert llm.engine.core.get_stats().spec_decode.num_draft_tokens > 0
+    stats = llm.engine.get_stats()
+    assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
