@@ -343,8 +343,8 @@ class EngineCore:
 def kv_window(model_config: ModelConfig, speculative) -> int | None:
     """The window every layer attends within, so that the scheduler frees the blocks that
     leave it; None when some layer sees the whole context (Gemma's and gpt-oss's global
-    layers: that needs per-layer-group tables) or a draft model or EAGLE head with a KV
-    cache of its own reads the same tables without a window."""
+    layers: per-layer-group tables serve those, core/kv_groups.py) or a draft model or EAGLE
+    head with a KV cache of its own reads the same tables without a window."""
     windows = model_config.layer_sliding_windows
     if not windows or any(w is None for w in windows):
         return None
