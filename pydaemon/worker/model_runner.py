@@ -145,7 +145,12 @@ class ModelRunner:
             self.num_gpu_blocks = self.num_gpu_blocks * target_bytes // (target_bytes + draft_bytes)
         # Model parallel: one block manager drives every rank, so all hold as many blocks.
         self.num_gpu_blocks = ps.min_across_ranks(self.num_gpu_blocks)
-        max_useful = config.max_num_seqs * math.ceil(self.max_model_len / config.block_size) + 1
+        max_useful = (  # every layer group has a table per sequence
+            config.max_num_seqs
+            * math.ceil(self.max_model_len / config.block_size)
+            * self.num_groups
+            + 1
+        )
         self.kv_cache = self.spec.allocate(self.num_gpu_blocks, self.device)
         # The CPU pool (swap space + the CPU tier) and the disk tier (kv_host_pool.py).
         self.host_kv = build_host_kv(
@@ -240,7 +245,9 @@ class ModelRunner:
     # ---- sizing -----------------------------------------------------------------------------
     def _profile_num_blocks(self) -> int:
         cfg = self.config
-        max_useful = cfg.max_num_seqs * math.ceil(self.max_model_len / cfg.block_size) + 1
+        max_useful = (  # every layer group has a table per sequence
+            cfg.max_num_seqs * math.ceil(self.max_model_len / cfg.block_size) * self.num_groups + 1
+        )
         if self.device.type != "cuda":
             return max(
                 1, min(self.spec.num_blocks_for_bytes(cfg.cpu_kv_cache_space * GiB), max_useful)
