@@ -40,15 +40,17 @@ def permute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return w.swapaxes(1, 2).reshape(weight.shape)
 
 
-def _gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, layer_names: dict[str, str] | None = None) -> str:
+    """The GGUF name of a checkpoint tensor (``layer_names``: GGUF part -> module path; the
+    loader's llama names by default)."""
     from pydaemon.gguf.weights import _GLOBAL_NAMES, _LAYER_NAMES
 
-    for gguf_name, name in _GLOBAL_NAMES.items():
+    for name_in_file, name in _GLOBAL_NAMES.items():
         if hf_name == name:
-            return gguf_name
+            return name_in_file
     parts = hf_name.split(".")  # model.layers.N.<module path>.<weight|bias>
     module = ".".join(parts[3:-1])
-    part = next(g for g, h in _LAYER_NAMES.items() if h == module)
+    part = next(g for g, h in (layer_names or _LAYER_NAMES).items() if h == module)
     return f"blk.{parts[2]}.{part}.{parts[-1]}"
 
 
@@ -116,7 +118,7 @@ def write_gguf(
         elif arch == "llama" and ".k_proj." in name:
             values = permute_rotary(values, kv_heads)
         data, raw_dtype = (values, None) if values.ndim == 1 else _encode(values, weight_type, rng)
-        writer.add_tensor(_gguf_name(name), data, raw_dtype=raw_dtype)
+        writer.add_tensor(gguf_name(name), data, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

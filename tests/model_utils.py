@@ -179,3 +179,22 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
             )
         outs.append(out[0, len(prompt) :].tolist())
     return outs
+
+
+def run_engine(engine, prompts: list[list[int]], params, on_step=None) -> list[list[int]]:
+    """Every prompt through ``engine`` (an LLMEngine) to the end: the first output's token
+    ids per prompt, in order. ``on_step(engine)`` runs after each step; at the end every KV
+    block must be free again."""
+    from pydaemon.generate_request import GenerateRequest
+
+    for i, p in enumerate(prompts):
+        engine.add_request(GenerateRequest(str(i), list(p), params))
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out[o.request_id] = out.get(o.request_id, []) + o.outputs[0].token_ids
+        if on_step is not None:
+            on_step(engine)
+    stats = engine.get_stats()
+    assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
+    return [out[str(i)] for i in range(len(prompts))]

@@ -12,12 +12,13 @@ import random
 import pytest
 import torch
 from gguf import GGUFWriter
+from gguf_utils import gguf_name
 from model_utils import Driver, hf_greedy
 from new_arch_utils import save_hf_new_arch
 
 from pydaemon.gguf import GGUFFile
 from pydaemon.gguf.config import gguf_config_dict
-from pydaemon.gguf.weights import _GEMMA_LAYER_NAMES, _GLOBAL_NAMES
+from pydaemon.gguf.weights import _GEMMA_LAYER_NAMES
 from pydaemon.model_loader.loader import load_model
 from pydaemon.tokenizer.gguf import load_gguf_tokenizer
 
@@ -48,16 +49,6 @@ OVERRIDES = {
         },
     ),
 }
-
-
-def _gguf_name(hf_name: str) -> str:
-    for gguf_name, name in _GLOBAL_NAMES.items():
-        if hf_name == name:
-            return gguf_name
-    parts = hf_name.split(".")  # model.layers.N.<module path>.<weight|bias>
-    module = ".".join(parts[3:-1])
-    part = next(g for g, h in _GEMMA_LAYER_NAMES.items() if h == module)
-    return f"blk.{parts[2]}.{part}.{parts[-1]}"
 
 
 def write_gemma_gguf(path, model_dir, arch: str, *, softcaps: bool = True):
@@ -101,7 +92,7 @@ def write_gemma_gguf(path, model_dir, arch: str, *, softcaps: bool = True):
         values = tensor.detach().float()
         if name.endswith("norm.weight"):
             values = values + 1.0  # Gemma2Model / Gemma3Model.modify_tensors
-        writer.add_tensor(_gguf_name(name), values.numpy())
+        writer.add_tensor(gguf_name(name, _GEMMA_LAYER_NAMES), values.numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

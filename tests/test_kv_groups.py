@@ -17,7 +17,6 @@ from pydaemon import _core
 from pydaemon.config.engine import EngineConfig
 from pydaemon.core import kv_groups as kv_groups_module
 from pydaemon.core.kv_groups import plan_kv_groups
-from pydaemon.engine import engine_core
 from pydaemon.engine.llm_engine import LLMEngine
 from pydaemon.generate_request import GenerateRequest
 from pydaemon.sampling_params import SamplingParams
@@ -228,7 +227,6 @@ def test_forks_and_beams_share_and_free_every_table(arch, monkeypatch):
 
 
 def _no_groups(monkeypatch):
-    monkeypatch.setattr(engine_core, "kv_groups", lambda *a: None)
     monkeypatch.setattr(model_runner, "kv_groups", lambda *a: None)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pydaemon.core.disk_blocks import DiskBlockRecord
+from pydaemon.core.kv_groups import KVGroups
 
 
 @dataclass
@@ -38,3 +39,6 @@ class RunnerInfo:
     num_disk_blocks: int = 0  # the disk tier's blocks (0: none)
     # A warm restart: the blocks found whole in the disk tier (of every rank).
     disk_records: list[DiskBlockRecord] = field(default_factory=list)
+    # Per-layer-group tables (core/kv_groups.py) as the runner laid out its cache; the
+    # scheduler keeps one table per group. None: one table per sequence.
+    kv_groups: KVGroups | None = None

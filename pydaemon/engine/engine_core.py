@@ -23,7 +23,6 @@ from pydaemon import heap_freeze
 from pydaemon.config.engine import EngineConfig
 from pydaemon.config.model import ModelConfig
 from pydaemon.core.beam_search import BeamSearchState
-from pydaemon.core.kv_groups import kv_groups
 from pydaemon.core.messages import EngineCoreOutputs, EngineCoreRequest
 from pydaemon.core.model_info import ModelInfo, RunnerInfo
 from pydaemon.core.request import Request, Sequence
@@ -121,7 +120,7 @@ class EngineCore:
             max_loras=config.max_loras if config.enable_lora else None,
             tiers=kv_tier_config(config, info),
             kv_window=kv_window(self.model_config, config.speculative),
-            kv_groups=kv_groups(self.model_config, config),
+            kv_groups=info.kv_groups,
         )
         self.structured_outputs = StructuredOutputManager(config.model, self.vocab_size)
         self.loras = LoadedLoRAs(

@@ -112,7 +112,7 @@ class ModelRunner:
         # Pipeline parallel: this stage's layers only.
         start, end = pp_layer_range(mc.num_hidden_layers, ps.get_pp_rank(), ps.get_pp_world_size())
         # Windowed and global layers mixed: a block holds num_slots layers, one table per
-        # group (core/kv_groups.py; the scheduler decides the same).
+        # group (core/kv_groups.py; runner_info tells the scheduler).
         self.kv_groups = kv_groups(mc, config)
         if self.kv_groups is not None:
             assign_kv_groups(self.model, self.kv_groups)
@@ -219,6 +219,7 @@ class ModelRunner:
             kv_block_bytes=self.spec.block_bytes,
             num_disk_blocks=self.host_kv.num_disk_blocks,
             disk_records=self.host_kv.disk_records,
+            kv_groups=self.kv_groups,
         )
 
     def shutdown(self) -> None:

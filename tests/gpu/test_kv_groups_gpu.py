@@ -12,12 +12,11 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from model_utils import run_engine  # noqa: E402
 from new_arch_utils import save_hf_new_arch  # noqa: E402
 
 from pydaemon.config.engine import EngineConfig  # noqa: E402
-from pydaemon.engine import engine_core  # noqa: E402
 from pydaemon.engine.llm_engine import LLMEngine  # noqa: E402
-from pydaemon.generate_request import GenerateRequest  # noqa: E402
 from pydaemon.sampling_params import SamplingParams  # noqa: E402
 from pydaemon.worker import model_runner  # noqa: E402
 
@@ -38,15 +37,7 @@ def _run(model_dir, block_size, **config):
                                     block_size=block_size, num_kv_blocks=512, seed=0,
                                     **config))  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(GenerateRequest(str(i), list(p), params))
-    out: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            out[o.request_id] = out.get(o.request_id, []) + o.outputs[0].token_ids
-    stats = engine.get_stats()
-    assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
-    return [out[str(i)] for i in range(len(PROMPTS))], engine.scheduler.blocks.num_groups
+    return run_engine(engine, PROMPTS, params), engine.scheduler.blocks.num_groups
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -58,7 +49,6 @@ def _run(model_dir, block_size, **config):
 def test_group_tables_change_no_token(model_dir, block_size, config, monkeypatch):
     grouped, num_groups = _run(model_dir, block_size, **config)
     assert num_groups > 1
-    monkeypatch.setattr(engine_core, "kv_groups", lambda *a: None)
     monkeypatch.setattr(model_runner, "kv_groups", lambda *a: None)
     keeping, one = _run(model_dir, block_size, **config)
     assert one == 1

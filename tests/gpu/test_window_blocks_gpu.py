@@ -12,12 +12,11 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from model_utils import save_hf_model  # noqa: E402
+from model_utils import run_engine, save_hf_model  # noqa: E402
 
 from pydaemon.config.engine import EngineConfig  # noqa: E402
 from pydaemon.engine import engine_core  # noqa: E402
 from pydaemon.engine.llm_engine import LLMEngine  # noqa: E402
-from pydaemon.generate_request import GenerateRequest  # noqa: E402
 from pydaemon.sampling_params import SamplingParams  # noqa: E402
 
 WINDOW = 64
@@ -38,22 +37,18 @@ def _run(model_dir, block_size, **config):
                                     block_size=block_size, num_kv_blocks=512, seed=0,
                                     **config))  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(GenerateRequest(str(i), list(p), params))
-    out: dict[str, list[int]] = {}
     max_live = 0
-    scheduler = engine.scheduler
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            out[o.request_id] = out.get(o.request_id, []) + o.outputs[0].token_ids
+
+    def count_live(engine) -> None:
+        nonlocal max_live
+        scheduler = engine.scheduler
         for request in scheduler.requests.values():
             for seq in request.seqs:
                 if scheduler.block_manager.has_seq(seq.seq_id) and len(seq.output_token_ids) > 2:
                     table = scheduler.block_manager.block_table(seq.seq_id)
                     max_live = max(max_live, len(table) - table.count(-1))
-    stats = engine.get_stats()
-    assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
-    return [out[str(i)] for i in range(len(PROMPTS))], max_live
+
+    return run_engine(engine, PROMPTS, params, count_live), max_live
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
