@@ -35,6 +35,7 @@ from collections import deque
 
 from pydaemon import _core
 from pydaemon.config.speculative import SpeculativeConfig
+from pydaemon.core.disk_blocks import DiskTierReport
 from pydaemon.core.kv_groups import KVGroups
 from pydaemon.core.messages import EngineCoreOutputs
 from pydaemon.core.request import Request, RequestStatus, Sequence
@@ -207,6 +208,8 @@ class Scheduler:
         if overlap and not self.can_overlap():
             return None
         plan = StepPlan(step_index=self.blocks.step_index())
+        if overlap and self._waits_for_disk_reads(plan.step_index):
+            return None
         budget = self.max_num_batched_tokens
         # 1. Decodes of running requests, preempting from the tail when blocks run out.
         pending_prefill: set[str] = set()  # requests with work besides their decodes
@@ -296,6 +299,8 @@ class Scheduler:
                 "update_from_output: not the output of the oldest pending schedule()"
             )
         _, plan = self._plans.popleft()
+        if runner_output.disk_report is not None:
+            self._recompute_failed_disk_reads(runner_output.disk_report)
         outputs = self.updater.update(plan, runner_output)
         if self.drafts:  # how fast this kind of step was (spec_governor.py)
             self.drafts.record_step(plan, runner_output, self._num_sync_only_requests == 0)
@@ -304,6 +309,30 @@ class Scheduler:
         return outputs
 
     # ---- helpers ----------------------------------------------------------------------------
+    def _recompute_failed_disk_reads(self, report: DiskTierReport) -> None:
+        """A step's disk reads that did not deliver their blocks: the blocks leave every tier
+        and the requests holding one (admitted, never run since: a read's block is readable two
+        steps later) go back to the waiting queue with nothing computed. Readmitted, they find
+        their prefix up to that block and compute the rest."""
+        seq_ids = self.blocks.apply_disk_report(report)
+        if not seq_ids:
+            return
+        for request in [r for r in self.running if any(s.seq_id in seq_ids for s in r.seqs)]:
+            self.running.remove(request)
+            for seq in request.seqs:
+                self.blocks.free(seq)
+                seq.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+
+    def _waits_for_disk_reads(self, step_index: int) -> bool:
+        """Whether a step in flight read from disk blocks that step ``step_index`` may read:
+        its report must come first (pipeline parallelism keeps several steps in flight)."""
+        return any(
+            out.blocks_to_read_from_disk and plan.step_index + 2 <= step_index
+            for out, plan in self._plans
+        )
+
     def _split_decoding(
         self, request: Request, pending_prefill: set[str], plan: StepPlan
     ) -> list[Sequence]:

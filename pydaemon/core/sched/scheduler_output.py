@@ -93,6 +93,7 @@ class SchedulerOutput:
     blocks_to_write_to_disk: list[tuple[int, int]] = field(default_factory=list)  # (cpu, disk)
     disk_write_records: list[DiskBlockRecord] = field(default_factory=list)  # one per write
     blocks_to_read_from_disk: list[tuple[int, int]] = field(default_factory=list)  # (disk, cpu)
+    disk_read_records: list[DiskBlockRecord] = field(default_factory=list)  # one per read
     # Structured outputs: the constrained sequences that sample this step, in batch order
     # (seq_id -> request_id). The sampling waits for their GrammarOutput.
     structured_output_seq_ids: dict[int, str] = field(default_factory=dict)
