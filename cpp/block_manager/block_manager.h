@@ -140,9 +140,11 @@ struct TierStats {
   int64_t num_written_blocks = 0;  // CPU -> disk copies
   int64_t num_read_blocks = 0;     // disk -> CPU copies
   int64_t num_dropped_loads = 0;   // loads dropped because their GPU block was reused
-  int64_t num_failed_disk_reads = 0;   // reads whose slot did not hold the block (reported)
-  int64_t num_failed_disk_writes = 0;  // writes that did not land (reported)
-  bool are_disk_writes_stopped = false;  // stop_disk_writes() was called
+  // Disk reads whose slot did not hold the block and writes that did not land, as the
+  // runner reported them; whether a write error stopped the writes (stop_disk_writes).
+  int64_t num_failed_disk_reads = 0;
+  int64_t num_failed_disk_writes = 0;
+  bool are_disk_writes_stopped = false;
 };
 
 struct PrefixMatch {

@@ -20,7 +20,7 @@ import os
 import stat
 
 FLAG = "--kv-offloading-dir"
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NONBLOCK  # a FIFO never blocks
 
 
 class TierPathError(ValueError):
@@ -75,7 +75,8 @@ class TierDir:
         try:
             fd = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=self.fd)
         except OSError as e:
-            raise TierPathError(f"{FLAG}: {path}: {_why(e, 'a directory')}") from None
+            why = self._what_is(name) or _why(e, "a directory")
+            raise TierPathError(f"{FLAG}: {path}: {why}") from None
         try:
             _check_private(os.fstat(fd), path, is_dir=True)
         except TierPathError:
@@ -106,7 +107,8 @@ class TierDir:
                     raise TierPathError(f"{FLAG}: {path} vanished while it was opened") from None
                 raise
             except OSError as e:
-                raise TierPathError(f"{FLAG}: {path}: {_why(e, 'a regular file')}") from None
+                why = self._what_is(name) or _why(e, "a regular file")
+                raise TierPathError(f"{FLAG}: {path}: {why}") from None
         try:
             _check_private(os.fstat(fd), path, is_dir=False)
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
@@ -151,6 +153,16 @@ class TierDir:
         except BaseException:
             _unlink(self.fd, tmp)
             raise
+
+    def _what_is(self, name: str) -> str | None:
+        """Why ``name`` cannot be opened, when it is a symbolic link (never followed)."""
+        try:
+            st = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except OSError:
+            return None
+        if stat.S_ISLNK(st.st_mode):
+            return "is a symbolic link: refusing to follow it"
+        return None
 
     # ---- clean-up ---------------------------------------------------------------------------
     def remove_created(self) -> None:
