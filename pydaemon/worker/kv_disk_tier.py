@@ -345,6 +345,7 @@ class DiskTier:
         for (slot, cpu_block), record in zip(reads, records, strict=True):
             why = self._read(slot, cpu_block, record)
             if why is not None:
+                self._macs.pop(slot, None)  # nothing there to serve until it is written again
                 failed.append((slot, record.uid))
                 self._note_failed_read(slot, why)
         return failed

@@ -13,8 +13,10 @@ A step (``move``) on CUDA with our kernels:
 4. on the copy stream, while the step's forward runs: the loads (CPU -> GPU: their sequences
    run from the next step on) and the ahead saves (GPU -> CPU); an event marks their end for
    the next step's step 1;
-5. the disk writes (of blocks saved in this step or before) and reads go to the disk tier's
-   I/O thread, which first waits (on its own thread) for an event after all of the above.
+5. the disk reads, then the disk writes (of blocks saved in this step or before) go to the
+   disk tier's I/O thread, which first waits (on its own thread) for an event after all of
+   the above; once the step is sampled, ``disk_report`` waits for its reads (they had the
+   forward pass) and tells the scheduler which did not deliver their block.
 
 Before 2 and 4 the step thread waits for any disk batch still reading or writing the CPU blocks
 those copies touch: it had a whole step to finish, so the wait is normally over at once.

@@ -14,7 +14,11 @@ Policy lives here; memory lives in the C++ block manager; tensors never appear. 
 KV tiers (``enable_cpu_tier``, ``num_disk_blocks``): a prefix hit in the CPU or disk tier is
 loaded while the step runs; the request holds its blocks and is scheduled from the step its
 KV is readable (``Sequence.ready_step``: the next one, or the one after for a disk read), so
-a load never stalls the batch. The step's copies go down in its ``SchedulerOutput``.
+a load never stalls the batch. The step's copies go down in its ``SchedulerOutput``. A disk
+read that did not deliver its block comes back in the step's ``ModelRunnerOutput.disk_report``
+before its readers run: the block leaves every tier and they go back to waiting, to compute
+it (never served wrong KV); with several steps in flight (pipeline parallelism) the step that
+would run them waits for that report.
 
 ``schedule()`` returns a plain ``SchedulerOutput`` (pydaemon.core.sched.scheduler_output) and keeps
 the live sequences it scheduled to itself; ``update_from_output()`` records what the runner

@@ -13,8 +13,10 @@ KV tiers (block_manager.h, "Tiers"): the step's copies between the GPU cache, th
 and the disk tier go down as (src, dst) pairs, direction in the name. The runner issues the
 swaps, ``blocks_to_save_to_cpu`` and ``blocks_to_copy`` before the step's K/V writes, and the
 loads and ahead saves on its copy stream while the step runs (the next step waits for them);
-the disk writes (after the step's saves) and reads run on its I/O thread. A load's GPU block
-is read from the next step on; a block read from disk is loaded the step after its read.
+the disk reads and writes (after the step's saves) run on its I/O thread. A load's GPU block
+is read from the next step on; a block read from disk is loaded the step after its read. Each
+disk read carries the record of the block its slot must hold (``disk_read_records``): the
+rank serves the slot only if it holds that block as written.
 
 ``GrammarOutput`` is the step's other half for structured outputs: the engine core owns the
 grammar matchers and sends, once the forward is launched, the bitmask of every constrained
