@@ -14,7 +14,7 @@
 #                   gate_line.txt
 #   GATE_BUDGET_S   the tests' time budget in seconds (default 330); over it the run is cut
 #                   and the line says so (timed_out=1)
-#   GATE_COMMIT     the commit to name where the tree has no .git (the device's copy)
+#   GATE_COMMIT     the commit to name (the device's copy of the tree has no usable .git)
 #   SKIP_BUILD=1    reuse the in-place build; SKIP_TESTS=1, SKIP_W1=1 leave a step out
 #   PYTHON          the interpreter (default python3)
 # Wheels the machine lacks (scripts/fetch_gpu_wheels.sh puts them in .whl/base) are installed
@@ -36,9 +36,14 @@ fi
 [ -d /tmp/gate-site ] && export PYTHONPATH=/tmp/gate-site${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
-commit=$(git rev-parse --short HEAD 2>/dev/null || echo "${GATE_COMMIT:-unknown}")
-if git rev-parse --git-dir >/dev/null 2>&1 && [ -n "$(git status --porcelain --untracked-files=no)" ]; then
-  commit="$commit+dirty"
+# The device's copy of the tree may carry a stale .git: GATE_COMMIT, when given, wins.
+if [ -n "${GATE_COMMIT:-}" ]; then
+  commit=$GATE_COMMIT
+else
+  commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+  if git rev-parse --git-dir >/dev/null 2>&1 && [ -n "$(git status --porcelain --untracked-files=no)" ]; then
+    commit="$commit+dirty"
+  fi
 fi
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 card=${card:-none}
