@@ -237,3 +237,33 @@ def test_a_lost_key_starts_the_file_afresh(tmp_path, caplog):
         assert again.scan() == []
     assert "has no key" in caplog.text
     again.close()
+
+
+def test_a_tier_larger_than_the_free_space_is_refused_leaving_nothing(tmp_path):
+    import shutil
+
+    free = shutil.disk_usage(tmp_path).free
+    slot_bytes = 2 * 4096  # a 4 KiB header and this pool's 512-byte blocks rounded up
+    with pytest.raises(ValueError, match=r"--kv-offloading-disk-size: .* GiB free"):
+        _tier(tmp_path / "new" / "tier", _pool(4), num_blocks=2 * free // slot_bytes)
+    assert list(tmp_path.iterdir()) == []  # the folders it made are gone again
+
+
+def test_the_weights_hash_cache_never_follows_a_symlink(tmp_path):
+    from pydaemon.worker.kv_disk_folder import TierDir
+    from pydaemon.worker.kv_disk_identity import HASH_CACHE_FILE, _read_cache, _write_cache
+
+    outside = tmp_path / "outside.json"
+    outside.write_text('{"planted": "yes"}')
+    tier_dir = tmp_path / "tier"
+    tier_dir.mkdir(mode=0o700)
+    (tier_dir / HASH_CACHE_FILE).symlink_to(outside)
+    root = TierDir.open_root(tier_dir)
+    assert _read_cache(root) == {}  # not read through the link
+    _write_cache(root, {"1:2:3:4:5": "ab"})
+    root.close()
+    assert outside.read_text() == '{"planted": "yes"}'  # replaced, never written through
+    assert not (tier_dir / HASH_CACHE_FILE).is_symlink()
+    again = TierDir.open_root(tier_dir)
+    assert _read_cache(again) == {"1:2:3:4:5": "ab"}
+    again.close()
