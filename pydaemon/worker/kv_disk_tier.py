@@ -62,7 +62,7 @@ import numpy as np
 import torch
 
 from pydaemon.core.disk_blocks import DiskBlockRecord
-from pydaemon.worker.kv_disk_folder import TierDir, TierPathError
+from pydaemon.worker.kv_disk_folder import TierDir
 
 logger = logging.getLogger(__name__)
 
@@ -490,6 +490,3 @@ def _load_key(folder: TierDir, name: str) -> tuple[bytes, bool]:
 
 def _digest(identity_json: str) -> bytes:
     return hashlib.sha256(identity_json.encode()).digest()
-
-
-__all__ = ["DiskTier", "TierPathError"]
