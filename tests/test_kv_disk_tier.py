@@ -210,7 +210,7 @@ def test_another_models_file_is_started_afresh(tmp_path, caplog):
 
 def test_a_second_daemon_on_the_same_file_is_refused(tmp_path):
     tier = _tier(tmp_path, _pool(4))
-    with pytest.raises(RuntimeError, match="in use by another process"):
+    with pytest.raises(ValueError, match="--kv-offloading-dir: .* in use by another process"):
         _tier(tmp_path, _pool(4))
     tier.close()
     _tier(tmp_path, _pool(4)).close()  # free again once closed

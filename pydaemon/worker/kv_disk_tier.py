@@ -62,7 +62,7 @@ import numpy as np
 import torch
 
 from pydaemon.core.disk_blocks import DiskBlockRecord
-from pydaemon.worker.kv_disk_folder import TierDir
+from pydaemon.worker.kv_disk_folder import TierDir, TierPathError
 
 logger = logging.getLogger(__name__)
 
@@ -132,10 +132,10 @@ class DiskTier:
             try:
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise RuntimeError(
-                    f"the disk tier file {self.path} is in use by another process (two "
-                    "daemons with the same model, settings and --kv-offloading-dir): give each "
-                    "its own directory"
+                raise TierPathError(
+                    f"--kv-offloading-dir: the disk tier file {self.path} is in use by another "
+                    "process (two daemons with the same model, settings and directory): give "
+                    "each its own directory"
                 ) from None
             self._key, is_new_key = _load_key(folder, f"{name}.key")
             self._num_old_slots = self._open_header(keep_slots=not is_new_key)
