@@ -1,5 +1,12 @@
 """Turns unexpected exceptions of any handler into INTERNAL, with a log line, and a unary
-request message that does not decode into INVALID_ARGUMENT (grpc would answer UNKNOWN)."""
+request message that does not decode into INVALID_ARGUMENT (grpc would answer UNKNOWN).
+
+A call whose client left (cancelled, or past its deadline) before the handler answered is not
+an error: grpc raises ``ExecuteBatchError`` when the answer (or an abort) is sent on a call
+that is already over, which happens whenever the event loop was busy when the client gave up
+(``GetServerStatus`` polled with a short deadline while the model loads). It is logged at
+DEBUG and nothing more is sent.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,7 @@ import logging
 
 import grpc
 from google.protobuf.message import DecodeError
+from grpc._cython.cygrpc import ExecuteBatchError  # grpc exports no public name for it
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +46,13 @@ async def _refuse_undecodable(request, context) -> None:
         )
 
 
+def _client_gone(method: str) -> asyncio.CancelledError:
+    """What a handler ends with when its call was over before it could answer: the RPC was
+    cancelled (grpc logs that at DEBUG too), and nothing more is sent."""
+    logger.debug("%s: the client left before the answer was sent", method)
+    return asyncio.CancelledError()
+
+
 def _wrap_coroutine(behavior, method: str):
     async def wrapper(request_or_iterator, context):
         await _refuse_undecodable(request_or_iterator, context)
@@ -45,6 +60,8 @@ def _wrap_coroutine(behavior, method: str):
             return await behavior(request_or_iterator, context)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
+        except ExecuteBatchError:
+            raise _client_gone(method) from None
         except Exception as e:
             logger.exception("unexpected error in %s", method)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {e!r}")
@@ -60,6 +77,8 @@ def _wrap_generator(behavior, method: str):
                 yield response
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
+        except ExecuteBatchError:
+            raise _client_gone(method) from None
         except Exception as e:
             logger.exception("unexpected error in %s", method)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {e!r}")
