@@ -56,7 +56,7 @@ class FakeDeviceSpec(KVCacheSpec):
 
     memory: FakeGPUMemory | None = None
 
-    def allocate(self, num_blocks, device, pin_memory=False) -> torch.Tensor:
+    def allocate(self, num_blocks, device) -> torch.Tensor:
         self.memory.alloc(num_blocks * self.block_bytes)
         return torch.empty((num_blocks, *self.block_shape), dtype=self.dtype)
 

@@ -30,17 +30,19 @@ class KVCacheSpec:
     def num_blocks_for_bytes(self, num_bytes: float) -> int:
         return int(num_bytes // self.block_bytes)
 
-    def allocate(
-        self, num_blocks: int, device: torch.device, pin_memory: bool = False
-    ) -> torch.Tensor:
+    def allocate(self, num_blocks: int, device: torch.device) -> torch.Tensor:
         """kv_cache: [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]. A device
         cache starts zero-filled: a block a sliding window released may be read (and masked)
         through a table entry that now shows block 0, so every block must read finite."""
-        if pin_memory:  # a host pool: written before it is ever read
-            return torch.empty(
-                (num_blocks, *self.block_shape), dtype=self.dtype, device=device, pin_memory=True
-            )
         return torch.zeros((num_blocks, *self.block_shape), dtype=self.dtype, device=device)
+
+    def allocate_host_pool(self, num_blocks: int, pin_memory: bool) -> torch.Tensor:
+        """The CPU pool (swap space + CPU tier): [num_blocks, num_layers, 2, num_kv_heads,
+        block_size, head_dim]. Every block is written before it is read, so it is not filled:
+        unpinned (a CPU engine), the OS commits its pages only as blocks are written (the
+        default 4 GiB of swap, zero-filled, took 4.1 GB of the CPU daemon's 6.4 GB at start);
+        pinned pages are resident at once."""
+        return torch.empty((num_blocks, *self.block_shape), dtype=self.dtype, pin_memory=pin_memory)
 
 
 def layer_caches(kv_cache: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

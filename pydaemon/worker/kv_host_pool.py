@@ -27,6 +27,10 @@ from pydaemon.worker.kv_disk_tier import DiskTier
 
 logger = logging.getLogger(__name__)
 
+# Pinned host memory is never paged out: a pool above this share of the host's memory is
+# refused, above the second share a warning (vLLM's thresholds for its swap space).
+MAX_PINNED_SHARE, WARN_PINNED_SHARE = 0.7, 0.4
+
 # The disk tier's blocks at most: the scheduler keeps a prefix-cache entry slot (a few hundred
 # bytes) for each, and a start reads each slot's header.
 MAX_DISK_BLOCKS = 1 << 22
@@ -78,9 +82,8 @@ def build_host_kv(
                 f"this rank's share, {num_tier * spec.block_bytes / GiB:.1f} GiB, is more than "
                 f"this host's memory ({memory / GiB:.1f} GiB)"
             )
-    cpu_kv_cache = spec.allocate(
-        num_swap + num_tier, torch.device("cpu"), pin_memory=device.type == "cuda"
-    )
+    _check_swap_space(config, num_swap * spec.block_bytes, pinned=device.type == "cuda")
+    cpu_kv_cache = spec.allocate_host_pool(num_swap + num_tier, pin_memory=device.type == "cuda")
     host = HostKV(cpu_kv_cache, num_swap, num_tier)
     if config.kv_offloading_dir:
         host.disk, host.disk_records = _open_disk_tier(
@@ -139,6 +142,34 @@ def _open_disk_tier(
     if records:
         logger.info("disk tier: %d blocks of a previous run found in %s", len(records), disk.path)
     return disk, records
+
+
+def _check_swap_space(config: EngineConfig, num_bytes: int, pinned: bool) -> None:
+    """The swap pool against the host's memory. Pinned (CUDA) pages are resident from the
+    start: above MAX_PINNED_SHARE of the memory is refused. Unpinned (a CPU engine) pages are
+    committed only as swapped blocks are written, so a large pool costs nothing until
+    preemptions fill it: above the host's memory it is only said."""
+    memory = _host_memory_bytes()
+    flag = f"swap_space (--swap-space) {config.swap_space:g} GiB"
+    if pinned and num_bytes > MAX_PINNED_SHARE * memory:
+        raise ValueError(
+            f"{flag}: {num_bytes / GiB:.1f} GiB of pinned host memory on this rank is more "
+            f"than {MAX_PINNED_SHARE:.0%} of this host's {memory / GiB:.1f} GiB; give less "
+            "(0: no swap space, preemption by recompute)"
+        )
+    if pinned and num_bytes > WARN_PINNED_SHARE * memory:
+        logger.warning(
+            "%s: %.1f GiB of pinned host memory on this rank, %.0f%% of this host's",
+            flag,
+            num_bytes / GiB,
+            100 * num_bytes / memory,
+        )
+    if not pinned and num_bytes > memory:
+        logger.warning(
+            "%s is more than this host's memory (%.1f GiB): swap preemption may exhaust it",
+            flag,
+            memory / GiB,
+        )
 
 
 def _host_memory_bytes() -> int:

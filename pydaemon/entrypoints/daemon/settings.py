@@ -41,7 +41,12 @@ ENGINE_FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("--num-kv-blocks", int, "override the number of KV blocks (default: from memory)"),
     ("--gpu-memory-utilization", float, "fraction of GPU memory for weights + KV cache"),
     ("--cpu-kv-cache-space", float, "GiB of KV cache when running on CPU"),
-    ("--swap-space", float, "GiB of CPU swap space for preempted sequences"),
+    (
+        "--swap-space",
+        float,
+        "GiB of CPU swap space for preempted sequences (pinned at start on CUDA, at most 70%% "
+        "of the host's memory; a CPU engine's pages are taken only as sequences are swapped)",
+    ),
     ("--max-num-seqs", int, "most sequences per step"),
     ("--max-num-batched-tokens", int, "token budget per step (default: 4096 on CUDA, 512 on CPU)"),
     ("--max-model-len", int, "longest prompt + output (default: the model's)"),
