@@ -13,9 +13,15 @@ Named as vLLM's ``--reasoning-parser`` values:
   (``skip_special_tokens`` false) and this parser takes them out.
 
 A prompt whose rendered text already closed the reasoning (Qwen3's template with
-``enable_thinking`` false ends with ``<think>\\n\\n</think>\\n\\n``) makes the whole output the
-answer. Streaming gives each delta's reasoning and content, holding back only text that may be
-the start of a marker; the whole-text result is the streamed one joined (one code path).
+``enable_thinking`` false ends with ``<think>\\n\\n</think>\\n\\n``, or an assistant message
+continued with ``continue_final_message`` that holds ``</think>``, answer text after it or not)
+makes the whole output the answer: what counts is the last marker in the prompt's current turn
+(after its last special token). The think-tag parsers need a model whose tokenizer has
+``<think>`` and ``</think>``: with any other, every answer would come back as reasoning (R1
+reasons until ``</think>``), so ``check_reasoning_parser`` refuses it at start, as vLLM does.
+
+Streaming gives each delta's reasoning and content, holding back only text that may be the
+start of a marker; the whole-text result is the streamed one joined (one code path).
 """
 
 from __future__ import annotations
@@ -42,6 +48,9 @@ class ReasoningMarkers:
 class ReasoningParser:
     name = ""
     skip_special_tokens = True  # False: its markers are special tokens it must see
+
+    def check_model(self, tokenizer) -> None:
+        """ValueError when the model cannot write what this parser reads."""
 
     def stream(self, prompt_text: str = "") -> ReasoningStream:
         raise NotImplementedError
@@ -129,12 +138,23 @@ class ThinkReasoningParser(ReasoningParser):
         self.name = name
         self.reasons_by_default = reasons_by_default
 
+    def check_model(self, tokenizer) -> None:
+        missing = [m for m in (self.start, self.end) if not _is_one_token(tokenizer, m)]
+        if tokenizer is not None and missing:
+            raise ValueError(
+                f"--reasoning-parser {self.name} reads reasoning between {self.start} and "
+                f"{self.end}, and this model's tokenizer has no {' or '.join(missing)} token: "
+                "the model does not mark its reasoning so (every answer would come back as "
+                "reasoning); serve it without --reasoning-parser"
+            )
+
     def _opening(self, prompt_text: str) -> str:
-        """How the output starts: "answer", "reasoning", or "either" (its first text says)."""
-        tail = prompt_text.rstrip()
-        if tail.endswith(self.end):
+        """How the output starts: "answer", "reasoning", or "either" (its first text says).
+        ``prompt_text``: the prompt's current turn (prompt_tail); its last marker decides."""
+        start, end = prompt_text.rfind(self.start), prompt_text.rfind(self.end)
+        if end > start:  # closed by the template, or by a continued assistant message
             return "answer"
-        if tail.endswith(self.start) or self.reasons_by_default:
+        if start > end or self.reasons_by_default:
             return "reasoning"
         return "either"
 
@@ -300,6 +320,12 @@ REASONING_PARSERS = {
 }
 
 
+def _is_one_token(tokenizer, text: str) -> bool:
+    """Whether ``text`` is one token of the vocabulary (SentencePiece may add a "▁" piece)."""
+    ids = tokenizer.encode(text, add_bos=False)
+    return any(tokenizer.decode([i], skip_special_tokens=False).strip() == text for i in ids)
+
+
 def get_reasoning_parser(name: str) -> ReasoningParser:
     """ValueError naming the known parsers for an unknown name."""
     try:
@@ -318,6 +344,13 @@ def detect_reasoning_parser(chat_template: str | None) -> str | None:
     return None
 
 
+def check_reasoning_parser(name: str | None, tokenizer) -> None:
+    """At start: ValueError naming --reasoning-parser when the model cannot write what it reads
+    (a think-tag parser on a model whose tokenizer has no ``<think>``/``</think>``)."""
+    if name is not None:
+        get_reasoning_parser(name).check_model(tokenizer)
+
+
 def chat_reasoning_parser(name: str | None, tokenizer) -> ReasoningParser | None:
     """The daemon's --reasoning-parser, else the one a harmony chat template needs, else None."""
     if name is None and tokenizer is not None:
@@ -325,12 +358,24 @@ def chat_reasoning_parser(name: str | None, tokenizer) -> ReasoningParser | None
     return None if name is None else get_reasoning_parser(name)
 
 
-def prompt_tail(tokenizer, prompt_token_ids: list[int], num_tokens: int = 16) -> str:
-    """The rendered prompt's last tokens as text, markers kept: whether the template opened
-    (``<think>``) or closed (``</think>``) the reasoning."""
+# Reasoning markers that some tokenizers make special tokens: never a turn boundary.
+_THINK_MARKERS = frozenset({ThinkReasoningParser.start, ThinkReasoningParser.end})
+
+
+def prompt_tail(tokenizer, prompt_token_ids: list[int], num_tokens: int = 64) -> str:
+    """The rendered prompt's current turn as text: its last tokens after the last special token
+    (``<|im_start|>assistant``: the turn's opening, and a previous turn's end), markers kept.
+    Whether the template or a continued assistant message opened (``<think>``) or closed
+    (``</think>``) the reasoning; a previous turn's ``</think>`` does not count."""
     if tokenizer is None or not prompt_token_ids:
         return ""
-    return tokenizer.decode(list(prompt_token_ids[-num_tokens:]), skip_special_tokens=False)
+    text = tokenizer.decode(list(prompt_token_ids[-num_tokens:]), skip_special_tokens=False)
+    cut = 0
+    for special in tokenizer.special_token_texts - _THINK_MARKERS:
+        index = text.rfind(special)
+        if index >= 0:
+            cut = max(cut, index + len(special))
+    return text[cut:]
 
 
 def apply_reasoning(params, parser: ReasoningParser | None, tokenizer, tail: str):

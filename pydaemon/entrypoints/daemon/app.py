@@ -24,7 +24,10 @@ from pydaemon import heap_freeze
 from pydaemon.engine.engine_client import EngineClient
 from pydaemon.entrypoints.common.lora_adapters import LoRAAdapters, LoRAOptions
 from pydaemon.entrypoints.common.metrics import Metrics
-from pydaemon.entrypoints.common.reasoning_parsers import get_reasoning_parser
+from pydaemon.entrypoints.common.reasoning_parsers import (
+    check_reasoning_parser,
+    get_reasoning_parser,
+)
 from pydaemon.entrypoints.common.tool_parsers import get_tool_parser
 from pydaemon.entrypoints.daemon.fd_limits import (
     connection_budget,
@@ -183,6 +186,7 @@ class PageddServer:
         o = self.options
         apply_model_overrides(client, o.served_model_names, o.chat_template)
         self.async_engine = client
+        check_reasoning_parser(o.serving.reasoning_parser, client.tokenizer)
         self.metrics.set_baseline(client.latest_stats)  # the warm-up is not a served request
         self.metrics.model_name = client.model_info.model_name
         self.servicer.engine = client
