@@ -10,13 +10,17 @@ from typing import Any
 
 from pydaemon.config.engine import EngineConfig
 from pydaemon.engine.llm_engine import LLMEngine
-from pydaemon.entrypoints.common.tool_choice import messages_for_template, tool_choice_constraint
+from pydaemon.entrypoints.common.tool_choice import (
+    encode_chat_with_tools,
+    messages_for_template,
+    tool_choice_constraint,
+    tools_must_render,
+)
 from pydaemon.generate_request import GenerateRequest
 from pydaemon.lora_request import LoRARequest
 from pydaemon.model_loader.default_model import DEFAULT_MODEL
 from pydaemon.outputs import CompletionOutput, RequestOutput
 from pydaemon.sampling_params import SamplingParams
-from pydaemon.tokenizer.chat_encoding import encode_chat
 
 
 class LLM:
@@ -61,7 +65,8 @@ class LLM:
         them; ``tool_choice`` "required" or ``{"type": "function", "function": {"name": ...}}``
         constrains the output to the call(s): a JSON list of ``{"name", "parameters"}``, or the
         named function's arguments object (pydaemon.entrypoints.common.tool_choice);
-        ``parallel_tool_calls=False``: one call at most. Special-token text inside messages is
+        ``parallel_tool_calls=False``: one call at most; "auto" with a template that leaves the
+        tools out is a ValueError (ToolsNotRendered). Special-token text inside messages is
         plain text unless ``parse_special_tokens_in_content`` (the template's own markers are
         always tokens)."""
         if not messages:
@@ -80,11 +85,12 @@ class LLM:
             tools = None
         texts, token_ids = [], []
         for conversation in conversations:
-            text, ids = encode_chat(
+            text, ids = encode_chat_with_tools(
                 self.tokenizer,
                 messages_for_template(list(conversation)),
                 add_generation_prompt,
                 tools,
+                must_render_tools=tools_must_render(tools, tool_choice),
                 chat_template_kwargs=chat_template_kwargs,
                 parse_special_tokens_in_content=parse_special_tokens_in_content,
             )

@@ -2,7 +2,8 @@
 parser: vLLM's rule. The demo model's chat template has no tool syntax, so it rendered the
 same prompt with or without the tools and the tools were silently ignored (issue 46); now a
 400 (HTTP, streamed or not) / INVALID_ARGUMENT (gRPC) naming --tool-call-parser, and
---tool-call-parser makes it work."""
+--tool-call-parser makes it work on a template that renders the tools
+(test_tools_not_rendered.py: a template that leaves them out is refused too)."""
 
 from __future__ import annotations
 
@@ -58,17 +59,3 @@ def test_grpc_auto_without_a_parser_is_invalid_argument(server):
     client.send(pb.GenerateRequest(start=pb.StartRequest(request_id="a", messages=chat)))
     [frame] = client.close_send().collect()["a"]
     assert frame.error.code == 3 and "--tool-call-parser" in frame.error.message, frame
-
-
-def test_a_named_parser_serves_auto():
-    st = make_server_thread(
-        shared_demo_engine, http_port=0, serving=ServingOptions(tool_call_parser="hermes")
-    )
-    try:
-        r = openai_client(st).chat.completions.create(
-            model=MODEL, messages=MESSAGES, tools=[WEATHER], max_tokens=4, tool_choice="auto",
-            temperature=0, extra_body={"ignore_eos": True},
-        )  # fmt: skip
-        assert r.choices[0].finish_reason == "length" and r.choices[0].message.tool_calls is None
-    finally:
-        st.close()

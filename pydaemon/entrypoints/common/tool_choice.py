@@ -5,6 +5,16 @@ a tool-call parser reads the output), ``"required"`` (at least one call, enforce
 is a JSON list of ``{"name", "parameters"}`` matching the tools' schemas, as vLLM builds it), or
 ``{"type": "function", "function": {"name": ...}}`` (that function, enforced: the output is its
 arguments object). A tool whose ``parameters`` schema xgrammar cannot compile is a ValueError.
+
+``"auto"`` on a chat template that leaves the tools out of the prompt (SmolLM2's, and any
+template written without tools) is refused (``ToolsNotRendered``): the model would never know
+of the tools, and the parser would never find a call, so the request would be answered as if
+no tools had been sent. Refused rather than served with a warning (a log line the client never
+sees) or with the tools written into a system prompt of our own (the parser names how calls
+are written, not how the model was taught to read tools: guessing that prompt gives a model
+instructions it was never trained on). "required" and a named function still work with any
+template: their constraint enforces the call; ``--chat-template`` serves a template that
+renders tools.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from pydaemon.entrypoints.common.tool_parsers import (
     get_tool_parser,
 )
 from pydaemon.sampling_params import StructuredOutputsParams
+from pydaemon.tokenizer.chat_encoding import encode_chat
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -209,6 +220,45 @@ class ForcedToolParser(ToolParser):
     def parse(self, text: str) -> ParsedOutput:
         """Never content: the output is the call(s), whole or, cut by max_tokens, partial."""
         return ParsedOutput(None, forced_tool_calls(text, self.tools, self.tool_choice))
+
+
+class ToolsNotRendered(ValueError):
+    """tool_choice "auto" on a chat template that leaves the tools out of the prompt."""
+
+
+TOOLS_NOT_RENDERED = (
+    'tool_choice "auto": this model\'s chat template does not render tools (the prompt is the '
+    "same without them), so the model would never see them and could not call them; use "
+    'tool_choice "required" or a named function (enforced with any template), "none", or a '
+    "template that renders tools (the daemon's --chat-template)"
+)
+
+
+def tools_must_render(tools: list[dict[str, Any]] | None, tool_choice: Any) -> bool:
+    """Whether the template must write ``tools`` for the request to mean anything: tool_choice
+    "auto" (or none given, which means auto), where the model itself decides to call."""
+    return bool(tools) and tool_choice in (None, "auto")
+
+
+def encode_chat_with_tools(
+    tokenizer,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None,
+    *,
+    must_render_tools: bool,
+    **kwargs: Any,
+) -> tuple[str, list[int]]:
+    """``encode_chat``; with ``must_render_tools`` (tools_must_render) ToolsNotRendered when the
+    template leaves ``tools`` out. The check renders the conversation once more, without the
+    tools: exact for templates that write tools only in some places (a system turn, the last
+    user turn)."""
+    text, ids = encode_chat(tokenizer, messages, add_generation_prompt, tools, **kwargs)
+    if must_render_tools and tools:
+        without, _ = encode_chat(tokenizer, messages, add_generation_prompt, None, **kwargs)
+        if without == text:
+            raise ToolsNotRendered(TOOLS_NOT_RENDERED)
+    return text, ids
 
 
 AUTO_NEEDS_PARSER = (

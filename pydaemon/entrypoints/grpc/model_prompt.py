@@ -13,14 +13,16 @@ import grpc
 from pydaemon.config.generation import GenerationDefaults
 from pydaemon.entrypoints.common.limits import LimitError, check_chat_role
 from pydaemon.entrypoints.common.tool_choice import (
+    ToolsNotRendered,
     chat_tool_parser,
+    encode_chat_with_tools,
     messages_for_template,
     tool_choice_constraint,
+    tools_must_render,
 )
 from pydaemon.entrypoints.common.tool_parsers import ToolParser, detect_tool_call_parser
 from pydaemon.entrypoints.grpc.validation import RequestInvalid
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
-from pydaemon.tokenizer.chat_encoding import encode_chat
 from pydaemon.tokenizer.loader import AnyTokenizer
 
 
@@ -93,13 +95,16 @@ def apply_model_prompt(
         try:
             constraint = tool_choice_constraint(tools, tool_choice) if tools else None
             rendered = None if tool_choice == "none" else tools
-            _, ids = encode_chat(
+            _, ids = encode_chat_with_tools(
                 tokenizer,
                 messages_for_template(messages),
                 True,
                 rendered,
+                must_render_tools=tools_must_render(tools, tool_choice),
                 parse_special_tokens_in_content=parse_special_tokens_in_chat,
             )
+        except ToolsNotRendered as e:
+            raise _invalid(f"messages.tools: {e}") from None
         except ValueError as e:
             raise RequestInvalid(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         if constraint is not None:

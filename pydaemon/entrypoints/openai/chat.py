@@ -25,7 +25,11 @@ from pydaemon.entrypoints.common.reasoning_parsers import (
     prompt_tail,
 )
 from pydaemon.entrypoints.common.token_texts import TokenTexts
-from pydaemon.entrypoints.common.tool_choice import chat_tool_parser, messages_for_template
+from pydaemon.entrypoints.common.tool_choice import (
+    chat_tool_parser,
+    messages_for_template,
+    tools_must_render,
+)
 from pydaemon.entrypoints.common.tool_parsers import (
     StreamingToolParser,
     ToolCall,
@@ -66,6 +70,7 @@ async def create_chat_completion(
         body.generation_prompt,
         body.chat_template_kwargs,
         body.continue_final_message,
+        must_render_tools=tools_must_render(body.tools, body.tool_choice),
     )
     prompt = EnginePrompt(body.truncated(prompt_ids, serving.model.max_model_len))
     max_tokens = serving.resolve_max_tokens(

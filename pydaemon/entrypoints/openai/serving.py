@@ -25,12 +25,12 @@ from pydaemon.entrypoints.common.limits import (
 )
 from pydaemon.entrypoints.common.lora_adapters import AdapterNotFound, LoRAAdapters
 from pydaemon.entrypoints.common.metrics import Metrics
+from pydaemon.entrypoints.common.tool_choice import ToolsNotRendered, encode_chat_with_tools
 from pydaemon.entrypoints.openai.accumulator import Accumulator
 from pydaemon.entrypoints.openai.engine_stream import GenerateClient
 from pydaemon.entrypoints.openai.errors import ApiError, bad_request
 from pydaemon.entrypoints.openai.request_fields import InvalidParam
 from pydaemon.lora_request import LoRARequest
-from pydaemon.tokenizer.chat_encoding import encode_chat
 
 
 @dataclass(frozen=True)
@@ -201,9 +201,12 @@ class OpenAIServing:
         add_generation_prompt: bool,
         chat_template_kwargs: dict[str, Any] | None,
         continue_final_message: bool = False,
+        must_render_tools: bool = False,
     ) -> list[int]:
         """Token ids of a conversation rendered by the chat template. Its size is checked first;
-        rendering and tokenizing run off the event loop (a big conversation takes seconds)."""
+        rendering and tokenizing run off the event loop (a big conversation takes seconds).
+        ``must_render_tools`` (tool_choice auto): a 400 naming ``tools`` when the template
+        leaves them out."""
         if self.tokenizer is None:
             raise bad_request("this model has no tokenizer, so no chat template", "messages")
         check_texts_size(
@@ -211,17 +214,20 @@ class OpenAIServing:
         )
         loop = asyncio.get_running_loop()
         encode = functools.partial(
-            encode_chat,
+            encode_chat_with_tools,
             self.tokenizer,
             messages,
             add_generation_prompt,
             tools,
+            must_render_tools=must_render_tools,
             chat_template_kwargs=chat_template_kwargs,
             parse_special_tokens_in_content=self.options.parse_special_tokens_in_chat,
             continue_final_message=continue_final_message,
         )
         try:
             _, ids = await loop.run_in_executor(None, encode)
+        except ToolsNotRendered as e:
+            raise bad_request(str(e), "tools") from None
         except ValueError as e:  # no template, or the template refused the messages
             raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
         return ids
