@@ -13,7 +13,6 @@ from conftest import make_server_thread, shared_demo_engine
 from http_helpers import MODEL, openai_client
 from server_helpers import BidiClient
 
-from pydaemon.entrypoints.grpc.servicer import ServingOptions
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 
 MESSAGES = [{"role": "user", "content": "Weather in Oslo?"}]
