@@ -64,10 +64,17 @@ def run_engine_core(
     from pydaemon.engine.engine_core import EngineCore
 
     try:
+        started = time.monotonic()
         core = EngineCore(config)
+        logger.info("engine built in %.1f s; warming up", time.monotonic() - started)
+        started = time.monotonic()
         eos_token_ids = core.resolve_eos_token_ids(eos_token_ids)
         core.warmup(eos_token_ids)
         core.structured_outputs.prepare(eos_token_ids)  # not on the first request's step
+        logger.info(
+            "warm-up done in %.1f s (a request end to end, the grammar compiler's vocabulary)",
+            time.monotonic() - started,
+        )
         conn.send_bytes(_dumps(CoreReady(core.model_info(eos_token_ids), core.get_stats())))
     except BaseException as e:  # noqa: BLE001 - reported to the front end, then exit
         bad_setting = isinstance(e, ValueError)

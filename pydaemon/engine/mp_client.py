@@ -81,8 +81,16 @@ class MPEngineClient(EngineClient):
     def launch(cls, config: EngineConfig) -> MPEngineClient:
         """Starts the engine-core process and waits until its model is loaded and warm
         (blocking: run it off the event loop). Not started: call ``start()`` on the loop."""
+        started = time.monotonic()
         front = prepare_front_end(config)
         tokenizer = front.tokenizer
+        logger.info(
+            "model %s (%s); tokenizer read in %.1f s; starting the engine core (it loads the "
+            "weights, then warms up)",
+            front.model_name,
+            front.model_dir,
+            time.monotonic() - started,
+        )
         process, conn, ready = start_engine_core(front.core_config, front.eos_token_ids)
         info = ready.model_info
         model_info = ServedModelInfo(

@@ -26,24 +26,44 @@ def _serve(args: argparse.Namespace) -> int:
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     from pydaemon.config.engine import EngineConfig
+    from pydaemon.entrypoints.daemon.flag_names import with_flag_names
 
     try:
         config = EngineConfig(**engine_kwargs)
     except (TypeError, ValueError) as e:
-        print(f"pagedd serve: {e}", file=sys.stderr)
+        print(f"pagedd serve: {with_flag_names(str(e))}", file=sys.stderr)
         return 2
 
     def launch_engine_core():
         from pydaemon.engine.mp_client import MPEngineClient
 
-        logging.getLogger("pydaemon.entrypoints.cli").info("loading %s (%s)", config.model, config)
         return MPEngineClient.launch(config)  # the engine core runs in its own process
+
+    log = logging.getLogger("pydaemon.entrypoints.cli")
+    log.info("pagedd %s: starting %s (%s)", __version__, config.model, _changed_settings(config))
+    log.debug("engine settings: %s", config)
 
     try:
         return asyncio.run(serve(launch_engine_core, options))
     except OSError as e:
         logging.getLogger("pydaemon.entrypoints.cli").error("cannot serve: %s", e)
         return 1
+
+
+def _changed_settings(config) -> str:
+    """The engine settings that differ from the defaults, as flags (the whole config is a
+    DEBUG line: the first line a user sees says what was asked, not forty defaults)."""
+    from dataclasses import fields
+
+    from pydaemon.config.engine import EngineConfig
+
+    defaults = EngineConfig()
+    changed = [
+        f"--{f.name.replace('_', '-')} {getattr(config, f.name)}"
+        for f in fields(config)
+        if f.name != "model" and getattr(config, f.name) != getattr(defaults, f.name)
+    ]
+    return ", ".join(changed) if changed else "default settings"
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +93,8 @@ class ModelRunner:
             )
         local_rank = ps.get_local_rank() if ps.get_world_size() > 1 else None
         self.device = resolve_device(config.device, local_rank)
+        started = time.monotonic()
+        logger.info("loading the weights of %s on %s", config.model, self.device)
         self.model, self.model_config = load_model(
             config.model,
             dtype=config.dtype,
@@ -102,6 +105,12 @@ class ModelRunner:
         )
         self.model.eval()
         self.dtype = next(self.model.parameters()).dtype
+        logger.info(
+            "weights loaded in %.1f s: %.3gM parameters (%s)",
+            time.monotonic() - started,
+            sum(p.numel() for p in self.model.parameters()) / 1e6,
+            str(self.dtype).removeprefix("torch."),
+        )
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
         self.vocab_size = mc.vocab_size

@@ -76,7 +76,20 @@ def test_sigterm_drains_an_http_stream_and_exits_0():
         assert proc.returncode == 0, out
         assert f"OpenAI API on http://127.0.0.1:{http_port}/v1" in out, out
         assert "draining: 1 live requests" in out, out
+        _check_start_up_progress(out)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+def _check_start_up_progress(out: str) -> None:
+    """Issue 55 item 18: start-up said nothing for 45-58 s and its first line was the whole
+    configuration. Now a line for each stage, in order, and the settings given, not forty."""
+    first = out.splitlines()[0]
+    assert "starting demo (--device cpu, --num-kv-blocks 128)" in first, first
+    assert "EngineConfig(" not in out
+    stages = ["starting the engine core", "loading the weights", "weights loaded in",
+              "KV cache:", "warming up", "warm-up done in", "ready in"]  # fmt: skip
+    where = [out.find(stage) for stage in stages]
+    assert -1 not in where and where == sorted(where), dict(zip(stages, where, strict=True))

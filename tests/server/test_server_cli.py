@@ -117,7 +117,8 @@ def test_version_and_start_up_failure_exit_codes():
         text=True,
         cwd=ROOT,
     )
-    assert run.returncode == 2 and "EngineConfig.block_size must be one of" in run.stderr
+    assert run.returncode == 2 and "--block-size must be one of" in run.stderr
+    assert "EngineConfig" not in run.stderr  # issue 55 item 18: the flag, not the field
 
 
 def test_generate_logprobs_prints_text_and_alternatives(demo_server):

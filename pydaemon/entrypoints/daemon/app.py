@@ -34,6 +34,7 @@ from pydaemon.entrypoints.daemon.fd_limits import (
     quiet_accept_errors,
     raise_fd_limit,
 )
+from pydaemon.entrypoints.daemon.flag_names import with_flag_names
 from pydaemon.entrypoints.daemon.heap_trim import HeapTrimmer
 from pydaemon.entrypoints.daemon.liveness import Liveness
 from pydaemon.entrypoints.daemon.metrics_http import MetricsServer
@@ -176,6 +177,7 @@ class PageddServer:
         if self._server is None:
             await self.listen()
         loop = asyncio.get_running_loop()
+        started = time.monotonic()
         self._is_loading = True
         self.notifier.status("loading the model")
         try:
@@ -228,8 +230,9 @@ class PageddServer:
                 f"; OpenAI API on {self.http.scheme}://{o.http_host}:{self.http.port}/v1"
             )
         logger.info(
-            "serving model %s (max_model_len %d, %d KV blocks of %d tokens, %d CPU swap blocks) "
-            "on %s%s",
+            "ready in %.1f s: serving model %s (max_model_len %d, %d KV blocks of %d tokens, "
+            "%d CPU swap blocks) on %s%s",
+            time.monotonic() - started,
             client.model_info.model_name,
             client.model_info.max_model_len,
             stats.num_gpu_blocks,
@@ -358,8 +361,9 @@ async def serve(client_factory: Callable[[], EngineClient], options: ServerOptio
         # operator's to fix: its message is enough. Otherwise the traceback of the error itself
         # (exc_info=True would log "NoneType: None" here).
         is_operators = isinstance(error, (ValueError, OSError))
-        logger.error("start-up failed: %s", error, exc_info=None if is_operators else error)
-        server.notifier.status(f"start-up failed: {error}")
+        message = with_flag_names(str(error)) if is_operators else str(error)
+        logger.error("start-up failed: %s", message, exc_info=None if is_operators else error)
+        server.notifier.status(f"start-up failed: {message}")
         await server.drain()
         return 1
     died = asyncio.create_task(_engine_death(server))
