@@ -1,4 +1,4 @@
-"""Paged decode attention vs the device copy bandwidth and torch SDPA (shapes: shared BENCH.md).
+"""Paged decode attention vs the device copy bandwidth and torch SDPA (shapes: bench/README.md).
 
     PYTHONPATH=. python bench/bench_attention.py --out bench/results/attention.json
     # the decode kernels side by side (GQA 32/8 and 32/4, bf16 and fp8 caches):

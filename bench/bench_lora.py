@@ -9,7 +9,7 @@ W1, and TPOT at batch 1 with an adapter against without.
     PYTHONPATH=. python bench/bench_lora.py --model demo --device cpu --mode w1 \\
         --adapters 0,2 --num-requests 8 --output-len 8      # a smoke run anywhere
 
-W1 (BENCH.md): 512 requests, 64..1024 prompt tokens, 256 output tokens, greedy, EOS ignored;
+W1 (bench/README.md): 512 requests, 64..1024 prompt tokens, 256 output tokens, greedy, EOS ignored;
 request i runs with adapter ``i % N`` (N = 0: LoRA off, the base model's figure); every adapter
 is read into host memory by an untimed one-token request first (both backends). Each N runs
 in its own process (the whole GPU each); ``--max-loras`` adapters fit in a batch, so with

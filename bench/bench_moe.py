@@ -3,7 +3,7 @@ SiLU-and-mul, combine) per token count, bf16 and FP8 (per-channel or 128 x 128 b
 on a model's expert shape; also the routing and the align alone at the same size. Times are
 CUDA-graph replays (as a decode step runs them), median of ``--iters``; TFLOP/s counts the
 routed experts' GEMMs only, GB/s the expert weights the step touches (distinct experts hit,
-at least once each), "floor" is the time those bytes take at ``--hbm-tbs`` (BENCH.md's
+at least once each), "floor" is the time those bytes take at ``--hbm-tbs`` (bench/README.md's
 measured copy ceiling by default) and "of floor" the floor over the time.
 
 The routing is uniform by construction: random normal router logits, fresh per token count
@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp8: per-channel weight scales; fp8-block: 128 x 128 block scales "
                    "(HF FP8 checkpoints)")  # fmt: skip
     p.add_argument("--hbm-tbs", type=float, default=4.27,
-                   help="the copy ceiling the floor is computed at, TB/s (BENCH.md: 4.27)")  # fmt: skip
+                   help="the copy ceiling the floor is computed at, TB/s (bench/README.md: 4.27)")  # fmt: skip
     p.add_argument("--iters", type=int, default=50)
     p.add_argument(
         "--decode-max-slots",

@@ -1,4 +1,4 @@
-"""Paged prefill attention vs torch SDPA's flash kernel (shapes: shared BENCH.md), TFLOP/s.
+"""Paged prefill attention vs torch SDPA's flash kernel (shapes: bench/README.md), TFLOP/s.
 
     PYTHONPATH=. python bench/bench_prefill.py --out bench/results/prefill.json
     # windowed prefill (Mistral-7B's 4096 window on 16k prompts; gpt-oss's 128 with sinks):
@@ -13,7 +13,7 @@ peer is aten's flash-attention forward (the kernel SDPA's flash backend runs) on
 tokens stored contiguously, [batch, heads, len, head_dim], causal aligned to the lower right
 (so a chunk after a cached prefix sees the whole prefix), grouped K/V heads passed as such.
 ``--sdpa-backends flash efficient cudnn`` also times torch SDPA on each backend alone (K/V
-expanded to every query head) and reports the fastest peer, BENCH.md's bar.
+expanded to every query head) and reports the fastest peer, bench/README.md's bar.
 A second table times decode steps (one query token per sequence) through the prefill kernel
 against the split-KV decode kernel, to pick per shape. ``--kv-cache-dtype fp8``: the paged
 cache is e4m3 (scale 1; decode bytes counted at 1 byte an element), the peer reads the
@@ -158,7 +158,7 @@ def bench_prefill_shape(dtype, hq, hkv, head_dim, block_size, batch, prefix, q_l
     row = {"peer": peer_mode, "flops": flops}
     t_peer = bench_ms(peer)["median_ms"]
     row.update(peer_ms=t_peer, peer_tflops=flops / (t_peer * 1e9))
-    # torch SDPA, each backend alone: the fastest is BENCH.md's bar (no window in SDPA's API)
+    # torch SDPA, each backend alone: the fastest is bench/README.md's bar (no window in SDPA's API)
     best_peer_ms = t_peer
     for name, call in sdpa_peers(q4, k, v, scale, prefix, () if window else sdpa).items():
         t = bench_ms(call)["median_ms"]

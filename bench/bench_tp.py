@@ -1,4 +1,4 @@
-"""W1 (offline throughput, BENCH.md) at several tensor-parallel sizes, side by side.
+"""W1 (offline throughput, bench/README.md) at several tensor-parallel sizes, side by side.
 
 Each size runs in its own subprocess (one tensor-parallel group per process, and a clean GPU
 for every run) on a dummy-weight model written as a bare config.json: the Llama-3-8B shape by

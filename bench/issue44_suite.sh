@@ -13,13 +13,13 @@
 # so all three vLLM shapes do not fit one 600 s call: STEPS=vllm runs vllm_a and vllm_b, for a
 # longer call.) Each row is one throughput.py process under `timeout` (bench/steps.sh), its log
 # and JSON in OUT as ENGINE_SHAPE_KIND.{log,json}:
-#   W1     `--workload w1` (BENCH.md's W1), then on the same engine TPOT at batch 1 and at
+#   W1     `--workload w1` (bench/README.md's W1), then on the same engine TPOT at batch 1 and at
 #          batch 64 on fresh 1k-token prompts, TPOT = (t(257 tokens) - t(1)) / 256
 #          (bench/tpot_generate.py; medians of TPOT_RUNS runs)
 #   long   mistral-7b only: 64 prompts of 8,192 tokens, 256 out: twice the window, the case
 #          where the window bounds the KV a decode step reads
 # The groups:
-#   pagedd: llama3-8b W1 (the calibration row, BENCH.md's model), mistral-7b W1 + TPOT and
+#   pagedd: llama3-8b W1 (the calibration row, bench/README.md's model), mistral-7b W1 + TPOT and
 #           long, gpt-oss-20b W1 + TPOT (routing statistics: bench/moe_routing.py), gemma3-27b
 #           W1 + TPOT; MXFP4=1 adds gpt-oss-20b with the checkpoint's MXFP4 experts
 #   vllm_a: vLLM mistral-7b W1 + TPOT, gpt-oss-20b W1 + TPOT (bf16 experts: no

@@ -1,7 +1,7 @@
 """KV capacity of windowed models at a real shape and memory budget, without a GPU: how many
 long sequences the scheduler holds at once when sliding windows free their blocks (every
 layer windowed: ``kv_window``; windowed and global layers: per-layer-group tables) against a
-cache that keeps every block; or, with ``--workload w1``, how BENCH.md's W1 is admitted,
+cache that keeps every block; or, with ``--workload w1``, how bench/README.md's W1 is admitted,
 decoded and preempted at that budget (a device run's preemptions, replayed on the CPU).
 
 The real Scheduler and block manager run every step of the workload (chunked prefill at the
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-gib", type=float, default=None)
     parser.add_argument("--workload", choices=("long", "w1"), default="long",
                         help="long: --num-requests x (--prompt-len + --output-len); w1: "
-                        "BENCH.md's W1 (its first --num-requests requests)")  # fmt: skip
+                        "bench/README.md's W1 (its first --num-requests requests)")  # fmt: skip
     parser.add_argument("--num-requests", type=int, default=None, help="64; W1: 512")
     parser.add_argument("--prompt-len", type=int, default=32256)
     parser.add_argument("--output-len", type=int, default=512)

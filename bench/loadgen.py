@@ -8,8 +8,10 @@ Each request is its own Generate call, spread over a pool of channels (one HTTP/
 connection each); with ``--protocol openai``, its own streamed POST /v1/completions (one
 HTTP/1.1 connection each, see bench/loadgen_openai.py). Arrivals: all at once (default, ``--request-rate inf``), Poisson at a rate,
 or gamma gaps with ``--burstiness``. Metrics follow vLLM's benchmark_serving (see
-bench/loadgen_metrics.py). Writes a JSON file with every figure and every request's timings,
-prints a summary table, and draws PNG plots next to the JSON when matplotlib is installed.
+bench/loadgen_metrics.py). Prints a summary table; with ``--out FILE.json``, writes every
+figure and every request's timings there and draws PNG plots next to it (when matplotlib is
+installed). Without ``--out`` nothing is written: a run never lands in the repository's
+curated ``bench/results/`` by itself. Workloads and W1: bench/README.md.
 """
 
 from __future__ import annotations
@@ -73,7 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="goodput targets, e.g. ttft_ms=500,tpot_ms=50 (keys: ttft_ms, tpot_ms, e2el_ms)")  # fmt: skip
     o.add_argument("--percentiles", default="50,90,99", help="latency percentiles to report")
     o.add_argument(
-        "--out", default=None, help="JSON file (default bench/results/loadgen_<date>.json)"
+        "--out",
+        default=None,
+        help="JSON file of every figure and request timing, with PNG plots beside it "
+        "(default: none written, the summary table only)",
     )
     o.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     o.add_argument("--status-interval", type=float, default=0.5,
@@ -200,17 +205,20 @@ def main(argv: list[str] | None = None) -> int:
     except grpc.RpcError as e:
         print(f"loadgen: {args.server}: {e.code().name}: {e.details()}", file=sys.stderr)
         return 2
-    out = Path(args.out or f"bench/results/loadgen_{time.strftime('%Y%m%d_%H%M%S')}.json")
-    if argv is not None:
-        result["meta"]["command"] = shlex.join([sys.executable, "bench/loadgen.py", *argv])
-    write_json(out, result)
     if not args.quiet:
         for r in result["runs"]:
             print(summary_table(r))
         if len(result["runs"]) > 1:
             print(sweep_table(result["runs"]))
-    print(f"wrote {out}", file=sys.stderr)
-    if not args.no_plots:
+    if args.out is None:
+        print("(--out FILE.json keeps every figure and request timing, and plots)", file=sys.stderr)
+    else:
+        out = Path(args.out)
+        if argv is not None:
+            result["meta"]["command"] = shlex.join([sys.executable, "bench/loadgen.py", *argv])
+        write_json(out, result)
+        print(f"wrote {out}", file=sys.stderr)
+    if args.out is not None and not args.no_plots:
         from bench.loadgen_plots import plot_all
 
         for path in plot_all(result, out.with_suffix("")):

@@ -57,7 +57,7 @@ if [[ $STAGES == *bench* ]]; then
   timeout 240 python3 bench/bench_prefill.py --commit "$COMMIT" --out "$OUT/prefill.json" \
     ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 fi
-if [[ $STAGES == *w1* ]]; then  # W1 offline, Llama-3-8B shape, dummy weights (BENCH.md)
+if [[ $STAGES == *w1* ]]; then  # W1 offline, Llama-3-8B shape, dummy weights (bench/README.md)
   start=$SECONDS
   timeout 200 python3 bench/throughput.py --model-config llama3-8b --no-progress \
     --out "$OUT/w1.json" >"$OUT/w1.log" 2>&1

@@ -10,7 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-# BENCH.md's W1 model: the Llama-3-8B shape (weights are random, "dummy").
+# bench/README.md's W1 model: the Llama-3-8B shape (weights are random, "dummy").
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",

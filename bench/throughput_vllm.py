@@ -1,6 +1,6 @@
 """The vLLM backend of throughput.py: the same workload through vLLM's offline ``LLM.generate``.
 
-vLLM is the peer engine of BENCH.md, installed on the GPU machine outside its site-packages
+vLLM is the peer engine of bench/README.md, installed on the GPU machine outside its site-packages
 (``PYTHONPATH=VLLM_SITE``; run with ``VLLM_USE_FLASHINFER_SAMPLER=0``). It gets the workload's
 token ids as they are (``skip_tokenizer_init=True``: no tokenizer is needed, and the model
 directory may hold only config.json with ``--load-format dummy``), greedy, EOS ignored, no

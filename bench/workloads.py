@@ -2,7 +2,7 @@
 
 Every workload is a deterministic function of its arguments (and of ``seed``):
 
-- ``w1``: workload W1 of BENCH.md, exactly: ``rng = random.Random(0)``; for each of 512
+- ``w1``: workload W1 of bench/README.md, exactly: ``rng = random.Random(0)``; for each of 512
   requests, ``n = rng.randint(64, 1024)`` then ``[rng.randrange(100, 30000) for _ in
   range(n)]``; 256 output tokens, EOS ignored, greedy. A smaller ``num_requests`` takes the
   first requests of that same sequence.
@@ -11,7 +11,8 @@ Every workload is a deterministic function of its arguments (and of ``seed``):
 - ``sharegpt``: a ShareGPT-like long tail without the data set: input lengths
   LogNormal(median 128, sigma 1.0) clipped to [4, 2048], output lengths LogNormal(median
   128, sigma 0.9) clipped to [4, 1024]; means about 210 and 190 tokens, p99 about 1300 and
-  1000 (before clipping).
+  1000 (before clipping). ``--output-len`` overrides every output length (vLLM's
+  ``--sharegpt-output-len``), the inputs keep their long tail.
 - ``shared_prefix``: ``num_prefixes`` long "system prompts" of ``prefix_len`` tokens; each
   request is one of them (round robin) plus ``suffix_len`` tokens of its own.
 - ``jsonl``: one JSON object per line with ``"prompt"`` (text) or ``"prompt_token_ids"``
@@ -61,7 +62,7 @@ class WorkloadRequest:
 def w1(
     num_requests: int = W1_NUM_REQUESTS, output_len: int = W1_OUTPUT_LEN
 ) -> list[WorkloadRequest]:
-    """W1 of BENCH.md (the first ``num_requests`` of its 512 requests)."""
+    """W1 of bench/README.md (the first ``num_requests`` of its 512 requests)."""
     _check_count(num_requests, W1_NUM_REQUESTS)
     rng = random.Random(0)
     out = []
@@ -106,8 +107,10 @@ def _lognormal_len(rng: random.Random, median: float, sigma: float, lo: int, hi:
 def sharegpt(
     num_requests: int, *, seed: int = 0, token_low: int = W1_TOKEN_LOW,
     token_high: int = W1_TOKEN_HIGH, max_input_len: int = 2048, max_output_len: int = 1024,
+    output_len: int | None = None,
 ) -> list[WorkloadRequest]:  # fmt: skip
-    """Long-tailed lengths like ShareGPT's (see the module docstring for the distribution)."""
+    """Long-tailed lengths like ShareGPT's (see the module docstring for the distribution);
+    ``output_len``: every output that long instead (the inputs are the same either way)."""
     _check_count(num_requests)
     low, high = _token_range(token_low, token_high)
     rng = random.Random(seed)
@@ -115,7 +118,8 @@ def sharegpt(
     for _ in range(num_requests):
         n = _lognormal_len(rng, 128, 1.0, 4, max_input_len)
         m = _lognormal_len(rng, 128, 0.9, 4, max_output_len)
-        out.append(WorkloadRequest([rng.randrange(low, high) for _ in range(n)], m))
+        prompt = [rng.randrange(low, high) for _ in range(n)]
+        out.append(WorkloadRequest(prompt, m if output_len is None else output_len))
     return out
 
 
@@ -220,7 +224,7 @@ def add_workload_flags(parser) -> None:
     g.add_argument("--workload", choices=WORKLOADS, default="auto",
                    help="auto (default): w1 when the model's vocabulary and context can take it, "
                         "else uniform lengths that fit the model (e.g. the demo model); "
-                        "w1: BENCH.md's W1 (token ids in [100, 30000), 64..1024 long, 256 out); "
+                        "w1: W1 of bench/README.md (token ids in [100, 30000), 64..1024 long, 256 out); "
                         "fixed / uniform lengths; sharegpt: long-tailed lengths, input "
                         "LogNormal(median 128, sigma 1.0) clipped to [4, 2048], output "
                         "LogNormal(median 128, sigma 0.9) clipped to [4, 1024]; shared-prefix: "
@@ -228,7 +232,8 @@ def add_workload_flags(parser) -> None:
     g.add_argument("--num-requests", type=int, default=None,
                    help="requests (default: 512; jsonl: every line); W1 takes its first N")  # fmt: skip
     g.add_argument("--output-len", type=int, default=None,
-                   help="output tokens per request (default 256; W1 is 256)")  # fmt: skip
+                   help="output tokens per request (default 256; W1 is 256; sharegpt: every "
+                        "request's, instead of the long tail; uniform: use --output-range)")  # fmt: skip
     g.add_argument("--input-len", type=int, default=512, help="fixed: prompt tokens")
     g.add_argument("--input-range", default="64,1024", help="uniform: MIN,MAX prompt tokens")
     g.add_argument("--output-range", default="64,512", help="uniform: MIN,MAX output tokens")
@@ -257,6 +262,11 @@ def build_workload(
     ``max_model_len``, decides what ``auto`` means."""
     n = args.num_requests
     out_len = args.output_len or W1_OUTPUT_LEN
+    if args.workload == "uniform" and args.output_len is not None:
+        raise ValueError(
+            "--output-len does not apply to --workload uniform: give --output-range MIN,MAX "
+            "(MIN = MAX for one length)"
+        )
     if args.workload == "auto":
         w1_fits = (vocab_size is None or vocab_size >= W1_TOKEN_HIGH) and (
             max_model_len is None or max_model_len >= W1_MAX_LEN + out_len
@@ -291,6 +301,6 @@ def build_workload(
         return uniform(n, _pair(args.input_range, "--input-range"),
                        _pair(args.output_range, "--output-range"), **tokens)  # fmt: skip
     if args.workload == "sharegpt":
-        return sharegpt(n, **tokens)
+        return sharegpt(n, output_len=args.output_len, **tokens)
     return shared_prefix(n, args.prefix_len, args.suffix_len, out_len,
                          num_prefixes=args.num_prefixes, **tokens)  # fmt: skip

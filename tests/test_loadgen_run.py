@@ -118,3 +118,18 @@ def test_cache_salt_keeps_runs_from_hitting_each_others_prefixes(daemon, tmp_pat
         assert hits == 0
     else:
         assert hits >= 3 * 32
+
+
+def test_without_out_nothing_is_written(daemon, tmp_path, monkeypatch, capsys):
+    """Issue 55 item 20: results went into the repository's bench/results/ by default. Without
+    --out, a run prints its table and writes nothing, wherever it runs from."""
+    results = REPO / "bench" / "results"
+    before = set(results.iterdir())
+    monkeypatch.chdir(tmp_path)
+    argv = ["--server", daemon, "--wait-ready", "90", "--workload", "fixed", "--num-requests",
+            "2", "--input-len", "4", "--output-len", "2", "--no-progress"]  # fmt: skip
+    assert loadgen.main(argv) == 0
+    assert set(results.iterdir()) == before
+    assert list(tmp_path.iterdir()) == []
+    captured = capsys.readouterr()
+    assert "Serving Benchmark Result" in captured.out and "--out FILE.json" in captured.err

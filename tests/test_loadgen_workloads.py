@@ -1,4 +1,4 @@
-"""Benchmark workloads: W1 exactly as BENCH.md defines it, and the other generators."""
+"""Benchmark workloads: W1 exactly as bench/README.md defines it, and the other generators."""
 
 from __future__ import annotations
 
@@ -119,3 +119,41 @@ def test_default_workload_fits_the_demo_model():
         wl.build_workload(args, vocab_size=128256, max_model_len=8192)[0].prompt
         == (_w1_by_definition()[0])
     )
+
+
+def _workload_args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--seed", type=int, default=0)
+    wl.add_workload_flags(p)
+    return p.parse_args(list(argv))
+
+
+def test_output_len_sets_every_sharegpt_output():
+    """Issue 55 item 20: --output-len was ignored for sharegpt (3 requests ran 5 minutes).
+    Now every output is that long (vLLM's --sharegpt-output-len); the inputs are unchanged."""
+    tail = wl.build_workload(_workload_args("--workload", "sharegpt", "--num-requests", "40"))
+    short = wl.build_workload(
+        _workload_args("--workload", "sharegpt", "--num-requests", "40", "--output-len", "4")
+    )
+    assert {r.output_len for r in short} == {4}
+    assert len({r.output_len for r in tail}) > 10  # the long tail without the flag
+    assert [r.prompt for r in short] == [r.prompt for r in tail]
+
+
+def test_output_len_with_uniform_is_an_error_naming_output_range():
+    args = _workload_args("--workload", "uniform", "--output-len", "4")
+    with pytest.raises(ValueError, match="--output-len does not apply.*--output-range"):
+        wl.build_workload(args)
+    args = _workload_args("--output-len", "4")  # auto picks uniform lengths within the cap
+    assert max(r.output_len for r in wl.build_workload(args, 512, 2048)) <= 4
+
+
+def test_help_cites_only_files_the_repository_has():
+    """`--help` cited BENCH.md, which is not in the repository; W1 is in bench/README.md."""
+    from bench import loadgen, throughput
+
+    for parser in (loadgen.build_parser(), throughput.build_parser()):
+        text = parser.format_help()
+        assert "BENCH.md" not in text
+        assert "bench/README.md" in text
+    assert "Workload W1" in (Path(REPO_ROOT) / "bench" / "README.md").read_text()
