@@ -67,6 +67,8 @@ class FakeStats:
     num_generation_tokens: int = 0
     lora_requests: dict[str, tuple[int, int]] = field(default_factory=dict)
     max_loras: int = 0
+    spec_decode: None = None  # as EngineStats: no speculative decoding, no KV tiers
+    kv_tiers: None = None
 
 
 @dataclass

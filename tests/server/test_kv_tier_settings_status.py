@@ -102,9 +102,19 @@ def test_metrics_by_tier_and_under_vllm_names():
 
 
 class TieredEngine(FakeEngine):
+    has_served = False  # until then (the warm-up): the tiers hold blocks, no traffic yet
+
     def get_stats(self):
         stats = super().get_stats()
-        stats.kv_tiers = _tiers(num_restored_disk_blocks=3)
+        if self.has_served:
+            stats.kv_tiers = _tiers(num_restored_disk_blocks=3)
+        else:
+            stats.kv_tiers = KVTierStats(
+                num_cpu_cached_blocks=5,
+                num_disk_blocks=100,
+                num_disk_cached_blocks=7,
+                num_restored_disk_blocks=3,
+            )
         return stats
 
 
@@ -115,7 +125,10 @@ def _status(address: str, *flags: str) -> str:
 
 
 def test_server_status_and_pagedd_status(start_server):
-    st = start_server(lambda: TieredEngine(num_gpu_blocks=64))
+    engine = TieredEngine(num_gpu_blocks=64)
+    st = start_server(lambda: engine)
+    assert json.loads(_status(st.address, "--json"))["kv_tiers"]["cpu_hit_tokens"] == 0
+    engine.has_served = True  # counters since serving began, as /metrics counts them
     tiers = json.loads(_status(st.address, "--json"))["kv_tiers"]
     assert tiers["cpu_hit_tokens"] == 32 and tiers["num_disk_blocks"] == 100
     assert tiers["num_dropped_loads"] == 0  # zeros printed too

@@ -145,3 +145,12 @@ def test_generate_logprobs_prints_text_and_alternatives(demo_server):
         assert len(alternatives) == 2  # greedy: the chosen token is the most likely one
         assert alternatives[0].rsplit(None, 1)[0] == text_repr
     assert "".join(texts) == out.getvalue().rstrip("\n")
+
+
+def test_generate_adapter_names_the_lora_adapter():
+    """Issue 55 item 21: `pagedd generate` had no way to ask for a LoRA adapter."""
+    from pydaemon.entrypoints.grpc.client import _start_request
+
+    args = build_parser().parse_args(["generate", "--adapter", "smol", "--chat", "Hi"])
+    assert _start_request(args).adapter == "smol"
+    assert _start_request(build_parser().parse_args(["generate", "Hi"])).adapter == ""

@@ -7,6 +7,7 @@ after every step); latency histograms are fed by the servicer as requests finish
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import threading
 from collections.abc import Callable
 
@@ -59,6 +60,21 @@ _STATS = (
     ),
     ("pagedd_prompt_tokens_total", "num_prompt_tokens", "counter", "Prompt tokens processed."),
     ("pagedd_generation_tokens_total", "num_generation_tokens", "counter", "Tokens generated."),
+)
+
+
+# KVTierStats' counters (the others are gauges, or facts of the start: restored blocks)
+_TIER_COUNTERS = (
+    "gpu_hit_tokens",
+    "cpu_hit_tokens",
+    "disk_hit_tokens",
+    "gpu_to_cpu_bytes",
+    "cpu_to_gpu_bytes",
+    "cpu_to_disk_bytes",
+    "disk_to_cpu_bytes",
+    "num_dropped_loads",
+    "num_failed_disk_reads",
+    "num_failed_disk_writes",
 )
 
 
@@ -139,6 +155,40 @@ class Metrics:
         }
         self._spec_baseline = getattr(stats, "spec_decode", None)
         self._stats_baseline = stats
+
+    def since_serving(self, stats):
+        """``stats`` (an EngineStats) with its counters less the warm-up's, as /metrics
+        reports them: what GetServerStatus (``pagedd status``) answers. Gauges as they are."""
+        if self._stats_baseline is None:
+            return stats
+        counters = {
+            attr: getattr(stats, attr) - self._baseline.get(attr, 0)
+            for _, attr, kind, _ in _STATS
+            if kind == "counter"
+        }
+        spec, base = stats.spec_decode, self._spec_baseline
+        if spec is not None and base is not None:
+            counters["spec_decode"] = dataclasses.replace(
+                spec,
+                **{
+                    attr: getattr(spec, attr) - getattr(base, attr) for _, attr, _ in _SPEC_COUNTERS
+                },
+                accepted_per_position=[
+                    n
+                    - (base.accepted_per_position[j] if j < len(base.accepted_per_position) else 0)
+                    for j, n in enumerate(spec.accepted_per_position)
+                ],
+            )
+        tiers, base_tiers = stats.kv_tiers, self._stats_baseline.kv_tiers
+        if tiers is not None and base_tiers is not None:
+            counters["kv_tiers"] = dataclasses.replace(
+                tiers,
+                **{
+                    attr: getattr(tiers, attr) - getattr(base_tiers, attr)
+                    for attr in _TIER_COUNTERS
+                },
+            )
+        return dataclasses.replace(stats, **counters)
 
     def observe_request(self, account, finish_reason: int) -> None:
         timings = account.timings_ms()

@@ -54,6 +54,13 @@ def add_generate_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     parser.add_argument("--time-limit", type=float, default=0.0, help="request time limit (s)")
     parser.add_argument("--timeout", type=float, default=None, help="gRPC deadline (s)")
+    parser.add_argument(
+        "--adapter",
+        default=None,
+        metavar="NAME",
+        help="a LoRA adapter the daemon serves (pagedd serve --lora-modules NAME=PATH, or one "
+        "loaded since): its output instead of the base model's",
+    )
     constraint = parser.add_mutually_exclusive_group()
     constraint.add_argument(
         "--json-schema", default=None, metavar="FILE", help="constrain the output to this schema"
@@ -88,6 +95,7 @@ def _start_request(args: argparse.Namespace) -> pb.StartRequest:
         request_id=uuid.uuid4().hex[:12],
         sampling=sampling,
         time_limit_ms=int(args.time_limit * 1000),
+        adapter=args.adapter or "",
     )
     _set_structured_output(start.structured_output, args)
     if args.token_ids is not None:

@@ -91,6 +91,8 @@ class GenerationServicer(GenerateCalls, AdapterCalls, pb_grpc.GenerationServicer
             is_stuck = False
         except asyncio.TimeoutError:
             s, is_stuck = engine.latest_stats, True
+        if self.metrics is not None:  # counters since serving began, as /metrics counts them
+            s = self.metrics.since_serving(s)
         fields = {
             name: getattr(s, name)
             for name in pb.ServerStatus.DESCRIPTOR.fields_by_name
