@@ -18,17 +18,20 @@ from pydaemon.model_loader.loader import load_model
 MAX_NEW = 16
 _rng = random.Random(0)
 PROMPTS = [[_rng.randrange(3, 256) for _ in range(n)] for n in (7, 16, 17, 33, 1)]
-_CACHE: dict[str, tuple] = {}
 
 
 @pytest.fixture(scope="module")
 def moe_model(tmp_path_factory):
+    """get(name) -> (model dir, our model, transformers' greedy tokens), built once per
+    module: the models go with the module (a module-level cache kept them all session)."""
+    cache: dict[str, tuple] = {}
+
     def get(arch: str):
-        if arch not in _CACHE:
-            d = save_hf_moe_model(tmp_path_factory.mktemp(arch), arch, seed=len(_CACHE))
+        if arch not in cache:
+            d = save_hf_moe_model(tmp_path_factory.mktemp(arch), arch, seed=len(cache))
             model, _ = load_model(d)
-            _CACHE[arch] = (d, model, hf_greedy(d, PROMPTS, MAX_NEW))
-        return _CACHE[arch]
+            cache[arch] = (d, model, hf_greedy(d, PROMPTS, MAX_NEW))
+        return cache[arch]
 
     return get
 

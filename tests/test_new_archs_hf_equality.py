@@ -18,13 +18,16 @@ from pydaemon.model_loader.loader import load_model
 MAX_NEW = 24
 _rng = random.Random(0)
 PROMPTS = [[_rng.randrange(3, 256) for _ in range(n)] for n in (7, 16, 17, 33, 1)]
-_CACHE: dict[str, tuple] = {}
 
 
 @pytest.fixture(scope="module")
 def arch_model(tmp_path_factory):
+    """get(name) -> (model dir, our model, transformers' greedy tokens), built once per
+    module: the models go with the module (a module-level cache kept them all session)."""
+    cache: dict[str, tuple] = {}
+
     def get(name: str):
-        if name not in _CACHE:
+        if name not in cache:
             tmp = tmp_path_factory.mktemp(name)
             d = (
                 save_hf_gemma3_multimodal(tmp)
@@ -32,8 +35,8 @@ def arch_model(tmp_path_factory):
                 else save_hf_new_arch(tmp, name)
             )
             model, _ = load_model(d)
-            _CACHE[name] = (d, model, hf_greedy(d, PROMPTS, MAX_NEW))
-        return _CACHE[name]
+            cache[name] = (d, model, hf_greedy(d, PROMPTS, MAX_NEW))
+        return cache[name]
 
     return get
 
