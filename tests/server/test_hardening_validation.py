@@ -63,12 +63,20 @@ def test_grpc_refuses_the_same_stop_token_id(st):
 def test_tools_are_honoured_not_silently_ignored(start_server):
     """Tool calls are parsed now (issue 28): tools with tool_choice unset or auto are served,
     and the reply says whether the model called one (tool_calls, finish_reason). Auto needs a
-    tool-call parser (issue 46: tests/server/test_tool_choice_auto_parser.py)."""
+    tool-call parser (issue 46: tests/server/test_tool_choice_auto_parser.py) and a template
+    that renders the tools (issue 55: tests/server/test_tools_not_rendered.py)."""
     from pydaemon.entrypoints.grpc.servicer import ServingOptions
 
     engine = FakeEngine(num_gpu_blocks=256)
+    template = (
+        "{% for t in tools or [] %}<tool>{{ t.function.name }}</tool>{% endfor %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<a>"
+    )
     st = start_server(
-        lambda: engine, http_port=0, serving=ServingOptions(tool_call_parser="hermes")
+        lambda: engine,
+        http_port=0,
+        serving=ServingOptions(tool_call_parser="hermes"),
+        chat_template=template,
     )
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
     for choice in ({}, {"tool_choice": "auto"}, {"tool_choice": "none"}):
