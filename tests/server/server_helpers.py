@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 import time
@@ -81,8 +82,14 @@ class ServerThread:
             # A drain that failed must not leave the engine thread stepping the shared demo
             # engine under the next test's server.
             self.call(engine.shutdown(), 60)
+        # The loop's default executor ran the engine's load and the chat rendering: its worker
+        # threads outlived every server (128 idle threads after tests/server, issue 55).
+        with contextlib.suppress(Exception):
+            self.call(self.loop.shutdown_default_executor(), 10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
+        if not self._thread.is_alive():
+            self.loop.close()
         # grpc keeps the servicer alive past the loop: drop the engine ourselves
         self.server.servicer.engine = None
         self.server.async_engine = None
