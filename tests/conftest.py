@@ -7,35 +7,18 @@ large (the CPU swap pool of every engine, zero-filled; a 2.9 GB KV cache), two t
 glibc keeps freed heap in its arenas (RSS 1.5 GB after tests/test_smollm2.py, 0.6 GB once
 trimmed), and an engine's start-up freezes the heap out of the cycle collector
 (pydaemon/heap_freeze.py), so a dead engine in a reference cycle waits for the next engine's
-start. Before each file: unfreeze, collect, trim.
+start. Before each file: unfreeze, collect, trim (tests/memory_utils.py).
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import gc
-
 import pytest
-
-
-def _load_malloc_trim():
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):  # not glibc
-        return None
-
-
-_malloc_trim = _load_malloc_trim()
+from memory_utils import give_back_memory
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _give_back_the_last_files_memory():
     # At the start of each file: by then pytest has dropped the last file's fixture values
     # (a test item holds its fixtures until its teardown is over).
-    gc.unfreeze()
-    gc.collect()
-    if _malloc_trim is not None:
-        _malloc_trim(0)
+    give_back_memory()
     yield
