@@ -195,6 +195,7 @@ class PageddServer:
                 o.metrics_host,
                 o.metrics_port,
                 api_key=o.api_key if o.metrics_auth else None,
+                max_connections=connection_budget(share=0.125, most=1024),
                 tls=(o.tls_cert, o.tls_key) if o.tls_cert else None,
             )
             await self.metrics_server.start()
