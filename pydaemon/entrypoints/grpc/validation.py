@@ -23,6 +23,7 @@ from pydaemon.generate_request import GenerateRequest
 from pydaemon.lora_request import LoRARequest
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 from pydaemon.sampling_params import (
+    MAX_LOGIT_BIAS_TOKENS,
     SamplingParams,
     StructuredOutputsParams,
     logit_bias_out_of_vocab,
@@ -110,6 +111,11 @@ def to_sampling_params(
     kwargs["stop"] = list(msg.stop)
     kwargs["stop_token_ids"] = list(msg.stop_token_ids)
     if msg.logit_bias:
+        if len(msg.logit_bias) > MAX_LOGIT_BIAS_TOKENS:  # before copying: 1M entries take 1 s
+            raise _invalid(
+                f"sampling.logit_bias has {len(msg.logit_bias)} entries; at most "
+                f"{MAX_LOGIT_BIAS_TOKENS} token ids may be biased"
+            )
         bias = dict(msg.logit_bias)
         if any(t >= vocab_size for t in bias):
             raise _invalid(f"sampling.logit_bias: {logit_bias_out_of_vocab(bias, vocab_size)}")

@@ -38,7 +38,7 @@ from pydaemon.entrypoints.openai.engine_stream import EnginePrompt
 from pydaemon.entrypoints.openai.logprobs import chat_logprobs
 from pydaemon.entrypoints.openai.prompt_logprobs import vllm_prompt_logprobs
 from pydaemon.entrypoints.openai.protocol import ChatCompletionRequest
-from pydaemon.entrypoints.openai.request_fields import InvalidParam
+from pydaemon.entrypoints.openai.request_fields import InvalidParam, check_logit_bias_size
 from pydaemon.entrypoints.openai.responses import (
     ChatChoice,
     ChatChunkChoice,
@@ -56,7 +56,9 @@ from pydaemon.entrypoints.openai.serving import OpenAIServing
 async def create_chat_completion(
     serving: OpenAIServing, request: web.Request
 ) -> web.StreamResponse:
-    body = ChatCompletionRequest.model_validate_json(await serving.read_body(request))
+    raw = await serving.read_body(request)
+    check_logit_bias_size(raw)  # before parsing: a huge one takes seconds to parse
+    body = ChatCompletionRequest.model_validate_json(raw)
     body.check(serving.model.vocab_size)
     tool_parser = _tool_parser(serving, body)
     lora_request = serving.admit(body.model, body.n)
