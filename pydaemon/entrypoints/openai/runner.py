@@ -6,7 +6,9 @@ early leaves the engine stream, which aborts the engine requests (KV blocks free
 - the client disconnects: aiohttp cancels the handler (``handler_cancellation``);
 - a streaming client stops reading for the stall timeout: the connection is closed;
 - the drain's grace period ends: the handler is cancelled with ``is_aborted_by_server`` and
-  still answers, every unfinished choice with finish_reason "abort".
+  still answers, every unfinished choice with finish_reason "abort";
+- the engine core stalls before the first output: the handler is cancelled with a
+  ``failure`` (503 engine_stalled), which it answers.
 """
 
 from __future__ import annotations
@@ -71,6 +73,10 @@ async def respond(
                 try:
                     first = await outputs.__anext__()
                 except asyncio.CancelledError:
+                    if live.failure is not None:  # the engine core stalled (fail_waiting)
+                        _uncancel()
+                        live.is_failed = True
+                        raise live.failure from None
                     if not live.is_aborted_by_server:
                         raise
                     _uncancel()
@@ -78,6 +84,7 @@ async def respond(
                 except Exception as e:  # e.g. refused by the engine: nothing was sent yet
                     live.is_failed = True
                     raise _engine_error(serving, e, constraint_source) from None
+                live.has_output = True
                 deltas = acc.add(*first)
                 if stream:
                     return await _stream(
