@@ -14,7 +14,9 @@ Named as vLLM's ``--reasoning-parser`` values:
 
 A prompt whose rendered text already closed the reasoning (Qwen3's template with
 ``enable_thinking`` false ends with ``<think>\\n\\n</think>\\n\\n``) makes the whole output the
-answer. Streaming gives each delta's reasoning and content, holding back only text that may be
+answer. An output that continues the final message (``continue_final_message``) goes on from
+where that message is: reasoning only inside a ``<think>`` it left open; an echoed message is
+split from its own start. Streaming gives each delta's reasoning and content, holding back only text that may be
 the start of a marker; the whole-text result is the streamed one joined (one code path).
 """
 
@@ -57,6 +59,15 @@ class ReasoningParser:
             (reasoning + more_reasoning) if stream.had_reasoning else None,
             (content + more_content) or None,
         )
+
+    def continued_tail(self, message_text: str) -> str:
+        """The ``prompt_text`` for an output that continues the final message, whose text is
+        ``message_text`` (continue_final_message): the output goes on where the message ends."""
+        return message_text
+
+    def split_message(self, message_text: str) -> ReasoningSplit:
+        """A message's own text (an echo) split from its start: as a client wrote it."""
+        return ReasoningSplit(None, message_text or None)
 
 
 class ReasoningStream:
@@ -141,6 +152,24 @@ class ThinkReasoningParser(ReasoningParser):
     def stream(self, prompt_text: str = "") -> ReasoningStream:
         return _ThinkStream(self, self._opening(prompt_text))
 
+    def continued_tail(self, message_text: str) -> str:
+        """A continued message reasons on only if it opened ``<think>`` and did not close it;
+        otherwise it is an answer, and so is what continues it (DeepSeek R1's parser, which
+        reasons by default, took the continuation of an answer for reasoning)."""
+        is_open = message_text.rfind(self.start) > message_text.rfind(self.end)
+        return self.start if is_open else self.end
+
+    def split_message(self, message_text: str) -> ReasoningSplit:
+        """A message reasons only inside the ``<think>`` it opens with, whatever the parser
+        assumes of a model's output."""
+        stream = _ThinkStream(self, "either")
+        reasoning, content = stream.feed(message_text)
+        more_reasoning, more_content = stream.finish()
+        return ReasoningSplit(
+            (reasoning + more_reasoning) if stream.had_reasoning else None,
+            (content + more_content) or None,
+        )
+
     def markers(self, tokenizer, prompt_text: str = "") -> ReasoningMarkers | None:
         opening = self._opening(prompt_text)
         if opening == "answer":
@@ -157,7 +186,9 @@ class _ThinkStream(ReasoningStream):
         self.state = {"answer": "content", "reasoning": "start", "either": "start"}[opening]
         self.reasons_first = opening == "reasoning"
         self.buf = ""
-        self.answer_started = False
+        # Blank lines after an output's </think> are dropped; an answer the prompt opened is
+        # kept as it comes (a continued message goes on mid-sentence: " 42").
+        self.answer_started = opening == "answer"
 
     def feed(self, delta: str) -> tuple[str, str]:
         self.buf += delta
