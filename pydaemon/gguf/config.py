@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from pydaemon.config.model import ModelConfig
-from pydaemon.gguf.bounds import check_counts
+from pydaemon.gguf.model_sizes import check_counts
 from pydaemon.gguf.reader import GGUFFile
 
 # general.architecture -> the Hugging Face architecture pagedd serves it as.
