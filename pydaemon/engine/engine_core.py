@@ -33,6 +33,7 @@ from pydaemon.core.stats import EngineStats
 from pydaemon.core.stop_checker import StopChecker
 from pydaemon.engine.async_stepper import AsyncStepper, launch, sample
 from pydaemon.engine.batch_queue import BatchQueueStepper
+from pydaemon.engine.layer_configs import runner_config
 from pydaemon.engine.loaded_loras import LoadedLoRAs
 from pydaemon.engine.prompt_input import eos_token_ids
 from pydaemon.engine.structured_outputs import StructuredOutputManager
@@ -50,10 +51,10 @@ SAVE_AHEAD_POOL_SHARE = 8
 
 
 def kv_tier_config(config: EngineConfig, info: RunnerInfo) -> KVTierConfig:
-    """The scheduler's KV tiers from the config and what the ranks built. Each step saves
-    early as many cached blocks as one step can evict (its token budget's worth), so that an
-    eviction rarely waits for its copy, within a share of the CPU pool."""
-    if not config.kv_offloading_size:
+    """The scheduler's KV tiers from what the ranks built. Each step saves early as many
+    cached blocks as one step can evict (its token budget's worth), so that an eviction
+    rarely waits for its copy, within a share of the CPU pool."""
+    if not info.num_cpu_tier_blocks:
         return KVTierConfig()
     one_step = info.max_num_batched_tokens // config.block_size
     return KVTierConfig(
@@ -96,7 +97,7 @@ class EngineCore:
         self.config = config
         if executor is None:
             check_max_model_len(config)  # before any weight is loaded
-        self.executor = executor if executor is not None else make_executor(config)
+        self.executor = executor if executor is not None else make_executor(runner_config(config))
         info = self.executor.info
         self.model_config: ModelConfig = self.executor.model_config
         self.max_model_len = info.max_model_len

@@ -35,8 +35,8 @@ import time
 
 import torch
 
-from pydaemon.config.engine import EngineConfig
 from pydaemon.config.lora import LoRAAdapterConfig
+from pydaemon.config.runner import RunnerConfig
 from pydaemon.core.sched.scheduler_output import GrammarOutput, SchedulerOutput
 from pydaemon.distributed import parallel_state as ps
 from pydaemon.executor.abstract import AsyncOutput, Executor, ExecutorFailed
@@ -59,7 +59,7 @@ class TensorParallelError(ExecutorFailed):
 
 
 class MultiprocExecutor(Executor):
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: RunnerConfig) -> None:
         tp, pp, world = (
             config.tensor_parallel_size,
             config.pipeline_parallel_size,

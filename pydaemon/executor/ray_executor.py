@@ -36,8 +36,8 @@ import logging
 import threading
 import time
 
-from pydaemon.config.engine import EngineConfig
 from pydaemon.config.lora import LoRAAdapterConfig
+from pydaemon.config.runner import RunnerConfig
 from pydaemon.core.runner_output import ModelRunnerOutput
 from pydaemon.core.sched.scheduler_output import GrammarOutput, SchedulerOutput
 from pydaemon.executor.abstract import AsyncOutput, Executor, ExecutorFailed
@@ -86,7 +86,7 @@ class _RankOutput:
 
 
 class RayExecutor(Executor):
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: RunnerConfig) -> None:
         ray = self._ray = _import_ray()
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -175,7 +175,7 @@ class RayExecutor(Executor):
         )
 
     def _worker_args(
-        self, config: EngineConfig, rank: int, backend: str, init_method: str
+        self, config: RunnerConfig, rank: int, backend: str, init_method: str
     ) -> WorkerArgs:
         node_id, _, _, gpu_ids = self.places[rank]
         visible = local_rank = None

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pydaemon.config.engine import EngineConfig
 from pydaemon.config.lora import LoRAAdapterConfig
+from pydaemon.config.runner import RunnerConfig
 from pydaemon.core.sched.scheduler_output import GrammarOutput, SchedulerOutput
 from pydaemon.executor.abstract import AsyncOutput, Executor
 from pydaemon.lora_request import LoRARequest
@@ -13,7 +13,7 @@ from pydaemon.worker.model_runner import ModelRunner
 
 
 class UniProcExecutor(Executor):
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: RunnerConfig) -> None:
         if config.enable_expert_parallel:  # nothing to partition over: say so
             check_parallel(load_model_config(config.model), 1, 1, True)
         # The runner, for tests and benchmarks that look inside (the engine core never does).

@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pydaemon.config.engine import EngineConfig
 from pydaemon.config.model import ModelConfig
+from pydaemon.config.runner import RunnerConfig
 from pydaemon.layers.attention_metadata import chunk_metadata, to_device
 from pydaemon.model_loader.eagle_head import load_eagle_head
 from pydaemon.model_loader.model_paths import resolve_model_dir
@@ -55,7 +55,7 @@ class EagleProposer(Proposer):
 
     def __init__(
         self,
-        config: EngineConfig,
+        config: RunnerConfig,
         device: torch.device,
         target: nn.Module,
         target_config: ModelConfig,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from pydaemon.config.engine import EngineConfig
+from pydaemon.config.runner import RunnerConfig
 from pydaemon.worker.kv_cache import KVCacheSpec
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
@@ -35,7 +35,7 @@ def model_fingerprint(model: str | Path) -> dict:
 
 
 def kv_disk_identity(
-    config: EngineConfig,
+    config: RunnerConfig,
     weight_dtype: str,
     spec: KVCacheSpec,
     tp_rank: int,

@@ -1,10 +1,7 @@
 """The host side of one rank's KV cache: the CPU pool (swap space + the CPU tier of the
-prefix cache, one pool) and the disk tier behind it, sized from the engine config.
-
-Sizes follow vLLM's flags: ``kv_offloading_size`` (GiB) is the CPU tier over every
-tensor-parallel rank together, so each rank holds its share; ``kv_offloading_disk_size`` the
-same for the disk tier. Every rank holds the same number of blocks (the scheduler's one
-block manager drives them all). With a disk tier each rank scans its file (a warm restart)
+prefix cache, one pool) and the disk tier behind it, sized from the runner's KV-tier plan
+(config/kv_offloading.py: each rank's share of the tiers, in bytes). Every rank holds the
+same number of blocks (the scheduler's one block manager drives them all). With a disk tier each rank scans its file (a warm restart)
 and the ranks keep the slots that are whole on every one of them.
 """
 
@@ -15,10 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pydaemon.config.engine import EngineConfig
+from pydaemon.config.runner import RunnerConfig
 from pydaemon.core.disk_blocks import DiskBlockRecord
 from pydaemon.distributed import parallel_state as ps
-from pydaemon.worker.kv_cache import GiB, KVCacheSpec
+from pydaemon.worker.kv_cache import KVCacheSpec
 from pydaemon.worker.kv_disk_identity import kv_disk_identity
 from pydaemon.worker.kv_disk_tier import DiskTier
 
@@ -44,20 +41,21 @@ class HostKV:
 
 
 def build_host_kv(
-    config: EngineConfig,
+    config: RunnerConfig,
     spec: KVCacheSpec,
     max_useful_swap_blocks: int,
     device: torch.device,
     weight_dtype: str,
 ) -> HostKV:
     tp_size, tp_rank = ps.get_tp_world_size(), ps.get_tp_rank()
-    num_swap = min(spec.num_blocks_for_bytes(config.swap_space * GiB), max_useful_swap_blocks)
+    plan = config.kv_tiers
+    num_swap = min(spec.num_blocks_for_bytes(plan.swap_bytes), max_useful_swap_blocks)
     num_tier = 0
-    if config.kv_offloading_size:
-        num_tier = spec.num_blocks_for_bytes(config.kv_offloading_size * GiB / tp_size)
+    if plan.has_cpu_tier:
+        num_tier = spec.num_blocks_for_bytes(plan.cpu_tier_bytes)
         if num_tier < 1:
             raise ValueError(
-                f"kv_offloading_size {config.kv_offloading_size} GiB holds no KV block: one "
+                f"kv_offloading_size {plan.cpu_tier_gib} GiB holds no KV block: one "
                 f"block takes {spec.block_bytes * tp_size / 2**20:.2f} MiB over "
                 f"{tp_size} rank(s)"
             )
@@ -66,18 +64,18 @@ def build_host_kv(
         num_swap + num_tier, torch.device("cpu"), pin_memory=device.type == "cuda"
     )
     host = HostKV(cpu_kv_cache, num_swap, num_tier)
-    if config.kv_offloading_dir:
-        num_disk = spec.num_blocks_for_bytes(config.kv_offloading_disk_size * GiB / tp_size)
+    if plan.disk_dir:
+        num_disk = spec.num_blocks_for_bytes(plan.disk_bytes)
         if num_disk < 1:
             raise ValueError(
-                f"kv_offloading_disk_size {config.kv_offloading_disk_size} GiB holds no KV "
+                f"kv_offloading_disk_size {plan.disk_gib} GiB holds no KV "
                 f"block: one block takes {spec.block_bytes * tp_size / 2**20:.2f} MiB over "
                 f"{tp_size} rank(s)"
             )
         num_disk = ps.min_across_ranks(num_disk)
         identity = kv_disk_identity(config, weight_dtype, spec, tp_rank, tp_size)
         host.disk = DiskTier(
-            config.kv_offloading_dir,
+            plan.disk_dir,
             identity,
             num_disk,
             cpu_kv_cache,

@@ -25,8 +25,8 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from pydaemon.config.engine import EngineConfig
 from pydaemon.config.model import ModelConfig
+from pydaemon.config.runner import RunnerConfig
 from pydaemon.core.model_info import RunnerInfo
 from pydaemon.core.runner_output import ModelRunnerOutput
 from pydaemon.core.sched.scheduler_output import GrammarOutput, SchedulerOutput
@@ -47,7 +47,7 @@ class WorkerArgs:
     backend: str  # "nccl" | "gloo"
     init_method: str  # tcp://HOST:PORT of rank 0's store
     timeout_s: float  # of every collective
-    config: EngineConfig  # the engine's, with the model directory resolved
+    config: RunnerConfig  # every rank's settings (resolved by the engine)
     log_level: int
     local_rank: int | None = None  # CUDA device index on the rank's host (None: rank)
     # CUDA_VISIBLE_DEVICES to set before CUDA starts (Ray: every GPU of the host, so that
