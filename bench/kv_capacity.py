@@ -34,6 +34,7 @@ from pydaemon.core.kv_groups import plan_kv_groups  # noqa: E402
 from pydaemon.core.request import Request, Sequence  # noqa: E402
 from pydaemon.core.runner_output import ModelRunnerOutput  # noqa: E402
 from pydaemon.core.sched.scheduler import Scheduler  # noqa: E402
+from pydaemon.core.sched.scheduler_config import SchedulerConfig  # noqa: E402
 from pydaemon.core.stop_checker import StopChecker  # noqa: E402
 from pydaemon.outputs import RequestMetrics  # noqa: E402
 from pydaemon.sampling_params import SamplingParams  # noqa: E402
@@ -55,14 +56,16 @@ def run(shape: str, mode: str, args) -> dict:
     num_blocks = int(args.kv_gib * GIB // (per_layer * slots))
     max_len = args.prompt_len + args.output_len
     scheduler = Scheduler(
-        block_size=args.block_size,
-        num_gpu_blocks=num_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.step_budget,
-        max_model_len=max_len,
-        preemption_mode="recompute",
-        kv_window=kv_window,
-        kv_groups=groups,
+        SchedulerConfig(
+            block_size=args.block_size,
+            num_gpu_blocks=num_blocks,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.step_budget,
+            max_model_len=max_len,
+            preemption_mode="recompute",
+            kv_window=kv_window,
+            kv_groups=groups,
+        )
     )
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
