@@ -15,6 +15,8 @@ small graph or source that breaks it) proving that it can fail:
   torch, and the gRPC servicer and the daemon app reach the engine only through
   ``engine_client``.
 - One module builds the one BlockManager (the scheduler, its owner).
+- Below the engine nothing imports ``EngineConfig``: the engine splits it once into the
+  layers' own configurations (``RunnerConfig``, ``SchedulerConfig``: engine/layer_configs.py).
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ EXTENSION_MODULES = {"pydaemon._core"}
 EXECUTOR_INTERFACE = {"pydaemon.executor.abstract", "pydaemon.executor.factory"}
 # Folders the engine never imports: the device side, reached through the executor only.
 DEVICE_SIDE = ("worker", "models", "layers", "ops", "quantization", "distributed", "executor")
+# The lowest folder that reads EngineConfig (config/, which defines it, aside).
+ENGINE_CONFIG_FLOOR = "engine"
 
 
 # ---- reading the graph ---------------------------------------------------------------------
@@ -194,6 +198,34 @@ def engine_violations(graph: dict[str, set[str]], folders: dict[str, str]) -> li
     return problems
 
 
+def engine_config_importers(
+    sources: dict[str, str], folders: dict[str, str], layers: list[tuple[str, ...]]
+) -> list[str]:
+    """Modules (name -> source) of the folders below ``ENGINE_CONFIG_FLOOR`` but config/ that
+    import the name ``EngineConfig``, or its module whole (its constants may be imported)."""
+    rank = {folder: i for i, tier in enumerate(layers) for folder in tier}
+    floor = rank[ENGINE_CONFIG_FLOOR]
+    found = []
+    for name, source in sorted(sources.items()):
+        folder = folders.get(name, "")
+        if folder == "config" or rank.get(folder, -1) <= floor:
+            continue
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                hit = any(a.name == "pydaemon.config.engine" for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                names = {a.name for a in node.names}
+                hit = "EngineConfig" in names or (
+                    node.module == "pydaemon.config" and "engine" in names
+                )
+            else:
+                continue
+            if hit:
+                found.append(name)
+                break
+    return found
+
+
 def direct_torch_imports(sources: dict[str, str]) -> list[str]:
     """Modules (name -> source) with an ``import torch`` or ``from torch ...`` anywhere."""
     found = []
@@ -308,6 +340,41 @@ def test_the_executor_rule_can_fail():
     assert engine_violations(graph, folders) == [
         "pydaemon.engine.x imports pydaemon.executor.multiproc_executor",
         "pydaemon.engine.x imports pydaemon.worker.model_runner",
+    ]
+
+
+def test_nothing_below_the_engine_imports_engine_config():
+    """The workers read their RunnerConfig, the scheduler its SchedulerConfig: a setting has
+    one owner below the engine, which says so in engine/layer_configs.py."""
+    modules = _modules()
+    graph = _graph()
+    folders = _folders_of_graph(graph)
+    sources = {n: p.read_text() for n, p in modules.items() if n in folders}
+    assert "pydaemon.worker.model_runner" in sources  # read at all
+    assert engine_config_importers(sources, folders, LAYERS) == []
+
+
+def test_the_engine_config_rule_can_fail():
+    folders = {
+        "pydaemon.worker.x": "worker",
+        "pydaemon.worker.y": "worker",
+        "pydaemon.core.z": "core",
+        "pydaemon.core.w": "core",
+        "pydaemon.engine.e": "engine",
+        "pydaemon.config.runner": "config",
+    }
+    sources = {
+        "pydaemon.worker.x": "from pydaemon.config.engine import EngineConfig\n",
+        "pydaemon.worker.y": "from pydaemon.config.engine import KV_CACHE_DTYPES\n",
+        "pydaemon.core.z": "def f():\n    import pydaemon.config.engine\n",
+        "pydaemon.core.w": "from pydaemon.config import engine\n",
+        "pydaemon.engine.e": "from pydaemon.config import EngineConfig\n",
+        "pydaemon.config.runner": "from pydaemon.config.engine import EngineConfig\n",
+    }
+    assert engine_config_importers(sources, folders, LAYERS) == [
+        "pydaemon.core.w",
+        "pydaemon.core.z",
+        "pydaemon.worker.x",
     ]
 
 
