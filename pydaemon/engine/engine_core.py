@@ -39,7 +39,7 @@ from pydaemon.engine.structured_outputs import StructuredOutputManager
 from pydaemon.executor.abstract import Executor
 from pydaemon.executor.factory import make_executor
 from pydaemon.lora_request import LoRAAdapterInfo, LoRARequest, prefix_cache_salt
-from pydaemon.model_loader.loader import load_model_config
+from pydaemon.model_loader.model_paths import load_model_config
 from pydaemon.outputs import RequestMetrics
 from pydaemon.sampling_params import SamplingParams, logit_bias_out_of_vocab
 

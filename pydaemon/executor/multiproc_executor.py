@@ -41,7 +41,7 @@ from pydaemon.core.sched.scheduler_output import GrammarOutput, SchedulerOutput
 from pydaemon.distributed import parallel_state as ps
 from pydaemon.executor.abstract import AsyncOutput, Executor, ExecutorFailed
 from pydaemon.lora_request import LoRARequest
-from pydaemon.model_loader.loader import load_model_config
+from pydaemon.model_loader.model_paths import load_model_config
 from pydaemon.models.parallel import check_parallel
 from pydaemon.worker.model_runner import ModelRunner, resolve_device
 from pydaemon.worker.rank_worker import free_port

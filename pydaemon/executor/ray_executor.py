@@ -42,7 +42,7 @@ from pydaemon.core.runner_output import ModelRunnerOutput
 from pydaemon.core.sched.scheduler_output import GrammarOutput, SchedulerOutput
 from pydaemon.executor.abstract import AsyncOutput, Executor, ExecutorFailed
 from pydaemon.lora_request import LoRARequest
-from pydaemon.model_loader.loader import load_model_config
+from pydaemon.model_loader.model_paths import load_model_config
 from pydaemon.models.parallel import check_parallel
 from pydaemon.worker.rank_worker import ControlCall, RankWorker, WorkerArgs
 

@@ -7,7 +7,7 @@ from pydaemon.config.runner import RunnerConfig
 from pydaemon.core.sched.scheduler_output import GrammarOutput, SchedulerOutput
 from pydaemon.executor.abstract import AsyncOutput, Executor
 from pydaemon.lora_request import LoRARequest
-from pydaemon.model_loader.loader import load_model_config
+from pydaemon.model_loader.model_paths import load_model_config
 from pydaemon.models.parallel import check_parallel
 from pydaemon.worker.model_runner import ModelRunner
 
