@@ -35,13 +35,13 @@ from pydaemon.engine.batch_queue import BatchQueueStepper
 from pydaemon.engine.layer_configs import runner_config, scheduler_config
 from pydaemon.engine.loaded_loras import LoadedLoRAs
 from pydaemon.engine.prompt_input import eos_token_ids
-from pydaemon.engine.structured_outputs import StructuredOutputManager
 from pydaemon.executor.abstract import Executor
 from pydaemon.executor.factory import make_executor
 from pydaemon.lora_request import LoRAAdapterInfo, LoRARequest, prefix_cache_salt
 from pydaemon.model_loader.model_paths import load_model_config
 from pydaemon.outputs import RequestMetrics
 from pydaemon.sampling_params import SamplingParams, logit_bias_out_of_vocab
+from pydaemon.structured_output.manager import StructuredOutputManager
 
 # With nothing scheduled, a step waits this long at most for a grammar compile to finish.
 GRAMMAR_POLL_S = 0.05
