@@ -15,6 +15,8 @@ small graph or source that breaks it) proving that it can fail:
   torch, and the gRPC servicer and the daemon app reach the engine only through
   ``engine_client``.
 - One module builds the one BlockManager (the scheduler, its owner).
+- The engine core starts without the model stack: importing it loads no torch, model, layer,
+  kernel, quantization, worker or sampling module (the executor's backends bring them).
 - Below the engine nothing imports ``EngineConfig``: the engine splits it once into the
   layers' own configurations (``RunnerConfig``, ``SchedulerConfig``: engine/layer_configs.py).
 """
@@ -67,6 +69,17 @@ EXTENSION_MODULES = {"pydaemon._core"}
 EXECUTOR_INTERFACE = {"pydaemon.executor.abstract", "pydaemon.executor.factory"}
 # Folders the engine never imports: the device side, reached through the executor only.
 DEVICE_SIDE = ("worker", "models", "layers", "ops", "quantization", "distributed", "executor")
+# What the engine core must not load at import: the model stack, reached through the executor.
+MODEL_STACK = (
+    "torch",
+    "pydaemon.models",
+    "pydaemon.layers",
+    "pydaemon.ops",
+    "pydaemon.quantization",
+    "pydaemon.worker",
+    "pydaemon.sampling",
+    "pydaemon.model_loader.loader",
+)
 # The lowest folder that reads EngineConfig (config/, which defines it, aside).
 ENGINE_CONFIG_FLOOR = "engine"
 
@@ -244,10 +257,21 @@ def direct_torch_imports(sources: dict[str, str]) -> list[str]:
 
 def torch_loaded_by(modules: list[str]) -> list[str]:
     """The torch modules that importing ``modules`` (in a fresh interpreter) loads."""
+    return loaded_by(modules, ("torch",))
+
+
+def loaded_by(
+    modules: list[str], packages: tuple[str, ...], stubs: tuple[str, ...] = ()
+) -> list[str]:
+    """The modules of ``packages`` that importing ``modules`` (in a fresh interpreter, with
+    ``stubs`` replaced by empty modules) loads."""
     code = (
-        "import importlib, sys\n"
+        "import importlib, sys, types\n"
+        f"for s in {stubs!r}: sys.modules[s] = types.ModuleType(s)\n"
         f"for m in {modules!r}: importlib.import_module(m)\n"
-        "print('\\n'.join(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))))\n"
+        f"packages = {packages!r}\n"
+        "print('\\n'.join(sorted(m for m in sys.modules "
+        "if any(m == p or m.startswith(p + '.') for p in packages))))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],
@@ -320,6 +344,20 @@ def test_the_torch_rule_can_fail():
         "a"
     ]
     assert "torch" in torch_loaded_by(["pydaemon.worker.async_output"])
+
+
+def test_the_engine_core_starts_without_the_model_stack():
+    """The engine core reads the model's config (model_loader/model_paths.py) and reaches the
+    ranks through the executor interface: importing it (and its process's entry) loads no
+    torch, model, layer, kernel, quantization, worker or sampling module. xgrammar, which
+    imports torch itself, is stubbed: the structured outputs it serves are the engine core's
+    one user of torch."""
+    engine_core = ["pydaemon.engine.engine_core", "pydaemon.engine.core_proc"]
+    assert loaded_by(engine_core, MODEL_STACK, stubs=("xgrammar",)) == []
+
+
+def test_the_model_stack_rule_can_fail():
+    assert loaded_by(["pydaemon.model_loader.loader"], MODEL_STACK, stubs=("xgrammar",)) != []
 
 
 def test_the_engine_reaches_workers_only_through_the_executor_interface():
