@@ -41,7 +41,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("engine",),
     ("executor", "structured_output"),
     ("worker",),
-    ("worker.spec",),
+    ("worker.spec_decode",),
     ("model_loader",),
     ("models",),
     ("layers.lora",),

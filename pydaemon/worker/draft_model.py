@@ -24,7 +24,7 @@ from pydaemon.layers.attention_metadata import chunk_metadata
 from pydaemon.model_loader.loader import load_model
 from pydaemon.model_loader.model_paths import resolve_model_dir
 from pydaemon.worker.kv_cache import KVCacheSpec
-from pydaemon.worker.spec.proposer import DraftRequest, Proposer
+from pydaemon.worker.spec_decode.proposer import DraftRequest, Proposer
 
 
 class DraftModelProposer(Proposer):

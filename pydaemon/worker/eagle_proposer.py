@@ -41,7 +41,7 @@ from pydaemon.layers.attention_metadata import chunk_metadata, to_device
 from pydaemon.model_loader.eagle_head import load_eagle_head
 from pydaemon.model_loader.model_paths import resolve_model_dir
 from pydaemon.worker.kv_cache import KVCacheSpec
-from pydaemon.worker.spec.proposer import DraftRequest, Proposer, TargetStep
+from pydaemon.worker.spec_decode.proposer import DraftRequest, Proposer, TargetStep
 
 
 @dataclass
