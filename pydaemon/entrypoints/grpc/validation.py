@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from pydaemon.config.generation import GenerationDefaults
 from pydaemon.entrypoints.common.limits import (
     EMPTY_PROMPT,
     MAX_CACHE_SALT_LEN,
@@ -95,7 +96,10 @@ def to_sampling_params(
     msg: pb.SamplingParams,
     vocab_size: int,
     structured_outputs: StructuredOutputsParams | None = None,
+    defaults: GenerationDefaults | None = None,
 ) -> SamplingParams:
+    """The request's fields over the model's generation ``defaults`` (the one merge every
+    front end makes: ``GenerationDefaults.sampling_params``)."""
     kwargs: dict = {
         name: getattr(msg, name) for name in _OPTIONAL_SAMPLING_FIELDS if msg.HasField(name)
     }
@@ -115,7 +119,7 @@ def to_sampling_params(
             raise _invalid(f"sampling.logit_bias: {logit_bias_out_of_vocab(bias, vocab_size)}")
         kwargs["logit_bias"] = bias
     try:
-        return SamplingParams(**kwargs)
+        return (defaults or GenerationDefaults()).sampling_params(**kwargs)
     except ValueError as e:
         raise _invalid(f"sampling: {e}") from None
 
@@ -147,7 +151,12 @@ def check_text_size(
 
 
 def to_engine_args(
-    start: pb.StartRequest, *, vocab_size: int, has_tokenizer: bool, max_model_len: int
+    start: pb.StartRequest,
+    *,
+    vocab_size: int,
+    has_tokenizer: bool,
+    max_model_len: int,
+    defaults: GenerationDefaults | None = None,
 ) -> EngineArgs:
     """Checks what can be checked without the engine, cheapest first; the engine checks the
     exact token length."""
@@ -183,7 +192,7 @@ def to_engine_args(
             structured_outputs = to_structured_outputs(start.structured_output)
         except ValueError as e:
             raise _invalid(f"structured_output: {e}") from None
-    params = to_sampling_params(start.sampling, vocab_size, structured_outputs)
+    params = to_sampling_params(start.sampling, vocab_size, structured_outputs, defaults)
     return EngineArgs(
         prompt=prompt,
         params=params,
