@@ -2,7 +2,7 @@
 
 It joins the process groups (pydaemon/distributed/parallel_state.py), builds the rank's
 ModelRunner (its part of the weights and of the KV cache), then runs what the executor sends,
-in order: steps (a plain ``SchedulerOutput``), control calls (``ControlCall``: LoRA adapters)
+in order: steps (a plain ``SchedulerOutput``), control calls (``RankCall``: LoRA adapters)
 and, on the rank that samples, the sampling of each step and the fetch of its output. The
 ``ray`` backend makes it a Ray actor (pydaemon/executor/ray_executor.py: one method call per
 message); the ``mp`` backend's worker processes run it from a pipe loop
@@ -28,16 +28,9 @@ from dataclasses import dataclass
 from pydaemon.config.model import ModelConfig
 from pydaemon.config.runner import RunnerConfig
 from pydaemon.core.model_info import RunnerInfo
+from pydaemon.core.rank_calls import RankCall
 from pydaemon.core.runner_output import ModelRunnerOutput
 from pydaemon.core.sched.scheduler_output import GrammarOutput, SchedulerOutput
-
-
-@dataclass
-class ControlCall:
-    """Executor -> rank: run ``ModelRunner.<method>(*args)`` between two steps and reply."""
-
-    method: str  # "add_lora" | "remove_lora" | "list_loras"
-    args: tuple
 
 
 @dataclass
@@ -177,10 +170,10 @@ class RankWorker:
             raise
 
     # ---- control ------------------------------------------------------------------------
-    def control(self, call: ControlCall) -> tuple[str, object]:
+    def control(self, call: RankCall) -> tuple[str, object]:
         """-> ("ok", result) or ("value_error", message): a bad adapter is refused, the rank
         lives on."""
         try:
-            return "ok", getattr(self.runner, call.method)(*call.args)
+            return "ok", call.run(self.runner)
         except ValueError as e:
             return "value_error", str(e)
