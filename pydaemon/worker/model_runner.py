@@ -262,7 +262,10 @@ class ModelRunner:
         self.kv_cache = self.spec.allocate(probe_blocks, self.device)
         self._dummy_forward(num_tokens)
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
+        # The probe's blocks are KV cache, which the budget below sizes, not activations:
+        # counted in the peak, they were left unused (ceil(4096 / 16) + 1 = 257 blocks).
+        probe_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        peak = torch.cuda.max_memory_allocated(self.device) - probe_bytes
         plan = cuda_graph_plan(
             cfg, self.model_config, self.kv_cache, self.max_model_len, self.num_groups
         )

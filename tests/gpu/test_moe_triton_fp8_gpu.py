@@ -131,18 +131,25 @@ def _emulated(shape, quant, block, x, weights, ids) -> torch.Tensor:
 @pytest.mark.parametrize("block", [False, True], ids=["channel", "block128"])
 @pytest.mark.parametrize("t,skew", [(97, False), (256, False), (1024, False), (256, True)])
 def test_w8a8_matches_the_emulated_path(t, skew, block):
-    """The activations quantized per token as the emulated path does: the two agree up to the
-    order of float32 sums (which may move an activation across an e4m3 rounding boundary);
-    against the unquantized-activation reference both carry the activations' FP8 error."""
+    """The activations quantized per token as the emulated path does. Against the float32
+    reference of the unquantized activations both carry the activations' FP8 error, and the
+    Triton path no more than the emulated one. Between themselves they differ by where each
+    rounds the intermediate activation before its e4m3 quantization (a bf16 rounding moves
+    some values across an e4m3 step of 6 %): H100, 2026-12-07, per-channel scales 1.33-1.44e-2
+    apart, 128 x 128 blocks 0.57-0.63e-2, while each is 4.6e-2 from the reference (the
+    unquantized-activation path, w8a16: 0.42e-2). So the bound between them is a fraction of
+    the FP8 error itself, not an absolute 1e-2."""
     quant, (w13, w2) = _experts(QWEN3, block)
     x, weights, ids = _inputs(QWEN3, t, seed=t, skew=skew)
     out = triton_moe_fp8.fused_experts_triton_fp8(
         x, *quant, weights, ids, block_shape=BLOCK if block else None, w8a8=True
     )
     emulated = _emulated(QWEN3, quant, block, x, weights, ids)
-    assert _rel_err(out, emulated.float()) < 1e-2
     ref = _reference(x, w13, w2, weights, ids)
-    assert _rel_err(out, ref) <= 1.5 * _rel_err(emulated, ref) + 1e-3
+    fp8_err = _rel_err(emulated, ref)
+    assert 1e-2 < fp8_err < 0.1, "the activations' e4m3 error of this shape"
+    assert _rel_err(out, emulated.float()) < 0.5 * fp8_err
+    assert _rel_err(out, ref) <= 1.05 * fp8_err + 1e-3
 
 
 @pytest.mark.parametrize("index", range(len(triton_moe_fp8.FP8_TILE_CONFIGS)))

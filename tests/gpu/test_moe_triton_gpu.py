@@ -136,9 +136,9 @@ def test_fused_moe_layer_takes_the_triton_path(monkeypatch):
     calls = []
     real = triton_moe.fused_experts_triton
 
-    def spy(*args):
+    def spy(*args, **kwargs):
         calls.append(args[0].shape[0])
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(triton_moe, "fused_experts_triton", spy)
     torch.manual_seed(0)

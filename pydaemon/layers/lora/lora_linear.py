@@ -66,7 +66,13 @@ class LoRASlots:
         self.slot_ids = torch.arange(max_loras, dtype=torch.int64, device=device)
         # Eager steps: 1 + the highest slot this step uses (0: no adapter); set by the runner.
         self.num_active_slots = max_loras
-        self.shrink_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # High priority: the shrink is a branch of the step's critical path, and torch hands
+        # out streams round-robin from a pool of 32 per priority, so a default-priority stream
+        # can be the very stream a graph is captured on (seen in tests/gpu after ~32 streams):
+        # the branch would then serialize. The high-priority pool holds no other stream of ours.
+        self.shrink_stream = (
+            torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
+        )
         # ((num_tokens, token_slots' version, capturing), the grouping) of this forward, or None.
         self._grouping: tuple[tuple[int, int, bool], Grouping] | None = None
 
