@@ -29,25 +29,11 @@ from pydaemon.sampling_params import (
     logit_bias_out_of_vocab,
 )
 
-# proto field name -> SamplingParams field name (the same everywhere).
-_OPTIONAL_SAMPLING_FIELDS = (
-    "n",
-    "best_of",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "seed",
-    "ignore_eos",
-    "max_tokens",
-    "min_tokens",
-    "logprobs",
-    "beam_width",
-    "length_penalty",
-    "early_stopping",
+# The proto's optional sampling fields (unset and zero differ), each the SamplingParams field
+# of its name, read from the message itself: a field added to both needs nothing here. The
+# repeated and map fields (stop, stop_token_ids, logit_bias) are converted below.
+_OPTIONAL_SAMPLING_FIELDS = tuple(
+    f.name for f in pb.SamplingParams.DESCRIPTOR.fields if f.has_presence
 )
 
 
