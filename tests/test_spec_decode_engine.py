@@ -307,3 +307,47 @@ def test_draft_model_needs_the_same_vocabulary(model, tmp_path):
     spec = {"method": "draft_model", "model": str(other), "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="vocabulary"):
         _llm(model, spec)
+
+
+# Greedy requests whose logits processors move the argmax: the target verifies the argmax
+# after them (min_tokens mask, logit bias, penalties with the drafts counted as output).
+PROCESSED = {
+    "plain": {},
+    "repetition": {"repetition_penalty": 1.3},
+    "presence_frequency": {"presence_penalty": 0.5, "frequency_penalty": 0.5},
+    "logit_bias": {"logit_bias": {5: 2.0, 17: 3.0}},
+    "min_tokens": {"min_tokens": 24},  # its stop ids: every token of the plain output
+}
+DEMO_PROMPTS = ["The quick brown fox", "Once upon a time", "Hello world", "A block table maps"]
+
+
+@pytest.fixture(scope="module")
+def demo_engines():
+    """The demo model plain, and with itself as its draft model (k = 4)."""
+    spec = {"method": "draft_model", "model": "demo", "num_speculative_tokens": 4}
+    kwargs = dict(device="cpu", dtype="float32", num_kv_blocks=64)
+    return LLM("demo", **kwargs), LLM("demo", speculative_config=spec, **kwargs)
+
+
+@pytest.mark.parametrize("case", list(PROCESSED))
+def test_identical_draft_model_is_accepted_greedy_on_the_demo_model(demo_engines, case):
+    """The demo model as its own draft, greedy: every draft is the target's next token, so
+    all are accepted (72 of 72 here; bound 90 %: a float32 near-tie between the draft's
+    forward and the verify step's may flip one), whatever logits processors the request
+    has: the draft takes its argmax after them too. Tokens equal plain decoding."""
+    plain, llm = demo_engines
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, **PROCESSED[case])
+    if case == "min_tokens":  # the mask holds back every token greedy decoding took
+        taken = set(np.concatenate(_tokens(plain.generate(DEMO_PROMPTS, params))).tolist())
+        params = SamplingParams(
+            temperature=0.0, max_tokens=24, min_tokens=24, stop_token_ids=sorted(taken)
+        )
+    want = _tokens(plain.generate(DEMO_PROMPTS, params))
+    before = _stats(llm)
+    assert _tokens(llm.generate(DEMO_PROMPTS, params)) == want
+    after = _stats(llm)
+    num_drafted = after.num_draft_tokens - before.num_draft_tokens
+    num_accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    assert num_drafted >= 40
+    assert num_accepted >= 0.9 * num_drafted, (case, num_accepted, num_drafted)
+    assert all_blocks_free(llm)

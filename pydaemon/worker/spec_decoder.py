@@ -82,10 +82,16 @@ class SpecDecoder:
         batch = self.input_batch
         requests = []
         for seq_id, k in out.num_draft_tokens.items():
-            row = batch.seqs[seq_id].row
+            state = batch.seqs[seq_id]
+            row = state.row
             tokens = batch.token_ids[row, : batch.num_tokens[row]]
             blocks = batch.block_table[row, : batch.num_blocks[row]]
-            requests.append(DraftRequest(seq_id, tokens, k, blocks))
+            num_prompt = int(batch.num_prompt_tokens[row])
+            requests.append(
+                DraftRequest(
+                    seq_id, tokens, k, blocks, state.params, num_prompt, state.min_tokens_stop_ids
+                )
+            )
         proposed = self.proposer.propose(requests)
         drafts = {
             r.seq_id: list(d[: r.max_drafts])

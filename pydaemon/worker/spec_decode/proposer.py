@@ -31,10 +31,12 @@ Methods that need the GPU:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from pydaemon.sampling_params import SamplingParams
 
 
 @dataclass
@@ -43,6 +45,13 @@ class DraftRequest:
     token_ids: np.ndarray  # [num_tokens] int32: prompt + output so far (a view: do not keep)
     max_drafts: int  # slots the scheduler reserved: at most this many drafts
     block_table: np.ndarray | None = None  # [num_blocks] int32: its blocks (draft models)
+    # What the target's verification applies to its logits before the argmax (min_tokens
+    # mask, logit bias, penalties), for proposers that draft from logits (draft models):
+    # the request's parameters, token_ids[:num_prompt_tokens] is its prompt, and the ids
+    # min_tokens holds back. None: no processors.
+    params: SamplingParams | None = None
+    num_prompt_tokens: int = 0
+    min_tokens_stop_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
