@@ -139,16 +139,22 @@ def test_disk_tier_then_a_restart_finds_it_again(model_dir, reference, tmp_path,
     assert llm.engine.get_stats().kv_tiers.disk_hit_tokens >= 8 * len(conversations())
     llm.engine.shutdown()
 
-    # A damaged slot is not served: found at start, ignored with a warning.
+    # Damaged slots are not served: a damaged header is ignored at start, damaged bytes fail
+    # their read (checked then): the block is computed again.
     (path,) = tmp_path.glob("*/rank0-of-1.kvtier")
+    slot_bytes = SLOT_HEADER_BYTES + 4096  # a block's bytes, rounded up to 4 KiB
     with open(path, "r+b") as f:
         f.seek(FILE_HEADER_BYTES + SLOT_HEADER_BYTES + 5)  # slot 0's bytes
         f.write(b"\xde\xad")
+        f.seek(FILE_HEADER_BYTES + slot_bytes + 100)  # slot 1's header
+        f.write(b"\xde\xad")
     with caplog.at_level(logging.WARNING):
         llm = LLM(model_dir, **kw)
-    assert "damaged" in caplog.text
-    assert llm.engine.get_stats().kv_tiers.num_restored_disk_blocks < num_on_disk
-    assert run_turns(llm, conversations()) == reference
+        assert "damaged" in caplog.text
+        assert llm.engine.get_stats().kv_tiers.num_restored_disk_blocks < num_on_disk
+        assert run_turns(llm, conversations()) == reference
+    assert "no longer holds what was written" in caplog.text
+    assert llm.engine.get_stats().kv_tiers.num_failed_disk_reads >= 1
     llm.engine.shutdown()
 
     # Another model's settings (block size) never see these blocks.
@@ -197,28 +203,34 @@ def test_abort_during_a_load_then_the_prefix_again(model_dir, reference):
     llm.engine.shutdown()
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [
-        (dict(kv_offloading_size=-1.0), "kv_offloading_size must be a number of GiB >= 0"),
-        (dict(kv_offloading_size=1.0, kv_offloading_backend="lmcache"), "must be 'native'"),
-        (dict(kv_offloading_backend="native"), "needs kv_offloading_size"),
-        (dict(kv_offloading_dir="/tmp/x", kv_offloading_disk_size=1.0), "behind the CPU tier"),
-        (dict(kv_offloading_size=1.0, kv_offloading_dir="/tmp/x"), "needs kv_offloading_disk_size"),
-        (dict(kv_offloading_size=1.0, kv_offloading_disk_size=1.0), "needs kv_offloading_dir"),
-        (dict(kv_offloading_size=1.0, enable_prefix_caching=False), "enable_prefix_caching"),
+DISK = dict(kv_offloading_size=1.0, kv_offloading_dir="/tmp/x")
+BAD_SETTINGS = [
+    (dict(kv_offloading_size=-1.0), "kv_offloading_size must be a number of GiB >= 0"),
+    (dict(kv_offloading_size=float("nan")), "kv_offloading_size must be a number of GiB"),
+    (dict(kv_offloading_size=float("inf")), "kv_offloading_size must be a number of GiB"),
+    (dict(kv_offloading_size=1e12), r"<= 1048576 \(--kv-offloading-size"),
+    *[
         (
-            dict(
-                kv_offloading_size=1.0,
-                kv_offloading_dir="/tmp/x",
-                kv_offloading_disk_size=1.0,
-                kv_cache_dtype="fp8",
-                calculate_kv_scales=True,
-            ),
-            "measured anew each run",
-        ),
+            dict(DISK, kv_offloading_disk_size=size),
+            r"kv_offloading_disk_size must be a number of GiB > 0.*--kv-offloading-disk-size",
+        )
+        for size in (float("nan"), float("inf"), -1.0, 0.0, 1e12)
     ],
-)
+    (dict(DISK, kv_offloading_dir="/tmp/\0x", kv_offloading_disk_size=1.0), "NUL byte"),
+    (dict(kv_offloading_size=1.0, kv_offloading_backend="lmcache"), "must be 'native'"),
+    (dict(kv_offloading_backend="native"), "needs kv_offloading_size"),
+    (dict(kv_offloading_dir="/tmp/x", kv_offloading_disk_size=1.0), "behind the CPU tier"),
+    (dict(DISK), "needs kv_offloading_disk_size"),
+    (dict(kv_offloading_size=1.0, kv_offloading_disk_size=1.0), "needs kv_offloading_dir"),
+    (dict(kv_offloading_size=1.0, enable_prefix_caching=False), "enable_prefix_caching"),
+    (
+        dict(DISK, kv_offloading_disk_size=1.0, kv_cache_dtype="fp8", calculate_kv_scales=True),
+        "measured anew each run",
+    ),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "match"), BAD_SETTINGS)
 def test_bad_settings_are_refused_by_name(kwargs, match):
     from pydaemon.config.engine import EngineConfig
 

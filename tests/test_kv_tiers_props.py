@@ -14,7 +14,13 @@ checks that
 - no copy of a step touches a block the step's computes write, and a step's copies never
   write a block another copy of the same step reads (the runner issues them concurrently);
 - every block's reference count is its block-table references plus pins, the free lists
-  hold exactly the unreferenced blocks, and at the end every block of every tier is free.
+  hold exactly the unreferenced blocks, and at the end every block of every tier is free;
+- a disk read that does not deliver its block (the runner's checks fail: the slot was changed
+  underneath, or its write never landed) never reaches a sequence: reported after the step
+  (``forget_failed_disk_reads``; under async scheduling, after the next step's moves were
+  taken and its copies issued), it drops the block from every tier and the sequences holding
+  it are preempted before they are ready. A failed write drops its disk copy and stops the
+  writes.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ token_lists = st.builds(
     st.lists(st.integers(0, 2), max_size=5),
 )
 salts = st.sampled_from(["", "s"])
+BAD = ("bad", ())  # what a failed disk read delivers, or a slot whose write failed holds
 picks = st.integers(0, 1 << 16)  # which of the eligible sequences (or prompts) a rule takes
 
 
@@ -68,13 +75,16 @@ class KVTiersMachine(RuleBasedStateMachine):
         self.is_step_started = False  # frees now are rollbacks, not aborts between steps
         self.history: list[tuple[tuple[int, ...], str]] = []  # prompts allocated so far
         self.seen: Counter[str] = Counter()  # steps with each kind of move
+        self.is_report_late = False  # async scheduling: a step's report after the next take
+        self.pending_report: tuple[list, list] | None = None  # (failed reads, failed writes)
 
-    @initialize(collide=st.booleans(), save_ahead=st.integers(0, 3))
-    def start(self, collide: bool, save_ahead: int) -> None:
+    @initialize(collide=st.booleans(), save_ahead=st.integers(0, 3), late=st.booleans())
+    def start(self, collide: bool, save_ahead: int, late: bool = False) -> None:
         n = NUM_BLOCKS
         self.bm = BlockManager(BLOCK_SIZE, n[GPU], n[CPU], 0.0, True, True, n[DISK], save_ahead)
         if collide:
             self.bm.set_hash_mask(0)
+        self.is_report_late = late
 
     # ---- helpers ------------------------------------------------------------------------
     def _ids(self, device: Device) -> list[int]:
@@ -174,12 +184,16 @@ class KVTiersMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.tokens and not self.swaps_in)
     @rule(pick=picks)
     def swap_out(self, pick: int) -> None:
-        """Preemption by swap, ready or not (a sequence whose load is in flight included)."""
+        """Preemption by swap, ready or not (a sequence whose load is in flight included).
+        The scheduler preempts from the tail of its queue before it reserves that request's
+        decode slots, so never a sequence given a slot (or allocated) this step."""
         moved = {s for s, _ in self.swaps_out}
         ids = [
             s
             for s in self._ids(GPU)
-            if not set(self.bm.block_table(s)) & moved and s not in self.allocated
+            if not set(self.bm.block_table(s)) & moved
+            and s not in self.allocated
+            and s not in self.appended
         ]
         if not ids:
             return
@@ -201,16 +215,20 @@ class KVTiersMachine(RuleBasedStateMachine):
             self.is_step_started = True
 
     # ---- the step: what the runner does with it -------------------------------------------
-    @rule()
-    def run_step(self) -> None:
-        """The step computes every ready sequence's uncomputed tokens; the runner copies."""
+    @rule(damage=st.integers(0, 15))
+    def run_step(self, damage: int = 8) -> None:
+        """The step computes every ready sequence's uncomputed tokens; the runner copies.
+        ``damage`` 0: the step's first disk read finds its slot changed underneath; 1: its
+        first disk write fails."""
         bm, content = self.bm, self.content
         self.computes = {
             s: len(self.tokens[s])
             for s in self._ids(GPU)
             if self._is_ready(s) and self.computed[s] < len(self.tokens[s])
         }
+        was_stopped = bm.tier_stats().are_disk_writes_stopped
         moves = bm.take_block_moves()
+        assert not (was_stopped and moves.blocks_to_write_to_disk)
         to_cpu = moves.blocks_to_save_to_cpu + self.swaps_out
         background = (
             [(GPU, c) for _, c in moves.blocks_to_load_from_cpu]  # the GPU blocks it writes
@@ -243,6 +261,10 @@ class KVTiersMachine(RuleBasedStateMachine):
         ):
             for s, d in pairs:
                 content[(dst, d)] = content.get((src, s))
+        report = self._disk_damage(moves, damage)
+        if self.is_report_late:  # the last step's report, after this step's take and copies
+            report, self.pending_report = self.pending_report, report
+        self._apply_report(report)
         for name in (
             "blocks_to_save_to_cpu",
             "blocks_to_save_ahead_to_cpu",
@@ -254,14 +276,23 @@ class KVTiersMachine(RuleBasedStateMachine):
                 self.seen[name] += 1
                 if currently_in_test_context():  # --hypothesis-show-statistics: how often
                     event(name)
+        assert len(moves.disk_read_records) == len(moves.blocks_to_read_from_disk)
+        for (d, _c), record in zip(
+            moves.blocks_to_read_from_disk, moves.disk_read_records, strict=True
+        ):
+            assert record.disk_block == d and len(record.token_ids) == BLOCK_SIZE
         assert len(moves.disk_write_records) == len(moves.blocks_to_write_to_disk)
         for (_c, d), record in zip(
             moves.blocks_to_write_to_disk, moves.disk_write_records, strict=True
         ):
             assert record.disk_block == d and len(record.token_ids) == BLOCK_SIZE
+            if content[(DISK, d)] == BAD:  # its write failed
+                continue
             salt, prefix = content[(DISK, d)]
             assert (record.salt, tuple(record.token_ids)) == (salt, prefix[-BLOCK_SIZE:])
         for seq_id, upto in self.computes.items():
+            if seq_id not in self.tokens:
+                continue  # preempted by a failed read (it was never ready)
             table = bm.block_table(seq_id)
             for pos in range(self.computed[seq_id], upto):
                 key = (GPU, table[pos // BLOCK_SIZE])
@@ -277,6 +308,45 @@ class KVTiersMachine(RuleBasedStateMachine):
             table = bm.block_table(seq_id)
             for i in range(self.computed[seq_id] // BLOCK_SIZE):
                 assert content.get((GPU, table[i])) == self._expected(seq_id, i), (seq_id, i)
+
+    def _disk_damage(self, moves, damage: int) -> tuple[list, list]:
+        """The runner's checks of the step's disk I/O: a read of a slot whose content is not
+        the block (damaged now, or a write that never landed) fails, and so does a damaged
+        write. -> (failed reads, failed writes) as the runner reports them."""
+        content = self.content
+        failed_writes = []
+        if damage == 1 and moves.blocks_to_write_to_disk:
+            (_c, d), record = moves.blocks_to_write_to_disk[0], moves.disk_write_records[0]
+            content[(DISK, d)] = BAD
+            failed_writes.append((d, record.uid))
+        failed_reads = []
+        for i, ((d, c), record) in enumerate(
+            zip(moves.blocks_to_read_from_disk, moves.disk_read_records, strict=True)
+        ):
+            if (damage == 0 and i == 0) or content.get((DISK, d)) == BAD:
+                content[(CPU, c)] = BAD  # what the read delivered
+                failed_reads.append((d, record.uid))
+        if failed_reads or failed_writes:
+            self.seen["failed disk I/O"] += 1
+        return failed_reads, failed_writes
+
+    def _apply_report(self, report: tuple[list, list] | None) -> None:
+        """The scheduler's update_from_output: failed writes and reads leave the tiers; the
+        sequences holding a failed read's block (none is ready yet) are preempted."""
+        if report is None:
+            return
+        failed_reads, failed_writes = report
+        bm = self.bm
+        if failed_writes:
+            bm.forget_failed_disk_writes(failed_writes)
+            bm.stop_disk_writes()
+        for seq_id in bm.forget_failed_disk_reads(failed_reads) if failed_reads else []:
+            # It never ran since its read: not in this step (nor, being unready, any before).
+            assert seq_id not in self.computes, "a failed read's block reached a sequence"
+            assert self.computed[seq_id] < len(self.tokens[seq_id])
+            bm.free(seq_id)
+            self._forget(seq_id)
+            self.allocated.discard(seq_id)
 
     # ---- invariants ---------------------------------------------------------------------
     @invariant()
@@ -330,7 +400,7 @@ def test_long_random_walk(seed: int) -> None:
     runs many times, with the same checks."""
     rng = random.Random(seed)
     m = KVTiersMachine()
-    m.start(collide=seed == 1, save_ahead=1 + seed)
+    m.start(collide=seed == 1, save_ahead=1 + seed, late=seed == 2)
 
     def pick() -> int:
         return rng.randrange(1 << 16)
@@ -343,7 +413,9 @@ def test_long_random_walk(seed: int) -> None:
         (0.20, lambda: m.tokens and m.free(pick())),
         (0.03, lambda: m.tokens and not m.swaps_in and m.swap_out(pick())),
         (0.03, lambda: m.tokens and not m.swaps_out and m.swap_in(pick())),
-        (0.24, m.run_step),
+        # Seed 2: half the steps find their first disk read's slot changed underneath (failed
+        # writes stop the writes: the machine's own examples try them).
+        (0.24, lambda: m.run_step(0 if seed == 2 and rng.random() < 0.5 else 8)),
     )
     weights = [w for w, _ in rules]
     for _ in range(3000):
@@ -351,5 +423,7 @@ def test_long_random_walk(seed: int) -> None:
         m.pools_are_consistent()
     m.teardown()
     stats = m.bm.tier_stats()
+    failed = m.seen.pop("failed disk I/O", 0)
     assert len(m.seen) == 5 and min(m.seen.values()) >= 5, m.seen
+    assert (failed >= 3) == (seed == 2), failed
     assert stats.cpu_hit_tokens and stats.disk_hit_tokens and stats.gpu_hit_tokens

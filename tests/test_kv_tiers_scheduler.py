@@ -11,6 +11,7 @@ import logging
 import numpy as np
 
 from pydaemon import _core
+from pydaemon.core.disk_blocks import DiskTierReport
 from pydaemon.core.request import Request, RequestStatus, Sequence
 from pydaemon.core.runner_output import ModelRunnerOutput
 from pydaemon.core.sched.scheduler import Scheduler
@@ -65,10 +66,13 @@ class Harness:
         for request in requests:
             self.scheduler.add_request(request)
 
-    def step(self) -> SchedulerOutput:
+    def step(self, disk_report=None) -> SchedulerOutput:
+        """One step; ``disk_report(out)``: the DiskTierReport the runner gives with it."""
         out = self.scheduler.schedule()
         self.batch.update(out)
         runner_output = ModelRunnerOutput()
+        if disk_report is not None:
+            runner_output.disk_report = disk_report(out)
         if out.num_seqs:
             inputs = self.batch.prepare(out)
             for seq_id in np.asarray(inputs.seq_ids)[inputs.is_sampled].tolist():
@@ -164,6 +168,80 @@ def test_disk_hit_reads_then_loads_then_runs():
     assert out.num_scheduled_tokens == {seq_id: 1}
     assert h.scheduler.make_stats().kv_tiers.disk_hit_tokens == 8
     h.finish()
+
+
+def _a_on_disk_only(h: Harness) -> None:
+    _evict_into_cpu(h)
+    # c pushes a's blocks out of the 2-block CPU tier: they stay on disk only.
+    h.add(make_request("c", _prompt(70, 9)))
+    h.step()
+    h.add(make_request("d", _prompt(100, 24)))
+    h.step()
+    h.step()
+    assert h.bm.num_cached_blocks(DISK) == 4
+
+
+def test_a_failed_disk_read_is_recomputed_never_served():
+    """The runner reports that the second block's read did not deliver it (the slot changed
+    underneath): the block leaves every tier, the request goes back to waiting before it ever
+    ran, and is admitted again with the first block alone cached: it computes the rest."""
+    h = Harness(num_gpu_blocks=6, num_cpu_blocks=2, num_disk_blocks=8)
+    _a_on_disk_only(h)
+    a2 = make_request("a2", _prompt(10, 8) + [99])
+    h.add(a2)
+
+    def second_read_failed(out: SchedulerOutput) -> DiskTierReport:
+        assert len(out.disk_read_records) == len(out.blocks_to_read_from_disk) == 2
+        record = out.disk_read_records[1]
+        assert record.token_ids == tuple(_prompt(14, 4))  # the record of the block expected
+        return DiskTierReport(failed_reads=[(record.disk_block, record.uid)])
+
+    h.step(disk_report=second_read_failed)
+    assert a2.status == RequestStatus.WAITING and a2.seqs[0].num_computed_tokens == 0
+    stats = h.scheduler.make_stats().kv_tiers
+    assert stats.num_failed_disk_reads == 1 and h.bm.num_cached_blocks(DISK) == 3
+    out = h.step()  # admitted again: block 0 hits (its copy is loading), block 1 is computed
+    seq_id = a2.seqs[0].seq_id
+    assert seq_id not in out.num_scheduled_tokens and out.blocks_to_load_from_cpu
+    out = h.step()
+    assert out.num_scheduled_tokens == {seq_id: 5}
+    h.finish()
+
+
+def test_a_failed_write_drops_its_disk_copy_and_stops_the_writes():
+    h = Harness(num_gpu_blocks=6, num_cpu_blocks=2, num_disk_blocks=8)
+    h.add(make_request("a", _prompt(10, 9)))
+    h.step()
+    out = h.step(disk_report=lambda out: None)  # a's blocks written through
+    records = out.disk_write_records
+    assert len(records) == 2 and h.bm.num_cached_blocks(DISK) == 2
+    failed = [(r.disk_block, r.uid) for r in records]
+    h.step(disk_report=lambda out: DiskTierReport([], failed, True))
+    assert h.bm.num_cached_blocks(DISK) == 0
+    h.add(make_request("b", _prompt(40, 9)))
+    for _ in range(4):
+        assert h.step().blocks_to_write_to_disk == []
+    stats = h.scheduler.make_stats().kv_tiers
+    assert stats.num_failed_disk_writes == 2 and stats.are_disk_writes_stopped
+    h.finish()
+
+
+def test_pipelined_steps_wait_for_the_report_of_a_disk_read():
+    """With several steps in flight (pipeline parallelism), the step whose sequences read a
+    disk block is not planned before the report of the step that read it."""
+    h = Harness(num_gpu_blocks=6, num_cpu_blocks=2, num_disk_blocks=8)
+    _a_on_disk_only(h)
+    h.add(make_request("a2", _prompt(10, 8) + [99]))
+    s = h.scheduler
+    reading = s.schedule()
+    assert reading.blocks_to_read_from_disk
+    s.advance(reading, placeholders=False)
+    loading = s.schedule(overlap=True)  # N + 1: loads the read blocks, a2 does not run
+    assert loading is not None and loading.blocks_to_load_from_cpu
+    s.advance(loading, placeholders=False)
+    assert s.schedule(overlap=True) is None  # N + 2 would run a2: the report first
+    s.update_from_output(reading, ModelRunnerOutput())
+    assert s.schedule(overlap=True) is not None
 
 
 def test_abort_during_a_load_frees_everything():

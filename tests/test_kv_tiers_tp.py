@@ -1,7 +1,8 @@
 """KV tiers under tensor parallelism on CPUs (2 ranks over gloo): each rank saves and loads its
 own shard of every block (its CPU pool, its disk file), following the one scheduler's plan.
 Greedy tokens equal TP=1 without tiers, through the CPU and disk tiers and a restart; a block
-whole on one rank only (the other's slot damaged) is not served."""
+whole on one rank only (the other's slot damaged: its header, or its bytes, found when read)
+is not served."""
 
 from __future__ import annotations
 
@@ -55,12 +56,18 @@ def test_tp2_tiers_and_restart_match_tp1(model_dir, tmp_path, caplog):
     assert llm.engine.get_stats().kv_tiers.disk_hit_tokens > 0
     llm.engine.shutdown()
 
-    # Rank 1's copy of slot 0 damaged: the block is whole on rank 0 only, so no rank serves it.
+    # Rank 1's copy of slot 1 has a damaged header: the block is whole on rank 0 only, so no
+    # rank offers it. Rank 1's copy of slot 0 has damaged bytes: its read fails on rank 1
+    # alone, the ranks agree it failed, and the block is computed again on both.
+    slot_bytes = SLOT_HEADER_BYTES + 4096  # a block's bytes, rounded up to 4 KiB
     with open(files[1], "r+b") as f:
         f.seek(FILE_HEADER_BYTES + SLOT_HEADER_BYTES + 3)
+        f.write(b"\x00\xff\x00")
+        f.seek(FILE_HEADER_BYTES + slot_bytes + 100)
         f.write(b"\x00\xff\x00")
     with caplog.at_level(logging.WARNING):
         llm = LLM(model_dir, **kw)
     assert llm.engine.get_stats().kv_tiers.num_restored_disk_blocks < restored
     assert run_turns(llm, convs) == reference
+    assert llm.engine.get_stats().kv_tiers.num_failed_disk_reads >= 1
     llm.engine.shutdown()

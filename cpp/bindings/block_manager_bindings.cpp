@@ -64,7 +64,8 @@ void bind_block_manager(nb::module_& m) {
       .def_ro("blocks_to_load_from_cpu", &BlockMoves::blocks_to_load_from_cpu)
       .def_ro("blocks_to_write_to_disk", &BlockMoves::blocks_to_write_to_disk)
       .def_ro("disk_write_records", &BlockMoves::disk_write_records)
-      .def_ro("blocks_to_read_from_disk", &BlockMoves::blocks_to_read_from_disk);
+      .def_ro("blocks_to_read_from_disk", &BlockMoves::blocks_to_read_from_disk)
+      .def_ro("disk_read_records", &BlockMoves::disk_read_records);
   m.def(
       "block_moves",
       [](std::vector<pagedd::BlockPair> save, std::vector<pagedd::BlockPair> save_ahead,
@@ -90,7 +91,10 @@ void bind_block_manager(nb::module_& m) {
       .def_ro("num_loaded_blocks", &TierStats::num_loaded_blocks)
       .def_ro("num_written_blocks", &TierStats::num_written_blocks)
       .def_ro("num_read_blocks", &TierStats::num_read_blocks)
-      .def_ro("num_dropped_loads", &TierStats::num_dropped_loads);
+      .def_ro("num_dropped_loads", &TierStats::num_dropped_loads)
+      .def_ro("num_failed_disk_reads", &TierStats::num_failed_disk_reads)
+      .def_ro("num_failed_disk_writes", &TierStats::num_failed_disk_writes)
+      .def_ro("are_disk_writes_stopped", &TierStats::are_disk_writes_stopped);
 
   nb::class_<BlockManager>(m, "BlockManager",
                            "KV-cache block manager: block pools, block tables, copy-on-write, "
@@ -148,6 +152,13 @@ void bind_block_manager(nb::module_& m) {
            "A step that never ran: forget the copies it was to make.")
       .def("restore_disk_blocks", &BlockManager::restore_disk_blocks, "records"_a,
            "Warm restart: enter the disk blocks of a previous run; returns how many.")
+      .def("forget_failed_disk_reads", &BlockManager::forget_failed_disk_reads, "reads"_a,
+           "Disk reads (disk_block, uid) that did not deliver their block: the entries leave "
+           "every tier; returns the GPU sequences holding one (they must recompute it).")
+      .def("forget_failed_disk_writes", &BlockManager::forget_failed_disk_writes, "writes"_a,
+           "Disk writes (disk_block, uid) that did not land: their disk copies are dropped.")
+      .def("stop_disk_writes", &BlockManager::stop_disk_writes,
+           "No more disk writes are planned (reads go on).")
       .def("tier_stats", &BlockManager::tier_stats)
       .def("reset_prefix_cache", &BlockManager::reset_prefix_cache)
       .def("set_hash_mask", &BlockManager::set_hash_mask, "mask"_a,

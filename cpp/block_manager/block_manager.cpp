@@ -276,7 +276,9 @@ int64_t BlockManager::allocate(SeqId seq_id, const std::vector<int32_t>& token_i
     m.adopt_pin(Device::CPU, c);
     m.cache.set_location(hits[i].entry, Device::CPU, c);
     m.cpu_ready_step[c] = m.step_index + 1;  // filled by the read, after this step's copies
-    m.moves.blocks_to_read_from_disk.emplace_back(m.cache.location(hits[i].entry, Device::DISK), c);
+    const BlockId d = m.cache.location(hits[i].entry, Device::DISK);
+    m.moves.blocks_to_read_from_disk.emplace_back(d, c);
+    m.moves.disk_read_records.push_back(m.disk_record(hits[i].entry, d));
     ++m.stats.num_read_blocks;
     sources[i] = c;
   }

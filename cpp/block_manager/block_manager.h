@@ -126,6 +126,8 @@ struct BlockMoves {
   std::vector<BlockPair> blocks_to_write_to_disk;      // (cpu, disk), after the saves
   std::vector<DiskBlockRecord> disk_write_records;     // one per blocks_to_write_to_disk
   std::vector<BlockPair> blocks_to_read_from_disk;     // (disk, cpu)
+  std::vector<DiskBlockRecord> disk_read_records;      // one per blocks_to_read_from_disk:
+                                                       // the block the slot must hold
 };
 
 // Counters of the tiers since construction.
@@ -138,6 +140,11 @@ struct TierStats {
   int64_t num_written_blocks = 0;  // CPU -> disk copies
   int64_t num_read_blocks = 0;     // disk -> CPU copies
   int64_t num_dropped_loads = 0;   // loads dropped because their GPU block was reused
+  // Disk reads whose slot did not hold the block and writes that did not land, as the
+  // runner reported them; whether a write error stopped the writes (stop_disk_writes).
+  int64_t num_failed_disk_reads = 0;
+  int64_t num_failed_disk_writes = 0;
+  bool are_disk_writes_stopped = false;
 };
 
 struct PrefixMatch {
@@ -272,6 +279,22 @@ class BlockManager {
   // among the entered records (a chain must be whole from its first block). Returns the
   // number entered. Throws BlockManagerError if the disk tier is off or blocks are in use.
   int restore_disk_blocks(const std::vector<DiskBlockRecord>& records);
+  // A disk read (disk_block, uid) did not deliver its block (the slot changed underneath, a
+  // short read, a write that never landed): the entry of that uid is dropped from every tier
+  // (its CPU staging copy and its GPU copy hold what the read delivered), so that no lookup
+  // finds it again and the step's pending load of it is dropped. Returns the sequences on
+  // the GPU whose block table holds the dropped GPU copy: their KV from that block on must be
+  // computed again before any step reads it (the scheduler preempts them by recompute). The
+  // runner reports a step's failed reads before that step's readers run (seq_ready_step).
+  // A pair whose disk block no longer holds that uid is skipped.
+  std::vector<SeqId> forget_failed_disk_reads(
+      const std::vector<std::pair<BlockId, uint64_t>>& reads);
+  // Disk writes (disk_block, uid) that did not land: the disk copy is dropped (the entry's
+  // other copies are whole). A pair whose disk block no longer holds that uid is skipped.
+  void forget_failed_disk_writes(const std::vector<std::pair<BlockId, uint64_t>>& writes);
+  // No more disk writes are planned (the disk is full or failing); reads of the blocks
+  // already there go on.
+  void stop_disk_writes();
   TierStats tier_stats() const;
 
   // ---- prefix cache ----------------------------------------------------------------------

@@ -77,6 +77,11 @@ struct BlockManager::Impl {
   std::vector<int64_t> cpu_ready_step;
 
   bool has_disk_tier() const { return disk.num_blocks() > 0; }
+  // Block b of tier d drops its entry's copy (it held wrong or no content); a free b moves
+  // to the head of its free list.
+  void forget_copy(Device d, BlockId b);
+  // The record of entry e as its disk block d stores it.
+  DiskBlockRecord disk_record(PrefixCache::EntryId e, BlockId d) const;
   BlockPool& pool(Device d) { return d == Device::GPU ? gpu : d == Device::CPU ? cpu : disk; }
   const BlockPool& pool(Device d) const {
     return d == Device::GPU ? gpu : d == Device::CPU ? cpu : disk;

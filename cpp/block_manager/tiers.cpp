@@ -46,8 +46,27 @@ void BlockManager::Impl::plan_write_through() {
   written_through.resize(kept);
 }
 
+DiskBlockRecord BlockManager::Impl::disk_record(PrefixCache::EntryId e, BlockId d) const {
+  DiskBlockRecord record;
+  record.disk_block = d;
+  record.uid = cache.uid(e);
+  record.parent_uid = cache.parent_uid(e);
+  record.hash = cache.hash(e);
+  record.salt = cache.salt(e);
+  record.token_ids.assign(cache.token_ids(e), cache.token_ids(e) + block_size);
+  return record;
+}
+
+void BlockManager::Impl::forget_copy(Device d, BlockId b) {
+  cache.drop_location(d, b);
+  if (pool(d).is_free(b)) {  // no content now: from the LRU end to the head, reused first
+    pool(d).inc_ref(b);
+    release(d, b);
+  }
+}
+
 void BlockManager::Impl::plan_disk_writes() {
-  if (!has_disk_tier()) {
+  if (!has_disk_tier() || stats.are_disk_writes_stopped) {
     saved_cpu_blocks.clear();
     return;
   }
@@ -60,14 +79,7 @@ void BlockManager::Impl::plan_disk_writes() {
     adopt_pin(Device::DISK, d);
     cache.set_location(e, Device::DISK, d);
     moves.blocks_to_write_to_disk.emplace_back(c, d);
-    DiskBlockRecord record;
-    record.disk_block = d;
-    record.uid = cache.uid(e);
-    record.parent_uid = cache.parent_uid(e);
-    record.hash = cache.hash(e);
-    record.salt = cache.salt(e);
-    record.token_ids.assign(cache.token_ids(e), cache.token_ids(e) + block_size);
-    moves.disk_write_records.push_back(std::move(record));
+    moves.disk_write_records.push_back(disk_record(e, d));
     ++stats.num_written_blocks;
   }
   saved_cpu_blocks.clear();
@@ -130,6 +142,51 @@ int64_t BlockManager::seq_ready_step(SeqId seq_id) const {
 }
 
 TierStats BlockManager::tier_stats() const { return impl_->stats; }
+
+std::vector<SeqId> BlockManager::forget_failed_disk_reads(
+    const std::vector<std::pair<BlockId, uint64_t>>& reads) {
+  Impl& m = *impl_;
+  std::unordered_set<BlockId> gpu_blocks;  // the dropped entries' GPU copies
+  for (const auto& [d, uid] : reads) {
+    ++m.stats.num_failed_disk_reads;
+    if (!m.disk.is_valid(d)) continue;
+    const PrefixCache::EntryId e = m.cache.entry_at(Device::DISK, d);
+    if (!m.cache.is_alive(e, uid)) continue;
+    const BlockId g = m.cache.location(e, Device::GPU);
+    if (g >= 0) gpu_blocks.insert(g);
+    const BlockId c = m.cache.location(e, Device::CPU);
+    // The last drop erases the entry.
+    if (g >= 0) m.forget_copy(Device::GPU, g);
+    if (c >= 0) m.forget_copy(Device::CPU, c);
+    m.forget_copy(Device::DISK, d);
+  }
+  std::vector<SeqId> readers;
+  if (gpu_blocks.empty()) return readers;
+  for (const auto& [id, seq] : m.seqs) {
+    if (seq.device != Device::GPU) continue;
+    for (BlockId b : seq.block_table) {
+      if (b != kNoBlock && gpu_blocks.count(b)) {
+        readers.push_back(id);
+        break;
+      }
+    }
+  }
+  std::sort(readers.begin(), readers.end());
+  return readers;
+}
+
+void BlockManager::forget_failed_disk_writes(
+    const std::vector<std::pair<BlockId, uint64_t>>& writes) {
+  Impl& m = *impl_;
+  for (const auto& [d, uid] : writes) {
+    ++m.stats.num_failed_disk_writes;
+    if (!m.disk.is_valid(d)) continue;
+    if (!m.cache.is_alive(m.cache.entry_at(Device::DISK, d), uid)) continue;
+    m.forget_copy(Device::DISK, d);
+  }
+}
+
+void BlockManager::stop_disk_writes() { impl_->stats.are_disk_writes_stopped = true; }
 
 int BlockManager::restore_disk_blocks(const std::vector<DiskBlockRecord>& records) {
   Impl& m = *impl_;

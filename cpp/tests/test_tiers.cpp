@@ -151,6 +151,72 @@ static void test_disk_write_read_and_restore() {
   CHECK_THROWS(no_disk.restore_disk_blocks({root}), BlockManagerError);
 }
 
+// A disk read that did not deliver its block (reported after the step that read it, and
+// after the next step's moves were taken, as under async scheduling): the entry leaves every
+// tier, the readers are returned, their blocks go to the head of the free lists. A failed
+// write drops its disk copy; stop_disk_writes plans no more writes.
+static void test_failed_disk_reads_and_writes() {
+  BlockManager bm(4, 4, 2, 0.0, true, true, 4, 0);
+  bm.allocate(1, tokens(9));
+  bm.mark_blocks_computed(1, 9);
+  bm.free(1);
+  bm.take_block_moves();            // written through to CPU 0, 1 and disk 0, 1
+  bm.allocate(2, tokens(16, 100));  // the GPU copies go
+  bm.take_block_moves();
+  bm.free(2);
+  bm.allocate(3, tokens(9, 50));  // two other blocks push them out of the CPU tier
+  bm.mark_blocks_computed(3, 9);
+  bm.free(3);
+  bm.take_block_moves();
+  bm.take_block_moves();
+  CHECK(bm.num_cached_blocks(Device::DISK) == 4);
+  // Two readers of the first prompt: the disk reads, then the shared GPU blocks.
+  CHECK(bm.allocate(5, tokens(9)) == 8);
+  BlockMoves m = bm.take_block_moves();
+  CHECK(m.blocks_to_read_from_disk.size() == 2 && m.disk_read_records.size() == 2);
+  const DiskBlockRecord first = m.disk_read_records[0], second = m.disk_read_records[1];
+  CHECK(first.disk_block == m.blocks_to_read_from_disk[0].first && first.parent_uid == 0);
+  CHECK(second.parent_uid == first.uid && second.token_ids == tokens(4, 4));
+  CHECK(bm.allocate(6, tokens(9)) == 8);  // a GPU hit on the blocks still loading
+  const Ids table = bm.block_table(5);
+  CHECK(bm.block_table(6)[1] == table[1]);
+  m = bm.take_block_moves();  // the next step: the loads are planned ...
+  CHECK(m.blocks_to_load_from_cpu.size() == 2);
+  // ... and only then the report comes: the second block's read failed.
+  const std::vector<SeqId> readers = bm.forget_failed_disk_reads({{second.disk_block, second.uid}});
+  CHECK(readers == (std::vector<SeqId>{5, 6}));
+  CHECK(bm.tier_stats().num_failed_disk_reads == 1);
+  CHECK(bm.num_cached_blocks(Device::DISK) == 3 && bm.num_cached_blocks(Device::CPU) == 1);
+  CHECK(bm.free_block_ids(Device::DISK).front() == second.disk_block);  // reused first
+  // The scheduler preempts both; their prefix again finds the first block only.
+  bm.free(5);
+  bm.free(6);
+  CHECK(bm.free_block_ids(Device::GPU).front() == table[1]);  // no content: reused first
+  CHECK(bm.allocate(7, tokens(9)) == 4);
+  bm.free(7);
+  // A stale report (the slot holds another block now) changes nothing.
+  bm.forget_failed_disk_reads({{second.disk_block, second.uid}, {first.disk_block, 999}});
+  CHECK(bm.num_cached_blocks(Device::DISK) == 3);
+  // A failed write: the disk copy goes; then no more writes.
+  bm.take_block_moves();
+  bm.take_block_moves();
+  bm.allocate(8, tokens(5, 300));
+  bm.mark_blocks_computed(8, 5);
+  bm.free(8);
+  m = bm.take_block_moves();
+  CHECK(m.blocks_to_write_to_disk.size() == 1);
+  const DiskBlockRecord written = m.disk_write_records[0];
+  bm.forget_failed_disk_writes({{written.disk_block, written.uid}});
+  bm.stop_disk_writes();
+  CHECK(bm.tier_stats().num_failed_disk_writes == 1 && bm.tier_stats().are_disk_writes_stopped);
+  CHECK(bm.num_cached_blocks(Device::DISK) == 3);
+  bm.allocate(9, tokens(5, 400));
+  bm.mark_blocks_computed(9, 5);
+  bm.free(9);
+  m = bm.take_block_moves();
+  CHECK(m.blocks_to_save_ahead_to_cpu.size() == 1 && m.blocks_to_write_to_disk.empty());
+}
+
 // A chain whose first block is on disk only and whose second is in the CPU tier: the disk
 // hit's staging CPU block is never the CPU hit's own block (every hit is held first).
 static void test_disk_hit_before_cpu_hit() {
@@ -311,6 +377,7 @@ int main() {
   test_save_load_and_pins();
   test_saves_ahead();
   test_disk_write_read_and_restore();
+  test_failed_disk_reads_and_writes();
   test_disk_hit_before_cpu_hit();
   test_dropped_load();
   test_swap_shares_the_pool();

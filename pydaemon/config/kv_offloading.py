@@ -1,7 +1,9 @@
 """The KV tiers' settings (vLLM's flag names): ``kv_offloading_size`` GiB of host memory keep
 evicted prefix-cache blocks (the CPU tier), ``kv_offloading_backend`` "native" (vLLM's name
 for it: the only backend), ``kv_offloading_dir`` and ``kv_offloading_disk_size`` GiB the disk
-tier behind it. Sizes are over every tensor-parallel rank together, as vLLM's.
+tier behind it. Sizes are over every tensor-parallel rank together, as vLLM's, finite and at
+most ``MAX_GIB``; the start checks them against the host (worker/kv_host_pool.py) and the
+directory (worker/kv_disk_folder.py).
 
 The one place that reads them: ``check_kv_offloading`` (when the engine's configuration is
 built) and ``kv_tier_plan``, which resolves them, with the swap space, into what each rank
@@ -9,10 +11,14 @@ allocates (``KVTierPlan``, carried down in the workers' RunnerConfig)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 KV_OFFLOADING_BACKENDS = ("native",)
+# The largest tier size taken at all (1 PiB): beyond, a size is a typo (1e12); the start
+# checks each size against this host's memory and the disk's free space.
+MAX_GIB = 1 << 20
 GiB = 1 << 30
 
 
@@ -52,8 +58,12 @@ def kv_tier_plan(config) -> KVTierPlan:
 def check_kv_offloading(config, bad: Callable[[str, str], ValueError]) -> None:
     """Raises ``bad(field, why)`` for the first KV-tier setting that cannot work."""
     size = config.kv_offloading_size
-    if size is not None and (not _is_number(size) or size < 0):
-        raise bad("kv_offloading_size", "must be a number of GiB >= 0 (0 or None: no CPU tier)")
+    if size is not None and (not _is_number(size) or not 0 <= size <= MAX_GIB):
+        raise bad(
+            "kv_offloading_size",
+            f"must be a number of GiB >= 0 and <= {MAX_GIB} (--kv-offloading-size; 0 or "
+            "None: no CPU tier)",
+        )
     backend = config.kv_offloading_backend
     if backend is not None and backend not in KV_OFFLOADING_BACKENDS:
         raise bad(
@@ -69,12 +79,17 @@ def check_kv_offloading(config, bad: Callable[[str, str], ValueError]) -> None:
             "keeps evicted prefix-cache blocks: it needs enable_prefix_caching",
         )
     directory, disk_size = config.kv_offloading_dir, config.kv_offloading_disk_size
-    if disk_size is not None and (not _is_number(disk_size) or disk_size <= 0):
-        raise bad("kv_offloading_disk_size", "must be a positive number of GiB")
+    if disk_size is not None and (not _is_number(disk_size) or not 0 < disk_size <= MAX_GIB):
+        raise bad(
+            "kv_offloading_disk_size",
+            f"must be a number of GiB > 0 and <= {MAX_GIB} (--kv-offloading-disk-size)",
+        )
     if directory is not None and not isinstance(directory, str):
-        raise bad("kv_offloading_dir", "must be a directory path")
+        raise bad("kv_offloading_dir", "must be a directory path (--kv-offloading-dir)")
     if directory == "":
-        raise bad("kv_offloading_dir", "must be a directory path, not empty")
+        raise bad("kv_offloading_dir", "must be a directory path, not empty (--kv-offloading-dir)")
+    if directory and "\0" in directory:
+        raise bad("kv_offloading_dir", "must not hold a NUL byte (--kv-offloading-dir)")
     if directory and disk_size is None:
         raise bad("kv_offloading_dir", "needs kv_offloading_disk_size (GiB of the disk tier)")
     if disk_size is not None and not directory:
@@ -93,4 +108,5 @@ def check_kv_offloading(config, bad: Callable[[str, str], ValueError]) -> None:
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    """A real, finite number (NaN and infinities are not sizes)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

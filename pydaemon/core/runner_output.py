@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pydaemon.core.disk_blocks import DiskTierReport
 from pydaemon.outputs import TokenLogprobs
 
 
@@ -36,3 +37,5 @@ class ModelRunnerOutput:
     # prompt token covered, {token_id: logprob} of each following prompt token and its top-k),
     # for the prefill chunks of this step.
     prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # The disk tier (KV tiers): this step's failed reads, failed writes; None: nothing to say.
+    disk_report: DiskTierReport | None = None

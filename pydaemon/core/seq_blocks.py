@@ -29,7 +29,7 @@ import logging
 from dataclasses import dataclass, field
 
 from pydaemon import _core
-from pydaemon.core.disk_blocks import DiskBlockRecord
+from pydaemon.core.disk_blocks import DiskBlockRecord, DiskTierReport
 from pydaemon.core.kv_groups import KVGroups
 from pydaemon.core.request import PLACEHOLDER_TOKEN_ID, Sequence
 from pydaemon.core.stats import KVCacheStats, KVTierStats
@@ -48,6 +48,7 @@ class TierMoves:
     blocks_to_write_to_disk: list[tuple[int, int]] = field(default_factory=list)
     disk_write_records: list[DiskBlockRecord] = field(default_factory=list)
     blocks_to_read_from_disk: list[tuple[int, int]] = field(default_factory=list)
+    disk_read_records: list[DiskBlockRecord] = field(default_factory=list)
 
 
 class SeqBlocks:
@@ -176,13 +177,9 @@ class SeqBlocks:
             blocks_to_save_ahead_to_cpu=moves.blocks_to_save_ahead_to_cpu,
             blocks_to_load_from_cpu=moves.blocks_to_load_from_cpu,
             blocks_to_write_to_disk=moves.blocks_to_write_to_disk,
-            disk_write_records=[
-                DiskBlockRecord(
-                    r.disk_block, r.uid, r.parent_uid, r.hash, r.salt, tuple(r.token_ids)
-                )
-                for r in moves.disk_write_records
-            ],
+            disk_write_records=[_record(r) for r in moves.disk_write_records],
             blocks_to_read_from_disk=moves.blocks_to_read_from_disk,
+            disk_read_records=[_record(r) for r in moves.disk_read_records],
         )
 
     def discard_tier_moves(self, moves: TierMoves) -> None:
@@ -224,6 +221,21 @@ class SeqBlocks:
                 len(kept),
             )
         return self.num_restored_disk_blocks
+
+    def apply_disk_report(self, report: DiskTierReport) -> set[int]:
+        """A step's news of the disk tier: writes that did not land lose their disk copies, a
+        write error stops the writes, and reads that did not deliver their block drop it
+        from every tier. -> the ids of the sequences holding such a block: their KV from it
+        on must be computed again (they have not run since: a read's block is readable two
+        steps later, after this report)."""
+        bm = self.block_manager
+        if report.failed_writes:
+            bm.forget_failed_disk_writes(report.failed_writes)
+        if report.are_writes_stopped:
+            bm.stop_disk_writes()
+        if not report.failed_reads:
+            return set()
+        return {i // self.num_groups for i in bm.forget_failed_disk_reads(report.failed_reads)}
 
     def can_append_slots(self, seqs: list[Sequence]) -> bool:
         return self.block_manager.can_append_slots([i for s in seqs for i in self._ids(s)])
@@ -358,7 +370,14 @@ class SeqBlocks:
             num_disk_cached_blocks=bm.num_cached_blocks(_core.Device.DISK),
             num_dropped_loads=t.num_dropped_loads,
             num_restored_disk_blocks=self.num_restored_disk_blocks,
+            num_failed_disk_reads=t.num_failed_disk_reads,
+            num_failed_disk_writes=t.num_failed_disk_writes,
+            are_disk_writes_stopped=t.are_disk_writes_stopped,
         )
+
+
+def _record(r: _core.DiskBlockRecord) -> DiskBlockRecord:
+    return DiskBlockRecord(r.disk_block, r.uid, r.parent_uid, r.hash, r.salt, tuple(r.token_ids))
 
 
 def _readable(block_ids: list[int]) -> list[int]:

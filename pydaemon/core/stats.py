@@ -69,6 +69,11 @@ class KVTierStats:
     num_disk_cached_blocks: int = 0
     num_dropped_loads: int = 0  # loads cancelled because their sequence was freed first
     num_restored_disk_blocks: int = 0  # found on disk at start (warm restart)
+    # Disk reads that did not deliver what was written (not served: recomputed), writes that
+    # did not land (a full or failing disk), and whether the tier stopped taking writes.
+    num_failed_disk_reads: int = 0
+    num_failed_disk_writes: int = 0
+    are_disk_writes_stopped: bool = False
 
     @property
     def external_hit_tokens(self) -> int:

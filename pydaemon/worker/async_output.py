@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from pydaemon.core.disk_blocks import DiskTierReport
 from pydaemon.core.runner_output import ModelRunnerOutput
 
 
@@ -66,6 +67,10 @@ class AsyncModelRunnerOutput:
     ) -> None:
         """The step's prompt logprobs (host data already: pydaemon/worker/prompt_logprobs.py)."""
         self._output.prompt_logprobs = prompt_logprobs
+
+    def attach_disk_report(self, report: DiskTierReport) -> None:
+        """What the step's disk reads and the writes since told (host data already)."""
+        self._output.disk_report = report
 
     def receive_sampled_token_ids(self, sampled_token_ids: torch.Tensor) -> None:
         """sampled_token_ids: [num_samples] int64 on the device, rank 0's, just broadcast to

@@ -1,25 +1,33 @@
 """The host side of one rank's KV cache: the CPU pool (swap space + the CPU tier of the
 prefix cache, one pool) and the disk tier behind it, sized from the runner's KV-tier plan
 (config/kv_offloading.py: each rank's share of the tiers, in bytes). Every rank holds the
-same number of blocks (the scheduler's one block manager drives them all). With a disk tier each rank scans its file (a warm restart)
-and the ranks keep the slots that are whole on every one of them.
+same number of blocks (the scheduler's one block manager drives them all). With a disk tier
+each rank scans its file (a warm restart) and the ranks keep the slots that are whole on
+every one of them.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
 
 from pydaemon.config.runner import RunnerConfig
 from pydaemon.core.disk_blocks import DiskBlockRecord
+from pydaemon.core.kv_groups import KVGroups
 from pydaemon.distributed import parallel_state as ps
-from pydaemon.worker.kv_cache import KVCacheSpec
+from pydaemon.worker.kv_cache import GiB, KVCacheSpec
+from pydaemon.worker.kv_disk_folder import TierDir
 from pydaemon.worker.kv_disk_identity import kv_disk_identity
 from pydaemon.worker.kv_disk_tier import DiskTier
 
 logger = logging.getLogger(__name__)
+
+# The disk tier's blocks at most: the scheduler keeps a prefix-cache entry slot (a few hundred
+# bytes) for each, and a start reads each slot's header.
+MAX_DISK_BLOCKS = 1 << 22
 
 
 @dataclass
@@ -46,51 +54,95 @@ def build_host_kv(
     max_useful_swap_blocks: int,
     device: torch.device,
     weight_dtype: str,
+    kv_groups: KVGroups | None = None,
 ) -> HostKV:
-    tp_size, tp_rank = ps.get_tp_world_size(), ps.get_tp_rank()
+    tp_size = ps.get_tp_world_size()
     plan = config.kv_tiers
     num_swap = min(spec.num_blocks_for_bytes(plan.swap_bytes), max_useful_swap_blocks)
     num_tier = 0
     if plan.has_cpu_tier:
         num_tier = spec.num_blocks_for_bytes(plan.cpu_tier_bytes)
+    num_swap, num_tier = ps.min_across_ranks(num_swap), ps.min_across_ranks(num_tier)
+    if plan.has_cpu_tier:
         if num_tier < 1:
             raise ValueError(
-                f"kv_offloading_size {plan.cpu_tier_gib} GiB holds no KV block: one "
-                f"block takes {spec.block_bytes * tp_size / 2**20:.2f} MiB over "
-                f"{tp_size} rank(s)"
+                f"kv_offloading_size (--kv-offloading-size) {plan.cpu_tier_gib} GiB "
+                f"holds no KV block: one block takes {spec.block_bytes * tp_size / 2**20:.2f} "
+                f"MiB over {tp_size} rank(s)"
             )
-    num_swap, num_tier = ps.min_across_ranks(num_swap), ps.min_across_ranks(num_tier)
+        memory = _host_memory_bytes()
+        if num_tier * spec.block_bytes > memory:
+            raise ValueError(
+                f"kv_offloading_size (--kv-offloading-size) {plan.cpu_tier_gib} GiB: "
+                f"this rank's share, {num_tier * spec.block_bytes / GiB:.1f} GiB, is more than "
+                f"this host's memory ({memory / GiB:.1f} GiB)"
+            )
     cpu_kv_cache = spec.allocate(
         num_swap + num_tier, torch.device("cpu"), pin_memory=device.type == "cuda"
     )
     host = HostKV(cpu_kv_cache, num_swap, num_tier)
     if plan.disk_dir:
-        num_disk = spec.num_blocks_for_bytes(plan.disk_bytes)
-        if num_disk < 1:
-            raise ValueError(
-                f"kv_offloading_disk_size {plan.disk_gib} GiB holds no KV "
-                f"block: one block takes {spec.block_bytes * tp_size / 2**20:.2f} MiB over "
-                f"{tp_size} rank(s)"
-            )
-        num_disk = ps.min_across_ranks(num_disk)
-        identity = kv_disk_identity(config, weight_dtype, spec, tp_rank, tp_size)
-        host.disk = DiskTier(
-            plan.disk_dir,
+        host.disk, host.disk_records = _open_disk_tier(
+            config, spec, cpu_kv_cache, weight_dtype, kv_groups
+        )
+    return host
+
+
+def _open_disk_tier(
+    config: RunnerConfig,
+    spec: KVCacheSpec,
+    cpu_kv_cache: torch.Tensor,
+    weight_dtype: str,
+    kv_groups: KVGroups | None,
+) -> tuple[DiskTier, list[DiskBlockRecord]]:
+    """Opens this rank's disk tier and finds the blocks a previous run left there."""
+    tp_size, tp_rank = ps.get_tp_world_size(), ps.get_tp_rank()
+    plan = config.kv_tiers
+    num_disk = spec.num_blocks_for_bytes(plan.disk_bytes)
+    num_disk = ps.min_across_ranks(min(num_disk, MAX_DISK_BLOCKS + 1))  # the same on every rank
+    if num_disk < 1:
+        raise ValueError(
+            f"kv_offloading_disk_size (--kv-offloading-disk-size) "
+            f"{plan.disk_gib} GiB holds no KV block: one block takes "
+            f"{spec.block_bytes * tp_size / 2**20:.2f} MiB over {tp_size} rank(s)"
+        )
+    if num_disk > MAX_DISK_BLOCKS:
+        raise ValueError(
+            f"kv_offloading_disk_size (--kv-offloading-disk-size) "
+            f"{plan.disk_gib} GiB is more than {MAX_DISK_BLOCKS} blocks of "
+            f"this model ({spec.block_bytes / 2**10:.0f} KiB each on this rank), the most the "
+            f"scheduler keeps books for: give at most "
+            f"{MAX_DISK_BLOCKS * spec.block_bytes * tp_size / GiB:.1f} GiB"
+        )
+    root = TierDir.open_root(plan.disk_dir)
+    try:
+        identity = kv_disk_identity(
+            config, weight_dtype, spec, tp_rank, tp_size, kv_groups, hash_cache=root
+        )
+        identity["pp_rank"] = ps.get_pp_rank()  # a stage holds its own layers
+        identity["pp_size"] = ps.get_pp_world_size()
+        disk = DiskTier(
+            root,
             identity,
             num_disk,
             cpu_kv_cache,
             spec.block_size,
-            tp_rank,
-            tp_size,
+            ps.get_rank(),
+            ps.get_world_size(),
         )
-        host.disk_records = _whole_on_every_rank(host.disk.scan(), num_disk)
-        if host.disk_records:
-            logger.info(
-                "disk tier: %d blocks of a previous run found in %s",
-                len(host.disk_records),
-                host.disk.path,
-            )
-    return host
+    except BaseException:
+        root.remove_created()
+        raise
+    finally:
+        root.close()
+    records = _whole_on_every_rank(disk.scan(), num_disk)
+    if records:
+        logger.info("disk tier: %d blocks of a previous run found in %s", len(records), disk.path)
+    return disk, records
+
+
+def _host_memory_bytes() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _whole_on_every_rank(records: list[DiskBlockRecord], num_slots: int) -> list[DiskBlockRecord]:

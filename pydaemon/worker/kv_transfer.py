@@ -13,8 +13,10 @@ A step (``move``) on CUDA with our kernels:
 4. on the copy stream, while the step's forward runs: the loads (CPU -> GPU: their sequences
    run from the next step on) and the ahead saves (GPU -> CPU); an event marks their end for
    the next step's step 1;
-5. the disk writes (of blocks saved in this step or before) and reads go to the disk tier's
-   I/O thread, which first waits (on its own thread) for an event after all of the above.
+5. the disk reads, then the disk writes (of blocks saved in this step or before) go to the
+   disk tier's I/O thread, which first waits (on its own thread) for an event after all of
+   the above; once the step is sampled, ``disk_report`` waits for its reads (they had the
+   forward pass) and tells the scheduler which did not deliver their block.
 
 Before 2 and 4 the step thread waits for any disk batch still reading or writing the CPU blocks
 those copies touch: it had a whole step to finish, so the wait is normally over at once.
@@ -25,10 +27,13 @@ same order; blocks are copied as bytes either way (an FP8 cache stays FP8).
 from __future__ import annotations
 
 import math
+from concurrent.futures import Future
 
 import torch
 
+from pydaemon.core.disk_blocks import DiskTierReport
 from pydaemon.core.sched.scheduler_output import SchedulerOutput
+from pydaemon.distributed import parallel_state as ps
 from pydaemon.worker.kv_disk_tier import DiskTier
 
 Pairs = list[tuple[int, int]]
@@ -55,6 +60,8 @@ class KVTransfer:
         self.kv_cache = kv_cache
         self.cpu_kv_cache = cpu_kv_cache
         self.disk = disk
+        self._disk_reads: Future | None = None  # this step's disk reads (their failures)
+        self._has_reported_stop = False
         self.device = kv_cache.device
         self.is_async = use_kernels and kv_cache.is_cuda
         if self.is_async:
@@ -72,11 +79,41 @@ class KVTransfer:
     def move(self, out: SchedulerOutput) -> None:
         """Every block copy of the step, issued before its forward pass (see the module
         docstring for the order)."""
+        self._disk_reads = None
         self._wait_for_disk(out)
         if self.is_async:
             self._move_async(out)
         else:
             self._move_now(out)
+
+    def disk_report(self, out: SchedulerOutput) -> DiskTierReport | None:
+        """After the step ``out`` was launched, on every rank: what its disk reads and the
+        writes finished since the last step told, for the scheduler (None: nothing). Waits for
+        the step's reads (they had the forward pass to finish). The ranks agree on the reads
+        that failed (a read counts as failed if it failed on any rank: a CPU all-reduce, only
+        in steps that read from disk, the same steps on every rank); each rank's failed writes
+        are its own, and a rank whose writes fail stops writing by itself (its slots then fail
+        their reads, which all ranks agree on)."""
+        if self.disk is None:
+            return None
+        reads, reads_done = out.blocks_to_read_from_disk, self._disk_reads
+        self._disk_reads = None
+        failed_reads: list[tuple[int, int]] = []
+        is_stopped = self.disk.are_writes_stopped
+        if reads:
+            failed = {slot for slot, _ in reads_done.result()}
+            flags = [d in failed for d, _ in reads] + [is_stopped]
+            _, agreed = ps.min_max_across_ranks(torch.tensor(flags, dtype=torch.int64))
+            *bad, stopped = agreed.tolist()
+            records = out.disk_read_records
+            failed_reads = [(r.disk_block, r.uid) for r, b in zip(records, bad, strict=True) if b]
+            is_stopped = bool(stopped)
+        failed_writes = self.disk.take_failed_writes()
+        has_stop_news = is_stopped and not self._has_reported_stop
+        if not (failed_reads or failed_writes or has_stop_news):
+            return None
+        self._has_reported_stop = self._has_reported_stop or is_stopped
+        return DiskTierReport(failed_reads, failed_writes, is_stopped)
 
     def synchronize(self) -> None:
         """Blocks the host until every copy issued so far is done (tests, shutdown)."""
@@ -132,10 +169,11 @@ class KVTransfer:
                 torch.cuda.Event()
             )  # after every copy issued so far (its own: never re-recorded)
             after.record(self.stream)
-            self.disk.submit(
+            self._disk_reads = self.disk.submit(
                 out.blocks_to_write_to_disk,
                 out.disk_write_records,
                 out.blocks_to_read_from_disk,
+                out.disk_read_records,
                 after,
             )
 
@@ -148,10 +186,11 @@ class KVTransfer:
         _copy(gpu, cpu, out.blocks_to_load_from_cpu)
         _copy(cpu, gpu, out.blocks_to_save_ahead_to_cpu)
         if self.disk is not None:
-            self.disk.submit(
+            self._disk_reads = self.disk.submit(
                 out.blocks_to_write_to_disk,
                 out.disk_write_records,
                 out.blocks_to_read_from_disk,
+                out.disk_read_records,
                 None,
             )
 

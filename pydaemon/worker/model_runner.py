@@ -154,7 +154,12 @@ class ModelRunner:
         self.kv_cache = self.spec.allocate(self.num_gpu_blocks, self.device)
         # The CPU pool (swap space + the CPU tier) and the disk tier (kv_host_pool.py).
         self.host_kv = build_host_kv(
-            config, self.spec, max_useful, self.device, str(self.dtype).removeprefix("torch.")
+            config,
+            self.spec,
+            max_useful,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            self.kv_groups,
         )
         self.num_cpu_blocks = self.host_kv.num_cpu_blocks
         self.cpu_kv_cache = self.host_kv.cpu_kv_cache
@@ -404,6 +409,10 @@ class ModelRunner:
             result = self.step_sampler.sample(pending.logits, step, out.num_samples, grammar)
         if pending.prompt is not None and is_driver:
             result.attach_prompt_logprobs(prompt_logprobs(pending.prompt[1], pending.prompt[0]))
+        # The step's disk reads, checked while its forward pass ran (every rank: they agree).
+        disk_report = self.kv_transfer.disk_report(out)
+        if disk_report is not None and is_driver:
+            result.attach_disk_report(disk_report)
         if step is not None and self.draft is not None and self.draft.needs_target_hidden_states:
             # After sampling: a verified sequence's valid rows are its accepted run.
             self.spec_decoder.observe(step, pending.hidden, self._input_ids(step), pending.verify)

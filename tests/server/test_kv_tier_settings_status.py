@@ -68,7 +68,13 @@ def _tiers(**kw) -> KVTierStats:
 def test_metrics_by_tier_and_under_vllm_names():
     warmup = _stats(_tiers(), prefix_cache_query_tokens=100)
     now = _stats(
-        dataclasses.replace(_tiers(), cpu_hit_tokens=96, cpu_to_gpu_bytes=6144),
+        dataclasses.replace(
+            _tiers(),
+            cpu_hit_tokens=96,
+            cpu_to_gpu_bytes=6144,
+            num_failed_disk_reads=2,
+            are_disk_writes_stopped=True,
+        ),
         prefix_cache_query_tokens=300,
     )
     metrics = Metrics(lambda: now)
@@ -87,6 +93,9 @@ def test_metrics_by_tier_and_under_vllm_names():
         'vllm:external_prefix_cache_queries_total{model_name="m"} 200',
         'vllm:external_prefix_cache_hits_total{model_name="m"} 64',
         'vllm:kv_offload_total_bytes_total{model_name="m",transfer_type="CPU_to_GPU"} 4096',
+        'pagedd_kv_tier_disk_errors_total{op="read"} 2',
+        'pagedd_kv_tier_disk_errors_total{op="write"} 0',
+        "pagedd_kv_tier_disk_writes_stopped 1",
     ):
         assert line in lines, line
     assert "kv_tier" not in Metrics(lambda: _stats(None)).render()  # tiers off: no lines

@@ -32,6 +32,7 @@ def build_scheduler_output(
         blocks_to_write_to_disk=moves.blocks_to_write_to_disk,
         disk_write_records=moves.disk_write_records,
         blocks_to_read_from_disk=moves.blocks_to_read_from_disk,
+        disk_read_records=moves.disk_read_records,
     )
     blocks.blocks_to_copy, blocks.finished_seq_ids = [], []
     cached = out.scheduled_cached_seqs

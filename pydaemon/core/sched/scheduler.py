@@ -14,7 +14,11 @@ Policy lives here; memory lives in the C++ block manager; tensors never appear. 
 KV tiers (``enable_cpu_tier``, ``num_disk_blocks``): a prefix hit in the CPU or disk tier is
 loaded while the step runs; the request holds its blocks and is scheduled from the step its
 KV is readable (``Sequence.ready_step``: the next one, or the one after for a disk read), so
-a load never stalls the batch. The step's copies go down in its ``SchedulerOutput``.
+a load never stalls the batch. The step's copies go down in its ``SchedulerOutput``. A disk
+read that did not deliver its block comes back in the step's ``ModelRunnerOutput.disk_report``
+before its readers run: the block leaves every tier and they go back to waiting, to compute
+it (never served wrong KV); with several steps in flight (pipeline parallelism) the step that
+would run them waits for that report.
 
 ``schedule()`` returns a plain ``SchedulerOutput`` (pydaemon.core.sched.scheduler_output) and keeps
 the live sequences it scheduled to itself; ``update_from_output()`` records what the runner
@@ -34,6 +38,7 @@ import bisect
 from collections import deque
 
 from pydaemon import _core
+from pydaemon.core.disk_blocks import DiskTierReport
 from pydaemon.core.messages import EngineCoreOutputs
 from pydaemon.core.request import Request, RequestStatus, Sequence
 from pydaemon.core.runner_output import ModelRunnerOutput
@@ -190,6 +195,8 @@ class Scheduler:
         if overlap and not self.can_overlap():
             return None
         plan = StepPlan(step_index=self.blocks.step_index())
+        if overlap and self._waits_for_disk_reads(plan.step_index):
+            return None
         budget = self.max_num_batched_tokens
         # 1. Decodes of running requests, preempting from the tail when blocks run out.
         pending_prefill: set[str] = set()  # requests with work besides their decodes
@@ -279,6 +286,8 @@ class Scheduler:
                 "update_from_output: not the output of the oldest pending schedule()"
             )
         _, plan = self._plans.popleft()
+        if runner_output.disk_report is not None:
+            self._recompute_failed_disk_reads(runner_output.disk_report)
         outputs = self.updater.update(plan, runner_output)
         if self.drafts:  # how fast this kind of step was (spec_governor.py)
             self.drafts.record_step(plan, runner_output, self._num_sync_only_requests == 0)
@@ -287,6 +296,30 @@ class Scheduler:
         return outputs
 
     # ---- helpers ----------------------------------------------------------------------------
+    def _recompute_failed_disk_reads(self, report: DiskTierReport) -> None:
+        """A step's disk reads that did not deliver their blocks: the blocks leave every tier
+        and the requests holding one (admitted, never run since: a read's block is readable two
+        steps later) go back to the waiting queue with nothing computed. Readmitted, they find
+        their prefix up to that block and compute the rest."""
+        seq_ids = self.blocks.apply_disk_report(report)
+        if not seq_ids:
+            return
+        for request in [r for r in self.running if any(s.seq_id in seq_ids for s in r.seqs)]:
+            self.running.remove(request)
+            for seq in request.seqs:
+                self.blocks.free(seq)
+                seq.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+
+    def _waits_for_disk_reads(self, step_index: int) -> bool:
+        """Whether a step in flight read from disk blocks that step ``step_index`` may read:
+        its report must come first (pipeline parallelism keeps several steps in flight)."""
+        return any(
+            out.blocks_to_read_from_disk and plan.step_index + 2 <= step_index
+            for out, plan in self._plans
+        )
+
     def _split_decoding(
         self, request: Request, pending_prefill: set[str], plan: StepPlan
     ) -> list[Sequence]:

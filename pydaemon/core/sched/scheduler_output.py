@@ -13,8 +13,10 @@ KV tiers (block_manager.h, "Tiers"): the step's copies between the GPU cache, th
 and the disk tier go down as (src, dst) pairs, direction in the name. The runner issues the
 swaps, ``blocks_to_save_to_cpu`` and ``blocks_to_copy`` before the step's K/V writes, and the
 loads and ahead saves on its copy stream while the step runs (the next step waits for them);
-the disk writes (after the step's saves) and reads run on its I/O thread. A load's GPU block
-is read from the next step on; a block read from disk is loaded the step after its read.
+the disk reads and writes (after the step's saves) run on its I/O thread. A load's GPU block
+is read from the next step on; a block read from disk is loaded the step after its read. Each
+disk read carries the record of the block its slot must hold (``disk_read_records``): the
+rank serves the slot only if it holds that block as written.
 
 ``GrammarOutput`` is the step's other half for structured outputs: the engine core owns the
 grammar matchers and sends, once the forward is launched, the bitmask of every constrained
@@ -93,6 +95,7 @@ class SchedulerOutput:
     blocks_to_write_to_disk: list[tuple[int, int]] = field(default_factory=list)  # (cpu, disk)
     disk_write_records: list[DiskBlockRecord] = field(default_factory=list)  # one per write
     blocks_to_read_from_disk: list[tuple[int, int]] = field(default_factory=list)  # (disk, cpu)
+    disk_read_records: list[DiskBlockRecord] = field(default_factory=list)  # one per read
     # Structured outputs: the constrained sequences that sample this step, in batch order
     # (seq_id -> request_id). The sampling waits for their GrammarOutput.
     structured_output_seq_ids: dict[int, str] = field(default_factory=dict)

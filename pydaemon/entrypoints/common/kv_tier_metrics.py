@@ -8,7 +8,9 @@ below the GPU: those the GPU missed, and those the CPU or disk tier served), and
 they are exposed with the ``_total`` suffix, and labelled with ``model_name`` as vLLM's are.
 pagedd's: ``pagedd_kv_tier_hit_tokens_total{tier}``, ``pagedd_kv_tier_bytes_total
 {transfer_type}`` (the disk's transfers too), ``pagedd_kv_tier_blocks{tier}`` and
-``pagedd_kv_tier_cached_blocks{tier}`` (occupancy), ``pagedd_kv_tier_dropped_loads_total``.
+``pagedd_kv_tier_cached_blocks{tier}`` (occupancy), ``pagedd_kv_tier_dropped_loads_total``,
+``pagedd_kv_tier_disk_errors_total{op}`` (reads not served, writes not stored) and
+``pagedd_kv_tier_disk_writes_stopped`` (a write error stopped the disk tier's writes).
 Counters start after the warm-up (``baseline``: the KVTierStats when serving began).
 """
 
@@ -64,6 +66,17 @@ def kv_tier_lines(stats, baseline, model_name: str | None) -> list[str]:
         "# HELP pagedd_kv_tier_dropped_loads_total Loads cancelled: their sequence ended first.",
         "# TYPE pagedd_kv_tier_dropped_loads_total counter",
         f"pagedd_kv_tier_dropped_loads_total {since(tiers, base_tiers, 'num_dropped_loads')}",
+        "# HELP pagedd_kv_tier_disk_errors_total Disk-tier blocks not served (op=read: the slot "
+        "did not hold what was written; recomputed) or not stored (op=write: a failed write).",
+        "# TYPE pagedd_kv_tier_disk_errors_total counter",
+        f'pagedd_kv_tier_disk_errors_total{{op="read"}} '
+        f"{since(tiers, base_tiers, 'num_failed_disk_reads')}",
+        f'pagedd_kv_tier_disk_errors_total{{op="write"}} '
+        f"{since(tiers, base_tiers, 'num_failed_disk_writes')}",
+        "# HELP pagedd_kv_tier_disk_writes_stopped 1 once a write error stopped the disk "
+        "tier's writes (until a restart; its blocks are still read, each checked).",
+        "# TYPE pagedd_kv_tier_disk_writes_stopped gauge",
+        f"pagedd_kv_tier_disk_writes_stopped {int(tiers.are_disk_writes_stopped)}",
     ]
     label = "" if model_name is None else f'model_name="{_escape(model_name)}"'
     counters = (
