@@ -88,7 +88,8 @@ class EngineCore:
                 f"max_num_batched_tokens ({info.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({config.max_num_seqs})"
             )
-        self.scheduler = Scheduler(scheduler_config(config, info, self.model_config))
+        self.scheduler_config = scheduler_config(config, info, self.model_config)
+        self.scheduler = Scheduler(self.scheduler_config)
         self.structured_outputs = StructuredOutputManager(config.model, self.vocab_size)
         self.loras = LoadedLoRAs(
             self.executor, self.model_config, config.max_lora_rank, config.enable_lora
@@ -164,10 +165,19 @@ class EngineCore:
             )
         num_blocks = self.executor.info.num_gpu_blocks
         usable = num_blocks - int(self.config.watermark * num_blocks)
-        needed = math.ceil((len(token_ids) + 1) / self.config.block_size)
+        # One table per layer group (core/kv_groups.py), each holding the whole prompt at
+        # admission, all from one pool: the scheduler's test (can_allocate_group) counts them all.
+        groups = self.scheduler_config.kv_groups
+        num_tables = 1 if groups is None else groups.num_groups
+        per_table = math.ceil((len(token_ids) + 1) / self.config.block_size)
+        needed = per_table * num_tables
         if needed > usable:
+            tables = (
+                "" if num_tables == 1 else f" ({per_table} in each of {num_tables} layer groups)"
+            )
             raise ValueError(
-                f"prompt needs {needed} KV blocks but the whole cache has {usable} usable blocks"
+                f"prompt needs {needed} KV blocks{tables} but the whole cache has {usable} "
+                "usable blocks"
             )
         if r.lora_request is not None:
             self.loras.check_request(r.lora_request)
