@@ -13,7 +13,8 @@ from gguf_utils import transformers_gguf_model, write_gguf
 from model_utils import Driver, save_hf_model
 
 from pydaemon.gguf import GGUFFile
-from pydaemon.model_loader.loader import load_model, load_model_config
+from pydaemon.model_loader.loader import load_model
+from pydaemon.model_loader.model_paths import load_model_config
 from pydaemon.model_loader.weight_targets import weight_targets
 from pydaemon.tokenizer.gguf import load_gguf_tokenizer
 
