@@ -18,7 +18,7 @@ from gguf import GGUFWriter
 
 from pydaemon.gguf import GGUFFile
 from pydaemon.gguf.bounds import MAX_ARRAY_LEN
-from pydaemon.model_loader.loader import load_model_config
+from pydaemon.model_loader.model_paths import load_model_config
 from pydaemon.tokenizer.gguf import load_gguf_tokenizer
 
 TOKENS_KEY = b"tokenizer.ggml.tokens"
