@@ -16,8 +16,9 @@ A prompt whose rendered text already closed the reasoning (Qwen3's template with
 ``enable_thinking`` false ends with ``<think>\\n\\n</think>\\n\\n``) makes the whole output the
 answer. An output that continues the final message (``continue_final_message``) goes on from
 where that message is: reasoning only inside a ``<think>`` it left open; an echoed message is
-split from its own start. Streaming gives each delta's reasoning and content, holding back only text that may be
-the start of a marker; the whole-text result is the streamed one joined (one code path).
+split from its own start. Streaming gives each delta's reasoning and content, holding back only
+text that may be the start of a marker; the whole-text result is the streamed one joined (one
+code path).
 """
 
 from __future__ import annotations

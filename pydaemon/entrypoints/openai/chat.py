@@ -84,7 +84,7 @@ async def create_chat_completion(
     )
     reasoning = chat_reasoning_parser(serving.options.reasoning_parser, serving.tokenizer)
     tail = ""
-    if reasoning is not None and not body.generation_prompt:  # the output continues a message
+    if reasoning is not None and body.continue_final_message:  # the output goes on with it
         tail = reasoning.continued_tail(body.messages[-1].text or "")
     elif reasoning is not None:
         tail = prompt_tail(serving.tokenizer, prompt.token_ids)
