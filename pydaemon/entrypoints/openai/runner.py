@@ -30,7 +30,7 @@ from pydaemon.entrypoints.openai.accumulator import Accumulator, ChoiceDelta, Ch
 from pydaemon.entrypoints.openai.engine_stream import EnginePrompt, engine_requests, generate_all
 from pydaemon.entrypoints.openai.errors import ApiError, bad_request, error_event
 from pydaemon.entrypoints.openai.responses import Usage
-from pydaemon.entrypoints.openai.serving import LiveRequest, OpenAIServing
+from pydaemon.entrypoints.openai.serving import LiveRequest, OpenAIServing, engine_stalled
 from pydaemon.entrypoints.openai.sse import EventStream
 from pydaemon.lora_request import LoRARequest
 from pydaemon.outputs import RequestOutput
@@ -64,6 +64,8 @@ async def respond(
     lora_request: LoRARequest | None = None,
     constraint_source: str | None = None,
 ) -> web.StreamResponse:
+    if serving.is_stalled():  # declared while the prompt was rendered: it would only wait
+        raise engine_stalled()
     acc = Accumulator(prompts, params.n, serving.tokenizer)
     with serving.track() as live:
         requests = engine_requests(formatter.request_id, prompts, params, cache_salt, lora_request)
