@@ -26,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench.synthetic_tokenizer import write_tokenizer  # noqa: E402
-from pydaemon.sampling.constraints.bitmask import apply_grammar_bitmask  # noqa: E402
-from pydaemon.sampling.constraints.compiler import GrammarCompiler  # noqa: E402
-from pydaemon.sampling.constraints.matchers import ConstrainedSeq, GrammarMatchers  # noqa: E402
+from pydaemon.sampling.bitmask import apply_grammar_bitmask  # noqa: E402
 from pydaemon.sampling_params import StructuredOutputsParams  # noqa: E402
+from pydaemon.structured_output.compiler import GrammarCompiler  # noqa: E402
+from pydaemon.structured_output.matchers import ConstrainedSeq, GrammarMatchers  # noqa: E402
 from pydaemon.tokenizer.hf import HFTokenizer  # noqa: E402
 from pydaemon.tokenizer.token_bytes import token_bytes  # noqa: E402
 

@@ -26,6 +26,7 @@ import numpy as np
 from pydaemon.core.request import Request, Sequence
 from pydaemon.core.runner_output import ModelRunnerOutput
 from pydaemon.core.sched.scheduler import Scheduler
+from pydaemon.core.sched.scheduler_config import SchedulerConfig
 from pydaemon.core.stop_checker import StopChecker
 from pydaemon.outputs import RequestMetrics
 from pydaemon.sampling_params import SamplingParams
@@ -48,11 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     ]
     num_blocks = sum(len(p) + args.steps + 1 for p in prompts) // args.block_size + 2 * len(prompts)
     scheduler = Scheduler(
-        block_size=args.block_size,
-        num_gpu_blocks=num_blocks,
-        max_num_seqs=args.num_seqs,
-        max_num_batched_tokens=1 << 30,
-        max_model_len=args.max_model_len,
+        SchedulerConfig(
+            block_size=args.block_size,
+            num_gpu_blocks=num_blocks,
+            max_num_seqs=args.num_seqs,
+            max_num_batched_tokens=1 << 30,
+            max_model_len=args.max_model_len,
+        )
     )
     batch = InputBatch(args.num_seqs, args.max_model_len, args.block_size)
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 8, ignore_eos=True)

@@ -44,6 +44,7 @@ from pydaemon.core.kv_groups import plan_kv_groups  # noqa: E402
 from pydaemon.core.request import Request, Sequence  # noqa: E402
 from pydaemon.core.runner_output import ModelRunnerOutput  # noqa: E402
 from pydaemon.core.sched.scheduler import Scheduler  # noqa: E402
+from pydaemon.core.sched.scheduler_config import SchedulerConfig  # noqa: E402
 from pydaemon.core.stop_checker import StopChecker  # noqa: E402
 from pydaemon.outputs import RequestMetrics  # noqa: E402
 from pydaemon.sampling_params import SamplingParams  # noqa: E402
@@ -73,15 +74,17 @@ def run(shape: str, mode: str, args) -> dict:
         ]
     max_len = max(len(prompt) + n for prompt, n in workload)
     scheduler = Scheduler(
-        block_size=args.block_size,
-        num_gpu_blocks=num_blocks,
-        watermark=args.watermark,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.step_budget,
-        max_model_len=max_len,
-        preemption_mode="recompute",
-        kv_window=kv_window,
-        kv_groups=groups,
+        SchedulerConfig(
+            block_size=args.block_size,
+            num_gpu_blocks=num_blocks,
+            watermark=args.watermark,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.step_budget,
+            max_model_len=max_len,
+            preemption_mode="recompute",
+            kv_window=kv_window,
+            kv_groups=groups,
+        )
     )
     requests = []
     for i, (prompt, output_len) in enumerate(workload):

@@ -186,8 +186,8 @@ def _prompts(args, llm, batch: int) -> list[list[int]]:
 
 def _install(llm, args, prompts, reference, k: int) -> None:
     """The oracle workload's drafting on a spec engine's runner (benchmark-only hooks)."""
-    from pydaemon.worker.spec.oracle_proposer import OracleProposer
-    from pydaemon.worker.spec.rejection_sampler import RejectionSampler
+    from pydaemon.worker.spec_decode.oracle_proposer import OracleProposer
+    from pydaemon.worker.spec_decode.rejection_sampler import RejectionSampler
 
     decoder = llm.engine.runner.spec_decoder
     if args.oracle_accept_all:

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from pydaemon.sampling.sampling_metadata import SamplingMetadata
-from pydaemon.worker.spec.proposer import DraftRequest, Proposer
-from pydaemon.worker.spec.rejection_sampler import RejectionSampler
+from pydaemon.worker.spec_decode.proposer import DraftRequest, Proposer
+from pydaemon.worker.spec_decode.rejection_sampler import RejectionSampler
 
 
 class ForcedOracleProposer(Proposer):

@@ -23,7 +23,7 @@ class StructuredOutputsParams:
     ``json_object`` (any JSON object). ``disable_any_whitespace``: JSON with no whitespace
     besides what the schema's strings hold (small models otherwise may write spaces forever).
     Syntax errors (a bad schema, regex or grammar) are found by the engine before the request
-    takes any KV block: pydaemon.sampling.constraints.grammar_spec."""
+    takes any KV block: pydaemon.structured_output.grammar_spec."""
 
     json: dict | str | None = None
     regex: str | None = None
@@ -122,7 +122,7 @@ class SamplingParams:
     beam_width: int = 1
     length_penalty: float = 1.0
     early_stopping: bool = False
-    # Constrained decoding (JSON schema, regex, choice, grammar): pydaemon.sampling.constraints
+    # Constrained decoding (JSON schema, regex, choice, grammar): pydaemon.structured_output
     structured_outputs: StructuredOutputsParams | None = None
     # OpenAI's logit_bias: token id -> a value added to its logit before sampling (clamped to
     # [-100, 100], as vLLM does); logprobs stay those of the raw logits.

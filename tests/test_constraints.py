@@ -1,4 +1,4 @@
-"""The constraint engine (pydaemon.sampling.constraints) without the engine: grammar specs and
+"""The constraint engine (pydaemon.structured_output) without the engine: grammar specs and
 their errors, token bytes of every tokenizer kind, the device bitmask against xgrammar's own,
 and matchers driven by random logits: every finished output obeys its constraint."""
 
@@ -14,11 +14,11 @@ import xgrammar as xgr
 from tokenizer_utils import STYLES, TEXTS, build_hf_tokenizer
 
 from pydaemon.model_loader.demo_model import demo_model_dir
-from pydaemon.sampling.constraints.bitmask import apply_grammar_bitmask
-from pydaemon.sampling.constraints.compiler import GrammarCompiler
-from pydaemon.sampling.constraints.grammar_spec import build_grammar, grammar_key
-from pydaemon.sampling.constraints.matchers import ConstrainedSeq, GrammarMatchers
+from pydaemon.sampling.bitmask import apply_grammar_bitmask
 from pydaemon.sampling_params import SamplingParams, StructuredOutputsParams
+from pydaemon.structured_output.compiler import GrammarCompiler
+from pydaemon.structured_output.grammar_spec import build_grammar, grammar_key
+from pydaemon.structured_output.matchers import ConstrainedSeq, GrammarMatchers
 from pydaemon.tokenizer.hf import HFTokenizer
 from pydaemon.tokenizer.loader import load_tokenizer
 from pydaemon.tokenizer.token_bytes import token_bytes

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import xgrammar as xgr
 
-from pydaemon.sampling.constraints.compiler import GrammarCompiler
 from pydaemon.sampling_params import StructuredOutputsParams
+from pydaemon.structured_output.compiler import GrammarCompiler
 
 EOS = 256
 CONT = set(range(0x80, 0xC0))

@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model_utils import save_hf_model  # noqa: E402
 
 from pydaemon.config.engine import EngineConfig  # noqa: E402
+from pydaemon.engine.layer_configs import runner_config  # noqa: E402
 from pydaemon.layers.attention_metadata import AttentionMetadata  # noqa: E402
 from pydaemon.model_loader.loader import load_model  # noqa: E402
 from pydaemon.worker.cuda_graph_inputs import (  # noqa: E402
@@ -207,7 +208,7 @@ def test_static_forward_equals_eager_and_padding_rows_are_no_ops(tiny_model):
 
 def test_no_graphs_off_the_cuda_kernels_path(tiny_model):
     cache = torch.empty(2, 2, 2, 2, 16, 64, dtype=torch.float16)  # a CPU cache
-    assert cuda_graph_plan(EngineConfig(), tiny_model[1], cache, 512) is None
+    assert cuda_graph_plan(runner_config(EngineConfig()), tiny_model[1], cache, 512) is None
 
 
 def test_config_and_cli_switches():

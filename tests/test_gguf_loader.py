@@ -13,7 +13,8 @@ from gguf_utils import transformers_gguf_model, write_gguf
 from model_utils import Driver, save_hf_model
 
 from pydaemon.gguf import GGUFFile
-from pydaemon.model_loader.loader import load_model, load_model_config
+from pydaemon.model_loader.loader import load_model
+from pydaemon.model_loader.model_paths import load_model_config
 from pydaemon.model_loader.weight_targets import weight_targets
 from pydaemon.tokenizer.gguf import load_gguf_tokenizer
 
@@ -149,6 +150,8 @@ def _minimal_gguf(path, arch="llama", tensor_type="F32", **tokenizer) -> str:
     else:
         kind = GGMLQuantizationType[tensor_type]
         writer.add_tensor("token_embd.weight", quantize(values, kind), raw_dtype=kind)
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(32, dtype=np.float32))
+    writer.add_tensor("blk.0.ffn_up.weight", np.ones((64, 32), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

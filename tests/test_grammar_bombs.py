@@ -10,9 +10,9 @@ from concurrent.futures import FIRST_COMPLETED, wait
 import pytest
 
 from pydaemon.model_loader.demo_model import demo_model_dir
-from pydaemon.sampling.constraints import grammar_limits
-from pydaemon.sampling.constraints.compiler import GrammarCompiler
 from pydaemon.sampling_params import StructuredOutputsParams
+from pydaemon.structured_output import grammar_limits
+from pydaemon.structured_output.compiler import GrammarCompiler
 from pydaemon.tokenizer.loader import load_tokenizer
 from pydaemon.tokenizer.token_bytes import token_bytes
 

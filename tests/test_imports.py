@@ -15,6 +15,10 @@ small graph or source that breaks it) proving that it can fail:
   torch, and the gRPC servicer and the daemon app reach the engine only through
   ``engine_client``.
 - One module builds the one BlockManager (the scheduler, its owner).
+- The engine core starts without the model stack: importing it loads no torch, model, layer,
+  kernel, quantization, worker or sampling module (the executor's backends bring them).
+- Below the engine nothing imports ``EngineConfig``: the engine splits it once into the
+  layers' own configurations (``RunnerConfig``, ``SchedulerConfig``: engine/layer_configs.py).
 """
 
 from __future__ import annotations
@@ -35,9 +39,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("entrypoints.grpc", "entrypoints.openai"),
     ("entrypoints.common",),
     ("engine",),
-    ("executor",),
+    ("executor", "structured_output"),
     ("worker",),
-    ("worker.spec",),
+    ("worker.spec_decode",),
     ("model_loader",),
     ("models",),
     ("layers.lora",),
@@ -47,7 +51,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("ops",),
     ("tokenizer",),
     ("gguf",),
-    ("sampling", "sampling.constraints"),
+    ("sampling",),
     ("core.sched",),
     ("core",),
     ("distributed",),
@@ -65,6 +69,19 @@ EXTENSION_MODULES = {"pydaemon._core"}
 EXECUTOR_INTERFACE = {"pydaemon.executor.abstract", "pydaemon.executor.factory"}
 # Folders the engine never imports: the device side, reached through the executor only.
 DEVICE_SIDE = ("worker", "models", "layers", "ops", "quantization", "distributed", "executor")
+# What the engine core must not load at import: the model stack, reached through the executor.
+MODEL_STACK = (
+    "torch",
+    "pydaemon.models",
+    "pydaemon.layers",
+    "pydaemon.ops",
+    "pydaemon.quantization",
+    "pydaemon.worker",
+    "pydaemon.sampling",
+    "pydaemon.model_loader.loader",
+)
+# The lowest folder that reads EngineConfig (config/, which defines it, aside).
+ENGINE_CONFIG_FLOOR = "engine"
 
 
 # ---- reading the graph ---------------------------------------------------------------------
@@ -194,6 +211,34 @@ def engine_violations(graph: dict[str, set[str]], folders: dict[str, str]) -> li
     return problems
 
 
+def engine_config_importers(
+    sources: dict[str, str], folders: dict[str, str], layers: list[tuple[str, ...]]
+) -> list[str]:
+    """Modules (name -> source) of the folders below ``ENGINE_CONFIG_FLOOR`` but config/ that
+    import the name ``EngineConfig``, or its module whole (its constants may be imported)."""
+    rank = {folder: i for i, tier in enumerate(layers) for folder in tier}
+    floor = rank[ENGINE_CONFIG_FLOOR]
+    found = []
+    for name, source in sorted(sources.items()):
+        folder = folders.get(name, "")
+        if folder == "config" or rank.get(folder, -1) <= floor:
+            continue
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                hit = any(a.name == "pydaemon.config.engine" for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                names = {a.name for a in node.names}
+                hit = "EngineConfig" in names or (
+                    node.module == "pydaemon.config" and "engine" in names
+                )
+            else:
+                continue
+            if hit:
+                found.append(name)
+                break
+    return found
+
+
 def direct_torch_imports(sources: dict[str, str]) -> list[str]:
     """Modules (name -> source) with an ``import torch`` or ``from torch ...`` anywhere."""
     found = []
@@ -212,10 +257,21 @@ def direct_torch_imports(sources: dict[str, str]) -> list[str]:
 
 def torch_loaded_by(modules: list[str]) -> list[str]:
     """The torch modules that importing ``modules`` (in a fresh interpreter) loads."""
+    return loaded_by(modules, ("torch",))
+
+
+def loaded_by(
+    modules: list[str], packages: tuple[str, ...], stubs: tuple[str, ...] = ()
+) -> list[str]:
+    """The modules of ``packages`` that importing ``modules`` (in a fresh interpreter, with
+    ``stubs`` replaced by empty modules) loads."""
     code = (
-        "import importlib, sys\n"
+        "import importlib, sys, types\n"
+        f"for s in {stubs!r}: sys.modules[s] = types.ModuleType(s)\n"
         f"for m in {modules!r}: importlib.import_module(m)\n"
-        "print('\\n'.join(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))))\n"
+        f"packages = {packages!r}\n"
+        "print('\\n'.join(sorted(m for m in sys.modules "
+        "if any(m == p or m.startswith(p + '.') for p in packages))))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],
@@ -290,6 +346,20 @@ def test_the_torch_rule_can_fail():
     assert "torch" in torch_loaded_by(["pydaemon.worker.async_output"])
 
 
+def test_the_engine_core_starts_without_the_model_stack():
+    """The engine core reads the model's config (model_loader/model_paths.py) and reaches the
+    ranks through the executor interface: importing it (and its process's entry) loads no
+    torch, model, layer, kernel, quantization, worker or sampling module. xgrammar, which
+    imports torch itself, is stubbed: the structured outputs it serves are the engine core's
+    one user of torch."""
+    engine_core = ["pydaemon.engine.engine_core", "pydaemon.engine.core_proc"]
+    assert loaded_by(engine_core, MODEL_STACK, stubs=("xgrammar",)) == []
+
+
+def test_the_model_stack_rule_can_fail():
+    assert loaded_by(["pydaemon.model_loader.loader"], MODEL_STACK, stubs=("xgrammar",)) != []
+
+
 def test_the_engine_reaches_workers_only_through_the_executor_interface():
     graph = _graph()
     folders = _folders_of_graph(graph)
@@ -308,6 +378,41 @@ def test_the_executor_rule_can_fail():
     assert engine_violations(graph, folders) == [
         "pydaemon.engine.x imports pydaemon.executor.multiproc_executor",
         "pydaemon.engine.x imports pydaemon.worker.model_runner",
+    ]
+
+
+def test_nothing_below_the_engine_imports_engine_config():
+    """The workers read their RunnerConfig, the scheduler its SchedulerConfig: a setting has
+    one owner below the engine, which says so in engine/layer_configs.py."""
+    modules = _modules()
+    graph = _graph()
+    folders = _folders_of_graph(graph)
+    sources = {n: p.read_text() for n, p in modules.items() if n in folders}
+    assert "pydaemon.worker.model_runner" in sources  # read at all
+    assert engine_config_importers(sources, folders, LAYERS) == []
+
+
+def test_the_engine_config_rule_can_fail():
+    folders = {
+        "pydaemon.worker.x": "worker",
+        "pydaemon.worker.y": "worker",
+        "pydaemon.core.z": "core",
+        "pydaemon.core.w": "core",
+        "pydaemon.engine.e": "engine",
+        "pydaemon.config.runner": "config",
+    }
+    sources = {
+        "pydaemon.worker.x": "from pydaemon.config.engine import EngineConfig\n",
+        "pydaemon.worker.y": "from pydaemon.config.engine import KV_CACHE_DTYPES\n",
+        "pydaemon.core.z": "def f():\n    import pydaemon.config.engine\n",
+        "pydaemon.core.w": "from pydaemon.config import engine\n",
+        "pydaemon.engine.e": "from pydaemon.config import EngineConfig\n",
+        "pydaemon.config.runner": "from pydaemon.config.engine import EngineConfig\n",
+    }
+    assert engine_config_importers(sources, folders, LAYERS) == [
+        "pydaemon.core.w",
+        "pydaemon.core.z",
+        "pydaemon.worker.x",
     ]
 
 

@@ -60,6 +60,21 @@ def test_groups_off_where_they_cannot_apply(tmp_path):
     assert off.scheduler.blocks.num_groups == 1 and off.runner.kv_groups is None
 
 
+def test_a_prompt_too_big_for_every_table_is_refused_at_submission(tmp_path):
+    """Each of the 3 tables takes the whole prompt at admission, from one pool of 64 blocks:
+    a 200-token prompt (26 blocks a table) fits one table but not three, so the engine refuses
+    it when it is added (naming the tables), before the scheduler could take it."""
+    d = save_hf_new_arch(tmp_path, "gemma3", sliding_window=WINDOW)
+    engine = LLMEngine(EngineConfig(model=str(d), device="cpu", dtype="float32",
+                                    block_size=BLOCK, num_kv_blocks=64))  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    with pytest.raises(ValueError, match=r"78 KV blocks \(26 in each of 3 layer groups\)"):
+        engine.add_request(GenerateRequest("big", list(range(3, 203)), params))
+    engine.add_request(GenerateRequest("fits", list(range(3, 103)), params))  # 13 x 3 = 39
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 # ---- the block manager ------------------------------------------------------------------------
 def test_allocate_group_gives_every_table_the_same_prefix_hit():
     bm = _core.BlockManager(4, 40, 0, 0.0, True)

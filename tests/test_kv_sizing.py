@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from pydaemon.config.engine import EngineConfig
+from pydaemon.engine.layer_configs import runner_config
 from pydaemon.worker.kv_cache import KVCacheSpec
 from pydaemon.worker.model_runner import ModelRunner
 
@@ -65,7 +66,7 @@ def test_the_cache_gets_every_block_the_budget_leaves(monkeypatch):
     weights, activations = 256 * MIB, 64 * MIB
     memory = FakeGPUMemory(total=1024 * MIB, weights=weights)
     memory.install(monkeypatch)
-    config = EngineConfig(device="cuda", enforce_eager=True, max_num_seqs=4)
+    config = runner_config(EngineConfig(device="cuda", enforce_eager=True, max_num_seqs=4))
     runner = ModelRunner.__new__(ModelRunner)  # the sizing alone: no model is loaded
     runner.config = config
     runner.device = torch.device("cuda")

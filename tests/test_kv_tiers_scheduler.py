@@ -15,8 +15,8 @@ from pydaemon.core.disk_blocks import DiskTierReport
 from pydaemon.core.request import Request, RequestStatus, Sequence
 from pydaemon.core.runner_output import ModelRunnerOutput
 from pydaemon.core.sched.scheduler import Scheduler
+from pydaemon.core.sched.scheduler_config import KVTierConfig, SchedulerConfig
 from pydaemon.core.sched.scheduler_output import SchedulerOutput
-from pydaemon.core.sched.tier_config import KVTierConfig
 from pydaemon.core.stop_checker import StopChecker
 from pydaemon.lora_request import LoRARequest, is_lora_salt, prefix_cache_salt
 from pydaemon.outputs import RequestMetrics
@@ -46,16 +46,18 @@ class Harness:
     def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, num_disk_blocks: int = 0):
         self.pools = {GPU: num_gpu_blocks, CPU: num_cpu_blocks, DISK: num_disk_blocks}
         self.scheduler = Scheduler(
-            block_size=BLOCK_SIZE,
-            num_gpu_blocks=num_gpu_blocks,
-            num_cpu_blocks=num_cpu_blocks,
-            max_num_seqs=8,
-            max_num_batched_tokens=64,
-            max_model_len=64,
-            preemption_mode="recompute",
-            tiers=KVTierConfig(
-                enable_cpu_tier=True, num_disk_blocks=num_disk_blocks, kv_block_bytes=1000
-            ),
+            SchedulerConfig(
+                block_size=BLOCK_SIZE,
+                num_gpu_blocks=num_gpu_blocks,
+                num_cpu_blocks=num_cpu_blocks,
+                max_num_seqs=8,
+                max_num_batched_tokens=64,
+                max_model_len=64,
+                preemption_mode="recompute",
+                tiers=KVTierConfig(
+                    enable_cpu_tier=True, num_disk_blocks=num_disk_blocks, kv_block_bytes=1000
+                ),
+            )
         )
         self.bm = self.scheduler.block_manager
         self.batch = InputBatch(8, 64, BLOCK_SIZE)
@@ -319,13 +321,15 @@ def test_a_restart_reuses_the_disk_records_but_not_lora_ones(caplog):
     assert len(records) == 4 and sum(is_lora_salt(r.salt) for r in records) == 2
     with caplog.at_level(logging.INFO):
         restarted = Scheduler(
-            block_size=BLOCK_SIZE,
-            num_gpu_blocks=6,
-            num_cpu_blocks=4,
-            max_num_seqs=8,
-            max_num_batched_tokens=64,
-            max_model_len=64,
-            tiers=KVTierConfig(enable_cpu_tier=True, num_disk_blocks=8, disk_records=records),
+            SchedulerConfig(
+                block_size=BLOCK_SIZE,
+                num_gpu_blocks=6,
+                num_cpu_blocks=4,
+                max_num_seqs=8,
+                max_num_batched_tokens=64,
+                max_model_len=64,
+                tiers=KVTierConfig(enable_cpu_tier=True, num_disk_blocks=8, disk_records=records),
+            )
         )
     assert restarted.block_manager.num_cached_blocks(DISK) == 2  # the adapter's are not
     assert "LoRA adapters are not reused" in caplog.text

@@ -64,6 +64,9 @@ def _broken(good: Path, out: Path, how: str) -> Path:
         else:
             tensors[key] = tensors[key].to(torch.int32)
         save_file(tensors, str(weights))
+    elif how == "huge":  # issue 55, 13: finite values whose products are not (outputs were NaN)
+        tensors = {k: torch.full_like(t, 1e30) for k, t in load_file(str(weights)).items()}
+        save_file(tensors, str(weights))
     elif how == "wrong_shape":  # trained on another model: one projection's width differs
         tensors = load_file(str(weights))
         key = next(k for k in sorted(tensors) if "q_proj.lora_A" in k)
@@ -91,6 +94,7 @@ def _broken(good: Path, out: Path, how: str) -> Path:
     [
         ("truncated", "cannot be read"),
         ("nan", "NaN or infinite"),
+        ("huge", r"lora_B @ lora_A .* beyond torch.float32's range"),
         ("int", "not floating point"),
         ("wrong_shape", "do not fit the model"),
         ("header_lies", "unreadable adapter_model.safetensors"),

@@ -9,6 +9,7 @@ import itertools
 from pydaemon.core.request import Request, Sequence
 from pydaemon.core.sched.lora_budget import LoRABudget
 from pydaemon.core.sched.scheduler import Scheduler
+from pydaemon.core.sched.scheduler_config import SchedulerConfig
 from pydaemon.core.stop_checker import StopChecker
 from pydaemon.lora_request import LoRARequest
 from pydaemon.outputs import RequestMetrics
@@ -35,12 +36,14 @@ def _request(request_id: str, lora: LoRARequest | None) -> Request:
 
 def _scheduler(max_loras: int | None) -> Scheduler:
     return Scheduler(
-        block_size=4,
-        num_gpu_blocks=64,
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        max_model_len=64,
-        max_loras=max_loras,
+        SchedulerConfig(
+            block_size=4,
+            num_gpu_blocks=64,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            max_model_len=64,
+            max_loras=max_loras,
+        )
     )
 
 

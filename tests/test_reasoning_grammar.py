@@ -12,9 +12,9 @@ from test_constraints import _mask, _matchers, _walk
 
 from pydaemon.entrypoints.llm import LLM
 from pydaemon.model_loader.demo_model import demo_model_dir
-from pydaemon.sampling.constraints.compiler import GrammarCompiler
 from pydaemon.sampling_params import REASONING_END_MAX_GAP, SamplingParams
 from pydaemon.sampling_params import StructuredOutputsParams as SO
+from pydaemon.structured_output.compiler import GrammarCompiler
 from pydaemon.tokenizer.loader import load_tokenizer
 from pydaemon.tokenizer.token_bytes import token_bytes
 

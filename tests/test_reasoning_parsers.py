@@ -138,3 +138,20 @@ def test_grpc_account_of_a_harmony_chat_with_a_tool_call():
     [calls] = finished.tool_calls
     [call] = calls.calls
     assert call.name == "get_weather" and json.loads(call.arguments_json) == {"city": "Oslo"}
+
+
+@pytest.mark.parametrize("name", [R1, QWEN3])
+def test_a_continued_message_goes_on_from_where_it_stopped(name):
+    """continue_final_message (issue 55, 13): an answer's continuation is the answer, kept as
+    it comes (mid-sentence); reasoning only inside a <think> the message left open; an echoed
+    message is split from its own start, whatever the parser assumes of a model's output."""
+    parser = get_reasoning_parser(name)
+    answer = parser.continued_tail("<think>ok</think>\n\nThe answer is")
+    assert parser.split(" 42.", answer) == ReasoningSplit(None, " 42.")
+    assert parser.split(" 42.", parser.continued_tail("The answer is")).content == " 42."
+    thinking = parser.continued_tail("<think>\nLet me see")
+    assert parser.split(" more</think>4", thinking) == ReasoningSplit(" more", "4")
+    assert parser.split_message("The answer is") == ReasoningSplit(None, "The answer is")
+    assert parser.split_message("<think>ok</think>\n\nIt") == ReasoningSplit("ok", "It")
+    harmony = get_reasoning_parser(HARMONY)
+    assert harmony.split_message("<b>") == ReasoningSplit(None, "<b>")

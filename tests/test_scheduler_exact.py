@@ -14,6 +14,7 @@ import pytest
 from pydaemon.core.request import Request, RequestStatus, Sequence
 from pydaemon.core.runner_output import ModelRunnerOutput
 from pydaemon.core.sched.scheduler import Scheduler
+from pydaemon.core.sched.scheduler_config import SchedulerConfig
 from pydaemon.core.sched.scheduler_output import SchedulerOutput
 from pydaemon.core.stop_checker import StopChecker
 from pydaemon.outputs import RequestMetrics
@@ -59,14 +60,16 @@ class Harness:
         prefix_caching: bool = True,
     ) -> None:
         self.scheduler = Scheduler(
-            block_size=BLOCK_SIZE,
-            num_gpu_blocks=num_gpu_blocks,
-            num_cpu_blocks=num_cpu_blocks,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=budget,
-            max_model_len=64,
-            preemption_mode=preemption_mode,
-            enable_prefix_caching=prefix_caching,
+            SchedulerConfig(
+                block_size=BLOCK_SIZE,
+                num_gpu_blocks=num_gpu_blocks,
+                num_cpu_blocks=num_cpu_blocks,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=budget,
+                max_model_len=64,
+                preemption_mode=preemption_mode,
+                enable_prefix_caching=prefix_caching,
+            )
         )
         self.bm = self.scheduler.block_manager
         self.batch = InputBatch(max_num_seqs, 64, BLOCK_SIZE)

@@ -10,7 +10,7 @@ import json
 import pytest
 import xgrammar as xgr
 
-from pydaemon.sampling.constraints.schema_support import check_enforceable
+from pydaemon.structured_output.schema_support import check_enforceable
 
 _VOCAB = [chr(i).encode() for i in range(32, 127)] + [b"<eos>"]
 _EOS = len(_VOCAB) - 1

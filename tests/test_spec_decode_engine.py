@@ -11,8 +11,8 @@ import pytest
 from engine_utils import all_blocks_free, make_hf_model, random_prompts
 
 from pydaemon import LLM, SamplingParams
-from pydaemon.worker.spec.oracle_proposer import OracleProposer
-from pydaemon.worker.spec.proposer import DraftRequest
+from pydaemon.worker.spec_decode.oracle_proposer import OracleProposer
+from pydaemon.worker.spec_decode.proposer import DraftRequest
 from pydaemon.worker.spec_decoder import _padded
 
 VOCAB = 256

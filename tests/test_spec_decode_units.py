@@ -10,9 +10,9 @@ import torch
 from pydaemon.config.speculative import SpeculativeConfig
 from pydaemon.sampling.sampling_metadata import SamplingMetadata
 from pydaemon.sampling_params import SamplingParams
-from pydaemon.worker.spec.ngram_proposer import NgramProposer, find_ngram_drafts
-from pydaemon.worker.spec.proposer import DraftRequest
-from pydaemon.worker.spec.rejection_sampler import RejectionSampler, target_probs
+from pydaemon.worker.spec_decode.ngram_proposer import NgramProposer, find_ngram_drafts
+from pydaemon.worker.spec_decode.proposer import DraftRequest
+from pydaemon.worker.spec_decode.rejection_sampler import RejectionSampler, target_probs
 
 
 def _drafts(tokens, min_n=1, max_n=3, k=4):

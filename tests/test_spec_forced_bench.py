@@ -14,8 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.spec_forced import AcceptAllRejectionSampler, ForcedOracleProposer  # noqa: E402
 from pydaemon import SamplingParams  # noqa: E402
 from pydaemon.sampling.sampling_metadata import SamplingMetadata  # noqa: E402
-from pydaemon.worker.spec.proposer import DraftRequest  # noqa: E402
-from pydaemon.worker.spec.rejection_sampler import RejectionSampler  # noqa: E402
+from pydaemon.worker.spec_decode.proposer import DraftRequest  # noqa: E402
+from pydaemon.worker.spec_decode.rejection_sampler import RejectionSampler  # noqa: E402
 
 
 def _request(seq_id: int, tokens: list[int], k: int) -> DraftRequest:

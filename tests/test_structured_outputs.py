@@ -282,8 +282,8 @@ def test_the_grammar_compiler_can_be_built_before_any_request():
     """Issue 46: the first constrained request on a fresh daemon stalled every stream ~4 s
     while the compiler was built on the step's thread; the daemon's core builds it at
     start-up (pydaemon/engine/core_proc.py) with prepare()."""
-    from pydaemon.engine.structured_outputs import StructuredOutputManager
     from pydaemon.model_loader.model_paths import resolve_model_dir
+    from pydaemon.structured_output.manager import StructuredOutputManager
 
     manager = StructuredOutputManager(str(resolve_model_dir("demo")), 512)
     assert manager.compiler is None

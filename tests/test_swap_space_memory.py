@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from pydaemon.config.engine import EngineConfig
+from pydaemon.engine.layer_configs import runner_config
 from pydaemon.worker import kv_host_pool
 from pydaemon.worker.kv_cache import GiB, KVCacheSpec
 from pydaemon.worker.kv_host_pool import build_host_kv
@@ -29,7 +30,7 @@ def _rss_bytes() -> int:
 
 
 def test_a_cpu_engines_swap_space_costs_memory_only_as_blocks_are_swapped():
-    config = EngineConfig(model="demo", device="cpu", swap_space=2.0)
+    config = runner_config(EngineConfig(model="demo", device="cpu", swap_space=2.0))
     before = _rss_bytes()
     host = build_host_kv(config, SMOLLM2_SPEC, 1 << 20, torch.device("cpu"), "float32")
     grown = _rss_bytes() - before
@@ -45,12 +46,11 @@ def test_a_cpu_engines_swap_space_costs_memory_only_as_blocks_are_swapped():
 
 def test_a_pinned_swap_space_is_checked_against_the_hosts_memory(monkeypatch, caplog):
     monkeypatch.setattr(kv_host_pool, "_host_memory_bytes", lambda: 8 * GiB)
-    config = EngineConfig(model="demo", swap_space=6.0)
     with pytest.raises(ValueError, match=r"--swap-space\) 6 GiB.*more than 70% of this host"):
-        kv_host_pool._check_swap_space(config, 6 * GiB, pinned=True)
+        kv_host_pool._check_swap_space(6 * GiB, 6 * GiB, pinned=True)
     with caplog.at_level(logging.WARNING, logger=kv_host_pool.__name__):
-        kv_host_pool._check_swap_space(config, 4 * GiB, pinned=True)  # 50 %: said
-        kv_host_pool._check_swap_space(config, 6 * GiB, pinned=False)  # lazy: fine
+        kv_host_pool._check_swap_space(6 * GiB, 4 * GiB, pinned=True)  # 50 %: said
+        kv_host_pool._check_swap_space(6 * GiB, 6 * GiB, pinned=False)  # lazy: fine
         assert len(caplog.records) == 1 and "pinned host memory" in caplog.records[0].message
-        kv_host_pool._check_swap_space(config, 9 * GiB, pinned=False)
+        kv_host_pool._check_swap_space(6 * GiB, 9 * GiB, pinned=False)
         assert "may exhaust it" in caplog.records[-1].message

@@ -12,7 +12,7 @@ import pytest
 from model_utils import hf_greedy, save_hf_model
 
 from pydaemon.config.engine import EngineConfig
-from pydaemon.engine import engine_core
+from pydaemon.engine import layer_configs
 from pydaemon.engine.llm_engine import LLMEngine
 from pydaemon.generate_request import GenerateRequest
 from pydaemon.sampling_params import SamplingParams
@@ -106,7 +106,7 @@ def test_the_same_cache_runs_more_sequences_at_once(model_dir, monkeypatch):
     prompts = [[random.Random(100 + i).randrange(3, 256) for _ in range(88)] for i in range(24)]
     kw = dict(preemption_mode="recompute", max_num_seqs=32)
     _, freeing, _ = _run(model_dir, prompts, **kw)
-    monkeypatch.setattr(engine_core, "kv_window", lambda *a: None)
+    monkeypatch.setattr(layer_configs, "kv_window", lambda *a: None)
     _, keeping, _ = _run(model_dir, prompts, **kw)
     assert keeping <= 64 // 12 and freeing >= 2 * keeping, (freeing, keeping)
 
@@ -141,5 +141,5 @@ def test_beam_search_gives_the_beams_of_a_cache_that_keeps_every_block(model_dir
         return final
 
     freeing = beams()
-    monkeypatch.setattr(engine_core, "kv_window", lambda *a: None)
+    monkeypatch.setattr(layer_configs, "kv_window", lambda *a: None)
     assert freeing == beams()

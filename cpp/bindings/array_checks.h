@@ -60,6 +60,16 @@ inline DType attention_dtype(const Array& a, const char* name) {
                            .c_str());
 }
 
+// The activations of the per-token layer and MoE kernels: half, bfloat16 or float32.
+inline DType float_dtype(const Array& a, const char* name) {
+  if (is_dtype(a, kFloat, 16)) return DType::kFloat16;
+  if (is_dtype(a, kBfloat, 16)) return DType::kBFloat16;
+  if (is_dtype(a, kFloat, 32)) return DType::kFloat32;
+  throw nb::type_error((std::string(name) + " must be float16, bfloat16 or float32, got " +
+                        dtype_name(a.dtype()))
+                           .c_str());
+}
+
 inline void check_same_dtype(const Array& a, const char* name, const Array& ref,
                              const char* ref_name) {
   if (a.dtype() != ref.dtype())

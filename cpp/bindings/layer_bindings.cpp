@@ -22,15 +22,6 @@ namespace {
 
 constexpr int64_t kMaxInt = std::numeric_limits<int>::max();
 
-DType layer_dtype(const Array& a, const char* name) {
-  if (is_dtype(a, kFloat, 16)) return DType::kFloat16;
-  if (is_dtype(a, kBfloat, 16)) return DType::kBFloat16;
-  if (is_dtype(a, kFloat, 32)) return DType::kFloat32;
-  throw nb::type_error((std::string(name) + " must be float16, bfloat16 or float32, got " +
-                        dtype_name(a.dtype()))
-                           .c_str());
-}
-
 void check_sizes(int64_t num_tokens, int64_t row_length, const char* what) {
   if (row_length <= 0 || row_length > kMaxInt)
     throw nb::value_error(
@@ -56,7 +47,7 @@ void run_rms_norm(Array& out, Array* scale, const Array& input, Array* residual,
                   const Array& weight, double eps, bool round_once, double weight_offset,
                   uintptr_t stream) {
   const int dev = current_device();
-  const DType dtype = layer_dtype(input, "input");
+  const DType dtype = float_dtype(input, "input");
   if (scale == nullptr) check_same_dtype(out, "out", input, "input");
   check_same_dtype(weight, "weight", input, "input");
   check_ndim(input, "input", 2);
@@ -138,7 +129,7 @@ void fused_add_rms_norm_fp8(Array out, Array scale, Array input, Array residual,
 void run_silu_and_mul(Array& out, Array* scale, const Array& input, int activation,
                       double alpha, double limit, uintptr_t stream) {
   const int dev = current_device();
-  const DType dtype = layer_dtype(input, "input");
+  const DType dtype = float_dtype(input, "input");
   if (scale == nullptr) check_same_dtype(out, "out", input, "input");
   check_ndim(input, "input", 2);
   const int64_t num_tokens = input.shape(0), width = input.shape(1);
@@ -214,7 +205,7 @@ void check_heads(const Array& a, const char* name, int64_t num_tokens, int64_t h
 // float32 (rotary_dim even, <= head_dim: a partial rotary embedding below head_dim).
 pagedd::cuda::RotaryParams rotary_params(const Array& query, const Array& key, const Array& cos,
                                          const Array& sin, int dev) {
-  const DType dtype = layer_dtype(query, "query");
+  const DType dtype = float_dtype(query, "query");
   check_same_dtype(key, "key", query, "query");
   check_ndim(query, "query", 3);
   const int64_t num_tokens = query.shape(0), head_dim = query.shape(2);
@@ -338,7 +329,7 @@ void rotary_embedding_and_cache(Array query, Array key, const Array& value, Arra
 
 void per_token_fp8_quant(Array out, Array scale, Array input, uintptr_t stream) {
   const int dev = current_device();
-  const DType dtype = layer_dtype(input, "input");
+  const DType dtype = float_dtype(input, "input");
   check_ndim(input, "input", 2);
   const int64_t num_tokens = input.shape(0), d = input.shape(1);
   check_sizes(num_tokens, d, "d (input.shape[1])");

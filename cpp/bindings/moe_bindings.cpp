@@ -22,15 +22,6 @@ namespace {
 
 constexpr int64_t kMaxInt = std::numeric_limits<int>::max();
 
-DType moe_dtype(const Array& a, const char* name) {
-  if (is_dtype(a, kFloat, 16)) return DType::kFloat16;
-  if (is_dtype(a, kBfloat, 16)) return DType::kBFloat16;
-  if (is_dtype(a, kFloat, 32)) return DType::kFloat32;
-  throw nb::type_error((std::string(name) + " must be float16, bfloat16 or float32, got " +
-                        dtype_name(a.dtype()))
-                           .c_str());
-}
-
 // a: a contiguous [rows, cols] tensor on the device (written by the kernel, or read densely).
 void check_dense(const Array& a, const char* name, int64_t rows, int64_t cols, int dev) {
   check_cuda(a, name, dev);
@@ -64,7 +55,7 @@ void check_top_k(int64_t top_k, int64_t num_experts) {
 void topk_route(Array topk_weights, Array topk_ids, Array logits, bool softmax,
                 bool renormalize, uintptr_t stream) {
   const int dev = current_device();
-  const DType dtype = moe_dtype(logits, "logits");
+  const DType dtype = float_dtype(logits, "logits");
   check_cuda(logits, "logits", dev);
   check_ndim(logits, "logits", 2);
   const int64_t num_tokens = logits.shape(0), num_experts = logits.shape(1);
@@ -123,7 +114,7 @@ void moe_align(Array sorted_token_ids, Array inverse, Array expert_offsets, Arra
 void moe_combine(Array out, Array expert_out, Array inverse, Array topk_weights,
                  uintptr_t stream) {
   const int dev = current_device();
-  const DType dtype = moe_dtype(expert_out, "expert_out");
+  const DType dtype = float_dtype(expert_out, "expert_out");
   check_same_dtype(out, "out", expert_out, "expert_out");
   check_dtype(topk_weights, "topk_weights", kFloat, 32, "float32");
   check_cuda(topk_weights, "topk_weights", dev);

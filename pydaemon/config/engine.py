@@ -33,7 +33,9 @@ KV_CACHE_DTYPES = (
 
 @dataclass
 class EngineConfig:
-    """Everything an LLMEngine needs; the daemon's flags and TOML keys use the same names.
+    """Everything an LLMEngine needs; the daemon's flags and TOML keys use the same names. The
+    engine reads it and splits it once into what each layer below owns (the workers'
+    RunnerConfig, the scheduler's SchedulerConfig: pydaemon/engine/layer_configs.py).
 
     ``max_num_batched_tokens`` is the per-step token budget (decodes first, then prefill
     chunks); ``None`` picks 4096 on CUDA and 512 on CPU (and at least max_num_seqs). ``num_kv_blocks`` overrides the

@@ -45,7 +45,7 @@ class SpeculativeConfig:
         method = values.get("method")
         if method is None and values.get("model") is not None:
             method = "draft_model"
-        if method == "eagle3":  # what is missing: pydaemon/worker/spec/proposer.py
+        if method == "eagle3":  # what is missing: pydaemon/worker/spec_decode/proposer.py
             raise ValueError("speculative_config.method eagle3 is not supported yet (eagle is)")
         if method not in SPEC_METHODS:
             raise ValueError(

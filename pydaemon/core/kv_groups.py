@@ -26,6 +26,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from pydaemon.config.model import ModelConfig
+from pydaemon.config.runner import RunnerConfig
+
 logger = logging.getLogger(__name__)
 
 
@@ -69,8 +72,8 @@ def plan_kv_groups(layer_windows: list[int | None]) -> KVGroups | None:
     return KVGroups(tuple(windows), tuple(layer_group), tuple(layer_slot), size)
 
 
-def kv_groups(model_config, config) -> KVGroups | None:
-    """The model's KV groups under this engine configuration (module docstring: when off)."""
+def kv_groups(model_config: ModelConfig, config: RunnerConfig) -> KVGroups | None:
+    """The model's KV groups under this runner configuration (module docstring: when off)."""
     groups = plan_kv_groups(list(model_config.layer_sliding_windows or []))
     if groups is None:
         return None
@@ -79,7 +82,7 @@ def kv_groups(model_config, config) -> KVGroups | None:
         why = "pipeline stages"
     elif config.speculative is not None and config.speculative.method != "ngram":
         why = f"a {config.speculative.method} proposer's KV cache"
-    elif config.kv_offloading_size:
+    elif config.kv_tiers.has_cpu_tier:
         why = "the CPU tier (--kv-offloading-size)"
     if why is not None:
         logger.warning(

@@ -13,12 +13,13 @@ SamplingParams whatever fields it grows).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import msgspec
 
 from pydaemon.core.model_info import ModelInfo
 from pydaemon.core.stats import EngineStats
-from pydaemon.lora_request import LoRARequest
+from pydaemon.lora_request import LoRAAdapterInfo, LoRARequest
 from pydaemon.outputs import RequestMetrics, TokenLogprobs
 from pydaemon.sampling_params import SamplingParams
 
@@ -74,14 +75,53 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True):
     utility_results: list[UtilityResult] = msgspec.field(default_factory=list)
 
 
+class LoRAEngine(Protocol):
+    """What runs the LoRA control calls: EngineCore, or LLMEngine in front of it."""
+
+    def add_lora(self, lora_request: LoRARequest) -> LoRAAdapterInfo: ...
+    def remove_lora(self, lora_int_id: int) -> bool: ...
+    def list_loras(self) -> list[LoRAAdapterInfo]: ...
+
+
+@dataclass(frozen=True)
+class AddLoRA:
+    """Loads the adapter on every worker (``EngineClient.add_lora``)."""
+
+    lora_request: LoRARequest
+
+    def run(self, engine: LoRAEngine) -> LoRAAdapterInfo:
+        return engine.add_lora(self.lora_request)
+
+
+@dataclass(frozen=True)
+class RemoveLoRA:
+    """Unloads the adapter (``EngineClient.remove_lora``)."""
+
+    lora_int_id: int
+
+    def run(self, engine: LoRAEngine) -> bool:
+        return engine.remove_lora(self.lora_int_id)
+
+
+@dataclass(frozen=True)
+class ListLoRAs:
+    """The adapters in service (``EngineClient.list_loras``)."""
+
+    def run(self, engine: LoRAEngine) -> list[LoRAAdapterInfo]:
+        return engine.list_loras()
+
+
+# A front end's control call to the engine core, run between two steps.
+EngineCall = AddLoRA | RemoveLoRA | ListLoRAs
+
+
 @dataclass
 class UtilityCall:
-    """Front end -> engine core: ``EngineCore.<method>(*args)`` between two steps (the LoRA
-    control calls); answered by a ``UtilityResult`` with the same ``call_id``."""
+    """Front end -> engine-core process: ``call`` between two steps; answered by a
+    ``UtilityResult`` with the same ``call_id``."""
 
     call_id: int
-    method: str  # "add_lora" | "remove_lora" | "list_loras"
-    args: tuple = ()
+    call: EngineCall
 
 
 @dataclass

@@ -33,6 +33,7 @@ class RunnerInfo:
     max_num_batched_tokens: int  # the step's token budget
     num_gpu_blocks: int  # KV blocks on the device (the same on every rank)
     num_cpu_blocks: int  # host memory blocks: swap space and the CPU tier (one pool)
+    num_cpu_tier_blocks: int  # of those, the CPU tier's (0: no KV tiers)
     device: str  # the real one, e.g. "cuda:0", never "auto"
     dtype: str  # e.g. "bfloat16"
     kv_block_bytes: int = 0  # one KV block on this rank

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from pydaemon.core.messages import EngineCoreOutputs
 from pydaemon.core.sched.scheduler import Scheduler
 from pydaemon.core.sched.scheduler_output import SchedulerOutput
-from pydaemon.engine.structured_outputs import StructuredOutputManager
 from pydaemon.executor.abstract import AsyncOutput, Executor
+from pydaemon.structured_output.manager import StructuredOutputManager
 
 
 @dataclass

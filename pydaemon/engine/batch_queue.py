@@ -27,8 +27,8 @@ from pydaemon.core.messages import EngineCoreOutputs
 from pydaemon.core.sched.scheduler import Scheduler
 from pydaemon.core.sched.scheduler_output import SchedulerOutput
 from pydaemon.engine.async_stepper import InFlightStep, launch, sample
-from pydaemon.engine.structured_outputs import StructuredOutputManager
 from pydaemon.executor.abstract import Executor
+from pydaemon.structured_output.manager import StructuredOutputManager
 
 
 class BatchQueueStepper:

@@ -36,6 +36,7 @@ from pydaemon.core.messages import (
     CoreCommands,
     CoreReady,
     CoreStartupFailed,
+    EngineCall,
     EngineCoreOutputs,
     UtilityCall,
     UtilityResult,
@@ -181,14 +182,12 @@ class EngineCoreLoop:
                 return None
         return want_stats
 
-    _CALLS = frozenset({"add_lora", "remove_lora", "list_loras"})
-
     def _call(self, call: UtilityCall) -> UtilityResult:
         """A front end's control call; a ValueError is its answer, never the core's end."""
-        if call.method not in self._CALLS:
-            return UtilityResult(call.call_id, error=f"unknown engine call {call.method!r}")
+        if not isinstance(call.call, EngineCall):
+            return UtilityResult(call.call_id, error=f"unknown engine call {call.call!r}")
         try:
-            result = getattr(self.core, call.method)(*call.args)
+            result = call.call.run(self.core)
         except ValueError as e:
             return UtilityResult(call.call_id, error=str(e))
         return UtilityResult(call.call_id, result=_dumps(result))

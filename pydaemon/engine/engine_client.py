@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pydaemon.config.generation import GenerationDefaults
+from pydaemon.core.messages import AddLoRA, EngineCall, ListLoRAs, RemoveLoRA
 from pydaemon.generate_request import GenerateRequest
 from pydaemon.lora_request import LoRAAdapterInfo, LoRARequest
 from pydaemon.outputs import RequestOutput
@@ -81,18 +82,22 @@ class EngineClient(abc.ABC):
     @abc.abstractmethod
     def abort(self, request_id: str) -> None: ...
 
-    @abc.abstractmethod
     async def add_lora(self, lora_request: LoRARequest) -> LoRAAdapterInfo:
         """Loads the adapter on every worker (ValueError naming what is wrong with it)."""
+        return await self._call(AddLoRA(lora_request))
 
-    @abc.abstractmethod
     async def remove_lora(self, lora_int_id: int) -> bool:
         """Unloads the adapter: at once if no request uses it, else when the last one ends
         (new requests naming it are refused meanwhile). False if it is not loaded."""
+        return await self._call(RemoveLoRA(lora_int_id))
 
-    @abc.abstractmethod
     async def list_loras(self) -> list[LoRAAdapterInfo]:
         """The loaded adapters, in load order (those being unloaded excluded)."""
+        return await self._call(ListLoRAs())
+
+    @abc.abstractmethod
+    async def _call(self, call: EngineCall) -> Any:
+        """Runs ``call`` in the engine, between two steps; its ValueError is raised here."""
 
     @abc.abstractmethod
     async def stats(self) -> Any: ...

@@ -24,45 +24,27 @@ from pydaemon.config.engine import EngineConfig
 from pydaemon.config.model import ModelConfig
 from pydaemon.core.beam_search import BeamSearchState
 from pydaemon.core.messages import EngineCoreOutputs, EngineCoreRequest
-from pydaemon.core.model_info import ModelInfo, RunnerInfo
+from pydaemon.core.model_info import ModelInfo
 from pydaemon.core.request import Request, Sequence
 from pydaemon.core.sched.scheduler import Scheduler
 from pydaemon.core.sched.scheduler_output import WARMUP_REQUEST_ID
-from pydaemon.core.sched.tier_config import KVTierConfig
 from pydaemon.core.stats import EngineStats
 from pydaemon.core.stop_checker import StopChecker
 from pydaemon.engine.async_stepper import AsyncStepper, launch, sample
 from pydaemon.engine.batch_queue import BatchQueueStepper
+from pydaemon.engine.layer_configs import runner_config, scheduler_config
 from pydaemon.engine.loaded_loras import LoadedLoRAs
 from pydaemon.engine.prompt_input import eos_token_ids
-from pydaemon.engine.structured_outputs import StructuredOutputManager
 from pydaemon.executor.abstract import Executor
 from pydaemon.executor.factory import make_executor
 from pydaemon.lora_request import LoRAAdapterInfo, LoRARequest, prefix_cache_salt
-from pydaemon.model_loader.loader import load_model_config
+from pydaemon.model_loader.model_paths import load_model_config
 from pydaemon.outputs import RequestMetrics
 from pydaemon.sampling_params import SamplingParams, logit_bias_out_of_vocab
+from pydaemon.structured_output.manager import StructuredOutputManager
 
 # With nothing scheduled, a step waits this long at most for a grammar compile to finish.
 GRAMMAR_POLL_S = 0.05
-# KV tiers: each step saves early at most this share of the CPU pool (ahead saves).
-SAVE_AHEAD_POOL_SHARE = 8
-
-
-def kv_tier_config(config: EngineConfig, info: RunnerInfo) -> KVTierConfig:
-    """The scheduler's KV tiers from the config and what the ranks built. Each step saves
-    early as many cached blocks as one step can evict (its token budget's worth), so that an
-    eviction rarely waits for its copy, within a share of the CPU pool."""
-    if not config.kv_offloading_size:
-        return KVTierConfig()
-    one_step = info.max_num_batched_tokens // config.block_size
-    return KVTierConfig(
-        enable_cpu_tier=True,
-        num_disk_blocks=info.num_disk_blocks,
-        save_ahead_blocks=min(one_step, info.num_cpu_blocks // SAVE_AHEAD_POOL_SHARE),
-        kv_block_bytes=info.kv_block_bytes * config.tensor_parallel_size,
-        disk_records=info.disk_records,
-    )
 
 
 def _cache_salt(r: EngineCoreRequest) -> str:
@@ -96,7 +78,7 @@ class EngineCore:
         self.config = config
         if executor is None:
             check_max_model_len(config)  # before any weight is loaded
-        self.executor = executor if executor is not None else make_executor(config)
+        self.executor = executor if executor is not None else make_executor(runner_config(config))
         info = self.executor.info
         self.model_config: ModelConfig = self.executor.model_config
         self.max_model_len = info.max_model_len
@@ -106,22 +88,8 @@ class EngineCore:
                 f"max_num_batched_tokens ({info.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({config.max_num_seqs})"
             )
-        self.scheduler = Scheduler(
-            block_size=config.block_size,
-            num_gpu_blocks=info.num_gpu_blocks,
-            num_cpu_blocks=info.num_cpu_blocks,
-            watermark=config.watermark,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=info.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            preemption_mode=config.preemption_mode,
-            enable_prefix_caching=config.enable_prefix_caching,
-            speculative=config.speculative,
-            max_loras=config.max_loras if config.enable_lora else None,
-            tiers=kv_tier_config(config, info),
-            kv_window=kv_window(self.model_config, config.speculative),
-            kv_groups=info.kv_groups,
-        )
+        self.scheduler_config = scheduler_config(config, info, self.model_config)
+        self.scheduler = Scheduler(self.scheduler_config)
         self.structured_outputs = StructuredOutputManager(config.model, self.vocab_size)
         self.loras = LoadedLoRAs(
             self.executor, self.model_config, config.max_lora_rank, config.enable_lora
@@ -197,10 +165,19 @@ class EngineCore:
             )
         num_blocks = self.executor.info.num_gpu_blocks
         usable = num_blocks - int(self.config.watermark * num_blocks)
-        needed = math.ceil((len(token_ids) + 1) / self.config.block_size)
+        # One table per layer group (core/kv_groups.py), each holding the whole prompt at
+        # admission, all from one pool: the scheduler's test (can_allocate_group) counts them all.
+        groups = self.scheduler_config.kv_groups
+        num_tables = 1 if groups is None else groups.num_groups
+        per_table = math.ceil((len(token_ids) + 1) / self.config.block_size)
+        needed = per_table * num_tables
         if needed > usable:
+            tables = (
+                "" if num_tables == 1 else f" ({per_table} in each of {num_tables} layer groups)"
+            )
             raise ValueError(
-                f"prompt needs {needed} KV blocks but the whole cache has {usable} usable blocks"
+                f"prompt needs {needed} KV blocks{tables} but the whole cache has {usable} "
+                "usable blocks"
             )
         if r.lora_request is not None:
             self.loras.check_request(r.lora_request)
@@ -337,16 +314,3 @@ class EngineCore:
 
     def get_stats(self) -> EngineStats:
         return self.scheduler.make_stats(num_waiting_elsewhere=self.structured_outputs.num_waiting)
-
-
-def kv_window(model_config: ModelConfig, speculative) -> int | None:
-    """The window every layer attends within, so that the scheduler frees the blocks that
-    leave it; None when some layer sees the whole context (Gemma's and gpt-oss's global
-    layers: per-layer-group tables serve those, core/kv_groups.py) or a draft model or EAGLE
-    head with a KV cache of its own reads the same tables without a window."""
-    windows = model_config.layer_sliding_windows
-    if not windows or any(w is None for w in windows):
-        return None
-    if speculative is not None and speculative.method != "ngram":
-        return None
-    return max(windows)

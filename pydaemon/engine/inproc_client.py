@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pydaemon.core.messages import EngineCall
 from pydaemon.engine.engine_client import (
     IDLE_HEARTBEAT_S,
     EngineClient,
@@ -34,7 +35,6 @@ from pydaemon.engine.engine_client import (
 )
 from pydaemon.engine.prompt_input import first_eos_token_id
 from pydaemon.generate_request import GenerateRequest
-from pydaemon.lora_request import LoRAAdapterInfo, LoRARequest
 from pydaemon.outputs import RequestOutput
 
 __all__ = ["InprocEngineClient", "EngineDeadError", "merge_deltas", "served_model_info"]
@@ -184,21 +184,12 @@ class InprocEngineClient(EngineClient):
         """Aborts a request; its blocks are freed before the engine's next step."""
         self._post(("abort", request_id))
 
-    async def add_lora(self, lora_request: LoRARequest) -> LoRAAdapterInfo:
-        return await self._call("add_lora", lora_request)
-
-    async def remove_lora(self, lora_int_id: int) -> bool:
-        return await self._call("remove_lora", lora_int_id)
-
-    async def list_loras(self) -> list[LoRAAdapterInfo]:
-        return await self._call("list_loras")
-
-    async def _call(self, method: str, *args) -> Any:
-        """``engine.<method>(*args)`` on the engine thread, between two steps."""
+    async def _call(self, call: EngineCall) -> Any:
+        """``call`` run on the engine thread, between two steps."""
         if not self.is_alive:
             raise EngineDeadError("engine is not running")
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._post(("call", method, args, future))
+        self._post(("call", call, future))
         return await asyncio.wrap_future(future)
 
     async def stats(self) -> Any:
@@ -288,9 +279,9 @@ class InprocEngineClient(EngineClient):
                 return
             self._sinks[request.request_id] = sink
         elif kind == "call":
-            _, method, args, future = command
+            _, call, future = command
             try:
-                result = getattr(self.engine, method)(*args)
+                result = call.run(self.engine)
             except ValueError as e:  # the caller's to report (a bad adapter, say)
                 with contextlib.suppress(concurrent.futures.InvalidStateError):
                     future.set_exception(e)

@@ -28,6 +28,7 @@ from pydaemon.config.engine import EngineConfig
 from pydaemon.core.messages import (
     CoreCommands,
     CoreReady,
+    EngineCall,
     EngineCoreOutputs,
     EngineCoreRequest,
     UtilityCall,
@@ -45,7 +46,6 @@ from pydaemon.engine.output_processor import OutputProcessor
 from pydaemon.engine.prompt_input import first_eos_token_id, to_core_request, tokenize_prompt
 from pydaemon.engine.startup import prepare_front_end
 from pydaemon.generate_request import GenerateRequest
-from pydaemon.lora_request import LoRAAdapterInfo, LoRARequest
 from pydaemon.outputs import RequestMetrics, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -167,24 +167,15 @@ class MPEngineClient(EngineClient):
         self._pending.aborts.append(request_id)
         self._schedule_flush()
 
-    async def add_lora(self, lora_request: LoRARequest) -> LoRAAdapterInfo:
-        return await self._call("add_lora", lora_request)
-
-    async def remove_lora(self, lora_int_id: int) -> bool:
-        return await self._call("remove_lora", lora_int_id)
-
-    async def list_loras(self) -> list[LoRAAdapterInfo]:
-        return await self._call("list_loras")
-
-    async def _call(self, method: str, *args) -> Any:
-        """``EngineCore.<method>(*args)`` in the core, between two steps; its ValueError is
+    async def _call(self, call: EngineCall) -> Any:
+        """``call`` run on the EngineCore in its process, between two steps; its ValueError is
         raised here."""
         if not self.is_alive:
             raise self.error or EngineDeadError("engine is not running")
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
-        self._pending.calls.append(UtilityCall(call_id, method, args))
+        self._pending.calls.append(UtilityCall(call_id, call))
         self._schedule_flush()
         return await future
 

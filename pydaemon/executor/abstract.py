@@ -9,7 +9,8 @@ it hands each step down as plain data and gets plain data back, through these ca
   (structured outputs: ``GrammarOutput``, computed by the engine core while the forward
   runs; None when no row is constrained), samples and starts the one device-to-host copy.
   Returns an ``AsyncOutput`` whose ``get_output()`` waits for that copy.
-- ``add_lora`` / ``remove_lora`` / ``list_loras``: the LoRA control plane, to every rank.
+- ``add_lora`` / ``remove_lora`` / ``list_loras``: the LoRA control plane, to every rank, as
+  typed control calls (pydaemon/core/rank_calls.py) that each backend carries in ``control``.
 - ``check_health`` / ``shutdown``.
 
 Implementations: ``UniProcExecutor`` (one ModelRunner in this process),
@@ -21,11 +22,12 @@ actor, over several hosts). ``factory.make_executor`` picks one from the configu
 from __future__ import annotations
 
 import abc
-from typing import Protocol
+from typing import Any, Protocol
 
 from pydaemon.config.lora import LoRAAdapterConfig
 from pydaemon.config.model import ModelConfig
 from pydaemon.core.model_info import RunnerInfo
+from pydaemon.core.rank_calls import RankAddLoRA, RankCall, RankListLoRAs, RankRemoveLoRA
 from pydaemon.core.runner_output import ModelRunnerOutput
 from pydaemon.core.sched.scheduler_output import GrammarOutput, SchedulerOutput
 from pydaemon.lora_request import LoRARequest
@@ -56,18 +58,27 @@ class Executor(abc.ABC):
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> AsyncOutput:
         """Samples the step launched last; call once after each ``execute_model``."""
 
-    @abc.abstractmethod
     def add_lora(self, lora_request: LoRARequest, adapter: LoRAAdapterConfig) -> None:
         """Every rank reads its shard of the adapter's weights, checks them and keeps them
         (ValueError naming what is wrong; then no rank keeps it)."""
+        try:
+            self.control(RankAddLoRA(lora_request, adapter))
+        except ValueError:
+            self.control(RankRemoveLoRA(lora_request.lora_int_id))  # no rank keeps half of it
+            raise
 
-    @abc.abstractmethod
     def remove_lora(self, lora_int_id: int) -> None:
         """Every rank frees the adapter's slot and weights (no-op if unknown)."""
+        self.control(RankRemoveLoRA(lora_int_id))
 
-    @abc.abstractmethod
     def list_loras(self) -> list[int]:
         """The adapter ids the ranks hold, in load order."""
+        return self.control(RankListLoRAs())
+
+    @abc.abstractmethod
+    def control(self, call: RankCall) -> Any:
+        """Runs ``call`` on every rank's runner, in order with the steps. -> the sampling
+        rank's result; ValueError if any rank raised one (the rank lives on)."""
 
     def check_health(self) -> None:  # noqa: B027 - nothing to check with one process
         """Raises ExecutorFailed once a rank has failed."""

@@ -1,12 +1,12 @@
-"""make_executor: the executor an engine configuration asks for."""
+"""make_executor: the executor a runner configuration asks for."""
 
 from __future__ import annotations
 
-from pydaemon.config.engine import EngineConfig
+from pydaemon.config.runner import RunnerConfig
 from pydaemon.executor.abstract import Executor
 
 
-def make_executor(config: EngineConfig) -> Executor:
+def make_executor(config: RunnerConfig) -> Executor:
     """``distributed_executor_backend`` "ray": Ray actors, at any size (one rank too);
     "mp": spawned processes on this host for several ranks, this process alone for one."""
     if config.distributed_executor_backend == "ray":

@@ -32,20 +32,20 @@ import multiprocessing.connection
 import pickle
 import threading
 import time
+from typing import Any
 
 import torch
 
-from pydaemon.config.engine import EngineConfig
-from pydaemon.config.lora import LoRAAdapterConfig
+from pydaemon.config.runner import RunnerConfig
+from pydaemon.core.rank_calls import RankCall
 from pydaemon.core.sched.scheduler_output import GrammarOutput, SchedulerOutput
 from pydaemon.distributed import parallel_state as ps
 from pydaemon.executor.abstract import AsyncOutput, Executor, ExecutorFailed
-from pydaemon.lora_request import LoRARequest
-from pydaemon.model_loader.loader import load_model_config
+from pydaemon.model_loader.model_paths import load_model_config
 from pydaemon.models.parallel import check_parallel
 from pydaemon.worker.model_runner import ModelRunner, resolve_device
 from pydaemon.worker.rank_worker import free_port
-from pydaemon.worker.tp_worker import ControlCall, WorkerArgs, worker_main
+from pydaemon.worker.tp_worker import WorkerArgs, worker_main
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class TensorParallelError(ExecutorFailed):
 
 
 class MultiprocExecutor(Executor):
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: RunnerConfig) -> None:
         tp, pp, world = (
             config.tensor_parallel_size,
             config.pipeline_parallel_size,
@@ -170,26 +170,16 @@ class MultiprocExecutor(Executor):
         if self.failure is not None:  # set by the monitor thread; no probing on the hot path
             raise TensorParallelError(self.failure)
 
-    # ---- LoRA: control calls, on every rank -------------------------------------------------
-    def add_lora(self, lora_request: LoRARequest, adapter: LoRAAdapterConfig) -> None:
-        try:
-            self._call_all("add_lora", lora_request, adapter)
-        except ValueError:
-            self._call_all("remove_lora", lora_request.lora_int_id)  # no rank keeps half of it
-            raise
-
-    def remove_lora(self, lora_int_id: int) -> None:
-        self._call_all("remove_lora", lora_int_id)
-
+    # ---- control calls (LoRA), on every rank ------------------------------------------------
     def list_loras(self) -> list[int]:
-        return self.driver_runner.list_loras()
+        return self.driver_runner.list_loras()  # every rank holds the same: no round trip
 
-    def _call_all(self, method: str, *args):
-        """Runs ``method`` on every rank's runner, workers first (their replies are awaited
+    def control(self, call: RankCall) -> Any:
+        """Runs ``call`` on every rank's runner, workers first (their replies are awaited
         here, in order with the steps on the same pipes); ValueError if any rank raised it."""
         self._raise_if_failed()
         with self._probe_lock:  # the replies are read here, not by a failure probe
-            self._broadcast(ControlCall(method, args))
+            self._broadcast(call)
             problems = []
             for rank, proc, conn in self._ranked_workers():
                 kind, payload = self._reply(rank, proc, conn)
@@ -199,7 +189,7 @@ class MultiprocExecutor(Executor):
                     self.failure = f"tensor-parallel worker rank {rank} failed:\n{payload}"
                     raise TensorParallelError(self.failure)
         try:
-            result = getattr(self.driver_runner, method)(*args)
+            result = call.run(self.driver_runner)
         except ValueError as e:
             problems.insert(0, str(e))
         if problems:
@@ -218,7 +208,7 @@ class MultiprocExecutor(Executor):
             raise TensorParallelError(self.failure) from None
 
     def _broadcast(
-        self, out: SchedulerOutput | ControlCall | None, ignore_errors: bool = False
+        self, out: SchedulerOutput | RankCall | None, ignore_errors: bool = False
     ) -> None:
         """Sends the step, a control call or None (stop) to every worker; pickled once."""
         data = pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)

@@ -35,16 +35,16 @@ import atexit
 import logging
 import threading
 import time
+from typing import Any
 
-from pydaemon.config.engine import EngineConfig
-from pydaemon.config.lora import LoRAAdapterConfig
+from pydaemon.config.runner import RunnerConfig
+from pydaemon.core.rank_calls import RankCall
 from pydaemon.core.runner_output import ModelRunnerOutput
 from pydaemon.core.sched.scheduler_output import GrammarOutput, SchedulerOutput
 from pydaemon.executor.abstract import AsyncOutput, Executor, ExecutorFailed
-from pydaemon.lora_request import LoRARequest
-from pydaemon.model_loader.loader import load_model_config
+from pydaemon.model_loader.model_paths import load_model_config
 from pydaemon.models.parallel import check_parallel
-from pydaemon.worker.rank_worker import ControlCall, RankWorker, WorkerArgs
+from pydaemon.worker.rank_worker import RankWorker, WorkerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class _RankOutput:
 
 
 class RayExecutor(Executor):
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: RunnerConfig) -> None:
         ray = self._ray = _import_ray()
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -175,7 +175,7 @@ class RayExecutor(Executor):
         )
 
     def _worker_args(
-        self, config: EngineConfig, rank: int, backend: str, init_method: str
+        self, config: RunnerConfig, rank: int, backend: str, init_method: str
     ) -> WorkerArgs:
         node_id, _, _, gpu_ids = self.places[rank]
         visible = local_rank = None
@@ -228,25 +228,11 @@ class RayExecutor(Executor):
             except Exception as e:
                 raise RayExecutorError(self._wait_failure() or f"a Ray rank failed: {e}") from e
 
-    # ---- LoRA: control calls, on every rank -------------------------------------------------
-    def add_lora(self, lora_request: LoRARequest, adapter: LoRAAdapterConfig) -> None:
-        try:
-            self._call_all("add_lora", lora_request, adapter)
-        except ValueError:
-            self._call_all("remove_lora", lora_request.lora_int_id)  # no rank keeps half of it
-            raise
-
-    def remove_lora(self, lora_int_id: int) -> None:
-        self._call_all("remove_lora", lora_int_id)
-
-    def list_loras(self) -> list[int]:
-        return self._call_all("list_loras")
-
-    def _call_all(self, method: str, *args):
-        """Runs ``method`` on every rank's runner, in order with the steps; ValueError if any
+    # ---- control calls (LoRA), on every rank ------------------------------------------------
+    def control(self, call: RankCall) -> Any:
+        """Runs ``call`` on every rank's runner, in order with the steps; ValueError if any
         rank raised it. -> the sampling rank's result."""
         self._raise_if_failed()
-        call = ControlCall(method, args)
         try:
             replies = self._ray.get([a.control.remote(call) for a in self.actors])
         except Exception as e:

@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from pydaemon.config.model import ModelConfig
+from pydaemon.gguf.model_sizes import check_counts
 from pydaemon.gguf.reader import GGUFFile
 
 # general.architecture -> the Hugging Face architecture pagedd serves it as.
@@ -178,6 +179,7 @@ def _gemma(f: GGUFFile, arch: str, cfg: dict[str, Any], head_dim: int) -> dict[s
 
 
 def load_gguf_config(f: GGUFFile) -> ModelConfig:
+    check_counts(f)  # the sizes the model is built from, against the tensors present
     cfg = gguf_config_dict(f)
     try:
         return ModelConfig.from_dict(cfg)

@@ -1,7 +1,7 @@
 """A GGUF file opened for loading: its metadata, and its tensors dequantized to torch.
 
 Read with the format's own reader (``gguf.GGUFReader``, memory-mapped: nothing is copied
-until a tensor is asked for). Quantized tensors are dequantized block by block with
+until a tensor is asked for), once its header is within bounds (bounds.py). Quantized tensors are dequantized block by block with
 ``gguf.quants.dequantize`` (the same routine transformers' GGUF loader uses), then cast to
 the serving dtype; only the types in ``SUPPORTED_TENSOR_TYPES`` are accepted, every other is
 an error naming it and the tensor.
@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
+
+from pydaemon.gguf.bounds import check_file
 
 if TYPE_CHECKING:
     import torch
@@ -39,9 +41,14 @@ class GGUFFile:
         if not self.path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {self.path}")
         try:
+            check_file(self.path)  # every count bounded before the reader trusts them
             self.reader = GGUFReader(self.path)
-        except (ValueError, OSError) as e:
-            raise ValueError(f"{self.path} is not a readable GGUF file: {e}") from e
+        except ValueError as e:
+            raise ValueError(f"{self.path} is not a readable GGUF file: {e}") from None
+        except Exception as e:  # noqa: BLE001 - whatever else the reader trips on, one line
+            raise ValueError(
+                f"{self.path} is not a readable GGUF file: {type(e).__name__}: {e}"
+            ) from None
         self.tensors: dict[str, ReaderTensor] = {t.name: t for t in self.reader.tensors}
         self.architecture: str = self.require("general.architecture")
 

@@ -122,13 +122,6 @@ def _build_on_meta(config: ModelConfig, quant_config, log: bool = False) -> nn.M
     return model
 
 
-def load_model_config(model: str | Path) -> ModelConfig:
-    """-> the config of a model directory (config.json) or of a .gguf file (its metadata)."""
-    if is_gguf_file(model):
-        return load_gguf_config(GGUFFile(model))
-    return ModelConfig.from_model_dir(model)
-
-
 def weight_files(model_dir: Path) -> dict[str, Path]:
     """-> tensor name -> shard holding it, from ``model.safetensors.index.json``."""
     index = model_dir / INDEX_FILE

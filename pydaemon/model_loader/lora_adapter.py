@@ -18,8 +18,9 @@ def load_lora_weights(
     scaling), on the CPU in ``dtype`` (the scaling applied in float32 first).
 
     Raises LoRAAdapterError when the file cannot be read whole (truncated, replaced, not
-    safetensors), a tensor is not floating point or holds a NaN or an infinity, or a shape
-    differs from the one ``config`` was checked with."""
+    safetensors), a tensor is not floating point or holds a NaN or an infinity, the scaled
+    update B @ A could leave ``dtype``'s range, or a shape differs from the one ``config`` was
+    checked with."""
     where = f"LoRA adapter {str(config.path)!r}"
     expected = {key: (a, b) for key, a, b in config.shapes}
     pairs: dict[tuple[int, str], list] = {}
@@ -63,5 +64,16 @@ def load_lora_weights(
         a, b = lora_a.to(dtype), (lora_b.float() * scaling).to(dtype)
         if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
             raise LoRAAdapterError(f"{name}: its weights (B times {scaling:g}) overflow {dtype}")
+        # The update the adapter adds to the layer's weight, B @ A (scaled), must be finite in
+        # the serving dtype too: values of 1e30 are, their products are not (the outputs were
+        # NaN). Entry (i, j) is at most |row i of B| * |column j of A| (Cauchy-Schwarz), so
+        # the bound costs O((out + in) * r), not the product's O(out * in * r).
+        bound = float(b.double().norm(dim=1).max() * a.double().norm(dim=0).max())
+        limit = torch.finfo(dtype).max
+        if not bound <= limit:
+            raise LoRAAdapterError(
+                f"{name}: lora_B @ lora_A (B times {scaling:g}) may reach {bound:.3g}, beyond "
+                f"{dtype}'s range ({limit:.3g}): its outputs would be infinite or NaN"
+            )
         weights[key] = (a, b)
     return weights

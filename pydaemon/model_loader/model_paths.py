@@ -1,6 +1,8 @@
 """Which model a name means, and what clients see of it: the directory or .gguf file that
-``--model`` names ('demo', the default model, a path), the served model name, and the
-generation defaults a served model applies. Light (no torch): both front ends start here."""
+``--model`` names ('demo', the default model, a path), the served model name, the
+generation defaults a served model applies, and the model's config without its weights.
+Light (no torch): both front ends start here, and the engine core reads the config here
+before any rank loads the model."""
 
 from __future__ import annotations
 
@@ -8,7 +10,9 @@ from pathlib import Path
 
 from pydaemon.config.engine import DEFAULT_MODEL
 from pydaemon.config.generation import GenerationDefaults
-from pydaemon.gguf.reader import is_gguf_file
+from pydaemon.config.model import ModelConfig
+from pydaemon.gguf.config import load_gguf_config
+from pydaemon.gguf.reader import GGUFFile, is_gguf_file
 from pydaemon.model_loader.default_model import (
     DEFAULT_GENERATION_CONFIG,
     default_model_path,
@@ -48,3 +52,10 @@ def served_generation_defaults(model: str, model_dir: Path) -> GenerationDefault
     if is_default_model(model):
         return GenerationDefaults.from_dict(DEFAULT_GENERATION_CONFIG, DEFAULT_MODEL)
     return GenerationDefaults.from_model_dir(model_dir)
+
+
+def load_model_config(model: str | Path) -> ModelConfig:
+    """-> the config of a model directory (config.json) or of a .gguf file (its metadata)."""
+    if is_gguf_file(model):
+        return load_gguf_config(GGUFFile(model))
+    return ModelConfig.from_model_dir(model)

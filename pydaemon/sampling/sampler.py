@@ -93,6 +93,18 @@ def _exponential_noise(probs: torch.Tensor, metadata: SamplingMetadata) -> torch
     return noise
 
 
+def tempered_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """The sampler's steps from temperature on: temperature, top-k / top-p, min-p. One
+    function for the Sampler and the speculative rejection sampler, so that verification
+    keeps the distribution sampling uses. logits: [num_rows, vocab] float32 (penalized;
+    greedy rows: temperature 1, no filter) -> the same shape."""
+    logits = logits / metadata.temperature[:, None]
+    logits = apply_top_k_top_p(logits, metadata.top_k, metadata.max_top_k, metadata.top_p)
+    if metadata.min_p is not None:
+        logits = apply_min_p(logits, metadata.min_p)
+    return logits
+
+
 class Sampler:
     """Stateless: ``Sampler()(logits, metadata) -> SamplerOutput``."""
 
@@ -135,11 +147,7 @@ class Sampler:
         if metadata.all_greedy:
             return logits.argmax(dim=-1)
         greedy_ids = None if metadata.all_random else logits.argmax(dim=-1)
-        logits = logits / metadata.temperature[:, None]
-        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.max_top_k, metadata.top_p)
-        if metadata.min_p is not None:
-            logits = apply_min_p(logits, metadata.min_p)
-        probs = logits.softmax(dim=-1)
+        probs = tempered_logits(logits, metadata).softmax(dim=-1)
         sampled = (probs / _exponential_noise(probs, metadata)).argmax(dim=-1)
         if greedy_ids is not None:
             sampled = torch.where(metadata.is_greedy, greedy_ids, sampled)

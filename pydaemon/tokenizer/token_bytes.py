@@ -1,6 +1,6 @@
 """The raw bytes each token id writes, for every id of a tokenizer's vocabulary.
 
-A grammar matcher (pydaemon.sampling.constraints) must know what text a token adds to decide
+A grammar matcher (pydaemon.structured_output) must know what text a token adds to decide
 whether the grammar allows it; decoding token by token loses that (a byte-level token may be
 half a UTF-8 character, SentencePiece drops a leading space). Special tokens (control, BOS,
 EOS, chat markers) write nothing a grammar can use: ``b""``. Supported: byte-level BPE

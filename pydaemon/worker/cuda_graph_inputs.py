@@ -56,8 +56,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from pydaemon.config.engine import EngineConfig
 from pydaemon.config.model import ModelConfig
+from pydaemon.config.runner import RunnerConfig
 from pydaemon.layers.attention import decode_kernel, uses_kernels
 from pydaemon.ops.paged_decode_tc import (
     CONTEXT_BUCKET_FACTOR,
@@ -167,7 +167,7 @@ class GraphPlan:
 
 
 def cuda_graph_plan(
-    config: EngineConfig,
+    config: RunnerConfig,
     model_config: ModelConfig,
     kv_cache: torch.Tensor,
     max_model_len: int,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pydaemon.config.engine import EngineConfig
+from pydaemon.config.runner import RunnerConfig
 from pydaemon.layers.attention_metadata import chunk_metadata
 from pydaemon.model_loader.loader import load_model
 from pydaemon.model_loader.model_paths import resolve_model_dir
@@ -31,11 +31,11 @@ from pydaemon.sampling.logits_processing import processed_logits
 from pydaemon.sampling.sampling_metadata import SamplingMetadata
 from pydaemon.sampling_params import SamplingParams
 from pydaemon.worker.kv_cache import KVCacheSpec
-from pydaemon.worker.spec.proposer import DraftRequest, Proposer
+from pydaemon.worker.spec_decode.proposer import DraftRequest, Proposer
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, config: EngineConfig, device: torch.device, vocab_size: int) -> None:
+    def __init__(self, config: RunnerConfig, device: torch.device, vocab_size: int) -> None:
         """Loads the draft model (before the target's KV cache is sized, so that its weights
         are counted); ``allocate_cache`` gives it its KV cache once the block count is known."""
         spec = config.speculative

@@ -35,13 +35,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pydaemon.config.engine import EngineConfig
 from pydaemon.config.model import ModelConfig
+from pydaemon.config.runner import RunnerConfig
 from pydaemon.layers.attention_metadata import chunk_metadata, to_device
 from pydaemon.model_loader.eagle_head import load_eagle_head
 from pydaemon.model_loader.model_paths import resolve_model_dir
 from pydaemon.worker.kv_cache import KVCacheSpec
-from pydaemon.worker.spec.proposer import DraftRequest, Proposer, TargetStep
+from pydaemon.worker.spec_decode.proposer import DraftRequest, Proposer, TargetStep
 
 
 @dataclass
@@ -55,7 +55,7 @@ class EagleProposer(Proposer):
 
     def __init__(
         self,
-        config: EngineConfig,
+        config: RunnerConfig,
         device: torch.device,
         target: nn.Module,
         target_config: ModelConfig,

@@ -26,7 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from pydaemon.config.engine import EngineConfig
+from pydaemon.config.runner import RunnerConfig
 from pydaemon.core.kv_groups import KVGroups
 from pydaemon.model_loader.model_paths import resolve_model_dir
 from pydaemon.worker.kv_cache import KVCacheSpec
@@ -45,7 +45,7 @@ _CHUNK = 8 << 20
 
 
 def kv_disk_identity(
-    config: EngineConfig,
+    config: RunnerConfig,
     weight_dtype: str,
     spec: KVCacheSpec,
     tp_rank: int,

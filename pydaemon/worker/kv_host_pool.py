@@ -1,11 +1,9 @@
 """The host side of one rank's KV cache: the CPU pool (swap space + the CPU tier of the
-prefix cache, one pool) and the disk tier behind it, sized from the engine config.
-
-Sizes follow vLLM's flags: ``kv_offloading_size`` (GiB) is the CPU tier over every
-tensor-parallel rank together, so each rank holds its share; ``kv_offloading_disk_size`` the
-same for the disk tier. Every rank holds the same number of blocks (the scheduler's one
-block manager drives them all). With a disk tier each rank scans its file (a warm restart)
-and the ranks keep the slots that are whole on every one of them.
+prefix cache, one pool) and the disk tier behind it, sized from the runner's KV-tier plan
+(config/kv_offloading.py: each rank's share of the tiers, in bytes). Every rank holds the
+same number of blocks (the scheduler's one block manager drives them all). With a disk tier
+each rank scans its file (a warm restart) and the ranks keep the slots that are whole on
+every one of them.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pydaemon.config.engine import EngineConfig
+from pydaemon.config.runner import RunnerConfig
 from pydaemon.core.disk_blocks import DiskBlockRecord
 from pydaemon.core.kv_groups import KVGroups
 from pydaemon.distributed import parallel_state as ps
@@ -55,7 +53,7 @@ class HostKV:
 
 
 def build_host_kv(
-    config: EngineConfig,
+    config: RunnerConfig,
     spec: KVCacheSpec,
     max_useful_swap_blocks: int,
     device: torch.device,
@@ -63,29 +61,30 @@ def build_host_kv(
     kv_groups: KVGroups | None = None,
 ) -> HostKV:
     tp_size = ps.get_tp_world_size()
-    num_swap = min(spec.num_blocks_for_bytes(config.swap_space * GiB), max_useful_swap_blocks)
+    plan = config.kv_tiers
+    num_swap = min(spec.num_blocks_for_bytes(plan.swap_bytes), max_useful_swap_blocks)
     num_tier = 0
-    if config.kv_offloading_size:
-        num_tier = spec.num_blocks_for_bytes(config.kv_offloading_size * GiB / tp_size)
+    if plan.has_cpu_tier:
+        num_tier = spec.num_blocks_for_bytes(plan.cpu_tier_bytes)
     num_swap, num_tier = ps.min_across_ranks(num_swap), ps.min_across_ranks(num_tier)
-    if config.kv_offloading_size:
+    if plan.has_cpu_tier:
         if num_tier < 1:
             raise ValueError(
-                f"kv_offloading_size (--kv-offloading-size) {config.kv_offloading_size} GiB "
+                f"kv_offloading_size (--kv-offloading-size) {plan.cpu_tier_gib} GiB "
                 f"holds no KV block: one block takes {spec.block_bytes * tp_size / 2**20:.2f} "
                 f"MiB over {tp_size} rank(s)"
             )
         memory = _host_memory_bytes()
         if num_tier * spec.block_bytes > memory:
             raise ValueError(
-                f"kv_offloading_size (--kv-offloading-size) {config.kv_offloading_size} GiB: "
+                f"kv_offloading_size (--kv-offloading-size) {plan.cpu_tier_gib} GiB: "
                 f"this rank's share, {num_tier * spec.block_bytes / GiB:.1f} GiB, is more than "
                 f"this host's memory ({memory / GiB:.1f} GiB)"
             )
-    _check_swap_space(config, num_swap * spec.block_bytes, pinned=device.type == "cuda")
+    _check_swap_space(plan.swap_bytes, num_swap * spec.block_bytes, pinned=device.type == "cuda")
     cpu_kv_cache = spec.allocate_host_pool(num_swap + num_tier, pin_memory=device.type == "cuda")
     host = HostKV(cpu_kv_cache, num_swap, num_tier)
-    if config.kv_offloading_dir:
+    if plan.disk_dir:
         host.disk, host.disk_records = _open_disk_tier(
             config, spec, cpu_kv_cache, weight_dtype, kv_groups
         )
@@ -93,7 +92,7 @@ def build_host_kv(
 
 
 def _open_disk_tier(
-    config: EngineConfig,
+    config: RunnerConfig,
     spec: KVCacheSpec,
     cpu_kv_cache: torch.Tensor,
     weight_dtype: str,
@@ -101,23 +100,24 @@ def _open_disk_tier(
 ) -> tuple[DiskTier, list[DiskBlockRecord]]:
     """Opens this rank's disk tier and finds the blocks a previous run left there."""
     tp_size, tp_rank = ps.get_tp_world_size(), ps.get_tp_rank()
-    num_disk = spec.num_blocks_for_bytes(config.kv_offloading_disk_size * GiB / tp_size)
+    plan = config.kv_tiers
+    num_disk = spec.num_blocks_for_bytes(plan.disk_bytes)
     num_disk = ps.min_across_ranks(min(num_disk, MAX_DISK_BLOCKS + 1))  # the same on every rank
     if num_disk < 1:
         raise ValueError(
             f"kv_offloading_disk_size (--kv-offloading-disk-size) "
-            f"{config.kv_offloading_disk_size} GiB holds no KV block: one block takes "
+            f"{plan.disk_gib} GiB holds no KV block: one block takes "
             f"{spec.block_bytes * tp_size / 2**20:.2f} MiB over {tp_size} rank(s)"
         )
     if num_disk > MAX_DISK_BLOCKS:
         raise ValueError(
             f"kv_offloading_disk_size (--kv-offloading-disk-size) "
-            f"{config.kv_offloading_disk_size} GiB is more than {MAX_DISK_BLOCKS} blocks of "
+            f"{plan.disk_gib} GiB is more than {MAX_DISK_BLOCKS} blocks of "
             f"this model ({spec.block_bytes / 2**10:.0f} KiB each on this rank), the most the "
             f"scheduler keeps books for: give at most "
             f"{MAX_DISK_BLOCKS * spec.block_bytes * tp_size / GiB:.1f} GiB"
         )
-    root = TierDir.open_root(config.kv_offloading_dir)
+    root = TierDir.open_root(plan.disk_dir)
     try:
         identity = kv_disk_identity(
             config, weight_dtype, spec, tp_rank, tp_size, kv_groups, hash_cache=root
@@ -144,13 +144,14 @@ def _open_disk_tier(
     return disk, records
 
 
-def _check_swap_space(config: EngineConfig, num_bytes: int, pinned: bool) -> None:
+def _check_swap_space(swap_bytes: float, num_bytes: int, pinned: bool) -> None:
     """The swap pool against the host's memory. Pinned (CUDA) pages are resident from the
     start: above MAX_PINNED_SHARE of the memory is refused. Unpinned (a CPU engine) pages are
     committed only as swapped blocks are written, so a large pool costs nothing until
-    preemptions fill it: above the host's memory it is only said."""
+    preemptions fill it: above the host's memory it is only said. ``swap_bytes``: asked for;
+    ``num_bytes``: the pool's (capped at the blocks it can ever hold)."""
     memory = _host_memory_bytes()
-    flag = f"swap_space (--swap-space) {config.swap_space:g} GiB"
+    flag = f"swap_space (--swap-space) {swap_bytes / GiB:g} GiB"
     if pinned and num_bytes > MAX_PINNED_SHARE * memory:
         raise ValueError(
             f"{flag}: {num_bytes / GiB:.1f} GiB of pinned host memory on this rank is more "

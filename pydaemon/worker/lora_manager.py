@@ -28,8 +28,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from pydaemon.config.engine import EngineConfig
 from pydaemon.config.lora import LoRAAdapterConfig, LoRAAdapterError
+from pydaemon.config.runner import RunnerConfig
 from pydaemon.layers.lora.lora_linear import LoRALinear, LoRASlots, wrap_lora_layers
 from pydaemon.lora_request import LoRARequest
 from pydaemon.model_loader.lora_adapter import load_lora_weights
@@ -41,7 +41,7 @@ HostAdapter = dict[LoRALinear, dict[str, tuple[torch.Tensor, torch.Tensor]]]
 
 
 def make_lora_manager(
-    model: nn.Module, config: EngineConfig, max_num_batched_tokens: int
+    model: nn.Module, config: RunnerConfig, max_num_batched_tokens: int
 ) -> LoRAManager | None:
     """The runner's LoRA manager (its wrappers put into ``model``), or None without LoRA."""
     if not config.enable_lora:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pydaemon.config.engine import EngineConfig
 from pydaemon.config.lora import LoRAAdapterConfig
+from pydaemon.config.runner import RunnerConfig
 from pydaemon.core.kv_groups import KVGroups, kv_groups
 from pydaemon.core.model_info import RunnerInfo
 from pydaemon.core.runner_output import ModelRunnerOutput
@@ -79,7 +79,7 @@ def resolve_device(device: str, local_rank: int | None = None) -> torch.device:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: RunnerConfig) -> None:
         self.config = config
         if (ps.get_tp_world_size(), ps.get_pp_world_size()) != (
             config.tensor_parallel_size,
@@ -228,6 +228,7 @@ class ModelRunner:
             max_num_batched_tokens=self.max_num_batched_tokens,
             num_gpu_blocks=self.num_gpu_blocks,
             num_cpu_blocks=self.num_cpu_blocks,
+            num_cpu_tier_blocks=self.host_kv.num_cpu_tier_blocks,
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
             kv_block_bytes=self.spec.block_bytes,

@@ -2,7 +2,7 @@
 
 It joins the process groups (pydaemon/distributed/parallel_state.py), builds the rank's
 ModelRunner (its part of the weights and of the KV cache), then runs what the executor sends,
-in order: steps (a plain ``SchedulerOutput``), control calls (``ControlCall``: LoRA adapters)
+in order: steps (a plain ``SchedulerOutput``), control calls (``RankCall``: LoRA adapters)
 and, on the rank that samples, the sampling of each step and the fetch of its output. The
 ``ray`` backend makes it a Ray actor (pydaemon/executor/ray_executor.py: one method call per
 message); the ``mp`` backend's worker processes run it from a pipe loop
@@ -25,19 +25,12 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from pydaemon.config.engine import EngineConfig
 from pydaemon.config.model import ModelConfig
+from pydaemon.config.runner import RunnerConfig
 from pydaemon.core.model_info import RunnerInfo
+from pydaemon.core.rank_calls import RankCall
 from pydaemon.core.runner_output import ModelRunnerOutput
 from pydaemon.core.sched.scheduler_output import GrammarOutput, SchedulerOutput
-
-
-@dataclass
-class ControlCall:
-    """Executor -> rank: run ``ModelRunner.<method>(*args)`` between two steps and reply."""
-
-    method: str  # "add_lora" | "remove_lora" | "list_loras"
-    args: tuple
 
 
 @dataclass
@@ -47,7 +40,7 @@ class WorkerArgs:
     backend: str  # "nccl" | "gloo"
     init_method: str  # tcp://HOST:PORT of rank 0's store
     timeout_s: float  # of every collective
-    config: EngineConfig  # the engine's, with the model directory resolved
+    config: RunnerConfig  # every rank's settings (resolved by the engine)
     log_level: int
     local_rank: int | None = None  # CUDA device index on the rank's host (None: rank)
     # CUDA_VISIBLE_DEVICES to set before CUDA starts (Ray: every GPU of the host, so that
@@ -177,10 +170,10 @@ class RankWorker:
             raise
 
     # ---- control ------------------------------------------------------------------------
-    def control(self, call: ControlCall) -> tuple[str, object]:
+    def control(self, call: RankCall) -> tuple[str, object]:
         """-> ("ok", result) or ("value_error", message): a bad adapter is refused, the rank
         lives on."""
         try:
-            return "ok", getattr(self.runner, call.method)(*call.args)
+            return "ok", call.run(self.runner)
         except ValueError as e:
             return "value_error", str(e)

@@ -36,9 +36,9 @@ from pydaemon.core.sched.scheduler_output import GrammarOutput, SchedulerOutput
 from pydaemon.sampling.sampling_metadata import SamplingMetadata
 from pydaemon.worker.async_output import AsyncModelRunnerOutput
 from pydaemon.worker.input_batch import InputBatch, StepInput
-from pydaemon.worker.spec.ngram_proposer import NgramProposer
-from pydaemon.worker.spec.proposer import DraftRequest, Proposer, TargetStep
-from pydaemon.worker.spec.rejection_sampler import RejectionSampler
+from pydaemon.worker.spec_decode.ngram_proposer import NgramProposer
+from pydaemon.worker.spec_decode.proposer import DraftRequest, Proposer, TargetStep
+from pydaemon.worker.spec_decode.rejection_sampler import RejectionSampler
 from pydaemon.worker.step_sampler import StepSampler
 
 

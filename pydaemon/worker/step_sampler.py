@@ -21,7 +21,7 @@ import torch
 
 from pydaemon.core.runner_output import ModelRunnerOutput
 from pydaemon.core.sched.scheduler_output import GrammarOutput
-from pydaemon.sampling.constraints.bitmask import apply_grammar_bitmask
+from pydaemon.sampling.bitmask import apply_grammar_bitmask
 from pydaemon.sampling.sampler import Sampler
 from pydaemon.sampling.sampling_metadata import SamplingMetadata, make_generator
 from pydaemon.worker.async_output import AsyncModelRunnerOutput

@@ -1,8 +1,8 @@
 """The ``mp`` backend's worker process (every rank but the one in the engine's process):
 a ``RankWorker`` (pydaemon/worker/rank_worker.py) driven from a pipe until told to stop.
 
-Messages on the pipe from the executor: a pickled SchedulerOutput per step, a ``ControlCall``
-(LoRA adapters: a runner method and its arguments), a pickled None to stop.
+Messages on the pipe from the executor: a pickled SchedulerOutput per step, a ``RankCall``
+(LoRA adapters: pydaemon/core/rank_calls.py), a pickled None to stop.
 Messages to the executor: ("hello", pid) before joining the groups, ("ready", num_gpu_blocks)
 once loaded, ("ok", result) or ("value_error", message) after each control call, ("error",
 traceback) when anything failed. EOF on the pipe means the engine's process is gone: the
@@ -19,9 +19,10 @@ import signal
 import traceback
 from multiprocessing.connection import Connection
 
-from pydaemon.worker.rank_worker import ControlCall, RankWorker, WorkerArgs
+from pydaemon.core.rank_calls import RankCall
+from pydaemon.worker.rank_worker import RankWorker, WorkerArgs
 
-__all__ = ["ControlCall", "WorkerArgs", "worker_main"]
+__all__ = ["WorkerArgs", "worker_main"]
 
 
 def worker_main(args: WorkerArgs, conn: Connection) -> None:
@@ -42,7 +43,7 @@ def worker_main(args: WorkerArgs, conn: Connection) -> None:
             message = pickle.loads(conn.recv_bytes())
             if message is None:
                 break
-            if isinstance(message, ControlCall):
+            if isinstance(message, RankCall):
                 conn.send(worker.control(message))
                 continue
             worker.execute_model(message)  # builds its inputs itself, as every rank does

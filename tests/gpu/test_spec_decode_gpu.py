@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine_utils import all_blocks_free, gaps_of_outputs, make_hf_model, random_prompts  # noqa: E402
 
 from pydaemon import LLM, SamplingParams  # noqa: E402
-from pydaemon.worker.spec.oracle_proposer import OracleProposer  # noqa: E402
+from pydaemon.worker.spec_decode.oracle_proposer import OracleProposer  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
 SPEC = {"method": "ngram", "num_speculative_tokens": 4}

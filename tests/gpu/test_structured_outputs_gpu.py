@@ -21,7 +21,7 @@ from test_constraints import SCHEMAS  # noqa: E402
 
 from pydaemon import LLM, SamplingParams  # noqa: E402
 from pydaemon.model_loader.demo_model import demo_model_dir  # noqa: E402
-from pydaemon.sampling.constraints.bitmask import apply_grammar_bitmask  # noqa: E402
+from pydaemon.sampling.bitmask import apply_grammar_bitmask  # noqa: E402
 from pydaemon.sampling_params import StructuredOutputsParams  # noqa: E402
 
 

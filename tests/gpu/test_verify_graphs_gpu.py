@@ -25,8 +25,8 @@ from pydaemon import LLM, SamplingParams  # noqa: E402
 from pydaemon._core import Device  # noqa: E402
 from pydaemon.worker.cuda_graph_inputs import GraphKey, make_graph_plan  # noqa: E402
 from pydaemon.worker.input_batch import StepInput  # noqa: E402
-from pydaemon.worker.spec.ngram_proposer import NgramProposer  # noqa: E402
-from pydaemon.worker.spec.oracle_proposer import OracleProposer  # noqa: E402
+from pydaemon.worker.spec_decode.ngram_proposer import NgramProposer  # noqa: E402
+from pydaemon.worker.spec_decode.oracle_proposer import OracleProposer  # noqa: E402
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 2048

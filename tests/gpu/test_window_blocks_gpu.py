@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model_utils import run_engine, save_hf_model  # noqa: E402
 
 from pydaemon.config.engine import EngineConfig  # noqa: E402
-from pydaemon.engine import engine_core  # noqa: E402
+from pydaemon.engine import layer_configs  # noqa: E402
 from pydaemon.engine.llm_engine import LLMEngine  # noqa: E402
 from pydaemon.sampling_params import SamplingParams  # noqa: E402
 
@@ -60,6 +60,6 @@ def _run(model_dir, block_size, **config):
 def test_freed_blocks_change_no_token(model_dir, block_size, config, monkeypatch):
     freeing, max_live = _run(model_dir, block_size, **config)
     assert max_live <= WINDOW // block_size + 3, max_live
-    monkeypatch.setattr(engine_core, "kv_window", lambda *a: None)
+    monkeypatch.setattr(layer_configs, "kv_window", lambda *a: None)
     keeping, _ = _run(model_dir, block_size, **config)
     assert freeing == keeping

@@ -34,6 +34,27 @@ def test_a_key_with_spaces_or_of_whitespace_is_refused(key, monkeypatch):
         _resolve("--host", "0.0.0.0")
 
 
+def test_an_empty_key_is_refused_not_taken_as_no_key(monkeypatch, tmp_path):
+    """Issue 55, 13: ``--api-key ''`` started the daemon with no auth; it is refused like an
+    empty key file (and so is a set but empty $PAGEDD_API_KEY), on a loopback bind too."""
+    monkeypatch.delenv("PAGEDD_API_KEY", raising=False)
+    with pytest.raises(ValueError, match="--api-key is empty"):
+        _resolve("--api-key", "")
+    config = tmp_path / "pagedd.toml"
+    config.write_text('api_key = ""\n')
+    with pytest.raises(ValueError, match="--api-key is empty"):
+        _resolve("--config", str(config))
+    empty_file = tmp_path / "key"
+    empty_file.write_text("\n")
+    with pytest.raises(ValueError, match="the first line is empty"):
+        _resolve("--api-key-file", str(empty_file))
+    monkeypatch.setenv("PAGEDD_API_KEY", "")
+    with pytest.raises(ValueError, match=r"\$PAGEDD_API_KEY is set but empty"):
+        _resolve()
+    monkeypatch.delenv("PAGEDD_API_KEY")
+    assert _resolve()[1].api_key is None  # no key given at all: serves without one (loopback)
+
+
 def test_bearer_with_extra_spaces_is_refused_everywhere():
     st = make_server_thread(http_port=0, metrics_port=0, api_key="s3cret")
     try:

@@ -49,6 +49,7 @@ def test_stuck_engine_core_is_not_serving_then_recovers(start_server):
     client = BidiClient(st.stub())
     client.start("r", [3], sampling=pb.SamplingParams(max_tokens=8))
     client.close_send()
+    first = client.next()  # streaming: it waits for the core (one with no output would fail)
     engine.step_delay_s = STEP_S
     frames: dict = {}
     threading.Thread(target=lambda: frames.update(client.collect())).start()
@@ -63,7 +64,7 @@ def test_stuck_engine_core_is_not_serving_then_recovers(start_server):
     assert _wait_for(lambda: _grpc_health(st) == serving, 3 * STEP_S)
     assert request(st, "GET", "/health").status == 200
     assert _wait_for(lambda: "r" in frames, 5.0)
-    assert frames["r"][-1].finished.usage.completion_tokens == 8
+    assert first.request_id == "r" and frames["r"][-1].finished.usage.completion_tokens == 8
 
 
 def test_a_drained_server_lets_go_of_its_engine():
@@ -111,3 +112,53 @@ def test_new_requests_to_a_stuck_core_fail_fast(start_server):
         assert e.value.status_code == 503 and e.value.body["code"] == "engine_stalled"
     engine.step_delay_s = 0.002
     first.join(timeout=10 * STEP_S)  # the first request finishes once the core moves again
+
+
+def test_requests_that_arrive_as_the_core_stops_fail_when_the_stall_is_declared(start_server):
+    """Issue 55, 12: a request that arrived just after the core stopped (before the stall was
+    declared) waited for its client's deadline; now every request still waiting for its first
+    output ends UNAVAILABLE / 503 when the stall is declared. A stream that has begun waits for
+    the core and finishes once it moves again."""
+    import openai
+    from http_helpers import openai_client
+
+    engine = FakeEngine(num_gpu_blocks=256, step_delay_s=0.002)
+    st = start_server(lambda: engine, http_port=0, engine_stall_timeout_s=STALL_S)
+    streaming = BidiClient(st.stub())
+    streaming.start("r", [3], sampling=pb.SamplingParams(max_tokens=8))
+    streaming.close_send()
+    assert streaming.next().request_id == "r"
+    engine.step_delay_s = STEP_S  # the core's next step hangs: no progress for STEP_S
+    t0 = time.monotonic()
+    late = BidiClient(st.stub())
+    late.start("late", [5], sampling=pb.SamplingParams(max_tokens=2))
+    late.close_send()
+    http_errors: dict = {}
+
+    def http_request(stream: bool) -> None:
+        http = openai_client(st, timeout=10 * STEP_S)
+        try:
+            http.completions.create(model="fake", prompt=[5], max_tokens=2, stream=stream)
+        except openai.APIStatusError as e:
+            http_errors[stream] = (e.status_code, e.body["code"], time.monotonic() - t0)
+
+    threads = [threading.Thread(target=http_request, args=(s,)) for s in (False, True)]
+    for thread in threads:
+        thread.start()
+    [frame] = late.collect()["late"]
+    late_s = time.monotonic() - t0
+    for thread in threads:
+        thread.join(10 * STEP_S)
+    assert frame.error.code == grpc.StatusCode.UNAVAILABLE.value[0], frame
+    assert "stopped making progress" in frame.error.message
+    assert late_s < STEP_S  # at the stall (~STALL_S), not when the step or the deadline ended
+    for stream in (False, True):
+        status, code, seconds = http_errors[stream]
+        assert (status, code) == (503, "engine_stalled") and seconds < STEP_S
+    engine.step_delay_s = 0.002
+    rest = streaming.collect()["r"]  # the stream that had begun finishes once the core moves
+    assert rest[-1].finished.usage.completion_tokens == 8
+    assert _wait_for(lambda: _grpc_health(st) == health_pb2.HealthCheckResponse.SERVING, 10.0)
+    again = BidiClient(st.stub())
+    again.start("again", [5], sampling=pb.SamplingParams(max_tokens=2))
+    assert again.close_send().collect()["again"][-1].finished.usage.completion_tokens == 2

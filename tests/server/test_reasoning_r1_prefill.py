@@ -3,8 +3,8 @@
 message continued with ``continue_final_message``) did not help once answer text followed it.
 
 A think-tag parser on a model whose tokenizer has no ``<think>``/``</think>`` is refused at
-start, naming the flag (vLLM refuses it too); on a thinking model, the last marker of the
-prompt's current turn decides whether the output starts as reasoning or as the answer.
+start, naming the flag (vLLM refuses it too); on a thinking model, a continued assistant
+message's own markers decide whether the output starts as reasoning or as the answer.
 """
 
 from __future__ import annotations
@@ -68,16 +68,15 @@ def test_a_thinking_model_passes_the_check(thinker):
         ("<think>\n</think>\n\n", "answer"),
         ("<think>ok</think>Answer:", "answer"),  # answer text after the close
         ("<think>Let me see", "reasoning"),  # opened, not closed: the model goes on thinking
-        ("Sure.", "reasoning"),  # R1 reasons until </think>
+        ("Sure.", "answer"),  # a continued answer goes on as one
     ],
 )
-def test_the_last_marker_of_the_continued_turn_decides(thinker, prefill, opening):
+def test_a_continued_message_decides_how_the_output_starts(thinker, prefill, opening):
+    """What the server does with continue_final_message (openai/chat.py): the message's own
+    markers say whether the output goes on reasoning or answering."""
     tokenizer = thinker[4]
-    messages = [QUESTION, {"role": "assistant", "content": prefill}]
-    _, ids = encode_chat(tokenizer, messages, False, continue_final_message=True)
-    tail = prompt_tail(tokenizer, ids)
-    assert tail.endswith(prefill) and "im_start" not in tail
     r1 = get_reasoning_parser("deepseek_r1")
+    tail = r1.continued_tail(prefill)
     split = r1.split("The answer is 4.", tail)
     if opening == "answer":
         assert (split.reasoning, split.content) == (None, "The answer is 4.")
@@ -94,8 +93,7 @@ def test_a_previous_turns_close_does_not_count(thinker):
         {"role": "user", "content": "hi"},
     ]
     _, ids = encode_chat(tokenizer, messages, True)
-    tail = prompt_tail(tokenizer, ids)
-    assert tail == "assistant\n<think>\n"  # the generation prompt's turn only
+    tail = prompt_tail(tokenizer, ids)  # the generation prompt opened the reasoning again
     assert get_reasoning_parser("deepseek_r1").split("hmm</think>4", tail).content == "4"
 
 

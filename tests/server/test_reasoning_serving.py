@@ -31,16 +31,25 @@ JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "digit", "schema":
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    model_dir = build_reasoning_model(tmp_path_factory.mktemp("thinker"))
+def thinker_dir(tmp_path_factory):
+    return build_reasoning_model(tmp_path_factory.mktemp("thinker"))
+
+
+def _serve(model_dir, parser: str):
     engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=256))
     st = make_server_thread(
-        lambda: engine, http_port=0, serving=ServingOptions(reasoning_parser="qwen3")
+        lambda: engine, http_port=0, serving=ServingOptions(reasoning_parser=parser)
     )
     end_id = engine.tokenizer.encode("</think>", add_bos=False)
     assert len(end_id) == 1
-    yield st, openai_client(st), model_dir.name, end_id[0]
-    st.close()
+    return st, openai_client(st), model_dir.name, end_id[0]
+
+
+@pytest.fixture(scope="module")
+def served(thinker_dir):
+    served = _serve(thinker_dir, "qwen3")
+    yield served
+    served[0].close()
 
 
 def _reasoning(message) -> str | None:
@@ -186,4 +195,61 @@ def test_a_forced_tool_call_comes_after_the_reasoning(served):
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments)["city"] in ("Oslo", "Bergen")
     assert not _reasoning(choice.message) and not choice.message.content
+    st.wait_all_blocks_free()
+
+
+@pytest.fixture(scope="module", params=["deepseek_r1", "qwen3"])
+def served_by(thinker_dir, request):
+    served = _serve(thinker_dir, request.param)
+    yield served
+    served[0].close()
+
+
+def _chat_split(client, stream: bool, **kwargs) -> tuple[str | None, str | None]:
+    """(reasoning, content) of one choice, whole or joined from the stream."""
+    if not stream:
+        message = client.chat.completions.create(**kwargs).choices[0].message
+        return _reasoning(message), message.content
+    reasoning, content = None, None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            extra = choice.delta.model_extra or {}
+            if extra.get("reasoning_content"):
+                reasoning = (reasoning or "") + extra["reasoning_content"]
+            if choice.delta.content:
+                content = (content or "") + choice.delta.content
+    return reasoning, content
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "final, is_reasoning, echoed",
+    [
+        ("The answer is", False, (None, "The answer is")),
+        ("<think>\nLet me see", True, ("\nLet me see", None)),
+        ("<think>ok</think>\n\nThe answer is", False, ("ok", "The answer is")),
+    ],
+)
+def test_a_continued_message_goes_on_as_what_it_was(served_by, stream, final, is_reasoning,
+                                                    echoed):  # fmt: skip
+    """Issue 55, 13: continue_final_message (with echo or without) continues the last message:
+    its continuation is reasoning only inside a <think> the message left open (deepseek_r1,
+    which reasons by default, reported an answer's continuation as reasoning; qwen3 reported
+    open reasoning's as the answer), and the echo is split as the message reads."""
+    st, client, model, end_id = served_by
+    messages = [{"role": "user", "content": "Pick a digit."},
+                {"role": "assistant", "content": final}]  # fmt: skip
+    kwargs = dict(model=model, messages=messages, max_tokens=6, temperature=0,
+                  logit_bias={str(end_id): -100})  # fmt: skip
+    extra = {"continue_final_message": True, "add_generation_prompt": False, "ignore_eos": True}
+    reasoning, content = _chat_split(client, stream, extra_body=extra, **kwargs)
+    continuation = reasoning if is_reasoning else content
+    assert continuation and (content if is_reasoning else reasoning) is None
+    echo_extra = {**extra, "echo": True}
+    reasoning, content = _chat_split(client, stream, extra_body=echo_extra, **kwargs)
+    echo_reasoning, echo_content = echoed
+    if is_reasoning:
+        assert (reasoning, content) == (echo_reasoning + continuation, echo_content)
+    else:
+        assert (reasoning, content) == (echo_reasoning, echo_content + continuation)
     st.wait_all_blocks_free()

@@ -38,19 +38,17 @@ import bisect
 from collections import deque
 
 from pydaemon import _core
-from pydaemon.config.speculative import SpeculativeConfig
 from pydaemon.core.disk_blocks import DiskTierReport
-from pydaemon.core.kv_groups import KVGroups
 from pydaemon.core.messages import EngineCoreOutputs
 from pydaemon.core.request import Request, RequestStatus, Sequence
 from pydaemon.core.runner_output import ModelRunnerOutput
 from pydaemon.core.sched.lora_budget import LoRABudget
 from pydaemon.core.sched.output_builder import build_scheduler_output
+from pydaemon.core.sched.scheduler_config import SchedulerConfig
 from pydaemon.core.sched.scheduler_output import SchedulerOutput
 from pydaemon.core.sched.seq_updates import SeqUpdater
 from pydaemon.core.sched.spec_slots import DraftSlots
 from pydaemon.core.sched.step_plan import ScheduledSeq, StepPlan
-from pydaemon.core.sched.tier_config import KVTierConfig
 from pydaemon.core.seq_blocks import SeqBlocks
 from pydaemon.core.stats import EngineStats, SchedulerStats
 
@@ -61,30 +59,14 @@ class Scheduler:
     tokens; a waiting request holds no blocks; the runner holds a sequence
     (``seq.is_in_runner``) only while it runs."""
 
-    def __init__(
-        self,
-        *,
-        block_size: int,
-        num_gpu_blocks: int,
-        num_cpu_blocks: int = 0,
-        watermark: float = 0.0,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        max_model_len: int,
-        preemption_mode: str = "auto",
-        enable_prefix_caching: bool = True,
-        speculative: SpeculativeConfig | None = None,
-        max_loras: int | None = None,  # adapters in one batch; None: LoRA is off
-        tiers: KVTierConfig | None = None,  # None: no CPU or disk tier
-        kv_window: int | None = None,  # every layer's sliding window: older blocks are freed
-        kv_groups: KVGroups | None = None,  # windowed and global layers: a table per group
-    ) -> None:
-        tiers = tiers or KVTierConfig()
+    def __init__(self, config: SchedulerConfig) -> None:
+        tiers = config.tiers
+        block_size, enable_prefix_caching = config.block_size, config.enable_prefix_caching
         self.block_manager = _core.BlockManager(
             block_size,
-            num_gpu_blocks,
-            num_cpu_blocks,
-            watermark,
+            config.num_gpu_blocks,
+            config.num_cpu_blocks,
+            config.watermark,
             enable_prefix_caching,
             tiers.enable_cpu_tier,
             tiers.num_disk_blocks,
@@ -95,23 +77,24 @@ class Scheduler:
             enable_prefix_caching,
             has_tiers=tiers.enable_cpu_tier,
             kv_block_bytes=tiers.kv_block_bytes,
-            kv_window=kv_window,
-            kv_groups=kv_groups,
+            kv_window=config.kv_window,
+            kv_groups=config.kv_groups,
         )
         if tiers.disk_records:
             self.blocks.restore_disk_blocks(tiers.disk_records)
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.preemption_mode = preemption_mode
-        self.loras = LoRABudget(max_loras)
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.preemption_mode = config.preemption_mode
+        self.loras = LoRABudget(config.max_loras)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self.stats = SchedulerStats()
         self.finished_request_ids: list[str] = []  # told to the runner at the next step
-        self.updater = SeqUpdater(self.blocks, max_model_len)
-        self.drafts = speculative and DraftSlots(speculative, self.blocks, max_model_len)
+        self.updater = SeqUpdater(self.blocks, config.max_model_len)
+        speculative = config.speculative
+        self.drafts = speculative and DraftSlots(speculative, self.blocks, config.max_model_len)
         # Scheduled steps awaiting update_from_output(), oldest first (two under async
         # scheduling), each with the output it was sent as.
         self._plans: deque[tuple[SchedulerOutput, StepPlan]] = deque()

@@ -13,15 +13,17 @@ Named as vLLM's ``--reasoning-parser`` values:
   (``skip_special_tokens`` false) and this parser takes them out.
 
 A prompt whose rendered text already closed the reasoning (Qwen3's template with
-``enable_thinking`` false ends with ``<think>\\n\\n</think>\\n\\n``, or an assistant message
-continued with ``continue_final_message`` that holds ``</think>``, answer text after it or not)
-makes the whole output the answer: what counts is the last marker in the prompt's current turn
-(after its last special token). The think-tag parsers need a model whose tokenizer has
-``<think>`` and ``</think>``: with any other, every answer would come back as reasoning (R1
-reasons until ``</think>``), so ``check_reasoning_parser`` refuses it at start, as vLLM does.
+``enable_thinking`` false ends with ``<think>\\n\\n</think>\\n\\n``) makes the whole output the
+answer. An output that continues the final message (``continue_final_message``) goes on from
+where that message is: reasoning only inside a ``<think>`` it left open; an echoed message is
+split from its own start. Streaming gives each delta's reasoning and content, holding back only
+text that may be the start of a marker; the whole-text result is the streamed one joined (one
+code path).
 
-Streaming gives each delta's reasoning and content, holding back only text that may be the
-start of a marker; the whole-text result is the streamed one joined (one code path).
+The think-tag parsers need a model whose tokenizer has ``<think>`` and ``</think>``: on any
+other, ``deepseek_r1`` (which reasons until ``</think>``) returned every answer as reasoning
+with ``content: null``, so ``check_reasoning_parser`` refuses such a model at start, as vLLM
+does.
 """
 
 from __future__ import annotations
@@ -66,6 +68,15 @@ class ReasoningParser:
             (reasoning + more_reasoning) if stream.had_reasoning else None,
             (content + more_content) or None,
         )
+
+    def continued_tail(self, message_text: str) -> str:
+        """The ``prompt_text`` for an output that continues the final message, whose text is
+        ``message_text`` (continue_final_message): the output goes on where the message ends."""
+        return message_text
+
+    def split_message(self, message_text: str) -> ReasoningSplit:
+        """A message's own text (an echo) split from its start: as a client wrote it."""
+        return ReasoningSplit(None, message_text or None)
 
 
 class ReasoningStream:
@@ -138,6 +149,18 @@ class ThinkReasoningParser(ReasoningParser):
         self.name = name
         self.reasons_by_default = reasons_by_default
 
+    def _opening(self, prompt_text: str) -> str:
+        """How the output starts: "answer", "reasoning", or "either" (its first text says)."""
+        tail = prompt_text.rstrip()
+        if tail.endswith(self.end):
+            return "answer"
+        if tail.endswith(self.start) or self.reasons_by_default:
+            return "reasoning"
+        return "either"
+
+    def stream(self, prompt_text: str = "") -> ReasoningStream:
+        return _ThinkStream(self, self._opening(prompt_text))
+
     def check_model(self, tokenizer) -> None:
         missing = [m for m in (self.start, self.end) if not _is_one_token(tokenizer, m)]
         if tokenizer is not None and missing:
@@ -148,18 +171,23 @@ class ThinkReasoningParser(ReasoningParser):
                 "reasoning); serve it without --reasoning-parser"
             )
 
-    def _opening(self, prompt_text: str) -> str:
-        """How the output starts: "answer", "reasoning", or "either" (its first text says).
-        ``prompt_text``: the prompt's current turn (prompt_tail); its last marker decides."""
-        start, end = prompt_text.rfind(self.start), prompt_text.rfind(self.end)
-        if end > start:  # closed by the template, or by a continued assistant message
-            return "answer"
-        if start > end or self.reasons_by_default:
-            return "reasoning"
-        return "either"
+    def continued_tail(self, message_text: str) -> str:
+        """A continued message reasons on only if it opened ``<think>`` and did not close it;
+        otherwise it is an answer, and so is what continues it (DeepSeek R1's parser, which
+        reasons by default, took the continuation of an answer for reasoning)."""
+        is_open = message_text.rfind(self.start) > message_text.rfind(self.end)
+        return self.start if is_open else self.end
 
-    def stream(self, prompt_text: str = "") -> ReasoningStream:
-        return _ThinkStream(self, self._opening(prompt_text))
+    def split_message(self, message_text: str) -> ReasoningSplit:
+        """A message reasons only inside the ``<think>`` it opens with, whatever the parser
+        assumes of a model's output."""
+        stream = _ThinkStream(self, "either")
+        reasoning, content = stream.feed(message_text)
+        more_reasoning, more_content = stream.finish()
+        return ReasoningSplit(
+            (reasoning + more_reasoning) if stream.had_reasoning else None,
+            (content + more_content) or None,
+        )
 
     def markers(self, tokenizer, prompt_text: str = "") -> ReasoningMarkers | None:
         opening = self._opening(prompt_text)
@@ -177,7 +205,9 @@ class _ThinkStream(ReasoningStream):
         self.state = {"answer": "content", "reasoning": "start", "either": "start"}[opening]
         self.reasons_first = opening == "reasoning"
         self.buf = ""
-        self.answer_started = False
+        # Blank lines after an output's </think> are dropped; an answer the prompt opened is
+        # kept as it comes (a continued message goes on mid-sentence: " 42").
+        self.answer_started = opening == "answer"
 
     def feed(self, delta: str) -> tuple[str, str]:
         self.buf += delta
@@ -358,24 +388,12 @@ def chat_reasoning_parser(name: str | None, tokenizer) -> ReasoningParser | None
     return None if name is None else get_reasoning_parser(name)
 
 
-# Reasoning markers that some tokenizers make special tokens: never a turn boundary.
-_THINK_MARKERS = frozenset({ThinkReasoningParser.start, ThinkReasoningParser.end})
-
-
-def prompt_tail(tokenizer, prompt_token_ids: list[int], num_tokens: int = 64) -> str:
-    """The rendered prompt's current turn as text: its last tokens after the last special token
-    (``<|im_start|>assistant``: the turn's opening, and a previous turn's end), markers kept.
-    Whether the template or a continued assistant message opened (``<think>``) or closed
-    (``</think>``) the reasoning; a previous turn's ``</think>`` does not count."""
+def prompt_tail(tokenizer, prompt_token_ids: list[int], num_tokens: int = 16) -> str:
+    """The rendered prompt's last tokens as text, markers kept: whether the template opened
+    (``<think>``) or closed (``</think>``) the reasoning."""
     if tokenizer is None or not prompt_token_ids:
         return ""
-    text = tokenizer.decode(list(prompt_token_ids[-num_tokens:]), skip_special_tokens=False)
-    cut = 0
-    for special in tokenizer.special_token_texts - _THINK_MARKERS:
-        index = text.rfind(special)
-        if index >= 0:
-            cut = max(cut, index + len(special))
-    return text[cut:]
+    return tokenizer.decode(list(prompt_token_ids[-num_tokens:]), skip_special_tokens=False)
 
 
 def apply_reasoning(params, parser: ReasoningParser | None, tokenizer, tail: str):

@@ -100,7 +100,9 @@ class PageddServer:
         self.options = options
         self.notifier = notifier or SdNotifier()
         self.health = Health()
-        self.liveness = Liveness(self.health, options.engine_stall_timeout_s)
+        self.liveness = Liveness(
+            self.health, options.engine_stall_timeout_s, on_stall=self._fail_waiting_requests
+        )
         self.heap_trimmer = HeapTrimmer(options.heap_trim_interval_s)
         self.async_engine: EngineClient | None = None  # the engine client, once started
         self.metrics = Metrics(self._stats)
@@ -201,6 +203,7 @@ class PageddServer:
                 o.metrics_host,
                 o.metrics_port,
                 api_key=o.api_key if o.metrics_auth else None,
+                max_connections=connection_budget(share=0.125, most=1024),
                 tls=(o.tls_cert, o.tls_key) if o.tls_cert else None,
             )
             await self.metrics_server.start()
@@ -275,6 +278,16 @@ class PageddServer:
             adapters=self.servicer.adapters,
         )
         await self.http.start()
+
+    def _fail_waiting_requests(self) -> None:
+        """The engine core stalled: requests still waiting for their first output fail now
+        (UNAVAILABLE / 503; nothing was sent, so a client may retry on another replica) rather
+        than at their clients' deadlines. Streams that have begun wait for the core."""
+        num_failed = self.servicer.fail_waiting()
+        if self.http is not None:
+            num_failed += self.http.fail_waiting()
+        if num_failed:
+            logger.warning("failed %d requests waiting for the stalled engine core", num_failed)
 
     @property
     def num_live_requests(self) -> int:

@@ -5,12 +5,16 @@ stopped (SIGSTOP), deadlocked or stuck in one step misses those reports although
 is alive. Past ``stall_timeout_s`` without one, the daemon says so: gRPC health NOT_SERVING,
 HTTP ``/health`` 503, ``GetServerStatus.is_serving`` false; a load balancer then routes
 around it. When the core reports again, health goes back to SERVING (unless draining).
+When the stall is declared, ``on_stall`` runs: the daemon fails the requests that are waiting
+for their first output (they arrived as the core stopped) instead of letting them wait for
+their clients' deadlines.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from pydaemon.engine.engine_client import EngineClient
 from pydaemon.entrypoints.grpc.health import Health
@@ -19,9 +23,15 @@ logger = logging.getLogger(__name__)
 
 
 class Liveness:
-    def __init__(self, health: Health, stall_timeout_s: float) -> None:
+    def __init__(
+        self,
+        health: Health,
+        stall_timeout_s: float,
+        on_stall: Callable[[], None] | None = None,
+    ) -> None:
         self.health = health
         self.stall_timeout_s = stall_timeout_s
+        self.on_stall = on_stall
         self.engine: EngineClient | None = None  # set once serving
         self._task: asyncio.Task | None = None
 
@@ -60,6 +70,8 @@ class Liveness:
                     "the engine core has made no progress for %.0f s: health NOT_SERVING",
                     self.engine.seconds_since_progress(),
                 )
+                if self.on_stall is not None:
+                    self.on_stall()
             else:
                 logger.warning("the engine core is making progress again: health SERVING")
             await self.health.set_serving(not is_stalled)

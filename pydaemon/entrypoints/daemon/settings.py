@@ -340,10 +340,21 @@ def resolve(args: argparse.Namespace) -> tuple[dict[str, Any], ServerOptions, st
     values.update(
         {k: v for k, v in vars(args).items() if v is not None and k not in ("config", "command")}
     )
+    # An empty key is a mistake, never "no key" (it started the daemon with no auth): refused
+    # like an empty key file; leave the flag (or the variable) out to serve without one.
+    if values.get("api_key") == "":
+        raise ValueError(
+            "--api-key is empty: give a key (better: --api-key-file or $" + API_KEY_ENV + "), "
+            "or leave the flag out to serve without one"
+        )
     if values.get("api_key_file") and not values.get("api_key"):
         values["api_key"] = _read_key_file(values["api_key_file"])
     if not values.get("api_key"):
-        values["api_key"] = os.environ.get(API_KEY_ENV) or None
+        if os.environ.get(API_KEY_ENV) == "":
+            raise ValueError(
+                f"${API_KEY_ENV} is set but empty: give it a key, or unset it to serve without one"
+            )
+        values["api_key"] = os.environ.get(API_KEY_ENV)
     if values.get("api_key") is not None:
         check_api_key(values["api_key"], "--api-key (or --api-key-file, $" + API_KEY_ENV + ")")
     _check_exposure(values)

@@ -40,7 +40,6 @@ async def render_chat(
         rendered = apply_model_prompt(
             start,
             engine.tokenizer,
-            engine.model_info.generation_defaults,
             tools,
             tool_choice,
             parse_special_tokens_in_chat=parse_special_tokens_in_chat,
@@ -54,12 +53,12 @@ def admit(start: pb.StartRequest, engine: EngineClient, max_queued_requests: int
     """Validated engine arguments, or RequestInvalid (RESOURCE_EXHAUSTED when the queue, counted
     in sequences, has no room for this request's)."""
     info = engine.model_info
-    start = apply_model_prompt(start, engine.tokenizer, info.generation_defaults)
     args = to_engine_args(
         start,
         vocab_size=info.vocab_size,
         has_tokenizer=info.has_tokenizer,
         max_model_len=info.max_model_len,
+        defaults=info.generation_defaults,
     )
     num_queued = engine.num_unscheduled
     num_new = num_sequences(args.params)

@@ -3,7 +3,8 @@
 A reader task turns client frames into request tasks (one asyncio task per request, consuming
 EngineClient.generate); every frame for the client goes through one queue to the single
 writer (the handler coroutine itself). Every way a request can end early — cancel frame,
-closed stream, expired deadline, time limit, stalled client, drain — cancels its task, and the
+closed stream, expired deadline, time limit, stalled client, drain, an engine core that stalls
+before the request's first output (it then ends UNAVAILABLE) — cancels its task, and the
 task's cancellation aborts the engine request (freeing its blocks before the engine's next
 step). If the engine-core process dies, every stream ends with UNAVAILABLE. A servicer mixes
 this in (pydaemon/entrypoints/grpc/servicer.py) and provides ``engine``, ``options``,
@@ -35,6 +36,10 @@ from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
+ENGINE_STALLED = (
+    "the engine core has stopped making progress (no step or heartbeat within the stall "
+    "timeout): retry later or on another replica"
+)
 _READER_DONE = object()  # the client half-closed its side
 _MAX_FRAMES_PER_WRITE = 4096  # a GenerateBatched message stays far below 4 MiB
 # Frames a stream may hold for a client that reads slowly. Past this, its requests wait for
@@ -57,6 +62,8 @@ class _Live:
     engine_request_id: str
     task: asyncio.Task | None = None
     cancel_reason: int | None = None  # FinishReason reported when the task is cancelled
+    failure: RequestInvalid | None = None  # cancelled to end with this error instead
+    has_output: bool = False  # the engine has answered it at least once
     timer: asyncio.TimerHandle | None = None
 
 
@@ -89,6 +96,20 @@ class GenerateCalls:
         for stream in list(self._streams):
             for live in list(stream.live.values()):
                 self._cancel(live, reason)
+
+    def fail_waiting(self) -> int:
+        """The engine core stalled: every live request with no output yet ends UNAVAILABLE
+        now (its stream lives on). -> how many."""
+        waiting = [
+            live
+            for stream in self._streams
+            for live in stream.live.values()
+            if not live.has_output and live.failure is None
+        ]
+        for live in waiting:
+            live.failure = RequestInvalid(grpc.StatusCode.UNAVAILABLE, ENGINE_STALLED)
+            self._cancel(live, pb.FINISH_REASON_ABORTED)
+        return len(waiting)
 
     # ---- Generate ----------------------------------------------------------------------
 
@@ -247,11 +268,7 @@ class GenerateCalls:
                 grpc.StatusCode.UNAVAILABLE, "server is not serving (starting or draining)"
             )
         if self.is_stalled():  # fail fast: the request would wait for a core that is not moving
-            raise RequestInvalid(
-                grpc.StatusCode.UNAVAILABLE,
-                "the engine core has stopped making progress (no step or heartbeat within the "
-                "stall timeout): retry later or on another replica",
-            )
+            raise RequestInvalid(grpc.StatusCode.UNAVAILABLE, ENGINE_STALLED)
 
     def _admit(self, start: pb.StartRequest) -> EngineArgs:
         self._check_serving()
@@ -291,6 +308,7 @@ class GenerateCalls:
                 account.num_sequences = args.params.n
                 self._arm_time_limit(live, args)
             async for output in self.engine.generate(args.engine_request(live.engine_request_id)):
+                live.has_output = True
                 for frame in account.frames(output):
                     stream.out.put_nowait(frame)
                 if stream.out.qsize() >= _MAX_BUFFERED_FRAMES:
@@ -299,7 +317,10 @@ class GenerateCalls:
                 if output.finished:
                     final = account.finished()
         except asyncio.CancelledError:
-            final = account.finished(live.cancel_reason or pb.FINISH_REASON_CANCELLED)
+            if live.failure is not None:  # the engine core stalled (fail_waiting)
+                final = error_frame(account.request_id, live.failure.code, live.failure.message)
+            else:
+                final = account.finished(live.cancel_reason or pb.FINISH_REASON_CANCELLED)
         except RequestInvalid as e:
             final = error_frame(account.request_id, e.code, e.message)
         except ValueError as e:

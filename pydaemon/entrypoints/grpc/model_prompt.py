@@ -1,7 +1,8 @@
 """What the loaded model adds to a StartRequest before validation: chat messages rendered by its
 chat template into token ids (with their tools, and the constraint a forced tool choice
-needs), and its generation_config.json sampling defaults in the fields the request left
-unset. ``chat_tools`` reads a chat request's tools and how to find the calls in its output."""
+needs). ``chat_tools`` reads a chat request's tools and how to find the calls in its output.
+Its generation_config.json sampling defaults are merged where every front end merges them
+(``GenerationDefaults.sampling_params``, from grpc/validation.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from typing import Any
 
 import grpc
 
-from pydaemon.config.generation import GenerationDefaults
 from pydaemon.entrypoints.common.limits import LimitError, check_chat_role
 from pydaemon.entrypoints.common.tool_choice import (
     ToolsNotRendered,
@@ -61,58 +61,46 @@ def chat_tools(
 def apply_model_prompt(
     start: pb.StartRequest,
     tokenizer: AnyTokenizer | None,
-    defaults: GenerationDefaults,
     tools: list[dict[str, Any]] | None = None,
     tool_choice: Any = None,
     *,
     parse_special_tokens_in_chat: bool = False,
 ) -> pb.StartRequest:
-    """-> ``start`` itself when nothing changes, else a changed copy. ``tools`` and
-    ``tool_choice``: ``chat_tools``' reading of its messages. Special-token text in message
-    content stays plain text unless ``parse_special_tokens_in_chat``."""
-    has_chat = start.WhichOneof("prompt") == "messages"
-    unset = {
-        name: value
-        for name, value in defaults.as_dict().items()
-        if not start.sampling.HasField(name)
-    }
-    if start.sampling.beam_width > 1:
-        unset = {}  # beam search is deterministic: no sampling defaults
-    if not has_chat and not unset:
+    """-> ``start`` itself when it has no chat messages, else a copy with them rendered.
+    ``tools`` and ``tool_choice``: ``chat_tools``' reading of its messages. Special-token text
+    in message content stays plain text unless ``parse_special_tokens_in_chat``."""
+    if start.WhichOneof("prompt") != "messages":
         return start
     start = pb.StartRequest.FromString(start.SerializeToString())
-    for name, value in unset.items():
-        setattr(start.sampling, name, value)
-    if has_chat:
-        for i, m in enumerate(start.messages.messages):
-            try:
-                check_chat_role(m.role, f"messages.messages[{i}].role")  # HTTP's rule
-            except LimitError as e:
-                raise _invalid(e.message) from None
-        messages = [_message(m) for m in start.messages.messages]
-        if not messages:
-            raise RequestInvalid(grpc.StatusCode.INVALID_ARGUMENT, "prompt messages is empty")
+    for i, m in enumerate(start.messages.messages):
         try:
-            constraint = tool_choice_constraint(tools, tool_choice) if tools else None
-            rendered = None if tool_choice == "none" else tools
-            _, ids = encode_chat_with_tools(
-                tokenizer,
-                messages_for_template(messages),
-                True,
-                rendered,
-                must_render_tools=tools_must_render(tools, tool_choice),
-                parse_special_tokens_in_content=parse_special_tokens_in_chat,
-            )
-        except ToolsNotRendered as e:
-            raise _invalid(f"messages.tools: {e}") from None
-        except ValueError as e:
-            raise RequestInvalid(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        if constraint is not None:
-            if start.HasField("structured_output"):
-                raise _invalid("a forced tool_choice cannot be combined with structured_output")
-            start.structured_output.json_schema = json.dumps(constraint.json)
-            start.structured_output.disable_any_whitespace = constraint.disable_any_whitespace
-        start.token_ids.ids[:] = ids  # sets the oneof: messages is cleared
+            check_chat_role(m.role, f"messages.messages[{i}].role")  # HTTP's rule
+        except LimitError as e:
+            raise _invalid(e.message) from None
+    messages = [_message(m) for m in start.messages.messages]
+    if not messages:
+        raise RequestInvalid(grpc.StatusCode.INVALID_ARGUMENT, "prompt messages is empty")
+    try:
+        constraint = tool_choice_constraint(tools, tool_choice) if tools else None
+        rendered = None if tool_choice == "none" else tools
+        _, ids = encode_chat_with_tools(
+            tokenizer,
+            messages_for_template(messages),
+            True,
+            rendered,
+            must_render_tools=tools_must_render(tools, tool_choice),
+            parse_special_tokens_in_content=parse_special_tokens_in_chat,
+        )
+    except ToolsNotRendered as e:
+        raise _invalid(f"messages.tools: {e}") from None
+    except ValueError as e:
+        raise RequestInvalid(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+    if constraint is not None:
+        if start.HasField("structured_output"):
+            raise _invalid("a forced tool_choice cannot be combined with structured_output")
+        start.structured_output.json_schema = json.dumps(constraint.json)
+        start.structured_output.disable_any_whitespace = constraint.disable_any_whitespace
+    start.token_ids.ids[:] = ids  # sets the oneof: messages is cleared
     return start
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from pydaemon.config.generation import GenerationDefaults
 from pydaemon.entrypoints.common.limits import (
     EMPTY_PROMPT,
     MAX_CACHE_SALT_LEN,
@@ -23,30 +24,17 @@ from pydaemon.generate_request import GenerateRequest
 from pydaemon.lora_request import LoRARequest
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 from pydaemon.sampling_params import (
+    MAX_LOGIT_BIAS_TOKENS,
     SamplingParams,
     StructuredOutputsParams,
     logit_bias_out_of_vocab,
 )
 
-# proto field name -> SamplingParams field name (the same everywhere).
-_OPTIONAL_SAMPLING_FIELDS = (
-    "n",
-    "best_of",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "seed",
-    "ignore_eos",
-    "max_tokens",
-    "min_tokens",
-    "logprobs",
-    "beam_width",
-    "length_penalty",
-    "early_stopping",
+# The proto's optional sampling fields (unset and zero differ), each the SamplingParams field
+# of its name, read from the message itself: a field added to both needs nothing here. The
+# repeated and map fields (stop, stop_token_ids, logit_bias) are converted below.
+_OPTIONAL_SAMPLING_FIELDS = tuple(
+    f.name for f in pb.SamplingParams.DESCRIPTOR.fields if f.has_presence
 )
 
 
@@ -95,7 +83,10 @@ def to_sampling_params(
     msg: pb.SamplingParams,
     vocab_size: int,
     structured_outputs: StructuredOutputsParams | None = None,
+    defaults: GenerationDefaults | None = None,
 ) -> SamplingParams:
+    """The request's fields over the model's generation ``defaults`` (the one merge every
+    front end makes: ``GenerationDefaults.sampling_params``)."""
     kwargs: dict = {
         name: getattr(msg, name) for name in _OPTIONAL_SAMPLING_FIELDS if msg.HasField(name)
     }
@@ -110,12 +101,17 @@ def to_sampling_params(
     kwargs["stop"] = list(msg.stop)
     kwargs["stop_token_ids"] = list(msg.stop_token_ids)
     if msg.logit_bias:
+        if len(msg.logit_bias) > MAX_LOGIT_BIAS_TOKENS:  # before copying: 1M entries take 1 s
+            raise _invalid(
+                f"sampling.logit_bias has {len(msg.logit_bias)} entries; at most "
+                f"{MAX_LOGIT_BIAS_TOKENS} token ids may be biased"
+            )
         bias = dict(msg.logit_bias)
         if any(t >= vocab_size for t in bias):
             raise _invalid(f"sampling.logit_bias: {logit_bias_out_of_vocab(bias, vocab_size)}")
         kwargs["logit_bias"] = bias
     try:
-        return SamplingParams(**kwargs)
+        return (defaults or GenerationDefaults()).sampling_params(**kwargs)
     except ValueError as e:
         raise _invalid(f"sampling: {e}") from None
 
@@ -147,7 +143,12 @@ def check_text_size(
 
 
 def to_engine_args(
-    start: pb.StartRequest, *, vocab_size: int, has_tokenizer: bool, max_model_len: int
+    start: pb.StartRequest,
+    *,
+    vocab_size: int,
+    has_tokenizer: bool,
+    max_model_len: int,
+    defaults: GenerationDefaults | None = None,
 ) -> EngineArgs:
     """Checks what can be checked without the engine, cheapest first; the engine checks the
     exact token length."""
@@ -183,7 +184,7 @@ def to_engine_args(
             structured_outputs = to_structured_outputs(start.structured_output)
         except ValueError as e:
             raise _invalid(f"structured_output: {e}") from None
-    params = to_sampling_params(start.sampling, vocab_size, structured_outputs)
+    params = to_sampling_params(start.sampling, vocab_size, structured_outputs, defaults)
     return EngineArgs(
         prompt=prompt,
         params=params,

@@ -164,6 +164,9 @@ class HttpServer:
     def abort_all(self) -> None:
         self.serving.abort_all()
 
+    def fail_waiting(self) -> int:
+        return self.serving.fail_waiting()
+
     async def start(self) -> int:
         """Listens; returns the port (useful with port 0)."""
         # handler_cancellation: a client that disconnects cancels its handler, and so aborts

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from pydaemon.entrypoints.common.reasoning_parsers import (
     ReasoningParser,
+    ReasoningSplit,
     ReasoningStreams,
     apply_reasoning,
     chat_reasoning_parser,
@@ -42,7 +43,7 @@ from pydaemon.entrypoints.openai.engine_stream import EnginePrompt
 from pydaemon.entrypoints.openai.logprobs import chat_logprobs
 from pydaemon.entrypoints.openai.prompt_logprobs import vllm_prompt_logprobs
 from pydaemon.entrypoints.openai.protocol import ChatCompletionRequest
-from pydaemon.entrypoints.openai.request_fields import InvalidParam
+from pydaemon.entrypoints.openai.request_fields import InvalidParam, check_logit_bias_size
 from pydaemon.entrypoints.openai.responses import (
     ChatChoice,
     ChatChunkChoice,
@@ -60,7 +61,9 @@ from pydaemon.entrypoints.openai.serving import OpenAIServing
 async def create_chat_completion(
     serving: OpenAIServing, request: web.Request
 ) -> web.StreamResponse:
-    body = ChatCompletionRequest.model_validate_json(await serving.read_body(request))
+    raw = await serving.read_body(request)
+    check_logit_bias_size(raw)  # before parsing: a huge one takes seconds to parse
+    body = ChatCompletionRequest.model_validate_json(raw)
     body.check(serving.model.vocab_size)
     tool_parser = _tool_parser(serving, body)
     lora_request = serving.admit(body.model, body.n)
@@ -85,7 +88,11 @@ async def create_chat_completion(
         max_tokens, body.engine_logprobs, defaults=serving.model.generation_defaults
     )
     reasoning = chat_reasoning_parser(serving.options.reasoning_parser, serving.tokenizer)
-    tail = prompt_tail(serving.tokenizer, prompt.token_ids) if reasoning is not None else ""
+    tail = ""
+    if reasoning is not None and body.continue_final_message:  # the output goes on with it
+        tail = reasoning.continued_tail(body.messages[-1].text or "")
+    elif reasoning is not None:
+        tail = prompt_tail(serving.tokenizer, prompt.token_ids)
     params = apply_reasoning(params, reasoning, serving.tokenizer, tail)
     formatter = ChatFormatter(
         f"chatcmpl-{uuid.uuid4().hex}",
@@ -140,7 +147,10 @@ class ChatFormatter:
         self.top_logprobs = body.top_logprobs or 0
         self.has_logprobs = body.logprobs
         self.role = body.reply_role
-        self.echo = body.echo_text
+        # echo: the message's text, its reasoning apart as the parser reads a message
+        self.echo = ReasoningSplit(None, body.echo_text or None)
+        if reasoning_parser is not None and body.echo_text:
+            self.echo = reasoning_parser.split_message(body.echo_text)
         self._tokenizer = tokenizer
         self._prompt = prompt
         self._templates: dict[int, ChunkTemplate] = {}  # choice index -> its text-chunk template
@@ -209,8 +219,13 @@ class ChatFormatter:
             role = ChatChunkChoice(index=c.index, delta=DeltaMessage(role=self.role, content=""))
             ids = self._prompt.token_ids if self._return_token_ids and k == 0 else None
             chunks.append(self._chunk([role], self._usage(acc, c), ids))
-            if self.echo:
-                echo = ChatChunkChoice(index=c.index, delta=DeltaMessage(content=self.echo))
+            if self.echo.content or self.echo.reasoning:
+                delta = DeltaMessage(
+                    content=self.echo.content,
+                    reasoning=self.echo.reasoning,
+                    reasoning_content=self.echo.reasoning,
+                )
+                echo = ChatChunkChoice(index=c.index, delta=delta)
                 chunks.append(self._chunk([echo], self._usage(acc, c)))
         return chunks
 
@@ -312,8 +327,10 @@ class ChatFormatter:
             if self._tool_parser is not None and content is not None:
                 parsed = self._tool_parser.parse(content)
                 content, calls = parsed.content, parsed.tool_calls
-            if self.echo:
-                content = self.echo + (content or "")
+            if self.echo.content:
+                content = self.echo.content + (content or "")
+            if self.echo.reasoning:
+                reasoning = self.echo.reasoning + (reasoning or "")
             message = ChatResponseMessage(
                 role=self.role,
                 content=content,

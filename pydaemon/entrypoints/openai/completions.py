@@ -16,6 +16,7 @@ from pydaemon.entrypoints.openai.errors import bad_request
 from pydaemon.entrypoints.openai.logprobs import completion_logprobs
 from pydaemon.entrypoints.openai.prompt_logprobs import echo_logprobs, vllm_prompt_logprobs
 from pydaemon.entrypoints.openai.protocol import CompletionRequest
+from pydaemon.entrypoints.openai.request_fields import check_logit_bias_size
 from pydaemon.entrypoints.openai.responses import (
     CompletionChoice,
     CompletionLogprobs,
@@ -29,7 +30,9 @@ from pydaemon.outputs import TokenLogprobs
 
 
 async def create_completion(serving: OpenAIServing, request: web.Request) -> web.StreamResponse:
-    body = CompletionRequest.model_validate_json(await serving.read_body(request))
+    raw = await serving.read_body(request)
+    check_logit_bias_size(raw)  # before parsing: a huge one takes seconds to parse
+    body = CompletionRequest.model_validate_json(raw)
     body.check(serving.model.vocab_size)
     lora_request = serving.admit(
         body.model, _num_prompts(body.prompt) * max(body.n, body.best_of or 1)

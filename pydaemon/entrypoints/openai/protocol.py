@@ -35,11 +35,12 @@ from pydaemon.entrypoints.openai.request_fields import (
     InvalidParam,
     check_logprobs_count,
     int64_seed,
-    is_int_text,
+    is_token_id_text,
     response_format_field,
     structured_outputs_field,
 )
 from pydaemon.sampling_params import (
+    MAX_LOGIT_BIAS_TOKENS,
     SamplingParams,
     StructuredOutputsParams,
     logit_bias_out_of_vocab,
@@ -77,7 +78,9 @@ class _SamplingRequest(Body):
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    # token id (canonical decimal text) -> bias; the size is also checked before parsing
+    # (request_fields.check_logit_bias_size)
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS_TOKENS)
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Accepted, no effect here.
@@ -143,11 +146,12 @@ class _SamplingRequest(Body):
         """logit_bias with token-id keys (vLLM's messages naming the bad keys or ids)."""
         if not self.logit_bias:
             return None
-        bad = [k for k in self.logit_bias if not is_int_text(k)]
+        bad = [k for k in self.logit_bias if not is_token_id_text(k)]
         if bad:
             raise InvalidParam(
                 f"logit_bias contains key(s) that cannot be converted to integer token IDs: "
-                f"{bad[:16]!r}",
+                f"{bad[:16]!r} (a key is a token id in decimal digits, with no sign, space or "
+                "leading zero)",
                 "logit_bias",
             )
         bias = {int(k): v for k, v in self.logit_bias.items()}

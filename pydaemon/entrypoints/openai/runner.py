@@ -6,7 +6,9 @@ early leaves the engine stream, which aborts the engine requests (KV blocks free
 - the client disconnects: aiohttp cancels the handler (``handler_cancellation``);
 - a streaming client stops reading for the stall timeout: the connection is closed;
 - the drain's grace period ends: the handler is cancelled with ``is_aborted_by_server`` and
-  still answers, every unfinished choice with finish_reason "abort".
+  still answers, every unfinished choice with finish_reason "abort";
+- the engine core stalls before the first output: the handler is cancelled with a
+  ``failure`` (503 engine_stalled), which it answers.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from pydaemon.entrypoints.openai.accumulator import Accumulator, ChoiceDelta, Ch
 from pydaemon.entrypoints.openai.engine_stream import EnginePrompt, engine_requests, generate_all
 from pydaemon.entrypoints.openai.errors import ApiError, bad_request, error_event
 from pydaemon.entrypoints.openai.responses import Usage
-from pydaemon.entrypoints.openai.serving import LiveRequest, OpenAIServing
+from pydaemon.entrypoints.openai.serving import LiveRequest, OpenAIServing, engine_stalled
 from pydaemon.entrypoints.openai.sse import EventStream
 from pydaemon.lora_request import LoRARequest
 from pydaemon.outputs import RequestOutput
@@ -62,6 +64,8 @@ async def respond(
     lora_request: LoRARequest | None = None,
     constraint_source: str | None = None,
 ) -> web.StreamResponse:
+    if serving.is_stalled():  # declared while the prompt was rendered: it would only wait
+        raise engine_stalled()
     acc = Accumulator(prompts, params.n, serving.tokenizer)
     with serving.track() as live:
         requests = engine_requests(formatter.request_id, prompts, params, cache_salt, lora_request)
@@ -71,6 +75,10 @@ async def respond(
                 try:
                     first = await outputs.__anext__()
                 except asyncio.CancelledError:
+                    if live.failure is not None:  # the engine core stalled (fail_waiting)
+                        _uncancel()
+                        live.is_failed = True
+                        raise live.failure from None
                     if not live.is_aborted_by_server:
                         raise
                     _uncancel()
@@ -78,6 +86,7 @@ async def respond(
                 except Exception as e:  # e.g. refused by the engine: nothing was sent yet
                     live.is_failed = True
                     raise _engine_error(serving, e, constraint_source) from None
+                live.has_output = True
                 deltas = acc.add(*first)
                 if stream:
                     return await _stream(

@@ -72,6 +72,17 @@ class LiveRequest:
     task: asyncio.Task
     is_aborted_by_server: bool = False  # cancelled by the drain, not by the client leaving
     is_failed: bool = False  # answered with an error (not counted as a finished request)
+    has_output: bool = False  # the engine has answered it at least once
+    failure: ApiError | None = None  # cancelled to be answered with this error
+
+
+def engine_stalled() -> ApiError:
+    return ApiError(
+        503,
+        "the engine core has stopped making progress (no step or heartbeat within the "
+        "stall timeout): retry later or on another replica",
+        code="engine_stalled",
+    )
 
 
 class OpenAIServing:
@@ -123,12 +134,7 @@ class OpenAIServing:
                 503, "the server is not serving (draining or failed)", code="not_serving"
             )
         if self.is_stalled():  # fail fast: the request would wait for a core that is not moving
-            raise ApiError(
-                503,
-                "the engine core has stopped making progress (no step or heartbeat within the "
-                "stall timeout): retry later or on another replica",
-                code="engine_stalled",
-            )
+            raise engine_stalled()
         lora_request = self.resolve_model(model_name)
         num_queued = self.num_queued()
         limit = self.options.max_queued_requests
@@ -284,6 +290,15 @@ class OpenAIServing:
         for live in list(self.live):
             live.is_aborted_by_server = True
             live.task.cancel()
+
+    def fail_waiting(self) -> int:
+        """The engine core stalled: every live request with no output yet answers 503 now.
+        -> how many."""
+        waiting = [live for live in self.live if not live.has_output and live.failure is None]
+        for live in waiting:
+            live.failure = engine_stalled()
+            live.task.cancel()
+        return len(waiting)
 
     def observe(self, acc: Accumulator, cancel_reason: str | None = None) -> None:
         """Feeds the latency histograms, once per engine request."""

@@ -18,8 +18,8 @@ from pydaemon.core.messages import EngineCoreOutput
 from pydaemon.core.request import Request
 from pydaemon.core.sched.scheduler import Scheduler
 from pydaemon.core.sched.scheduler_output import GrammarOutput, SchedulerOutput
-from pydaemon.sampling.constraints.compiler import GrammarCompiler
-from pydaemon.sampling.constraints.matchers import ConstrainedSeq, GrammarMatchers
+from pydaemon.structured_output.compiler import GrammarCompiler
+from pydaemon.structured_output.matchers import ConstrainedSeq, GrammarMatchers
 from pydaemon.tokenizer.loader import load_tokenizer
 from pydaemon.tokenizer.token_bytes import token_bytes
 

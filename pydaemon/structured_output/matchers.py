@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import xgrammar as xgr
 
-from pydaemon.sampling.constraints.compiler import GrammarCompiler
 from pydaemon.sampling_params import REASONING_END_MAX_GAP, StructuredOutputsParams
+from pydaemon.structured_output.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import xgrammar as xgr
 
-from pydaemon.sampling.constraints.grammar_limits import check_size, is_heavy
-from pydaemon.sampling.constraints.grammar_spec import build_grammar, grammar_key
 from pydaemon.sampling_params import StructuredOutputsParams
+from pydaemon.structured_output.grammar_limits import check_size, is_heavy
+from pydaemon.structured_output.grammar_spec import build_grammar, grammar_key
 
 DEFAULT_CACHE_SIZE = 1024  # compiled grammars kept at most
 DEFAULT_CACHE_BYTES = 512 * 1024 * 1024  # and at most this much of them

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pydaemon.worker.spec.proposer import DraftRequest, Proposer
+from pydaemon.worker.spec_decode.proposer import DraftRequest, Proposer
 
 
 class OracleProposer(Proposer):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from pydaemon.worker.spec.proposer import DraftRequest, Proposer
+from pydaemon.worker.spec_decode.proposer import DraftRequest, Proposer
 
 
 def find_ngram_drafts(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:

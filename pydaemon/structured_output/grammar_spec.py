@@ -12,8 +12,8 @@ import re
 
 import xgrammar as xgr
 
-from pydaemon.sampling.constraints.schema_support import check_enforceable
 from pydaemon.sampling_params import StructuredOutputsParams
+from pydaemon.structured_output.schema_support import check_enforceable
 
 # Whitespace a JSON grammar allows in one run: pretty-printed JSON fits; a small model cannot
 # loop on spaces or newlines forever (xgrammar's any_whitespace otherwise has no bound).

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from pydaemon.sampling.logits_processing import processed_logits
-from pydaemon.sampling.sampler import apply_min_p, apply_top_k_top_p
+from pydaemon.sampling.sampler import tempered_logits
 from pydaemon.sampling.sampling_metadata import SamplingMetadata
 
 
@@ -50,11 +50,7 @@ def target_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Ten
 def target_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """logits: [num_rows, vocab] (penalized) -> [num_rows, vocab] float32 probabilities after
     temperature, top-k, top-p and min-p (greedy rows: temperature 1, no filter; unused)."""
-    logits = logits / metadata.temperature[:, None]
-    logits = apply_top_k_top_p(logits, metadata.top_k, metadata.max_top_k, metadata.top_p)
-    if metadata.min_p is not None:
-        logits = apply_min_p(logits, metadata.min_p)
-    return logits.softmax(dim=-1)
+    return tempered_logits(logits, metadata).softmax(dim=-1)
 
 
 class RejectionSampler:
