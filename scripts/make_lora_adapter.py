@@ -27,8 +27,7 @@ from safetensors.torch import save_file
 
 from pydaemon.config.engine import DEFAULT_MODEL
 from pydaemon.config.lora import CONFIG_FILE, SUPPORTED_TARGET_MODULES, WEIGHTS_FILE
-from pydaemon.model_loader.loader import load_model_config
-from pydaemon.model_loader.model_paths import resolve_model_dir
+from pydaemon.model_loader.model_paths import load_model_config, resolve_model_dir
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 

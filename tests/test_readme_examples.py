@@ -114,8 +114,7 @@ def test_the_readme_adapter_recipe_fits_the_default_model(tmp_path):
 
     from pydaemon.config.engine import DEFAULT_MODEL
     from pydaemon.config.lora import check_lora_fits_model, read_lora_config
-    from pydaemon.model_loader.loader import load_model_config
-    from pydaemon.model_loader.model_paths import resolve_model_dir
+    from pydaemon.model_loader.model_paths import load_model_config, resolve_model_dir
 
     assert "scripts/make_lora_adapter.py" in README.read_text()
     spec = importlib.util.spec_from_file_location(
