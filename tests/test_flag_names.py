@@ -22,6 +22,12 @@ from pydaemon.entrypoints.daemon.flag_names import with_flag_names
          "--kv-offloading-size 0.001 GiB holds no KV block"),
         ("EngineConfig.device must be one of auto, cpu, cuda (got 'tpu')",
          "--device must be one of auto, cpu, cuda (got 'tpu')"),
+        ("EngineConfig.kv_offloading_disk_size must be a number of GiB > 0 and <= 1048576 "
+         "(--kv-offloading-disk-size) (got nan)",
+         "--kv-offloading-disk-size must be a number of GiB > 0 and <= 1048576 (got nan)"),
+        ("EngineConfig.kv_offloading_size must be a number of GiB >= 0 (--kv-offloading-size; "
+         "0 or None: no CPU tier)",
+         "--kv-offloading-size must be a number of GiB >= 0 (0 or None: no CPU tier)"),
         # one-word fields are words elsewhere; a flag already given stays as it is
         ("the model has no tokenizer", "the model has no tokenizer"),
         ("--max-model-len 99999 is more than the model's", "--max-model-len 99999 is more than the model's"),

@@ -308,7 +308,7 @@ def test_the_daemon_refuses_a_bad_tier_by_name_without_a_traceback(model_dir, tm
         ),
         (
             ["--kv-offloading-dir", str(tmp_path / "t"), "--kv-offloading-disk-size", "nan"],
-            "kv_offloading_disk_size must be a number of GiB > 0",
+            "--kv-offloading-disk-size must be a number of GiB > 0",  # the flag, issue 55
         ),
     ):
         run = subprocess.run(common + flags, capture_output=True, text=True, cwd=ROOT, timeout=120)

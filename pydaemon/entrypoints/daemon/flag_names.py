@@ -4,7 +4,8 @@ EngineConfig and the engine name their settings by field (``EngineConfig.swap_sp
 0``), which is what an offline ``LLM(...)`` caller wrote; ``pagedd serve`` was given
 ``--swap-space``. Field and flag are the same name (settings.py), so the daemon rewrites the
 message: ``EngineConfig.swap_space`` and ``swap_space`` become ``--swap-space``, and a message
-that already says both (``swap_space (--swap-space)``) keeps the flag once.
+that says both (``swap_space (--swap-space)``, or the flag again in parentheses) keeps the
+flag once.
 """
 
 from __future__ import annotations
@@ -29,4 +30,6 @@ def with_flag_names(message: str) -> str:
         # elsewhere they are plain words.
         prefix = r"(?:EngineConfig\.)" + ("?" if "_" in key else "")
         message = re.sub(rf"(?<![\w.-]){prefix}{key}(?![\w-])", flag, message)
+        if message.count(flag) > 1:  # "--x must be ... (--x; more)": the flag said once
+            message = message.replace(f" ({flag})", "").replace(f"({flag}; ", "(")
     return message
