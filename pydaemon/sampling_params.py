@@ -39,10 +39,14 @@ class StructuredOutputsParams:
     # With ``reasoning_start`` (Qwen3's "<think>", which the model may leave out) the first
     # token may be its first id or one the grammar allows: the first means reasoning until
     # ``reasoning_end``, anything else an answer under the grammar from the first token.
+    # ``reasoning_end_text`` (without a suffix): the end marker's text, also found when the
+    # model spells it in other pieces (' </' 'think' '>'), as the reasoning parser reads it;
+    # the grammar then reads what follows the marker's last byte.
     # The chat front ends set them from the daemon's --reasoning-parser.
     reasoning_end: tuple[int, ...] | None = None
     reasoning_end_suffix: tuple[int, ...] | None = None
     reasoning_start: tuple[int, ...] | None = None
+    reasoning_end_text: str | None = None
 
     def __post_init__(self) -> None:
         if self.choice is not None:
@@ -73,9 +77,15 @@ class StructuredOutputsParams:
                     f"StructuredOutputsParams.{name} must be a non-empty sequence of token ids"
                 )
             setattr(self, name, ids)
-        for name in ("reasoning_end_suffix", "reasoning_start"):
+        for name in ("reasoning_end_suffix", "reasoning_start", "reasoning_end_text"):
             if getattr(self, name) is not None and self.reasoning_end is None:
                 raise ValueError(f"StructuredOutputsParams.{name} needs reasoning_end")
+        if self.reasoning_end_text is not None and (
+            not isinstance(self.reasoning_end_text, str) or not self.reasoning_end_text
+        ):
+            raise ValueError(
+                "StructuredOutputsParams.reasoning_end_text must be a non-empty string"
+            )
 
     @property
     def kind(self) -> str:

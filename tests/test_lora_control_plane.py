@@ -187,6 +187,36 @@ def test_unload_of_an_idle_adapter_is_immediate_and_ids_are_not_reused(setup):
         engine.core.add_request(to_core_request(unloaded, [5, 6], [], 0.0))
 
 
+def test_max_cpu_loras_is_an_lru_of_held_adapters(setup, tmp_path):
+    """Issue 55, item 22: as vLLM's flag, --max-cpu-loras bounds the adapters held in host
+    memory (least recently used out), not the adapters loaded: every loaded adapter stays
+    usable by name, an evicted one is read again when a request names it, and one whose files
+    are gone by then fails that request, naming it, while the engine serves on."""
+    model_dir, good, other, prompt, expected = setup
+    llm = _llm(model_dir, max_loras=1, max_cpu_loras=1)
+    engine = llm.engine
+    path = shutil.copytree(good, tmp_path / "evicted")
+    a, b = LoRARequest("a", 1, str(path)), LoRARequest("b", 2, str(other))
+
+    def run(lora: LoRARequest) -> list[int]:
+        out = llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY, lora_request=lora)
+        return out[0].outputs[0].token_ids
+
+    engine.add_lora(a)
+    engine.add_lora(b)  # was a 400 "unload one first"
+    assert [i.lora_name for i in engine.list_loras()] == ["a", "b"]
+    assert engine.runner.lora_manager.loaded_lora_ids == [2]  # a was evicted
+    assert run(a) == expected["good"]  # read again; b goes
+    assert engine.runner.lora_manager.loaded_lora_ids == [1]
+    assert run(b) == expected["other"]
+    shutil.rmtree(path)  # a is evicted, and its files are gone
+    with pytest.raises(ValueError, match="'a' was evicted from host memory.*could not be read"):
+        run(a)
+    assert run(b) == expected["other"]  # the engine serves on
+    assert engine.runner.lora_manager.loaded_lora_ids == [2]
+    assert engine.remove_lora(1) and [i.lora_name for i in engine.list_loras()] == ["b"]
+
+
 def test_tensor_parallel_ranks_load_and_refuse_together(setup, tmp_path):
     """Under TP=2 (gloo) a bad adapter is refused on every rank (none keeps half of it) and a
     good one, loaded then unloaded and loaded again, gives PEFT's tokens."""

@@ -16,7 +16,7 @@ from model_utils import save_hf_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.lora_adapters import write_adapter  # noqa: E402
-from pydaemon.config.lora import LoRAAdapterError, read_lora_config  # noqa: E402
+from pydaemon.config.lora import read_lora_config  # noqa: E402
 from pydaemon.lora_request import LoRARequest  # noqa: E402
 from pydaemon.model_loader.loader import load_model  # noqa: E402
 from pydaemon.worker.lora_manager import LoRAManager  # noqa: E402
@@ -34,9 +34,9 @@ def setup(tmp_path_factory):
     return model_dir, loras
 
 
-def _manager(model_dir, max_loras: int, max_cpu_loras: int | None = None) -> LoRAManager:
+def _manager(model_dir, max_loras: int) -> LoRAManager:
     model, _ = load_model(model_dir, dtype="float32")
-    return LoRAManager(model, max_loras=max_loras, max_lora_rank=8, max_cpu_loras=max_cpu_loras,
+    return LoRAManager(model, max_loras=max_loras, max_lora_rank=8,
                        max_num_tokens=32, dtype=torch.float32, device=torch.device("cpu"))  # fmt: skip
 
 
@@ -114,17 +114,6 @@ def test_an_adapter_must_be_loaded_before_use_and_is_never_read_again(setup, tmp
     manager.set_step([a1], np.array([1], dtype=np.int32))  # evicts copy from the only slot
     manager.set_step([copy], np.array([1], dtype=np.int32))  # back from host memory
     assert torch.equal(wrapper.lora_a[0], loaded)
-
-
-def test_max_cpu_loras_caps_the_loaded_adapters(setup):
-    model_dir, (a0, a1, _) = setup
-    manager = _manager(model_dir, max_loras=1, max_cpu_loras=1)
-    _add(manager, a0)
-    with pytest.raises(LoRAAdapterError, match="max_cpu_loras"):
-        _add(manager, a1)
-    manager.remove_adapter(a0.lora_int_id)
-    _add(manager, a1)
-    assert manager.loaded_lora_ids == [a1.lora_int_id]
 
 
 def test_loading_and_unloading_100_adapters_returns_every_byte(setup):

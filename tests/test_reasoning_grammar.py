@@ -120,3 +120,53 @@ def test_through_the_engine_the_grammar_waits_for_the_marker():
     )
     [out] = llm.generate(["Count:"], plain)
     assert re.fullmatch(r"[0-9]{4}", out.outputs[0].text)  # no marker: the grammar from the start
+
+
+def _pieces_of(tok, text: str) -> list[int]:
+    """``text`` spelled one byte piece per character (not the marker's own ids)."""
+    return [tok.sp.piece_to_id(f"<0x{b:02X}>") for b in text.encode()]
+
+
+def test_the_end_marker_is_found_in_the_text_however_it_is_spelled(demo_compiler):
+    """Issue 55, item 10: a model that writes ' </' 'think' '>' in other pieces than the
+    marker's own ids still gets its grammar after the marker, as the parser reads the text."""
+    tok, compiler = demo_compiler
+    spec = SO(regex=r"[0-9]{3}", reasoning_end=END, reasoning_end_text="</think>")
+    matchers = _matchers(compiler)
+    out = matchers.outputs[1] = []
+    for token in (5, *_pieces_of(tok, " </think")):  # reasoning, half the marker: free
+        out.append(token)
+        assert _free(matchers, 1, spec)
+    out.extend(_pieces_of(tok, ">"))  # the marker's last byte: the answer starts
+    assert not _free(matchers, 1, spec)
+    n = len(out)
+    ids = _walk(matchers, spec, 1, torch.Generator().manual_seed(0))
+    answer = tok.decode(ids[n:])
+    assert re.fullmatch(r"[0-9]{3}", answer), answer
+    # Without the text, the same pieces are not the marker: the row stays free.
+    plain = SO(regex=r"[0-9]{3}", reasoning_end=END)
+    matchers.outputs[2] = [5, *_pieces_of(tok, " </think>")]
+    assert _free(matchers, 2, plain)
+
+
+def test_the_rest_of_the_token_that_ends_the_marker_is_the_grammars_first_input(demo_compiler):
+    tok, compiler = demo_compiler
+    vocab = token_bytes(tok)
+    # A piece of two or more letters: the marker ends with its first, the rest is the answer's.
+    piece_id = next(i for i, b in enumerate(vocab) if len(b) >= 2 and b.isalpha())
+    piece = vocab[piece_id].decode()
+    spec = SO(
+        regex=re.escape(piece[1:]) + r"[0-9]{2}",
+        reasoning_end=END,
+        reasoning_end_text="</" + piece[0],
+    )
+    matchers = _matchers(compiler)
+    matchers.outputs[4] = [5, *_pieces_of(tok, "</"), piece_id]
+    assert not _free(matchers, 4, spec)
+    ids = _walk(matchers, spec, 4, torch.Generator().manual_seed(1))
+    assert re.fullmatch(r"[0-9]{2}", tok.decode(ids[4:])), tok.decode(ids[4:])
+    # A marker followed by text the grammar refuses: the sequence may only end.
+    matchers.outputs[5] = [5, *_pieces_of(tok, "</" + piece[0] + "!")]
+    logits = torch.zeros(1, 520)
+    _mask(matchers, logits, 0, 5, "5", spec)
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == sorted(tok.eos_token_ids)

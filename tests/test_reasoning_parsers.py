@@ -104,6 +104,15 @@ def test_markers_follow_the_prompt():
     assert r1.markers(Tok(), "").start is None
     harmony = get_reasoning_parser(HARMONY).markers(Tok(), "")
     assert (harmony.end, harmony.end_suffix) == ((1, 2), (3,))
+    # Think tags are also found in the text, however the model spells them (issue 55, item
+    # 10); harmony's markers are special tokens: by id only.
+    assert either.end_text == opened.end_text == "</think>" and harmony.end_text is None
+    from pydaemon.entrypoints.common.reasoning_parsers import apply_reasoning
+    from pydaemon.sampling_params import SamplingParams, StructuredOutputsParams
+
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9]"))
+    spec = apply_reasoning(params, qwen3, Tok(), "<think>\n").structured_outputs
+    assert (spec.reasoning_end, spec.reasoning_end_text) == ((8,), "</think>")
 
 
 def test_grpc_account_of_a_harmony_chat_with_a_tool_call():

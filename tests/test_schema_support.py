@@ -40,6 +40,41 @@ REFUSED = [  # (schema, an instance that violates it, the keyword the error name
         '{"x":"no"}',
         "idn-email",
     ),  # fmt: skip
+    # Issue 55, item 9: names that hid refused keywords from a walk by key names, and
+    # keywords xgrammar reads past.
+    (
+        {
+            "$ref": "#/$defs/enum",
+            "$defs": {"enum": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}},
+        },
+        "[1,1]",
+        "uniqueItems",
+    ),  # fmt: skip
+    (
+        {
+            "type": "array",
+            "items": {"$ref": "#/$defs/default"},
+            "$defs": {"default": {"type": "integer", "not": {"const": 3}}},
+        },
+        "[3]",
+        "not",
+    ),  # fmt: skip
+    (
+        {
+            "type": "object",
+            "properties": {
+                "required": {
+                    "type": "array",
+                    "items": {"type": "integer"},
+                    "contains": {"const": 5},
+                }
+            },
+        },
+        '{"required":[1]}',
+        "contains",
+    ),  # fmt: skip
+    ({**OBJ, "required": ["c"]}, '{"a":1}', "'required' names"),
+    ({"type": "string", "const": None}, "null", "'const'"),
 ]
 
 
@@ -74,3 +109,33 @@ ALLOWED = [  # (schema, an instance that violates it: the grammar refuses it)
 def test_enforced_look_alikes_pass(schema, violating):
     check_enforceable(schema)
     assert not _grammar_accepts(schema, violating)
+
+
+@pytest.mark.parametrize(
+    ("schema", "keyword"),
+    [
+        ({"$ref": "#foo", "$defs": {"x": {"$anchor": "foo", "type": "integer"}}}, "'#foo'"),
+        ({"$defs": {"x": {"$anchor": "foo", "type": "integer"}}}, "'\\$anchor'"),
+        ({"$ref": "https://example.com/s.json"}, "only local"),
+        (
+            {"type": "object", "patternProperties": {"description": {"allOf": [OBJ, OBJ]}}},
+            "allOf",
+        ),  # fmt: skip
+        ({"type": "object", "additionalProperties": {"title": 1, "uniqueItems": True}}, "unique"),
+    ],
+)
+def test_schemas_are_walked_as_schemas_not_as_names(schema, keyword):
+    """Issue 55, item 9: every place a schema holds schemas is walked whatever its names, and
+    references xgrammar cannot follow are refused by name."""
+    with pytest.raises(ValueError, match=keyword):
+        check_enforceable(schema)
+
+
+def test_data_keywords_are_not_read_as_schemas():
+    """An enum, const, default or examples value that looks like a schema is data."""
+    schema = {
+        "type": "object",
+        "properties": {"a": {"enum": [{"not": 1}], "default": {"uniqueItems": True}}},
+        "examples": [{"allOf": [1, 2]}],
+    }
+    check_enforceable(schema)

@@ -10,6 +10,7 @@ import pytest
 from tokenizer_utils import LLAMA3_TEMPLATE, MISTRAL_TEMPLATE, QWEN2_TEMPLATE
 
 from pydaemon.entrypoints.common.tool_choice import (
+    ForcedToolParser,
     check_tools,
     forced_tool_calls,
     messages_for_template,
@@ -144,8 +145,13 @@ def test_required_and_named_constraints():
     ]
     calls = forced_tool_calls('{"city": "Rome"}', [WEATHER], named)
     assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Rome"}')]
-    cut = forced_tool_calls('{"city": "Ro', [WEATHER], named)  # cut by max_tokens: partial
-    assert [(c.name, c.arguments) for c in cut] == [("get_weather", '{"city": "Ro')]
+    # Cut by max_tokens: no half call (issue 55, item 22: as OpenAI and vLLM); the whole
+    # calls before a cut one stay; a cut named call leaves neither a call nor content.
+    assert forced_tool_calls('{"city": "Ro', [WEATHER], named) == []
+    cut = forced_tool_calls(json.dumps(output)[:-12], [WEATHER, TIME], "required")
+    assert [(c.name, json.loads(c.arguments)) for c in cut] == [("get_weather", {"city": "Oslo"})]
+    parsed = ForcedToolParser([WEATHER], named).parse('{"city": "Ro')
+    assert (parsed.content, parsed.tool_calls) == (None, [])
 
 
 def test_messages_for_template_turn_arguments_into_objects():
@@ -179,9 +185,9 @@ def test_a_tool_call_turn_without_content_renders_with_a_template_that_reads_con
         assert text == "<user>hi<assistant>"
 
 
-def test_a_forced_call_cut_by_max_tokens_is_a_partial_call_never_content():
-    """Issue 46: the raw partial JSON came back as content. OpenAI answers a call cut by the
-    length limit with the call and its arguments as written so far."""
+def test_a_forced_call_cut_by_max_tokens_is_left_out_never_content():
+    """Issue 46: the raw partial JSON came back as content; issue 55 (22): then the cut call
+    came back as a call. OpenAI and vLLM leave a cut call out: the whole calls only."""
     from pydaemon.entrypoints.common.tool_choice import ForcedToolParser
 
     tools = [{"type": "function", "function": {"name": n}} for n in ("a", "b")]
@@ -189,10 +195,9 @@ def test_a_forced_call_cut_by_max_tokens_is_a_partial_call_never_content():
     cases = {
         '[{"name":"a","parameters":{"x":1}},{"name":"b","parameters":{"y":"Os': [
             ("a", '{"x": 1}'),
-            ("b", '{"y":"Os'),
         ],
         '[{"name":"a","parameters":{"x":1}},{"na': [("a", '{"x": 1}')],
-        '[{"name":"b","par': [("b", "")],
+        '[{"name":"b","par': [],
         '[{"name":"b': [],
         "": [],
     }
@@ -202,8 +207,7 @@ def test_a_forced_call_cut_by_max_tokens_is_a_partial_call_never_content():
         assert [(c.name, c.arguments) for c in parsed.tool_calls] == calls, text
     named = ForcedToolParser(tools, {"type": "function", "function": {"name": "b"}})
     parsed = named.parse('{"city":"Os')
-    assert parsed.content is None
-    assert [(c.name, c.arguments) for c in parsed.tool_calls] == [("b", '{"city":"Os')]
+    assert parsed.content is None and parsed.tool_calls == []
     stream = StreamingToolParser(required)
     assert stream.feed('[{"name":"b') == ""
     assert stream.finish() == ("", [])  # cut before the name: no content, no call

@@ -115,6 +115,9 @@ class EngineConfig:
     kv_offloading_backend: str | None = None
     kv_offloading_dir: str | None = None
     kv_offloading_disk_size: float | None = None
+    # Seconds a grammar may compile (structured outputs) before its requests fail; one client's
+    # compile never delays another's by more than ~2 s (structured_output/compile_lanes.py).
+    structured_outputs_compile_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -146,6 +149,8 @@ class EngineConfig:
             raise bad("swap_space", "must be >= 0 (GiB)")
         if self.max_num_seqs < 1:
             raise bad("max_num_seqs", "must be a positive integer")
+        if not 0 < self.structured_outputs_compile_timeout < float("inf"):
+            raise bad("structured_outputs_compile_timeout", "must be a finite number > 0 (s)")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise bad("max_num_batched_tokens", "must be a positive integer or None")
         if self.max_model_len is not None and self.max_model_len < 1:

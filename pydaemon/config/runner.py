@@ -48,7 +48,6 @@ class RunnerConfig:
     enable_lora: bool
     max_loras: int
     max_lora_rank: int
-    max_cpu_loras: int | None
 
     @property
     def world_size(self) -> int:

@@ -90,9 +90,17 @@ class EngineCore:
             )
         self.scheduler_config = scheduler_config(config, info, self.model_config)
         self.scheduler = Scheduler(self.scheduler_config)
-        self.structured_outputs = StructuredOutputManager(config.model, self.vocab_size)
+        self.structured_outputs = StructuredOutputManager(
+            config.model,
+            self.vocab_size,
+            compile_timeout_s=config.structured_outputs_compile_timeout,
+        )
         self.loras = LoadedLoRAs(
-            self.executor, self.model_config, config.max_lora_rank, config.enable_lora
+            self.executor,
+            self.model_config,
+            config.max_lora_rank,
+            config.enable_lora,
+            config.max_cpu_loras,
         )
         use_async = config.async_scheduling
         if use_async is None:  # auto: with one GPU to overlap with (TP: not measured on NCCL yet)
@@ -180,7 +188,7 @@ class EngineCore:
                 "usable blocks"
             )
         if r.lora_request is not None:
-            self.loras.check_request(r.lora_request)
+            self.loras.check_request(r.lora_request, self._lora_ids_in_use())
         params = r.params
         num_seqs = params.beam_width if params.is_beam_search else params.best_of
         if num_seqs > self.config.max_num_seqs:
@@ -193,7 +201,7 @@ class EngineCore:
         found = self.structured_outputs.abort_request(request_id) or self.scheduler.abort_request(
             request_id
         )
-        if found and self.loras.has_pending_unloads:
+        if found and self.loras.needs_release:
             self.loras.release_unused(self._lora_ids_in_use())
         return found
 
@@ -214,7 +222,7 @@ class EngineCore:
     # ---- LoRA adapters: the control path to every worker ------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> LoRAAdapterInfo:
         """Loads the adapter on every rank; ValueError naming what is wrong with it."""
-        return self.loras.add(lora_request)
+        return self.loras.add(lora_request, self._lora_ids_in_use())
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Unloads it: at once when no live request uses it, else after the last one ends."""
@@ -239,7 +247,7 @@ class EngineCore:
             return EngineCoreOutputs(outputs=failed)
         outputs = self._step()
         outputs.outputs[:0] = failed
-        if self.loras.has_pending_unloads:
+        if self.loras.needs_release:
             self.loras.release_unused(self._lora_ids_in_use())
         return outputs
 
@@ -291,6 +299,7 @@ class EngineCore:
         (async scheduling), so that no rank frees graphs or its communicator under it. That
         step's outputs are dropped."""
         heap_freeze.thaw()
+        self.structured_outputs.close()
         stepper = self.async_stepper
         try:
             if stepper is not None and not self.executor.is_failed:

@@ -47,7 +47,6 @@ def runner_config(config: EngineConfig) -> RunnerConfig:
         enable_lora=config.enable_lora,
         max_loras=config.max_loras,
         max_lora_rank=config.max_lora_rank,
-        max_cpu_loras=config.max_cpu_loras,
     )
 
 

@@ -3,8 +3,9 @@ cannot be interrupted, and its compile time grows faster than a grammar's rule c
 SmolLM2's 49,152-token vocabulary, on one CPU core: 200 rules of ``[a-z]* | ""`` in a sequence
 0.13 s, 1,000 of them 14.5 s, the issue's 10,000 more than 180 s; 1,000 alternatives of
 literals 0.01 s; a 500-property schema 0.04 s). A constraint past a bound is a ValueError
-naming the bound, before any KV block is taken. ``is_heavy`` sends the larger ones to their own
-compile thread, so that a small grammar never waits behind one of them.
+naming the bound, before any KV block is taken. Size does not tell compile time (a 24-byte
+regex of nested repeats compiles for minutes): what passes here compiles in a process that is
+stopped at a deadline (compile_lanes.py).
 """
 
 from __future__ import annotations
@@ -22,9 +23,6 @@ MAX_CHOICES = 1024
 MAX_CHOICE_BYTES = 64 * 1024
 MAX_SCHEMA_BYTES = 128 * 1024
 MAX_SCHEMA_DEPTH = 64
-# Above these a constraint compiles on the heavy thread.
-HEAVY_RULES = 64
-HEAVY_BYTES = 16 * 1024
 
 _LARK_RULE = re.compile(r"^\s*[?!]?[A-Za-z_][\w.]*\s*:", re.MULTILINE)
 
@@ -91,15 +89,3 @@ def check_size(spec: StructuredOutputsParams) -> None:
             depth = _depth(spec.json, MAX_SCHEMA_DEPTH)
             if depth > MAX_SCHEMA_DEPTH:
                 raise too_big("the schema's nesting depth,", depth, MAX_SCHEMA_DEPTH)
-
-
-def is_heavy(spec: StructuredOutputsParams) -> bool:
-    """Large enough to compile on the heavy thread (see the module docstring)."""
-    kind = spec.kind
-    if kind == "grammar":
-        return _rules(spec.grammar) > HEAVY_RULES or len(spec.grammar) > HEAVY_BYTES
-    if kind == "json":
-        return len(_schema_text(spec)) > HEAVY_BYTES
-    if kind == "choice":
-        return sum(len(c) for c in spec.choice) > HEAVY_BYTES
-    return kind == "regex" and len(spec.regex) > HEAVY_BYTES // 4

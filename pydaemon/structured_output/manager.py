@@ -27,11 +27,13 @@ logger = logging.getLogger(__name__)
 
 
 class StructuredOutputManager:
-    def __init__(self, model: str, vocab_size: int) -> None:
+    def __init__(self, model: str, vocab_size: int, *, compile_timeout_s: float = 30.0) -> None:
         """model: the model directory or GGUF file (its tokenizer spells the grammars);
-        vocab_size: the model's (the logits' width)."""
+        vocab_size: the model's (the logits' width); compile_timeout_s: how long a grammar may
+        compile before its requests fail."""
         self.model = model
         self.vocab_size = vocab_size
+        self.compile_timeout_s = compile_timeout_s
         self.compiler: GrammarCompiler | None = None
         self.matchers: GrammarMatchers | None = None
         self._waiting: list[tuple[Request, Future]] = []  # in arrival order
@@ -66,10 +68,20 @@ class StructuredOutputManager:
         return len(self._waiting)
 
     def abort_request(self, request_id: str) -> bool:
+        """Forgets a request that waits for its grammar; a compile that no other waiting
+        request shares is stopped (its client left: its process is killed)."""
         kept = [(r, f) for r, f in self._waiting if r.request_id != request_id]
-        found = len(kept) < len(self._waiting)
+        gone = [f for r, f in self._waiting if r.request_id == request_id]
         self._waiting = kept
-        return found
+        for future in gone:
+            if not future.done() and all(f is not future for _, f in kept):
+                self.compiler.cancel(future)
+        return bool(gone)
+
+    def close(self) -> None:
+        """Stops the compile server (the engine is shutting down)."""
+        if self.compiler is not None:
+            self.compiler.close()
 
     def admit_ready(self, scheduler: Scheduler) -> list[EngineCoreOutput]:
         """Hands the requests whose grammar is compiled to the scheduler, in arrival order;
@@ -80,7 +92,11 @@ class StructuredOutputManager:
             if not future.done():
                 waiting.append((request, future))
                 continue
-            error = future.exception()
+            error = (
+                RuntimeError("its compile was stopped (the engine is shutting down)")
+                if future.cancelled()
+                else future.exception()
+            )
             if error is None:
                 scheduler.add_request(request)
                 continue
@@ -143,6 +159,11 @@ class StructuredOutputManager:
                 "structured outputs need the model's tokenizer (tokenizer.json, tokenizer.model "
                 "or a GGUF vocabulary), and this model has none"
             )
-        self.compiler = GrammarCompiler(token_bytes(tokenizer), self.vocab_size, eos_token_ids)
+        self.compiler = GrammarCompiler(
+            token_bytes(tokenizer),
+            self.vocab_size,
+            eos_token_ids,
+            timeout_s=self.compile_timeout_s,
+        )
         self.matchers = GrammarMatchers(self.compiler)
         return self.compiler

@@ -22,6 +22,9 @@ unconstrained.
 A reasoning model's grammar starts after its reasoning (``StructuredOutputsParams.
 reasoning_end``): until the end marker is in the output the row is unconstrained and the
 matcher reads nothing; the tokens after the marker are the grammar's input. With
+``reasoning_end_text`` the marker is also found in the output's bytes, whatever pieces spell it
+(as the reasoning parser finds it in the text); the rest of the token that completes it is the
+grammar's first input. With
 ``reasoning_start`` the first row allows the grammar's tokens and the start marker's first
 id: the sequence's first token decides whether it reasons first or answers at once.
 """
@@ -68,6 +71,8 @@ class _SeqMatcher:
     in_reasoning: bool = False  # the reasoning has not ended: the grammar has not started
     undecided: bool = False  # no token yet; the first says whether the reasoning comes first
     searched: int = 0  # output tokens already searched for the reasoning's end
+    text: bytearray = field(default_factory=bytearray)  # the reasoning's bytes, so far
+    byte_ends: list[int] = field(default_factory=list)  # where each output token's bytes end
 
 
 @dataclass
@@ -158,15 +163,28 @@ class GrammarMatchers:
                 return entry
             entry.undecided = False
             entry.in_reasoning = output[0] == row.spec.reasoning_start[0]
+        matcher = entry.matcher
         if entry.in_reasoning:
             start = _answer_start(output, row.spec, entry)
+            rest = b""
+            if row.spec.reasoning_end_text is not None and row.spec.reasoning_end_suffix is None:
+                by_text = _answer_start_in_text(output, row.spec, entry, self.compiler.token_bytes)
+                if by_text is not None and (start is None or by_text[0] < start):
+                    start, rest = by_text
             if start is None:
                 return entry
             entry.in_reasoning = False
             entry.num_accepted = start
+            entry.text, entry.byte_ends = bytearray(), []
+            if rest and not matcher.accept_string(bytes(rest)):
+                logger.warning(
+                    "request %s: the text after its reasoning breaks its grammar; the sequence "
+                    "ends",
+                    row.request_id,
+                )
+                entry.is_rejected = True
         tokens = output[entry.num_accepted :]
         entry.num_accepted += len(tokens)
-        matcher = entry.matcher
         for token_id in tokens:
             if entry.is_rejected or matcher.is_terminated():
                 break
@@ -178,6 +196,27 @@ class GrammarMatchers:
                 )
                 entry.is_rejected = True
         return entry
+
+
+def _answer_start_in_text(
+    output: list[int], spec: StructuredOutputsParams, entry: _SeqMatcher, token_bytes
+) -> tuple[int, bytes] | None:
+    """The end marker found in the output's text, however the model spelled it (' </'
+    'think' '>'): -> (the first output token after the one that completes it, the bytes of
+    that token after the marker: the grammar's first input), None while the reasoning goes
+    on. ``entry.text`` keeps the bytes read so far, so the scan is linear over the steps."""
+    marker = spec.reasoning_end_text.encode()
+    text, ends = entry.text, entry.byte_ends
+    searched = max(0, len(text) - len(marker) + 1)
+    for token_id in output[len(ends) :]:
+        text += token_bytes[token_id] if 0 <= token_id < len(token_bytes) else b""
+        ends.append(len(text))
+    at = text.find(marker, searched)
+    if at < 0:
+        return None
+    end = at + len(marker)
+    k = next(i for i, e in enumerate(ends) if e >= end)  # the token that completes it
+    return k + 1, bytes(text[end : ends[k]])
 
 
 def _answer_start(output: list[int], spec: StructuredOutputsParams, entry: _SeqMatcher):

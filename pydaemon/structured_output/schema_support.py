@@ -11,7 +11,14 @@ Refused: ``allOf`` of several schemas (one is enforced), ``not``, ``if``/``then`
 ``idn-hostname``, ``iri``, ``iri-reference``, ``regex`` and unknown ones), and ``oneOf``
 whose branches may overlap (xgrammar reads it as ``anyOf``): allowed when the branches have
 distinct JSON types, or all require one property with distinct ``const`` values (a pydantic
-discriminated union).
+discriminated union). Also refused: ``required`` names that ``properties`` does not define,
+``$anchor`` and any ``$ref`` that is not a local JSON pointer (``#/...``), and a ``const`` its
+node's ``type`` does not allow.
+
+The schema is walked as a schema, not as a dict of names: the values of ``$defs``,
+``properties``, ``patternProperties``... are schemas whatever their names (a definition named
+``enum`` or a pattern ``description`` is walked), and data keywords (``enum``, ``const``,
+``default``, ``examples``...) are never read as schemas.
 """
 
 from __future__ import annotations
@@ -39,8 +46,26 @@ UNENFORCED = {
     "contentMediaType": "'contentMediaType'",
     "contentSchema": "'contentSchema'",
 }
-# Keywords whose values are data, not schemas (not walked).
-_DATA = frozenset({"const", "enum", "default", "examples", "required", "description", "title"})
+# Where a schema holds schemas: maps of name -> schema, lists of schemas, one schema.
+_SCHEMA_MAPS = frozenset(
+    {"$defs", "definitions", "properties", "patternProperties", "dependentSchemas"}
+)
+_SCHEMA_LISTS = frozenset({"allOf", "anyOf", "oneOf", "prefixItems"})
+_SCHEMA_ONE = frozenset(
+    {
+        "items", "additionalItems", "additionalProperties", "propertyNames", "not", "if",
+        "then", "else", "contains", "unevaluatedItems", "unevaluatedProperties",
+    }
+)  # fmt: skip
+_JSON_TYPES = {
+    type(None): {"null"},
+    bool: {"boolean"},
+    int: {"integer", "number"},
+    float: {"number"},
+    str: {"string"},
+    list: {"array"},
+    dict: {"object"},
+}
 # JSON types no value has two of ("integer" is also a "number").
 _DISJOINT_TYPES = ("string", "boolean", "null", "object", "array")
 
@@ -51,14 +76,10 @@ def check_enforceable(schema: Any) -> None:
 
 
 def _walk(node: Any, path: str, root: Any) -> None:
-    if isinstance(node, list):
-        for i, item in enumerate(node):
-            _walk(item, f"{path}/{i}", root)
-        return
+    """One schema (a dict, or a boolean schema) at ``path``, then the schemas it holds."""
     if not isinstance(node, dict):
         return
     for key, value in node.items():
-        where = f"{path}/{key}"
         if key in UNENFORCED:
             _refuse(UNENFORCED[key], path)
         if key == "uniqueItems" and value is True:
@@ -71,15 +92,53 @@ def _walk(node: Any, path: str, root: Any) -> None:
             _refuse(f"the format {str(value)[:40]!r}", path)
         if key == "oneOf" and isinstance(value, list) and not _disjoint(value, root):
             _refuse("'oneOf' with branches that may overlap (it is enforced as 'anyOf')", path)
-        if key in _DATA:
-            continue
-        if key == "properties" and isinstance(value, dict):
-            for name, sub in value.items():
-                _walk(sub, f"{where}/{name}", root)
-            continue
-        _walk(value, where, root)
+        if key == "$anchor":
+            _refuse("'$anchor'", path)
+        if key == "$ref" and not (isinstance(value, str) and (value == "#" or value[:2] == "#/")):
+            _refuse(f"the $ref {str(value)[:60]!r} (only local '#/...' pointers)", path)
+    _check_required(node, path)
+    _check_const(node, path)
     if ({"minLength", "maxLength"} & node.keys()) and ({"pattern", "format"} & node.keys()):
         _refuse("'minLength' / 'maxLength' beside a 'pattern' or 'format'", path)
+    for key, value in node.items():
+        where = f"{path}/{key}"
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            for name, sub in value.items():
+                _walk(sub, f"{where}/{name}", root)
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            for i, sub in enumerate(value):
+                _walk(sub, f"{where}/{i}", root)
+        elif key in _SCHEMA_ONE:
+            if isinstance(value, list):  # draft 4's tuple "items"
+                for i, sub in enumerate(value):
+                    _walk(sub, f"{where}/{i}", root)
+            else:
+                _walk(value, where, root)
+
+
+def _check_required(node: dict, path: str) -> None:
+    required = node.get("required")
+    if not isinstance(required, list) or not required:
+        return
+    properties = node.get("properties")
+    defined = properties.keys() if isinstance(properties, dict) else ()
+    missing = [name for name in required if name not in defined]
+    if missing:
+        _refuse(
+            f"'required' names that 'properties' does not define ({str(missing[0])[:40]!r})", path
+        )
+
+
+def _check_const(node: dict, path: str) -> None:
+    if "const" not in node or "type" not in node:
+        return
+    allowed = node["type"] if isinstance(node["type"], list) else [node["type"]]
+    value = node["const"]
+    kinds = _JSON_TYPES.get(type(value), set())
+    if isinstance(value, float) and value.is_integer():
+        kinds = {"integer", "number"}
+    if not kinds & set(allowed):
+        _refuse(f"a 'const' its 'type' does not allow ({str(node['type'])[:40]})", path)
 
 
 def _refuse(what: str, path: str) -> None:

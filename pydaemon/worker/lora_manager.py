@@ -6,7 +6,9 @@ shard of the adapter once, checks every tensor (shape, dtype, finite values; a t
 unreadable file is a ValueError naming it) and keeps it in host memory (pinned on CUDA) until
 ``remove_adapter``: what was checked is what runs, and nothing is read from disk in a step, so
 files replaced or removed after loading change nothing and cannot fail a step.
-``max_cpu_loras`` (None: no limit) caps how many adapters may be loaded at once.
+How many adapters are held is the engine core's to bound (``max_cpu_loras``, an LRU:
+pydaemon/engine/loaded_loras.py); it removes an evicted one here and adds it again when a
+request names it.
 
 The model runner calls ``set_step`` once per step with each sequence's ``LoRARequest``
 (None: the base model): every adapter of the step gets a slot, the least recently used
@@ -51,7 +53,6 @@ def make_lora_manager(
         model,
         max_loras=config.max_loras,
         max_lora_rank=config.max_lora_rank,
-        max_cpu_loras=config.max_cpu_loras,
         max_num_tokens=max(max_num_batched_tokens, config.max_num_seqs),
         dtype=param.dtype,
         device=param.device,
@@ -65,13 +66,11 @@ class LoRAManager:
         *,
         max_loras: int,
         max_lora_rank: int,
-        max_cpu_loras: int | None,
         max_num_tokens: int,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
         self.max_lora_rank = max_lora_rank
-        self.max_cpu_loras = max_cpu_loras
         self.dtype = dtype
         self.device = device
         self.slots = LoRASlots(max_loras, max_lora_rank, max_num_tokens, device)
@@ -108,11 +107,6 @@ class LoRAManager:
         lora_id = lora_request.lora_int_id
         if lora_id in self._host:
             return
-        if self.max_cpu_loras is not None and len(self._host) >= self.max_cpu_loras:
-            raise LoRAAdapterError(
-                f"LoRA adapter {lora_request.lora_name!r}: {len(self._host)} adapters are "
-                f"loaded, the most max_cpu_loras ({self.max_cpu_loras}) allows: unload one first"
-            )
         pin = self.device.type == "cuda"
         adapter: HostAdapter = {}
         for (layer, module), (a, b) in load_lora_weights(config, self.dtype).items():

@@ -256,8 +256,9 @@ def test_auto_none_and_a_second_turn_with_the_tool_result(tool_client):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_forced_call_cut_by_max_tokens(tool_client, stream):
-    """Issue 46: the partial constraint JSON came back as content. Now, as OpenAI does: the
-    call with its arguments as far as they got, finish_reason "length", no content."""
+    """Issue 46: the partial constraint JSON came back as content; issue 55 (item 22): a cut
+    call came back as a call. Now, as OpenAI and vLLM answer: no call and no content, finish
+    "length", streamed or not."""
     client, st, model = tool_client
     named = {"type": "function", "function": {"name": "get_weather"}}
     r = client.chat.completions.create(
@@ -269,17 +270,11 @@ def test_a_forced_call_cut_by_max_tokens(tool_client, stream):
         content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or ()]
         finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
-        [delta] = deltas
-        name, arguments = delta.function.name, delta.function.arguments
     else:
         choice = r.choices[0]
-        content, finish = choice.message.content or "", choice.finish_reason
-        [call] = choice.message.tool_calls
-        name, arguments = call.function.name, call.function.arguments
-    assert finish == "length" and content == ""
-    assert name == "get_weather" and arguments.startswith("{")
-    with pytest.raises(json.JSONDecodeError):
-        json.loads(arguments)  # 3 tokens: partial
+        content, finish = choice.message.content, choice.finish_reason
+        deltas = choice.message.tool_calls or []
+    assert finish == "length" and not content and deltas == []
     st.wait_all_blocks_free()
 
 

@@ -39,6 +39,27 @@ def test_tokenize_text_and_chat_as_generation_does(server):
     )
     assert r.json()["count"] == chat.usage.prompt_tokens
     assert r.json()["tokens"] == tok.encode("User: Hello\nAssistant:", add_bos=False)
+    # add_special_tokens: what the tokenizer's own encoding adds (the demo's adds BOS)
+    r = post(server, "/tokenize", {"messages": MESSAGES, "add_special_tokens": True})
+    assert r.json()["tokens"] == tok.encode("User: Hello\nAssistant:", add_bos=True)
+
+
+def test_a_chat_gets_bos_only_where_the_tokenizer_adds_one():
+    """Issue 55, 24: SmolLM2's BOS is <|im_start|> and its encoding adds none; a chat with
+    add_special_tokens got a second <|im_start|> in front."""
+    from pydaemon.entrypoints.openai.tokenize_routes import with_special_tokens
+
+    class Tok:
+        bos_token_id = 1
+
+        def __init__(self, adds_bos: bool) -> None:
+            self.adds_bos = adds_bos
+
+        def encode(self, text: str, add_bos: bool = True) -> list[int]:
+            return [1] if add_bos and self.adds_bos else []
+
+    assert with_special_tokens(Tok(adds_bos=False), [1, 5, 6]) == [1, 5, 6]
+    assert with_special_tokens(Tok(adds_bos=True), [5, 6]) == [1, 5, 6]
 
 
 def test_detokenize(server):

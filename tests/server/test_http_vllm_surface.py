@@ -247,6 +247,16 @@ def test_continuous_usage_stats(client, endpoint):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
     prompt_tokens = {c.usage.prompt_tokens for c in chunks}
     assert len(prompt_tokens) == 1
+    if endpoint == "chat":  # the role-only first chunk has sent no token (issue 55, 24)
+        assert chunks[0].choices[0].delta.role and chunks[0].usage.completion_tokens == 0
+    # continuous_usage_stats without include_usage: no usage field at all (vLLM's rule; issue
+    # 55, 24: completions sent it on every chunk)
+    kw["stream_options"] = {"continuous_usage_stats": True}
+    if endpoint == "chat":
+        chunks = list(client.chat.completions.create(messages=MESSAGES, **kw))
+    else:
+        chunks = list(client.completions.create(prompt="Hello", **kw))
+    assert chunks and all("usage" not in c.to_dict() for c in chunks), chunks
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -431,3 +441,20 @@ def test_echo_with_logprobs(client, stream):
     )
     for j in range(1, len(ids)):
         assert token_logprobs[j] == pytest.approx(reference[j][str(ids[j])]["logprob"], abs=1e-6)
+
+
+def test_echo_of_token_ids_spells_special_tokens_as_text_offset_counts_them(client):
+    """Issue 55, 24: the echo of a token-id prompt dropped its special tokens (BOS) from the
+    text while logprobs' text_offset counted them: every offset must point into the text."""
+    tok = _demo_tokenizer()
+    ids = tok.encode("Once upon a time", add_bos=True)
+    assert ids[0] == tok.bos_token_id
+    r = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=2, logprobs=0, echo=True, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    choice = r.choices[0]
+    assert choice.text.startswith(tok.decode(ids, skip_special_tokens=False))
+    lp = choice.logprobs
+    for token, offset in zip(lp.tokens[: len(ids)], lp.text_offset[: len(ids)], strict=True):
+        assert choice.text[offset : offset + len(token)] == token, (token, offset, choice.text)

@@ -45,6 +45,7 @@ class ReasoningMarkers:
     end: tuple[int, ...]
     end_suffix: tuple[int, ...] | None = None
     start: tuple[int, ...] | None = None
+    end_text: str | None = None  # the end marker as text, found however it is tokenized
 
 
 class ReasoningParser:
@@ -195,8 +196,8 @@ class ThinkReasoningParser(ReasoningParser):
             return None
         end = _encode(tokenizer, self.end)
         if opening == "reasoning":
-            return ReasoningMarkers(end)
-        return ReasoningMarkers(end, start=_encode(tokenizer, self.start))
+            return ReasoningMarkers(end, end_text=self.end)
+        return ReasoningMarkers(end, start=_encode(tokenizer, self.start), end_text=self.end)
 
 
 class _ThinkStream(ReasoningStream):
@@ -413,5 +414,6 @@ def apply_reasoning(params, parser: ReasoningParser | None, tokenizer, tail: str
                 reasoning_end=markers.end,
                 reasoning_end_suffix=markers.end_suffix,
                 reasoning_start=markers.start,
+                reasoning_end_text=markers.end_text,
             )
     return params

@@ -20,7 +20,6 @@ renders tools.
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 from pydaemon.entrypoints.common.tool_parsers import (
@@ -136,9 +135,9 @@ def _rebased(schema: Any, root: str) -> Any:
 
 def forced_tool_calls(text: str, tools: list[dict[str, Any]], tool_choice: Any) -> list[ToolCall]:
     """The tool calls of an output generated under ``tool_choice_constraint`` (required or
-    named). An output cut by max_tokens (not complete JSON) keeps what it has, as OpenAI
-    answers a call cut by the length limit: every whole call, then the cut one with its
-    arguments as the partial JSON text written so far (finish_reason stays "length")."""
+    named). An output cut by max_tokens (not complete JSON) keeps its whole calls only: a cut
+    call is left out, as OpenAI and vLLM answer (finish_reason stays "length"; a cut named
+    call leaves no call and no content: its half JSON is neither)."""
     named = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
     try:
         value = json.loads(text)
@@ -151,14 +150,9 @@ def forced_tool_calls(text: str, tools: list[dict[str, Any]], tool_choice: Any) 
     ]
 
 
-# The start of one call of tool_choice "required"'s list, as the constraint writes it (compact
-# JSON, "name" first): its whole name, then the parameters object as far as it got.
-_CUT_CALL = re.compile(r'\{"name":("(?:[^"\\]|\\.)*")(?:,"parameters":(.*))?', re.DOTALL)
-
-
 def _partial_calls(text: str, named: str | None) -> list[ToolCall]:
     if named is not None:
-        return [ToolCall(named, text)] if text else []
+        return []
     calls = []
     decoder = json.JSONDecoder()
     index = 1 if text.startswith("[") else len(text)
@@ -166,10 +160,7 @@ def _partial_calls(text: str, named: str | None) -> list[ToolCall]:
         try:
             item, index = decoder.raw_decode(text, index)
         except json.JSONDecodeError:
-            cut = _CUT_CALL.match(text, index)
-            if cut is not None:
-                calls.append(ToolCall(json.loads(cut.group(1)), cut.group(2) or ""))
-            break
+            break  # the cut call
         calls.append(ToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False)))
         if text.startswith(",", index):
             index += 1
@@ -218,7 +209,8 @@ class ForcedToolParser(ToolParser):
         return 0
 
     def parse(self, text: str) -> ParsedOutput:
-        """Never content: the output is the call(s), whole or, cut by max_tokens, partial."""
+        """Never content: the output is the call(s); cut by max_tokens, its whole calls only
+        (a stream has sent the cut call's arguments as they came, as vLLM's does)."""
         return ParsedOutput(None, forced_tool_calls(text, self.tools, self.tool_choice))
 
 

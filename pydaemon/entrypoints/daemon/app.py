@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import signal
 import time
 from collections.abc import Callable
@@ -83,6 +84,7 @@ class ServerOptions:
     # --served-model-name: the names clients use (the first is the one answers carry)
     served_model_names: list[str] = field(default_factory=list)
     chat_template: str | None = None  # --chat-template, read and checked: instead of the model's
+    root_path: str | None = None  # --root-path: the HTTP routes are also served under it
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -93,6 +95,14 @@ class ServerOptions:
             get_reasoning_parser(self.serving.reasoning_parser)
         if self.grace_period_s < 0:
             raise ValueError(f"grace_period_s must be >= 0 (got {self.grace_period_s})")
+        if self.root_path is not None and (
+            not re.fullmatch(r"(/[A-Za-z0-9._~-]+)+", self.root_path)
+            or {".", ".."} & set(self.root_path.split("/"))
+        ):
+            raise ValueError(
+                f"--root-path must be a path such as /llm (no trailing slash), not "
+                f"{self.root_path!r}"
+            )
 
 
 class PageddServer:
@@ -265,6 +275,7 @@ class PageddServer:
             max_body_bytes=o.max_message_bytes,
             tool_call_parser=o.serving.tool_call_parser,
             reasoning_parser=o.serving.reasoning_parser,
+            root_path=o.root_path,
         )
         async_engine = self.async_engine
         self.http = HttpServer(

@@ -100,6 +100,12 @@ ENGINE_FLAGS: tuple[tuple[str, Any, str], ...] = (
         "settings finds its blocks again (needs --kv-offloading-disk-size)",
     ),
     ("--kv-offloading-disk-size", float, "GiB of the disk tier (over all ranks)"),
+    (
+        "--structured-outputs-compile-timeout",
+        float,
+        "seconds a grammar may compile before its requests fail (default 30; compiles run "
+        "in processes that are stopped then, or when their clients leave)",
+    ),
 )
 ENGINE_BOOL_FLAGS = (
     ("--enable-prefix-caching", "automatic prefix caching"),
@@ -152,6 +158,13 @@ SERVER_FLAGS: tuple[tuple[str, Any, Any, str], ...] = (
         f"list: prefer ${API_KEY_ENV} or --api-key-file",
     ),
     ("--api-key-file", str, None, "read the API key from this file (first line)"),
+    (
+        "--root-path",
+        str,
+        None,
+        "the path prefix a proxy serves the HTTP API under (vLLM's flag): every route also "
+        "answers under it (/llm/v1/models as /v1/models)",
+    ),
     ("--tls-cert", str, None, "PEM certificate chain: serve TLS (with --tls-key)"),
     ("--tls-key", str, None, "PEM private key"),
     (
@@ -399,6 +412,7 @@ def resolve(args: argparse.Namespace) -> tuple[dict[str, Any], ServerOptions, st
         ),
         served_model_names=parse_served_model_names(values.get("served_model_name")),
         chat_template=read_chat_template(values.get("chat_template")),
+        root_path=values["root_path"],
     )
     return engine_kwargs, options, values["log_level"]
 

@@ -50,12 +50,24 @@ _server_logger.addFilter(_QuietMalformedRequests())
 
 
 def build_app(serving: OpenAIServing) -> web.Application:
+    """The routes; with ``root_path`` (vLLM's --root-path: the prefix a proxy serves them
+    under) each is also served under it, so both /v1/models and /llm/v1/models answer."""
+    options = serving.options
     middlewares = [error_middleware]
-    if serving.options.api_key:
+    if options.api_key:
         middlewares.insert(
-            0, api_key_middleware(serving.options.api_key, serving.options.metrics_auth)
+            0, api_key_middleware(options.api_key, options.metrics_auth, options.root_path)
         )
-    app = web.Application(middlewares=middlewares, client_max_size=serving.options.max_body_bytes)
+    app = web.Application(middlewares=middlewares, client_max_size=options.max_body_bytes)
+    _add_routes(app, serving)
+    if options.root_path:
+        prefixed = web.Application(client_max_size=options.max_body_bytes)
+        _add_routes(prefixed, serving)
+        app.add_subapp(options.root_path, prefixed)
+    return app
+
+
+def _add_routes(app: web.Application, serving: OpenAIServing) -> None:
 
     def card(name: str | None = None) -> ModelCard:
         """The base model's card (under one of its names), or adapter ``name``'s (its parent
@@ -129,7 +141,6 @@ def build_app(serving: OpenAIServing) -> web.Application:
     add_tokenize_routes(app, serving)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
-    return app
 
 
 class HttpServer:

@@ -1,6 +1,6 @@
-"""Optional bearer-token auth for ``/v1/*``, ``/tokenize``, ``/detokenize`` and, unless
-``--no-metrics-auth``, ``/metrics`` (``/health`` and ``/version`` stay open for load balancers
-and probes)."""
+"""Optional bearer-token auth for every path but ``/health`` and ``/version`` (open for load
+balancers and probes) and, with ``--no-metrics-auth``, ``/metrics``: an allow-list, so that a
+path added later, or one under ``--root-path``, is guarded unless it is named here."""
 
 from __future__ import annotations
 
@@ -11,22 +11,19 @@ from aiohttp import web
 from pydaemon.entrypoints.common.api_key import check_api_key
 from pydaemon.entrypoints.openai.errors import error_response
 
-# Beyond /v1/*: vLLM's tokenizer routes (they spend the server's CPU on the caller's text).
-GUARDED_PATHS = frozenset({"/tokenize", "/detokenize"})
+OPEN_PATHS = frozenset({"/health", "/version"})
 
 
-def api_key_middleware(api_key: str, metrics_auth: bool = True):
-    """Refuses ``/v1/*`` (and ``/metrics`` with ``metrics_auth``) requests without
-    ``Authorization: Bearer <api_key>`` with 401."""
+def api_key_middleware(api_key: str, metrics_auth: bool = True, root_path: str | None = None):
+    """Refuses requests without ``Authorization: Bearer <api_key>`` with 401, but for the
+    open paths (also under ``root_path``)."""
     expected = f"Bearer {check_api_key(api_key)}".encode()
+    open_paths = OPEN_PATHS if metrics_auth else OPEN_PATHS | {"/metrics"}
+    if root_path:
+        open_paths = open_paths | {root_path + p for p in open_paths}
 
     def is_guarded(path: str) -> bool:
-        return (
-            path == "/v1"
-            or path.startswith("/v1/")
-            or path in GUARDED_PATHS
-            or (metrics_auth and path == "/metrics")
-        )
+        return path not in open_paths
 
     @web.middleware
     async def require_api_key(request: web.Request, handler) -> web.StreamResponse:

@@ -172,6 +172,10 @@ class ChatFormatter:
         self._prompt_logprobs = body.prompt_logprobs
         if body.prompt_logprobs is None:  # not asked: left out, not written as null
             self._exclude = {**(self._exclude or {}), "prompt_logprobs": True}
+        # Chunks carry "usage" only with include_usage (null but on the usage chunk, as OpenAI)
+        self._chunk_exclude = (
+            self._exclude if body.include_usage else {**(self._exclude or {}), "usage": True}
+        )
 
     def _template(self, index: int) -> ChunkTemplate:
         template = self._templates.get(index)
@@ -184,7 +188,7 @@ class ChatFormatter:
                 ChatCompletionChunk(
                     id=self.request_id, created=self.created, model=self.model, choices=[choice]
                 ),
-                self._exclude,
+                self._chunk_exclude,
                 has_ids=self._return_token_ids,
             )
             self._templates[index] = template
@@ -203,13 +207,15 @@ class ChatFormatter:
             choices=choices,
             usage=usage,
             prompt_token_ids=prompt_token_ids,
-        ).model_dump_json(exclude=self._exclude)
+        ).model_dump_json(exclude=self._chunk_exclude)
 
-    def _usage(self, acc: Accumulator, choice: ChoiceState) -> Usage | None:
-        """stream_options.continuous_usage_stats: the usage so far on every chunk."""
+    def _usage(self, acc: Accumulator, choice: ChoiceState | None) -> Usage | None:
+        """stream_options.continuous_usage_stats: the usage so far on every chunk (None: the
+        role-only first chunk, which has sent no token: 0, as vLLM counts it)."""
         if not self._continuous_usage:
             return None
-        return make_usage(acc.prompts[0].num_prompt_tokens, len(choice.token_ids), 0)
+        done = 0 if choice is None else len(choice.token_ids)
+        return make_usage(acc.prompts[0].num_prompt_tokens, done, 0)
 
     def start_chunks(self, acc: Accumulator) -> list[str]:
         """OpenAI's first chunk of each choice names the role (vLLM's return_token_ids: the
@@ -218,7 +224,7 @@ class ChatFormatter:
         for k, c in enumerate(acc.choices):
             role = ChatChunkChoice(index=c.index, delta=DeltaMessage(role=self.role, content=""))
             ids = self._prompt.token_ids if self._return_token_ids and k == 0 else None
-            chunks.append(self._chunk([role], self._usage(acc, c), ids))
+            chunks.append(self._chunk([role], self._usage(acc, None), ids))
             if self.echo.content or self.echo.reasoning:
                 delta = DeltaMessage(
                     content=self.echo.content,
@@ -226,7 +232,7 @@ class ChatFormatter:
                     reasoning_content=self.echo.reasoning,
                 )
                 echo = ChatChunkChoice(index=c.index, delta=delta)
-                chunks.append(self._chunk([echo], self._usage(acc, c)))
+                chunks.append(self._chunk([echo], self._usage(acc, None)))
         return chunks
 
     def delta_chunks(self, deltas: list[ChoiceDelta], acc: Accumulator) -> list[str]:

@@ -102,7 +102,9 @@ async def _prompts(serving: OpenAIServing, prompt, echo: bool) -> list[EnginePro
             raise bad_request(f"{EMPTY_PROMPT} ({param} is an empty list)", param)
         if bad:
             raise bad_request(out_of_vocabulary(bad, vocab_size, param), param)
-        out.append(EnginePrompt(list(p), serving.decode(p) if echo else None))
+        # The echo spells every token, special ones too, as logprobs' text_offset counts them
+        # (vLLM decodes the prompt's ids the same way)
+        out.append(EnginePrompt(list(p), serving.decode(p, False) if echo else None))
     return out
 
 
@@ -126,6 +128,10 @@ class CompletionFormatter:
         if body.prompt_logprobs is None:
             left_out.add("prompt_logprobs")
         self._exclude = {"choices": {"__all__": left_out}} if left_out else None
+        # Chunks carry "usage" only with include_usage (null but on the usage chunk, as OpenAI)
+        self._chunk_exclude = (
+            self._exclude if body.include_usage else {**(self._exclude or {}), "usage": True}
+        )
         self._num_logprobs = body.logprobs
         self._prompt_logprobs = body.prompt_logprobs
         self._return_token_ids = body.return_token_ids
@@ -149,7 +155,7 @@ class CompletionFormatter:
         return CompletionResponse(
             id=self.request_id, created=self.created, model=self.model, choices=choices,
             usage=usage,
-        ).model_dump_json(exclude=self._exclude)  # fmt: skip
+        ).model_dump_json(exclude=self._chunk_exclude)  # fmt: skip
 
     def _template(self, index: int) -> ChunkTemplate:
         template = self._templates.get(index)
@@ -159,7 +165,7 @@ class CompletionFormatter:
             chunk = CompletionResponse(
                 id=self.request_id, created=self.created, model=self.model, choices=[choice]
             )
-            template = ChunkTemplate(chunk, self._exclude, has_ids=self._return_token_ids)
+            template = ChunkTemplate(chunk, self._chunk_exclude, has_ids=self._return_token_ids)
             self._templates[index] = template
         return template
 

@@ -124,7 +124,9 @@ class _SamplingRequest(Body):
 
     @property
     def continuous_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+        """Usage on every chunk: continuous_usage_stats with include_usage (vLLM's rule; alone
+        it sends none, as OpenAI's clients expect without include_usage)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     def _check_common(self) -> None:
         if self.stream_options is not None and not self.stream:

@@ -65,6 +65,7 @@ class HttpOptions:
     max_body_bytes: int = 16 * 1024 * 1024
     tool_call_parser: str | None = None  # vLLM's names; None: the chat template's syntax
     reasoning_parser: str | None = None  # vLLM's names; None: harmony templates' own, or none
+    root_path: str | None = None  # vLLM's --root-path: the routes are also served under it
 
 
 @dataclass(eq=False)
@@ -238,8 +239,10 @@ class OpenAIServing:
             raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
         return ids
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def resolve_max_tokens(
         self,

@@ -29,6 +29,16 @@ from pydaemon.entrypoints.openai.serving import OpenAIServing
 MAX_DETOKENIZE_IDS = 1 << 20
 
 
+def with_special_tokens(tokenizer, ids: list[int]) -> list[int]:
+    """A rendered chat's ids with what the tokenizer itself adds (vLLM encodes the rendered
+    chat with add_special_tokens): BOS only where its encoding adds one (SmolLM2's adds none:
+    its BOS, <|im_start|>, was written twice)."""
+    bos = tokenizer.bos_token_id
+    if bos is not None and bos in tokenizer.encode("", True):
+        return [bos, *ids]
+    return ids
+
+
 class TokenizeTextRequest(Body):
     model: str | None = None
     prompt: str
@@ -82,8 +92,8 @@ def add_tokenize_routes(app: web.Application, serving: OpenAIServing) -> None:
                 body.chat_template_kwargs,
                 body.continue_final_message,
             )
-            if body.add_special_tokens and tokenizer.bos_token_id is not None:
-                ids = [tokenizer.bos_token_id, *ids]
+            if body.add_special_tokens:
+                ids = with_special_tokens(tokenizer, ids)
         else:
             body = TokenizeTextRequest.model_validate_json(raw)
             tokenizer = tokenizer_for(body.model)
