@@ -22,3 +22,14 @@ def _give_back_the_last_files_memory():
     # (a test item holds its fixtures until its teardown is over).
     give_back_memory()
     yield
+
+
+def pytest_configure(config):
+    # Under pytest-xdist (scripts/run_tests.sh) each worker gets one of the box's cores:
+    # torch's own threads would otherwise double up on them.
+    import os
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
