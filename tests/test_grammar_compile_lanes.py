@@ -76,3 +76,18 @@ def test_cancel_forgets_a_queued_job_and_hands_back_a_running_one():
 def test_lanes_need_a_fast_slot():
     with pytest.raises(ValueError, match="two slots"):
         CompileLanes(max_running=1)
+
+
+def test_frames_survive_any_split_of_the_byte_stream():
+    """The compile protocol's frames, read in pieces of every size (the server once lost the
+    bytes read with its init frame: a compile sent right after it never ran)."""
+    from pydaemon.structured_output.compile_server import FrameReader, encode_frame
+
+    messages = [("init", "x" * 70_000, {"a": 1}), ("compile", 0, "y" * 3), ("cancel", 0)]
+    data = b"".join(encode_frame(m) for m in messages)
+    for size in (1, 7, 4096, len(data)):
+        reader = FrameReader()
+        got = []
+        for i in range(0, len(data), size):
+            got += reader.feed(data[i : i + size])
+        assert got == messages, size

@@ -35,9 +35,13 @@ _PR_SET_PDEATHSIG = 1
 _out_fd = 1  # main() moves the protocol off fd 1, so that a stray print cannot corrupt it
 
 
-def write_frame(fd: int, message) -> None:
+def encode_frame(message) -> bytes:
     data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    view = memoryview(_HEADER.pack(len(data)) + data)
+    return _HEADER.pack(len(data)) + data
+
+
+def write_frame(fd: int, message) -> None:
+    view = memoryview(encode_frame(message))
     while view:
         view = view[os.write(fd, view) :]
 
@@ -67,9 +71,31 @@ def _die_with_parent() -> None:
         pass  # not Linux: the child ends when its compile does
 
 
+# Memory a compile may take beyond what the server had when it forked (the address space is
+# bounded: a grammar whose compile explodes fails, "MemoryError" or a killed child, instead of
+# taking the host's memory before its deadline).
+COMPILE_MEMORY_BYTES = 4 << 30
+
+
+def _bound_memory() -> None:
+    try:
+        import resource
+
+        with open("/proc/self/statm") as f:
+            mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        limit = mapped + COMPILE_MEMORY_BYTES
+        if hard != resource.RLIM_INFINITY:
+            limit = min(limit, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    except (ImportError, OSError, ValueError):
+        pass  # not Linux: the deadline still bounds the compile
+
+
 def _compile_in_child(write_fd: int, tokenizer_info, spec) -> None:
     """In the forked child: compile, write b"O" + JSON or b"E" + message, and exit."""
     _die_with_parent()
+    _bound_memory()
     try:
         import xgrammar as xgr
 

@@ -21,12 +21,17 @@ from pydaemon.structured_output.compile_server import FrameReader, write_frame
 
 logger = logging.getLogger(__name__)
 
+_DIED = (
+    "the grammar compile process ended (exit code {code}) during this compile; the next "
+    "constrained request starts a new one"
+)
+
 
 class CompileService:
     def __init__(self, tokenizer_info_json: str, **lanes_kwargs) -> None:
         self._info_json = tokenizer_info_json
         self._lanes_kwargs = lanes_kwargs
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # futures' callbacks may come back in
         self._proc: subprocess.Popen | None = None
         self._futures: dict[int, Future[str]] = {}
         self._next_id = 0
@@ -39,6 +44,10 @@ class CompileService:
     def _ensure_started(self) -> subprocess.Popen:
         if self._proc is not None and self._proc.poll() is None:
             return self._proc
+        if self._proc is not None:  # died, and its reader has not said so yet: its compiles
+            lost, self._futures = self._futures, {}
+            for future in lost.values():
+                future.set_exception(RuntimeError(_DIED.format(code=self._proc.returncode)))
         proc = subprocess.Popen(
             [sys.executable, "-m", "pydaemon.structured_output.compile_server"],
             stdin=subprocess.PIPE,
@@ -55,16 +64,18 @@ class CompileService:
     def submit(self, spec) -> Future[str]:
         future: Future[str] = Future()
         with self._lock:
-            proc = self._ensure_started()
             job_id = self._next_id
             self._next_id += 1
-            self._futures[job_id] = future
             future.job_id = job_id  # type: ignore[attr-defined]
             try:
+                proc = self._ensure_started()
+                self._futures[job_id] = future
                 write_frame(proc.stdin.fileno(), ("compile", job_id, spec))
-            except OSError:
-                self._futures.pop(job_id)
-                future.set_exception(RuntimeError("the grammar compile process is not running"))
+            except OSError as e:  # it could not start, or died: the next compile tries again
+                self._futures.pop(job_id, None)
+                future.set_exception(
+                    RuntimeError(f"the grammar compile process is not running ({e})")
+                )
         return future
 
     def cancel(self, future: Future) -> None:
@@ -92,24 +103,19 @@ class CompileService:
     def _read(self, proc: subprocess.Popen) -> None:
         reader = FrameReader()
         fd = proc.stdout.fileno()
-        while True:
-            try:
-                data = os.read(fd, 1 << 20)
-            except OSError:
-                data = b""
-            if not data:
-                break
-            for message in reader.feed(data):
-                if message[0] == "ready":
-                    continue
-                with self._lock:
-                    future = self._futures.pop(message[1], None)
-                if future is None:  # cancelled meanwhile
-                    continue
-                if message[0] == "done":
-                    future.set_result(message[2])
-                else:
-                    future.set_exception(ValueError(message[2]))
+        try:
+            while True:
+                try:
+                    data = os.read(fd, 1 << 20)
+                except OSError:
+                    data = b""
+                if not data:
+                    break
+                for message in reader.feed(data):
+                    self._answered(message)
+        except Exception:  # a garbled answer: the server is stopped, its compiles fail below
+            logger.exception("the grammar compile process answered what cannot be read")
+            proc.kill()
         code = proc.wait()
         proc.stdout.close()
         with self._lock:
@@ -120,12 +126,19 @@ class CompileService:
         if lost:
             logger.error("the grammar compile process ended (exit code %s)", code)
         for future in lost.values():
-            future.set_exception(
-                RuntimeError(
-                    f"the grammar compile process ended (exit code {code}) during this "
-                    "compile; the next constrained request starts a new one"
-                )
-            )
+            future.set_exception(RuntimeError(_DIED.format(code=code)))
+
+    def _answered(self, message) -> None:
+        if message[0] == "ready":
+            return
+        with self._lock:
+            future = self._futures.pop(message[1], None)
+        if future is None:  # cancelled meanwhile
+            return
+        if message[0] == "done":
+            future.set_result(message[2])
+        else:
+            future.set_exception(ValueError(message[2]))
 
     def close(self) -> None:
         with self._lock:

@@ -458,3 +458,42 @@ def test_echo_of_token_ids_spells_special_tokens_as_text_offset_counts_them(clie
     lp = choice.logprobs
     for token, offset in zip(lp.tokens[: len(ids)], lp.text_offset[: len(ids)], strict=True):
         assert choice.text[offset : offset + len(token)] == token, (token, offset, choice.text)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_return_tokens_as_token_ids(client, stream):
+    """vLLM's return_tokens_as_token_ids (issue 55, 23): logprobs name each token
+    "token_id:<id>", chosen and alternatives, in completions and chat, streamed or not."""
+    extra = {"ignore_eos": True, "return_tokens_as_token_ids": True, "return_token_ids": True}
+    r = client.completions.create(
+        model=MODEL, prompt="Once upon", max_tokens=3, logprobs=2, temperature=0,
+        stream=stream, extra_body=extra,
+    )  # fmt: skip
+    tokens, ids, alternatives = [], [], []
+    for chunk in list(r) if stream else [r]:
+        for c in chunk.choices:
+            ids += c.model_dump().get("token_ids") or []
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                alternatives += [k for top in c.logprobs.top_logprobs for k in top]
+    assert tokens == [f"token_id:{i}" for i in ids] and len(ids) == 3
+    assert alternatives and all(k.startswith("token_id:") for k in alternatives)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=3, logprobs=True, top_logprobs=2,
+        temperature=0, stream=stream, extra_body=extra,
+    )  # fmt: skip
+    names, ids = [], []
+    for chunk in list(chat) if stream else [chat]:
+        for c in chunk.choices:
+            ids += c.model_dump().get("token_ids") or []
+            content = c.logprobs.content if c.logprobs is not None else None
+            for entry in content or ():
+                names.append(entry.token)
+                assert all(t.token.startswith("token_id:") for t in entry.top_logprobs)
+    assert names == [f"token_id:{i}" for i in ids] and len(ids) == 3
+    # Without it, the tokens are text.
+    plain = client.completions.create(
+        model=MODEL, prompt="Once upon", max_tokens=3, logprobs=1, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert not any(t.startswith("token_id:") for t in plain.choices[0].logprobs.tokens)

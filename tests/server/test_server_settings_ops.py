@@ -26,8 +26,8 @@ def test_serve_help_shows_defaults_once():
     assert "(default: None)" not in text
     # --metrics-port, --http-port, --enforce-eager, --calculate-kv-scales,
     # --allow-unauthenticated, --parse-special-tokens-in-chat, --enable-lora,
-    # --enable-expert-parallel
-    assert text.count("(default: off)") == 8
+    # --enable-expert-parallel, --return-tokens-as-token-ids
+    assert text.count("(default: off)") == 9
     for expected in (
         "tokens per KV block (8, 16, 32) (default: 16)",
         "most sequences per step (default: 512)",
@@ -54,6 +54,25 @@ def test_api_key_file(tmp_path, monkeypatch):
         resolve(args)
     args = build_parser().parse_args(["serve", "--no-metrics-auth"])
     assert resolve(args)[1].metrics_auth is False
+
+
+def test_new_vllm_flags_reach_their_options():
+    """Issue 55: --root-path, --return-tokens-as-token-ids, --structured-outputs-compile-timeout
+    (checked where they are read: the HTTP and engine tests)."""
+    args = build_parser().parse_args(
+        ["serve", "--root-path", "/llm", "--return-tokens-as-token-ids",
+         "--structured-outputs-compile-timeout", "5"]
+    )  # fmt: skip
+    engine_kwargs, options, _ = resolve(args)
+    assert options.root_path == "/llm" and options.serving.return_tokens_as_token_ids
+    assert engine_kwargs["structured_outputs_compile_timeout"] == 5.0
+    defaults = resolve(build_parser().parse_args(["serve"]))
+    assert defaults[1].root_path is None and not defaults[1].serving.return_tokens_as_token_ids
+    bad = build_parser().parse_args(["serve", "--structured-outputs-compile-timeout", "0"])
+    with pytest.raises(ValueError, match="structured_outputs_compile_timeout must be a finite"):
+        from pydaemon.config.engine import EngineConfig
+
+        EngineConfig(**resolve(bad)[0])
 
 
 def _doc_commands() -> list[str]:

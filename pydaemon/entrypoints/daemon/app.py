@@ -276,6 +276,7 @@ class PageddServer:
             tool_call_parser=o.serving.tool_call_parser,
             reasoning_parser=o.serving.reasoning_parser,
             root_path=o.root_path,
+            return_tokens_as_token_ids=o.serving.return_tokens_as_token_ids,
         )
         async_engine = self.async_engine
         self.http = HttpServer(

@@ -135,6 +135,12 @@ SERVER_BOOL_FLAGS = (
         "listen on a non-loopback address without an API key (refused otherwise)",
     ),
     (
+        "--return-tokens-as-token-ids",
+        False,
+        "logprobs name each token 'token_id:<id>' instead of its text (vLLM's flag; a "
+        "request's return_tokens_as_token_ids overrides it)",
+    ),
+    (
         "--parse-special-tokens-in-chat",
         False,
         "read special-token text in chat message content (<|im_start|>...) as control tokens, "
@@ -385,6 +391,7 @@ def resolve(args: argparse.Namespace) -> tuple[dict[str, Any], ServerOptions, st
         tool_call_parser=values["tool_call_parser"],
         reasoning_parser=values["reasoning_parser"],
         parse_special_tokens_in_chat=values["parse_special_tokens_in_chat"],
+        return_tokens_as_token_ids=values["return_tokens_as_token_ids"],
     )
     options = ServerOptions(
         host=values["host"],

@@ -33,6 +33,8 @@ class ServingOptions:
     status_timeout_s: float = 5.0  # GetServerStatus waits this long for the core's stats
     # Special-token text in chat messages parsed as control tokens (role injection): off.
     parse_special_tokens_in_chat: bool = False
+    # HTTP logprobs name tokens "token_id:<id>" (vLLM's --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: bool = False
 
 
 class GenerationServicer(GenerateCalls, AdapterCalls, pb_grpc.GenerationServicer):

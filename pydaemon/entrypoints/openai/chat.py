@@ -94,6 +94,8 @@ async def create_chat_completion(
     elif reasoning is not None:
         tail = prompt_tail(serving.tokenizer, prompt.token_ids)
     params = apply_reasoning(params, reasoning, serving.tokenizer, tail)
+    if body.return_tokens_as_token_ids is None:
+        body.return_tokens_as_token_ids = serving.options.return_tokens_as_token_ids
     formatter = ChatFormatter(
         f"chatcmpl-{uuid.uuid4().hex}",
         serving.model_name(lora_request),
@@ -152,6 +154,8 @@ class ChatFormatter:
         if reasoning_parser is not None and body.echo_text:
             self.echo = reasoning_parser.split_message(body.echo_text)
         self._tokenizer = tokenizer
+        # Logprobs' token names: their text, or "token_id:<id>" (TokenTexts without tokenizer)
+        self.logprob_tokenizer = None if body.return_tokens_as_token_ids else tokenizer
         self._prompt = prompt
         self._templates: dict[int, ChunkTemplate] = {}  # choice index -> its text-chunk template
         self._tool_parser = tool_parser
@@ -324,7 +328,7 @@ class ChatFormatter:
         for c in acc.choices:
             logprobs = None
             if self.has_logprobs:
-                texts = TokenTexts(self._tokenizer, self._prompt.token_ids)
+                texts = TokenTexts(self.logprob_tokenizer, self._prompt.token_ids)
                 logprobs = chat_logprobs(texts, c.token_ids, c.positions, self.top_logprobs)
             content, calls, reasoning = c.text, [], None
             if self._reasoning_parser is not None:

@@ -49,6 +49,8 @@ async def create_completion(serving: OpenAIServing, request: web.Request) -> web
     params = body.sampling_params(
         max_tokens, body.logprobs, body.best_of, serving.model.generation_defaults
     )
+    if body.return_tokens_as_token_ids is None:
+        body.return_tokens_as_token_ids = serving.options.return_tokens_as_token_ids
     formatter = CompletionFormatter(
         f"cmpl-{uuid.uuid4().hex}",
         serving.model_name(lora_request),
@@ -138,6 +140,8 @@ class CompletionFormatter:
         self._continuous_usage = body.continuous_usage
         self._templates: dict[int, ChunkTemplate] = {}  # choice index -> its text-chunk template
         self._tokenizer = tokenizer
+        # Logprobs' token names: their text, or "token_id:<id>" (TokenTexts without tokenizer)
+        self.logprob_tokenizer = None if body.return_tokens_as_token_ids else tokenizer
         self._prompts = prompts
         self._sent_prompt_ids: set[int] = set()  # choices whose chunk carried prompt_token_ids
 
@@ -190,7 +194,9 @@ class CompletionFormatter:
                 strict=False,
             )
         ]
-        return echo_logprobs(self._tokenizer, self._prompts[prompt_index].token_ids, positions)
+        return echo_logprobs(
+            self.logprob_tokenizer, self._prompts[prompt_index].token_ids, positions
+        )
 
     def start_chunks(self, acc: Accumulator) -> list[str]:
         if not self.echo:
@@ -256,7 +262,7 @@ class CompletionFormatter:
             logprobs = None
             prompt = self._prompts[c.index // self.n]
             if self.has_logprobs:
-                texts = TokenTexts(self._tokenizer, prompt.token_ids)
+                texts = TokenTexts(self.logprob_tokenizer, prompt.token_ids)
                 logprobs = completion_logprobs(
                     texts, c.token_ids, c.positions, len(self._echo(c.index))
                 )

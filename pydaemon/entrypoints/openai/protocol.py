@@ -117,6 +117,9 @@ class _SamplingRequest(Body):
     # vLLM's: each choice (chunk) carries its token ids, and the prompt's (prompt_token_ids:
     # in each completion choice, at the top of a chat response; streamed: the first chunk)
     return_token_ids: bool = False
+    # vLLM's: logprobs name each token "token_id:<id>" (None: the server's
+    # --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: bool | None = None
 
     @property
     def include_usage(self) -> bool:

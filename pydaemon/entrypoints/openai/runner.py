@@ -43,6 +43,7 @@ class Formatter(Protocol):
     """Turns accumulated engine outputs into one endpoint's JSON."""
 
     request_id: str
+    logprob_tokenizer: object  # what names logprobs' tokens (None: "token_id:<id>")
 
     def start_chunks(self, acc: Accumulator) -> list[str]: ...
     def delta_chunks(self, deltas: list[ChoiceDelta], acc: Accumulator) -> list[str]: ...
@@ -66,7 +67,7 @@ async def respond(
 ) -> web.StreamResponse:
     if serving.is_stalled():  # declared while the prompt was rendered: it would only wait
         raise engine_stalled()
-    acc = Accumulator(prompts, params.n, serving.tokenizer)
+    acc = Accumulator(prompts, params.n, formatter.logprob_tokenizer)
     with serving.track() as live:
         requests = engine_requests(formatter.request_id, prompts, params, cache_salt, lora_request)
         outputs = generate_all(serving.engine, requests)

@@ -66,6 +66,7 @@ class HttpOptions:
     tool_call_parser: str | None = None  # vLLM's names; None: the chat template's syntax
     reasoning_parser: str | None = None  # vLLM's names; None: harmony templates' own, or none
     root_path: str | None = None  # vLLM's --root-path: the routes are also served under it
+    return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:<id>" by default
 
 
 @dataclass(eq=False)
