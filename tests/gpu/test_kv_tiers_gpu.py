@@ -92,8 +92,9 @@ def test_disk_writes_wait_for_the_saves_they_write_out(tmp_path):
             disk_write_records=[record],
         )
     )
-    # Next step: read slot 2 into CPU 3; the one after: load it into GPU block 6.
-    transfer.move(SchedulerOutput(blocks_to_read_from_disk=[(2, 3)]))
+    # Next step: read slot 2 into CPU 3 (the read names the block the slot must hold); the one
+    # after: load it into GPU block 6.
+    transfer.move(SchedulerOutput(blocks_to_read_from_disk=[(2, 3)], disk_read_records=[record]))
     transfer.move(SchedulerOutput(blocks_to_load_from_cpu=[(3, 6)]))
     transfer.move(SchedulerOutput())
     transfer.synchronize()
