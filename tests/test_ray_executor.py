@@ -101,6 +101,26 @@ def test_dense_equals_one_process(cluster, llama_dir, tp, pp):
     assert all(_is_gone(pid) for pid in pids), "shutdown left a rank running"
 
 
+def test_one_rank_runs_in_this_process_in_a_bundle_ray_holds(cluster, llama_dir):
+    """TP = PP = 1: the bundle lands on this node (the driver's) and the rank runs here, its
+    actor only holding the bundle; Ray counts the CPU taken until shutdown gives it back."""
+    expected = _tokens(LLM(str(llama_dir), **COMMON))
+    llm = LLM(str(llama_dir), distributed_executor_backend="ray", **COMMON)
+    executor = llm.engine.core.executor
+    try:
+        here = ray.get_runtime_context().get_node_id()
+        assert executor.driver_runner is not None and executor.sampler is None
+        assert [node for node, _, _, _ in executor.places] == [here]
+        assert ray.available_resources().get("CPU") == 3.0
+        assert _tokens(llm) == expected
+    finally:
+        llm.engine.shutdown()
+    deadline = time.monotonic() + 10
+    while ray.available_resources().get("CPU") != 4.0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU") == 4.0, "the bundle was not given back"
+
+
 def test_moe_expert_parallel_tp2_x_pp2_equals_one_process(cluster, tmp_path):
     # Qwen2-MoE: 8 experts, a shared expert, sparse every second layer; EP=2: 4 per rank.
     model_dir = save_hf_moe_model(tmp_path, "qwen2_moe", num_hidden_layers=4)

@@ -1,6 +1,7 @@
-"""The ``ray`` executor on one GPU: the rank is a Ray actor that Ray gave the GPU (a local Ray
-instance, started and stopped by the engine), and the greedy tokens equal the engine's in
-process, with async scheduling and CUDA graphs on (the defaults), token for token."""
+"""The ``ray`` executor on one GPU: Ray gives the rank's bundle the GPU (a local Ray instance,
+started and stopped by the engine) and the rank runs in the engine's process on that GPU; the
+greedy tokens equal the engine's without Ray, with async scheduling and CUDA graphs on (the
+defaults), token for token."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def test_ray_rank_on_the_gpu_equals_in_process():
     llm = LLM("demo", distributed_executor_backend="ray", **kw)
     try:
         assert llm.engine.core.async_stepper is not None  # async scheduling, as in process
+        assert llm.engine.core.executor.driver_runner is not None, "the rank left this process"
         assert tokens(llm) == expected
     finally:
         llm.engine.shutdown()
