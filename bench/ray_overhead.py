@@ -1,6 +1,8 @@
-"""The Ray executor's cost at one rank: W1 and TPOT at batch 1 with the rank as a Ray actor
-(``--distributed-executor-backend ray``) against the same engine in process (``mp`` at TP=1),
-in one call, interleaved (mp, ray, mp, ray, ...) so that drift hits both alike.
+"""The Ray executor's cost at one rank: W1 and TPOT at batch 1 with ``--distributed-executor-
+backend ray`` against the same engine without Ray (``mp`` at TP=1), in one call, interleaved
+(mp, ray, mp, ray, ...) so that drift hits both alike. Ray places the rank's bundle; on this
+node the rank runs in the engine's process (an actor rank was +3.4 % TPOT, H100 2026-12-07).
+On a 2-core box the Ray daemons share the cores with the engine: measure on the GPU machine.
 
     PYTHONPATH=. python bench/ray_overhead.py --model-config llama3-8b --pairs 2 --tpot-runs 5
 
