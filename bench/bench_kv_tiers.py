@@ -1,6 +1,10 @@
 """KV tiers on a multi-turn chat workload whose conversations need several times the GPU KV
 cache: TTFT (p50/p90), TPOT, throughput and prefix-cache hits by tier, one engine and one
-setting per process, in process (offline).
+setting per process, in process (offline). ``--workload chat`` (short chats sharing system
+prompts) or ``document`` (each conversation over a long document of its own). pagedd's rows
+break TTFT down (queue and prefill p50 from the engine's own timestamps, the cached fraction
+of first and later turns' prompts) and give first turns' TTFT apart: after a restart with a
+disk tier, only that tier can serve a first turn.
 
   python bench/bench_kv_tiers.py --engine pagedd --model-config llama3-8b --num-gpu-blocks 2048
   python bench/bench_kv_tiers.py --engine pagedd ... --kv-offloading-size 32     # the CPU tier
@@ -26,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.chat_workload import ChatWorkload, multi_turn_chat  # noqa: E402
+from bench.chat_workload import ChatWorkload, long_document_chat, multi_turn_chat  # noqa: E402
 from bench.closed_loop import run_closed_loop  # noqa: E402
 from bench.loadgen_env import environment, write_json  # noqa: E402
 from bench.throughput_models import MODEL_CONFIGS, write_model_config  # noqa: E402
@@ -57,12 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-batched-tokens", type=int, default=None)
     e.add_argument("--max-model-len", type=int, default=8192)
     w = p.add_argument_group("workload (bench/chat_workload.py)")
-    w.add_argument("--conversations", type=int, default=48)
-    w.add_argument("--turns", type=int, default=5)
-    w.add_argument("--system-len", type=int, default=256)
-    w.add_argument("--num-system-prompts", type=int, default=4)
-    w.add_argument("--user-len", default="256,512", help="MIN,MAX tokens of a user message")
-    w.add_argument("--reply-len", type=int, default=128)
+    w.add_argument("--workload", choices=("chat", "document"), default="chat",
+                   help="chat: short chats sharing system prompts; document: each "
+                   "conversation over its own long document")  # fmt: skip
+    w.add_argument("--conversations", type=int, default=None, help="default: 48 (chat), 32")
+    w.add_argument("--turns", type=int, default=None, help="default: 5 (chat), 4 (document)")
+    w.add_argument("--system-len", type=int, default=256, help="chat")
+    w.add_argument("--num-system-prompts", type=int, default=4, help="chat")
+    w.add_argument("--user-len", default="256,512", help="chat: MIN,MAX tokens of a message")
+    w.add_argument("--doc-len", type=int, default=8192, help="document: its tokens")
+    w.add_argument("--question-len", default="32,64", help="document: MIN,MAX question tokens")
+    w.add_argument("--reply-len", type=int, default=None, help="default: 128 (chat), 200")
     w.add_argument("--max-active", type=int, default=16, help="requests in flight at most")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--token-range", default="100,30000", help="LOW,HIGH synthetic token ids")
@@ -74,15 +83,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def workload_of(args) -> ChatWorkload:
-    low, high = (int(x) for x in args.user_len.split(","))
     token_low, token_high = (int(x) for x in args.token_range.split(","))
+    chat = args.workload == "chat"
+    conversations = args.conversations or (48 if chat else 32)
+    turns = args.turns or (5 if chat else 4)
+    reply_len = args.reply_len or (128 if chat else 200)
+    if not chat:
+        low, high = (int(x) for x in args.question_len.split(","))
+        return long_document_chat(
+            conversations,
+            turns,
+            doc_len=args.doc_len,
+            question_len=(low, high),
+            reply_len=reply_len,
+            seed=args.seed,
+            token_low=token_low,
+            token_high=token_high,
+        )
+    low, high = (int(x) for x in args.user_len.split(","))
     return multi_turn_chat(
-        args.conversations,
-        args.turns,
+        conversations,
+        turns,
         system_len=args.system_len,
         num_system_prompts=args.num_system_prompts,
         user_len=(low, high),
-        reply_len=args.reply_len,
+        reply_len=reply_len,
         seed=args.seed,
         token_low=token_low,
         token_high=token_high,
@@ -114,6 +139,7 @@ class PageddChat:
         self.engine = LLM(model=model, **kwargs).engine
         self.engine.warmup()
         self._num_tokens: dict[str, int] = {}
+        self._metrics: dict[str, dict] = {}  # finished requests' breakdowns, until asked for
 
     def submit(self, request_id: str, prompt: list[int], max_tokens: int) -> None:
         from pydaemon import SamplingParams
@@ -133,7 +159,11 @@ class PageddChat:
             changes.append((out.request_id, n, out.finished))
             if out.finished:
                 del self._num_tokens[out.request_id]
+                self._metrics[out.request_id] = _breakdown(out.metrics)
         return changes
+
+    def request_metrics(self, request_id: str) -> dict | None:
+        return self._metrics.pop(request_id, None)
 
     def counters(self) -> dict:
         stats = self.engine.get_stats()
@@ -152,6 +182,17 @@ class PageddChat:
 
     def close(self) -> None:
         self.engine.shutdown()
+
+
+def _breakdown(m) -> dict | None:
+    """pagedd's RequestMetrics -> the closed loop's breakdown (None when not reported)."""
+    if m is None or m.first_scheduled_time is None or m.first_token_time is None:
+        return None
+    return {
+        "queue_s": m.first_scheduled_time - m.arrival_time,
+        "prefill_s": m.first_token_time - m.first_scheduled_time,
+        "cached_tokens": m.num_cached_tokens,
+    }
 
 
 # ---- vLLM -------------------------------------------------------------------------------------
@@ -197,6 +238,9 @@ class VllmChat:
             temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False
         )
         self.engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+
+    def request_metrics(self, request_id: str) -> dict | None:
+        return None  # its per-request stats are not the same clock's: TTFT only
 
     def step(self) -> list[tuple[str, int, bool]]:
         # Cumulative outputs (vLLM's default output kind).
@@ -251,7 +295,7 @@ def run(args) -> dict:
     if args.kv_offloading_dir:
         tiers += f" + disk {args.kv_offloading_disk_size:g} GiB"
     return {
-        "label": args.label or f"{args.engine}, tiers {tiers}",
+        "label": args.label or f"{args.engine}, {args.workload}, tiers {tiers}",
         "engine": args.engine,
         "environment": environment(),
         "args": vars(args),
@@ -268,14 +312,15 @@ def _fmt(value, scale: float = 1.0, digits: int = 1) -> str:
 
 def table(results: list[dict]) -> str:
     base = results[0]["figures"]
-    head = ("run", "TTFT p50 ms", "p90 ms", "TPOT p50 ms", "out tok/s", "TTFT p50 base/run",
-            "tok/s run/base", "hit gpu", "cpu", "disk")  # fmt: skip
+    head = ("run", "TTFT p50 ms", "p90 ms", "1st turns", "queue", "prefill", "TPOT p50 ms",
+            "out tok/s", "TTFT p50 base/run", "tok/s run/base", "hit gpu", "cpu", "disk")  # fmt: skip
     rows = [head]
     for r in results:
         f, hits = r["figures"], r.get("hits") or {}
         rows.append((
             r["label"], _fmt(f["ttft_p50_s"], 1e3), _fmt(f["ttft_p90_s"], 1e3),
-            _fmt(f["tpot_p50_s"], 1e3, 2), _fmt(f["output_tokens_per_s"], 1, 0),
+            _fmt(f.get("ttft_first_turns_p50_s"), 1e3), _fmt(f.get("queue_p50_s"), 1e3),
+            _fmt(f.get("prefill_p50_s"), 1e3), _fmt(f["tpot_p50_s"], 1e3, 2), _fmt(f["output_tokens_per_s"], 1, 0),
             _fmt(base["ttft_p50_s"] / f["ttft_p50_s"], 1, 2),
             _fmt(f["output_tokens_per_s"] / base["output_tokens_per_s"], 1, 3),
             _fmt(hits.get("gpu_hit_rate"), 1, 3), _fmt(hits.get("cpu_hit_rate"), 1, 3),

@@ -1,4 +1,9 @@
-"""A multi-turn chat workload: conversations whose every turn resends the whole history.
+"""Multi-turn chat workloads: conversations whose every turn resends the whole history.
+
+``multi_turn_chat``: short chats that share system prompts. ``long_document_chat``: each
+conversation over a long document of its own (issue 51's second workload, where recomputing a
+history is expensive: 32 conversations x an 8k-token document, 4 turns of short questions and
+200-token answers), so that a conversation's KV is evicted from the GPU between its turns.
 
 Every conversation starts with one of ``num_system_prompts`` shared system prompts
 (``system_len`` tokens); turn t adds a user message (``user_len`` tokens, uniform in the given
@@ -89,5 +94,48 @@ def multi_turn_chat(
             history += tokens(rng.randint(*user_len))
             turns.append(ChatTurn(c, t, list(history), reply_len))
             history += tokens(reply_len)  # the synthetic reply the next turn resends
+        conversations.append(turns)
+    return ChatWorkload(conversations)
+
+
+def long_document_chat(
+    num_conversations: int = 32,
+    num_turns: int = 4,
+    *,
+    doc_len: int = 8192,
+    question_len: tuple[int, int] = (32, 64),
+    reply_len: int = 200,
+    seed: int = 0,
+    token_low: int = W1_TOKEN_LOW,
+    token_high: int = W1_TOKEN_HIGH,
+) -> ChatWorkload:
+    """Each conversation: its own ``doc_len``-token document, then ``num_turns`` questions
+    (uniform in ``question_len``) and ``reply_len``-token answers; nothing is shared between
+    conversations."""
+    if num_conversations < 1 or num_turns < 1 or doc_len < 1:
+        raise ValueError(
+            "long_document_chat needs num_conversations, num_turns and doc_len >= 1 "
+            f"(got {num_conversations}, {num_turns}, {doc_len})"
+        )
+    if not 1 <= question_len[0] <= question_len[1] or reply_len < 1:
+        raise ValueError(
+            f"long_document_chat needs 1 <= question_len min <= max and reply_len >= 1 "
+            f"(got {question_len}, {reply_len})"
+        )
+    if not 0 <= token_low < token_high:
+        raise ValueError(f"token id range [{token_low}, {token_high}) is empty or negative")
+    rng = random.Random(seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(token_low, token_high) for _ in range(n)]
+
+    conversations = []
+    for c in range(num_conversations):
+        history = tokens(doc_len)
+        turns = []
+        for t in range(num_turns):
+            history += tokens(rng.randint(*question_len))
+            turns.append(ChatTurn(c, t, list(history), reply_len))
+            history += tokens(reply_len)
         conversations.append(turns)
     return ChatWorkload(conversations)

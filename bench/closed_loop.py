@@ -8,6 +8,12 @@ turn, which is what pushes its history out of a small GPU KV cache. Times are ta
 at step granularity (time.perf_counter), the same way for every engine: TTFT from submission
 to the step that returns the first token, TPOT = (end − first token) / (output tokens − 1)
 (vLLM's definition), throughput over the whole run.
+
+Where the engine reports a request's own timestamps (``request_metrics``: pagedd), TTFT is
+broken down: ``queue_s`` (arrival to first scheduled step) and ``prefill_s`` (first scheduled
+step to first token: the restores from the KV tiers and the prefill of what was not cached),
+with ``cached_tokens`` (prompt tokens served from any cache tier). First turns (no history of
+their own yet: after a restart only a disk tier can serve them) are reported apart.
 """
 
 from __future__ import annotations
@@ -29,6 +35,11 @@ class SteppedEngine(Protocol):
         changed."""
         ...
 
+    def request_metrics(self, request_id: str) -> dict | None:
+        """A finished request's {"queue_s", "prefill_s", "cached_tokens"}, or None if the
+        engine reports none."""
+        ...
+
 
 @dataclass
 class TurnRecord:
@@ -39,6 +50,7 @@ class TurnRecord:
     first_token_s: float | None = None
     end_s: float | None = None
     num_output_tokens: int = 0
+    engine: dict | None = None  # the engine's own breakdown (queue_s, prefill_s, cached_tokens)
 
     @property
     def ttft_s(self) -> float:
@@ -63,6 +75,7 @@ class ClosedLoopResult:
         num_out = sum(r.num_output_tokens for r in self.records)
         num_prompt = sum(r.prompt_len for r in self.records)
         later = [r.ttft_s for r in self.records if r.turn > 0]  # turns with a history to reuse
+        first = [r.ttft_s for r in self.records if r.turn == 0]
         return {
             "wall_s": self.wall_s,
             "num_requests": len(self.records),
@@ -71,12 +84,30 @@ class ClosedLoopResult:
             "ttft_p90_s": percentile(ttft, 90),
             "ttft_mean_s": statistics.fmean(ttft),
             "ttft_later_turns_p50_s": percentile(later, 50) if later else None,
+            "ttft_first_turns_p50_s": percentile(first, 50) if first else None,
+            **self._breakdown(),
             "tpot_p50_s": percentile(tpot, 50) if tpot else None,
             "tpot_p90_s": percentile(tpot, 90) if tpot else None,
             "output_tokens_per_s": num_out / self.wall_s,
             "total_tokens_per_s": (num_out + num_prompt) / self.wall_s,
             "requests_per_s": len(self.records) / self.wall_s,
         }
+
+    def _breakdown(self) -> dict:
+        """The engine's TTFT breakdown (p50s) and cached fractions, first turns apart."""
+        out: dict = {}
+        reported = [r for r in self.records if r.engine is not None]
+        for key in ("queue_s", "prefill_s"):
+            values = [r.engine[key] for r in reported if r.engine.get(key) is not None]
+            out[f"{key[:-2]}_p50_s"] = percentile(values, 50) if values else None
+        for name, keep in (("first_turns", lambda r: r.turn == 0),
+                           ("later_turns", lambda r: r.turn > 0)):  # fmt: skip
+            rows = [r for r in reported if keep(r)]
+            prompt = sum(r.prompt_len for r in rows)
+            out[f"cached_fraction_{name}"] = (
+                sum(r.engine["cached_tokens"] for r in rows) / prompt if prompt else None
+            )
+        return out
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -115,6 +146,7 @@ def run_closed_loop(
             record.num_output_tokens = num_tokens
             if finished:
                 record.end_s = now
+                record.engine = engine.request_metrics(request_id)
                 result.records.append(in_flight.pop(request_id))
                 if record.turn + 1 < len(conversations[record.conversation]):
                     ready.append((record.conversation, record.turn + 1))
