@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS_TOKENS = 1024  # entries of one request's logit_bias
 MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range; vLLM clamps to it
 MAX_N = 256
@@ -207,8 +206,10 @@ class SamplingParams:
             raise bad("min_tokens", "must be an integer in [0, max_tokens]")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
-                raise bad(name, f"must be None or in [0, {MAX_LOGPROBS}]")
+            # The upper bound is the server's --max-logprobs (pydaemon/logprobs_limit.py),
+            # checked where the request enters the engine core.
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise bad(name, "must be None or a non-negative integer")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

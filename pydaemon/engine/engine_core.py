@@ -37,6 +37,7 @@ from pydaemon.engine.loaded_loras import LoadedLoRAs
 from pydaemon.engine.prompt_input import eos_token_ids
 from pydaemon.executor.abstract import Executor
 from pydaemon.executor.factory import make_executor
+from pydaemon.logprobs_limit import logprobs_over_limit, resolve_max_logprobs
 from pydaemon.lora_request import LoRAAdapterInfo, LoRARequest, prefix_cache_salt
 from pydaemon.model_loader.model_paths import load_model_config
 from pydaemon.outputs import RequestMetrics
@@ -83,6 +84,7 @@ class EngineCore:
         self.model_config: ModelConfig = self.executor.model_config
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
+        self.max_logprobs = resolve_max_logprobs(config.max_logprobs, self.vocab_size)
         if info.max_num_batched_tokens < config.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({info.max_num_batched_tokens}) must be >= "
@@ -166,6 +168,10 @@ class EngineCore:
         bias_ids = r.params.logit_bias or {}
         if any(t >= self.vocab_size for t in bias_ids):
             raise ValueError(logit_bias_out_of_vocab(bias_ids, self.vocab_size))
+        for kind, asked in (("sample", r.params.logprobs), ("prompt", r.params.prompt_logprobs)):
+            over = asked is not None and logprobs_over_limit(kind, asked, self.max_logprobs)
+            if over:
+                raise ValueError(over)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens; the model's context is "
@@ -319,6 +325,7 @@ class EngineCore:
             device=info.device,
             dtype=info.dtype,
             eos_token_ids=eos_token_ids,
+            max_logprobs=self.max_logprobs,
         )
 
     def get_stats(self) -> EngineStats:

@@ -225,6 +225,7 @@ class PageddServer:
                 info.vocab_size,
                 info.generation_defaults,
                 aliases=tuple(o.served_model_names[1:]),
+                max_logprobs=info.max_logprobs,
             )
             await self._start_http(model, client.tokenizer)
         self.servicer.is_admitting = True

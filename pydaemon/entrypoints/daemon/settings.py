@@ -101,6 +101,12 @@ ENGINE_FLAGS: tuple[tuple[str, Any, str], ...] = (
     ),
     ("--kv-offloading-disk-size", float, "GiB of the disk tier (over all ranks)"),
     (
+        "--max-logprobs",
+        int,
+        "the most logprobs (top_logprobs) and prompt_logprobs a request may ask for; more "
+        "is a 400 / INVALID_ARGUMENT naming this limit (vLLM's flag; -1: the vocabulary)",
+    ),
+    (
         "--structured-outputs-compile-timeout",
         float,
         "seconds a grammar may compile before its requests fail (default 30; compiles run "

@@ -64,7 +64,7 @@ async def create_chat_completion(
     raw = await serving.read_body(request)
     check_logit_bias_size(raw)  # before parsing: a huge one takes seconds to parse
     body = ChatCompletionRequest.model_validate_json(raw)
-    body.check(serving.model.vocab_size)
+    body.check(serving.model.vocab_size, serving.model.max_logprobs)
     tool_parser = _tool_parser(serving, body)
     lora_request = serving.admit(body.model, body.n)
     prompt_ids = await serving.encode_chat(

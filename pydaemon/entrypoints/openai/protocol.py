@@ -39,6 +39,7 @@ from pydaemon.entrypoints.openai.request_fields import (
     response_format_field,
     structured_outputs_field,
 )
+from pydaemon.logprobs_limit import DEFAULT_MAX_LOGPROBS
 from pydaemon.sampling_params import (
     MAX_LOGIT_BIAS_TOKENS,
     SamplingParams,
@@ -135,8 +136,10 @@ class _SamplingRequest(Body):
         if self.stream_options is not None and not self.stream:
             raise InvalidParam("stream_options is only allowed with stream: true", "stream_options")
 
-    def _check_prompt_logprobs(self, vocab_size: int) -> None:
-        check_logprobs_count(self.prompt_logprobs, "prompt_logprobs", vocab_size)
+    def _check_prompt_logprobs(self, vocab_size: int, max_logprobs: int) -> None:
+        self.prompt_logprobs = check_logprobs_count(
+            self.prompt_logprobs, "prompt_logprobs", vocab_size, max_logprobs
+        )
         if self.stream and self.prompt_logprobs:  # vLLM's rule and words
             raise InvalidParam(
                 "`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs"
@@ -287,13 +290,14 @@ class CompletionRequest(_SamplingRequest):
     best_of: int | None = None
     suffix: str | None = None
 
-    def check(self, vocab_size: int) -> None:
+    def check(self, vocab_size: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
+        """``max_logprobs``: the server's --max-logprobs in force."""
         self._check_limits(vocab_size)
         self._check_one_constraint()
         if self.suffix:
             raise InvalidParam("suffix is not supported", "suffix")
-        check_logprobs_count(self.logprobs, "logprobs", vocab_size)
-        self._check_prompt_logprobs(vocab_size)
+        self.logprobs = check_logprobs_count(self.logprobs, "logprobs", vocab_size, max_logprobs)
+        self._check_prompt_logprobs(vocab_size, max_logprobs)
         if self.stream and self.best_of is not None and self.best_of > self.n:
             raise InvalidParam("best_of greater than n cannot be streamed", "best_of")
 
@@ -356,15 +360,18 @@ class ChatCompletionRequest(_SamplingRequest):
     # vLLM's: the reply starts with the last message's content when it has the reply's role
     echo: bool = False
 
-    def check(self, vocab_size: int) -> None:
+    def check(self, vocab_size: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
+        """``max_logprobs``: the server's --max-logprobs in force."""
         self._check_limits(vocab_size)
-        self._check_prompt_logprobs(vocab_size)
+        self._check_prompt_logprobs(vocab_size, max_logprobs)
         if self.continue_final_message and self.add_generation_prompt:
             raise InvalidParam(  # vLLM's words
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
                 "continue_final_message",
             )
-        check_logprobs_count(self.top_logprobs, "top_logprobs", vocab_size)
+        self.top_logprobs = check_logprobs_count(
+            self.top_logprobs, "top_logprobs", vocab_size, max_logprobs
+        )
         if self.top_logprobs and not self.logprobs:  # vLLM's: top_logprobs 0 is the default
             raise InvalidParam(
                 "when using `top_logprobs`, `logprobs` must be set to true (logprobs: true)",
