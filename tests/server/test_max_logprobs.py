@@ -73,7 +73,7 @@ def test_grpc_over_the_limit_is_invalid_argument_and_takes_no_block(server5):
     frames = (
         BidiClient(server5.stub())
         .start("big", "Hi", sampling=pb.SamplingParams(max_tokens=1, logprobs=6))
-        .start("ok", "Hi", sampling=pb.SamplingParams(max_tokens=1, logprobs=5))
+        .start("ok", "Hi", sampling=pb.SamplingParams(max_tokens=1, logprobs=5, temperature=0))
         .close_send()
         .collect()
     )
