@@ -168,10 +168,7 @@ class EngineCore:
         bias_ids = r.params.logit_bias or {}
         if any(t >= self.vocab_size for t in bias_ids):
             raise ValueError(logit_bias_out_of_vocab(bias_ids, self.vocab_size))
-        for kind, asked in (("sample", r.params.logprobs), ("prompt", r.params.prompt_logprobs)):
-            over = asked is not None and logprobs_over_limit(kind, asked, self.max_logprobs)
-            if over:
-                raise ValueError(over)
+        self._check_logprobs(r.params)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens; the model's context is "
@@ -200,6 +197,28 @@ class EngineCore:
         if num_seqs > self.config.max_num_seqs:
             raise ValueError(
                 f"the request needs {num_seqs} sequences; max_num_seqs is {self.config.max_num_seqs}"
+            )
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        """--max-logprobs bounds top-k asks; logprob_token_ids (whose count is ``logprobs``)
+        are bounded by SamplingParams, and must be in the vocabulary."""
+        asked_ids = params.logprob_token_ids
+        sample = None if asked_ids else params.logprobs
+        for kind, asked in (("sample", sample), ("prompt", params.prompt_logprobs)):
+            over = asked is not None and logprobs_over_limit(kind, asked, self.max_logprobs)
+            if over:
+                raise ValueError(over)
+        if not asked_ids:
+            return
+        outside = [t for t in asked_ids if t >= self.vocab_size]
+        if outside:
+            raise ValueError(
+                f"logprob_token_ids {outside[:8]} are outside the vocabulary [0, {self.vocab_size})"
+            )
+        if self.config.speculative_config is not None:
+            raise ValueError(
+                "logprob_token_ids is not supported with speculative decoding "
+                "(--speculative-config): ask for top logprobs instead"
             )
 
     def abort_request(self, request_id: str) -> bool:

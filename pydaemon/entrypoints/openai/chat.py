@@ -146,7 +146,8 @@ class ChatFormatter:
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
-        self.top_logprobs = body.top_logprobs or 0
+        # top_logprobs' count, or the ids logprob_token_ids lists
+        self.top_logprobs: int | list[int] = body.logprob_token_ids or body.top_logprobs or 0
         self.has_logprobs = body.logprobs
         self.role = body.reply_role
         # echo: the message's text, its reasoning apart as the parser reads a message
