@@ -147,6 +147,12 @@ SERVER_BOOL_FLAGS = (
         "request's return_tokens_as_token_ids overrides it)",
     ),
     (
+        "--enable-tokenizer-info-endpoint",
+        False,
+        "serve GET /tokenizer_info on the HTTP API: the tokenizer's config, special tokens "
+        "and chat template (vLLM's flag; behind the API key)",
+    ),
+    (
         "--parse-special-tokens-in-chat",
         False,
         "read special-token text in chat message content (<|im_start|>...) as control tokens, "
@@ -426,6 +432,7 @@ def resolve(args: argparse.Namespace) -> tuple[dict[str, Any], ServerOptions, st
         served_model_names=parse_served_model_names(values.get("served_model_name")),
         chat_template=read_chat_template(values.get("chat_template")),
         root_path=values["root_path"],
+        enable_tokenizer_info_endpoint=values["enable_tokenizer_info_endpoint"],
     )
     return engine_kwargs, options, values["log_level"]
 

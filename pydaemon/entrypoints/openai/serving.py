@@ -69,6 +69,7 @@ class HttpOptions:
     reasoning_parser: str | None = None  # vLLM's names; None: harmony templates' own, or none
     root_path: str | None = None  # vLLM's --root-path: the routes are also served under it
     return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:<id>" by default
+    enable_tokenizer_info_endpoint: bool = False  # vLLM's flag: serve GET /tokenizer_info
 
 
 @dataclass(eq=False)
