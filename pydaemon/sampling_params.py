@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-MAX_LOGPROBS = 20
+MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's bound on logprob_token_ids
 MAX_LOGIT_BIAS_TOKENS = 1024  # entries of one request's logit_bias
 MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range; vLLM clamps to it
 MAX_N = 256
@@ -129,6 +129,9 @@ class SamplingParams:
     # vLLM's: the log-probability of each prompt token given those before it, plus its top-k
     # (RequestOutput.prompt_logprobs); the prompt is then computed whole (no prefix cache)
     prompt_logprobs: int | None = None
+    # vLLM's: the logprobs of exactly these token ids at each position (plus the chosen
+    # token's), in place of the top-k; logprobs is then their number
+    logprob_token_ids: list[int] | None = None
     beam_width: int = 1
     length_penalty: float = 1.0
     early_stopping: bool = False
@@ -154,7 +157,31 @@ class SamplingParams:
             self._normalize_logit_bias()
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if isinstance(self.logprob_token_ids, (list, tuple)):
+            self.logprob_token_ids = list(self.logprob_token_ids)
+            if self.logprobs is None:
+                self.logprobs = len(self.logprob_token_ids)
         self._validate()
+
+    def _check_logprob_token_ids(self, bad) -> None:
+        """vLLM's rules: 1 to MAX_LOGPROB_TOKEN_IDS distinct token ids; ``logprobs``, when
+        given, equal to their number."""
+        ids = self.logprob_token_ids
+        if (
+            not isinstance(ids, list)
+            or not 1 <= len(ids) <= MAX_LOGPROB_TOKEN_IDS
+            or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids)
+        ):
+            raise bad(
+                "logprob_token_ids",
+                f"must be a list of 1 to {MAX_LOGPROB_TOKEN_IDS} token ids (integers >= 0)",
+            )
+        if len(set(ids)) != len(ids):
+            raise bad("logprob_token_ids", "must not repeat a token id")
+        if self.logprobs != len(ids):
+            raise bad("logprobs", f"must equal the number of logprob_token_ids ({len(ids)})")
+        if self.is_beam_search:
+            raise bad("logprob_token_ids", "is not supported with beam search")
 
     def _normalize_logit_bias(self) -> None:
         """Token ids (int keys, >= 0) -> finite values clamped to [-100, 100]."""
@@ -207,8 +234,12 @@ class SamplingParams:
             raise bad("min_tokens", "must be an integer in [0, max_tokens]")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
-                raise bad(name, f"must be None or in [0, {MAX_LOGPROBS}]")
+            # The upper bound is the server's --max-logprobs (pydaemon/logprobs_limit.py),
+            # checked where the request enters the engine core.
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise bad(name, "must be None or a non-negative integer")
+        if self.logprob_token_ids is not None:
+            self._check_logprob_token_ids(bad)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

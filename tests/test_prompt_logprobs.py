@@ -69,8 +69,9 @@ def test_prompt_logprobs_against_float64(model, max_num_batched_tokens):
 
 
 def test_prompt_logprobs_bounds():
-    with pytest.raises(ValueError, match="prompt_logprobs"):
-        SamplingParams(prompt_logprobs=21)
+    """Negative counts are refused here; the upper bound is the engine's --max-logprobs
+    (tests/server/test_max_logprobs.py), so SamplingParams takes more than 20."""
+    assert SamplingParams(prompt_logprobs=21).prompt_logprobs == 21
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=-1)
 

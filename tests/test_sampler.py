@@ -69,8 +69,8 @@ def log_probs(*probs: float) -> list[float]:
         ("max_tokens", 0),
         ("min_tokens", -1),
         ("min_tokens", 17),  # > max_tokens (16)
-        ("logprobs", 21),
-        ("logprobs", -1),
+        ("logprobs", -1),  # the upper bound is the engine's --max-logprobs
+        ("logprob_token_ids", [1, 1]),
         ("stop", [""]),
         ("stop_token_ids", [-3]),
         ("beam_width", 0),

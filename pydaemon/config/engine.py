@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 
 from pydaemon.config.kv_offloading import check_kv_offloading
 from pydaemon.config.speculative import SpeculativeConfig
+from pydaemon.logprobs_limit import DEFAULT_MAX_LOGPROBS, check_max_logprobs_setting
 
 # The out-of-the-box model (model_loader/default_model.py finds its file).
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -118,6 +119,9 @@ class EngineConfig:
     # Seconds a grammar may compile (structured outputs) before its requests fail; one client's
     # compile never delays another's by more than ~2 s (structured_output/compile_lanes.py).
     structured_outputs_compile_timeout: float = 30.0
+    # vLLM's --max-logprobs: the most logprobs / prompt_logprobs a request may ask for (-1:
+    # the vocabulary)
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -151,6 +155,7 @@ class EngineConfig:
             raise bad("max_num_seqs", "must be a positive integer")
         if not 0 < self.structured_outputs_compile_timeout < float("inf"):
             raise bad("structured_outputs_compile_timeout", "must be a finite number > 0 (s)")
+        check_max_logprobs_setting(self.max_logprobs)
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise bad("max_num_batched_tokens", "must be a positive integer or None")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from pydaemon.core.disk_blocks import DiskBlockRecord
 from pydaemon.core.kv_groups import KVGroups
+from pydaemon.logprobs_limit import DEFAULT_MAX_LOGPROBS
 
 
 @dataclass
@@ -21,6 +22,9 @@ class ModelInfo:
     device: str  # the real one, e.g. "cuda:0", never "auto"
     dtype: str  # e.g. "bfloat16"
     eos_token_ids: list[int]  # from the model's config (the front end's tokenizer may add)
+    max_logprobs: int = (
+        DEFAULT_MAX_LOGPROBS  # --max-logprobs in force (-1 resolved to the vocabulary size)
+    )
 
 
 @dataclass

@@ -34,6 +34,7 @@ from typing import Any
 from pydaemon.config.generation import GenerationDefaults
 from pydaemon.core.messages import AddLoRA, EngineCall, ListLoRAs, RemoveLoRA
 from pydaemon.generate_request import GenerateRequest
+from pydaemon.logprobs_limit import DEFAULT_MAX_LOGPROBS
 from pydaemon.lora_request import LoRAAdapterInfo, LoRARequest
 from pydaemon.outputs import RequestOutput
 from pydaemon.sampling_params import SamplingParams
@@ -64,6 +65,7 @@ class ServedModelInfo:
     # generation_config.json's sampling defaults, applied to fields a request leaves unset
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     has_chat_template: bool = False
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS  # --max-logprobs in force (-1 resolved)
 
 
 class EngineClient(abc.ABC):

@@ -37,6 +37,7 @@ from pydaemon.engine.loaded_loras import LoadedLoRAs
 from pydaemon.engine.prompt_input import eos_token_ids
 from pydaemon.executor.abstract import Executor
 from pydaemon.executor.factory import make_executor
+from pydaemon.logprobs_limit import logprobs_over_limit, resolve_max_logprobs
 from pydaemon.lora_request import LoRAAdapterInfo, LoRARequest, prefix_cache_salt
 from pydaemon.model_loader.model_paths import load_model_config
 from pydaemon.outputs import RequestMetrics
@@ -83,6 +84,7 @@ class EngineCore:
         self.model_config: ModelConfig = self.executor.model_config
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
+        self.max_logprobs = resolve_max_logprobs(config.max_logprobs, self.vocab_size)
         if info.max_num_batched_tokens < config.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({info.max_num_batched_tokens}) must be >= "
@@ -166,6 +168,7 @@ class EngineCore:
         bias_ids = r.params.logit_bias or {}
         if any(t >= self.vocab_size for t in bias_ids):
             raise ValueError(logit_bias_out_of_vocab(bias_ids, self.vocab_size))
+        self._check_logprobs(r.params)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens; the model's context is "
@@ -194,6 +197,28 @@ class EngineCore:
         if num_seqs > self.config.max_num_seqs:
             raise ValueError(
                 f"the request needs {num_seqs} sequences; max_num_seqs is {self.config.max_num_seqs}"
+            )
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        """--max-logprobs bounds top-k asks; logprob_token_ids (whose count is ``logprobs``)
+        are bounded by SamplingParams, and must be in the vocabulary."""
+        asked_ids = params.logprob_token_ids
+        sample = None if asked_ids else params.logprobs
+        for kind, asked in (("sample", sample), ("prompt", params.prompt_logprobs)):
+            over = asked is not None and logprobs_over_limit(kind, asked, self.max_logprobs)
+            if over:
+                raise ValueError(over)
+        if not asked_ids:
+            return
+        outside = [t for t in asked_ids if t >= self.vocab_size]
+        if outside:
+            raise ValueError(
+                f"logprob_token_ids {outside[:8]} are outside the vocabulary [0, {self.vocab_size})"
+            )
+        if self.config.speculative_config is not None:
+            raise ValueError(
+                "logprob_token_ids is not supported with speculative decoding "
+                "(--speculative-config): ask for top logprobs instead"
             )
 
     def abort_request(self, request_id: str) -> bool:
@@ -319,6 +344,7 @@ class EngineCore:
             device=info.device,
             dtype=info.dtype,
             eos_token_ids=eos_token_ids,
+            max_logprobs=self.max_logprobs,
         )
 
     def get_stats(self) -> EngineStats:

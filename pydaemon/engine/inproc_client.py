@@ -35,6 +35,7 @@ from pydaemon.engine.engine_client import (
 )
 from pydaemon.engine.prompt_input import first_eos_token_id
 from pydaemon.generate_request import GenerateRequest
+from pydaemon.logprobs_limit import DEFAULT_MAX_LOGPROBS, resolve_max_logprobs
 from pydaemon.outputs import RequestOutput
 
 __all__ = ["InprocEngineClient", "EngineDeadError", "merge_deltas", "served_model_info"]
@@ -77,6 +78,9 @@ def served_model_info(engine: Any) -> ServedModelInfo:
         eos_token_ids=sorted(engine.eos_token_ids),
         generation_defaults=engine.generation_defaults,
         has_chat_template=tokenizer is not None and tokenizer.chat_template is not None,
+        max_logprobs=resolve_max_logprobs(
+            getattr(engine.config, "max_logprobs", DEFAULT_MAX_LOGPROBS), engine.vocab_size
+        ),
     )
 
 

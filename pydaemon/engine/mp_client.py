@@ -105,6 +105,7 @@ class MPEngineClient(EngineClient):
             eos_token_ids=list(info.eos_token_ids),
             generation_defaults=front.generation_defaults,
             has_chat_template=tokenizer is not None and tokenizer.chat_template is not None,
+            max_logprobs=info.max_logprobs,
         )
         logger.info("engine core: pid %d, on %s (%s)", process.pid, info.device, info.dtype)
         return cls(process, conn, tokenizer, model_info, ready)

@@ -172,6 +172,11 @@ class Sampler:
             columns = [sampled[:, None].double(), chosen.double()]
             if num_top > 0:
                 top_values, top_ids = logprobs.topk(min(num_top, logprobs.shape[1]), dim=-1)
+                if metadata.asked_logprob_rows is not None:  # logprob_token_ids' rows
+                    rows, cols = metadata.asked_logprob_rows, metadata.asked_logprob_cols
+                    ids = metadata.asked_logprob_token_ids
+                    top_ids[rows, cols] = ids
+                    top_values[rows, cols] = logprobs[rows, ids]
                 columns += [top_ids.double(), top_values.double()]
         # Ids (< 2**53) and float32 logprobs are exact in float64: one packed tensor, so the
         # step pays exactly one device-to-host copy.

@@ -96,6 +96,11 @@ class SamplingMetadata:
     # Largest `logprobs` asked by a row (None: no row wants top logprobs), and the per-row ask.
     max_num_logprobs: int | None
     num_logprobs: list[int | None]
+    # logprob_token_ids: the top-k column cols[i] of row rows[i] holds token_ids[i] (each
+    # [num_asked] int64) instead of the i-th most likely token. None if no row asks.
+    asked_logprob_rows: torch.Tensor | None = None
+    asked_logprob_cols: torch.Tensor | None = None
+    asked_logprob_token_ids: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -197,6 +202,20 @@ class SamplingMetadata:
         gens = [None if g else gen for g, gen in zip(greedy, generators, strict=True)]
         num_logprobs = [p.logprobs for p in params]
         asked = [k for k in num_logprobs if k is not None]
+        asked_rows: list[int] = []
+        asked_cols: list[int] = []
+        asked_ids: list[int] = []
+        for i, p in enumerate(params):
+            for col, token_id in enumerate(p.logprob_token_ids or ()):
+                asked_rows.append(i)
+                asked_cols.append(col)
+                asked_ids.append(token_id)
+        asked_tensors = [None, None, None]
+        if asked_rows:
+            asked_tensors = [
+                _to_device(torch.tensor(values, dtype=torch.int64), device)
+                for values in (asked_rows, asked_cols, asked_ids)
+            ]
         return cls(
             num_seqs=num_seqs,
             all_greedy=all_greedy,
@@ -223,4 +242,7 @@ class SamplingMetadata:
             has_seeded_rows=any(g is not None for g in gens),
             max_num_logprobs=max(asked) if asked else None,
             num_logprobs=num_logprobs,
+            asked_logprob_rows=asked_tensors[0],
+            asked_logprob_cols=asked_tensors[1],
+            asked_logprob_token_ids=asked_tensors[2],
         )

@@ -52,6 +52,9 @@ class HFTokenizer:
         self.tokenizer = tokenizer
         self.name = name
         self.chat_template = chat_template
+        self.init_kwargs: dict[str, Any] = dict(
+            config
+        )  # as transformers keeps it (/tokenizer_info)
         self.special_tokens_map: dict[str, str] = named_special_tokens(config)
         self._plain: tokenizers.Tokenizer | None = None  # see _plain_tokenizer
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)

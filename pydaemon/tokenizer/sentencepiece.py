@@ -61,6 +61,7 @@ class SentencePieceTokenizer:
         # so no token's text waits on the next: see HFTokenizer.byte_run_token_ids.
         self.byte_run_token_ids: set[int] = set()
         tokenizer_config = read_tokenizer_config(model_dir)
+        self.init_kwargs: dict = dict(tokenizer_config or {})  # as transformers keeps it
         self.chat_template: str | None = load_chat_template(model_dir, tokenizer_config)
         self.special_tokens_map: dict[str, str] = {
             **self._own_special_tokens(),

@@ -26,8 +26,8 @@ def test_serve_help_shows_defaults_once():
     assert "(default: None)" not in text
     # --metrics-port, --http-port, --enforce-eager, --calculate-kv-scales,
     # --allow-unauthenticated, --parse-special-tokens-in-chat, --enable-lora,
-    # --enable-expert-parallel, --return-tokens-as-token-ids
-    assert text.count("(default: off)") == 9
+    # --enable-expert-parallel, --return-tokens-as-token-ids, --enable-tokenizer-info-endpoint
+    assert text.count("(default: off)") == 10
     for expected in (
         "tokens per KV block (8, 16, 32) (default: 16)",
         "most sequences per step (default: 512)",

@@ -85,6 +85,7 @@ class ServerOptions:
     served_model_names: list[str] = field(default_factory=list)
     chat_template: str | None = None  # --chat-template, read and checked: instead of the model's
     root_path: str | None = None  # --root-path: the HTTP routes are also served under it
+    enable_tokenizer_info_endpoint: bool = False  # vLLM's flag: serve GET /tokenizer_info
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -225,6 +226,7 @@ class PageddServer:
                 info.vocab_size,
                 info.generation_defaults,
                 aliases=tuple(o.served_model_names[1:]),
+                max_logprobs=info.max_logprobs,
             )
             await self._start_http(model, client.tokenizer)
         self.servicer.is_admitting = True
@@ -277,6 +279,7 @@ class PageddServer:
             reasoning_parser=o.serving.reasoning_parser,
             root_path=o.root_path,
             return_tokens_as_token_ids=o.serving.return_tokens_as_token_ids,
+            enable_tokenizer_info_endpoint=o.enable_tokenizer_info_endpoint,
         )
         async_engine = self.async_engine
         self.http = HttpServer(

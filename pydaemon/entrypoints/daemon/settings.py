@@ -101,6 +101,12 @@ ENGINE_FLAGS: tuple[tuple[str, Any, str], ...] = (
     ),
     ("--kv-offloading-disk-size", float, "GiB of the disk tier (over all ranks)"),
     (
+        "--max-logprobs",
+        int,
+        "the most logprobs (top_logprobs) and prompt_logprobs a request may ask for; more "
+        "is a 400 / INVALID_ARGUMENT naming this limit (vLLM's flag; -1: the vocabulary)",
+    ),
+    (
         "--structured-outputs-compile-timeout",
         float,
         "seconds a grammar may compile before its requests fail (default 30; compiles run "
@@ -139,6 +145,12 @@ SERVER_BOOL_FLAGS = (
         False,
         "logprobs name each token 'token_id:<id>' instead of its text (vLLM's flag; a "
         "request's return_tokens_as_token_ids overrides it)",
+    ),
+    (
+        "--enable-tokenizer-info-endpoint",
+        False,
+        "serve GET /tokenizer_info on the HTTP API: the tokenizer's config, special tokens "
+        "and chat template (vLLM's flag; behind the API key)",
     ),
     (
         "--parse-special-tokens-in-chat",
@@ -420,6 +432,7 @@ def resolve(args: argparse.Namespace) -> tuple[dict[str, Any], ServerOptions, st
         served_model_names=parse_served_model_names(values.get("served_model_name")),
         chat_template=read_chat_template(values.get("chat_template")),
         root_path=values["root_path"],
+        enable_tokenizer_info_endpoint=values["enable_tokenizer_info_endpoint"],
     )
     return engine_kwargs, options, values["log_level"]
 

@@ -64,7 +64,7 @@ async def create_chat_completion(
     raw = await serving.read_body(request)
     check_logit_bias_size(raw)  # before parsing: a huge one takes seconds to parse
     body = ChatCompletionRequest.model_validate_json(raw)
-    body.check(serving.model.vocab_size)
+    body.check(serving.model.vocab_size, serving.model.max_logprobs)
     tool_parser = _tool_parser(serving, body)
     lora_request = serving.admit(body.model, body.n)
     prompt_ids = await serving.encode_chat(
@@ -146,7 +146,8 @@ class ChatFormatter:
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
-        self.top_logprobs = body.top_logprobs or 0
+        # top_logprobs' count, or the ids logprob_token_ids lists
+        self.top_logprobs: int | list[int] = body.logprob_token_ids or body.top_logprobs or 0
         self.has_logprobs = body.logprobs
         self.role = body.reply_role
         # echo: the message's text, its reasoning apart as the parser reads a message

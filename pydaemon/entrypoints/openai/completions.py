@@ -33,7 +33,7 @@ async def create_completion(serving: OpenAIServing, request: web.Request) -> web
     raw = await serving.read_body(request)
     check_logit_bias_size(raw)  # before parsing: a huge one takes seconds to parse
     body = CompletionRequest.model_validate_json(raw)
-    body.check(serving.model.vocab_size)
+    body.check(serving.model.vocab_size, serving.model.max_logprobs)
     lora_request = serving.admit(
         body.model, _num_prompts(body.prompt) * max(body.n, body.best_of or 1)
     )

@@ -13,7 +13,10 @@ from pydaemon.entrypoints.openai.responses import (
 from pydaemon.outputs import TokenLogprobs
 
 
-def _top(position: TokenLogprobs, k: int | None) -> list[tuple[int, float]]:
+def _top(position: TokenLogprobs, k: int | list[int] | None) -> list[tuple[int, float]]:
+    """The ``k`` most likely (all: None), or the token ids ``k`` lists, in its order."""
+    if isinstance(k, list):
+        return [(t, position[t]) for t in k if t in position]
     ranked = sorted(position.items(), key=lambda kv: -kv[1])
     return ranked if k is None else ranked[:k]
 
@@ -46,8 +49,12 @@ def _by_text(names: dict[int, str], ranked: list[tuple[int, float]]) -> dict[str
 
 
 def chat_logprobs(
-    texts: TokenTexts, token_ids: list[int], positions: list[TokenLogprobs], top_k: int
+    texts: TokenTexts,
+    token_ids: list[int],
+    positions: list[TokenLogprobs],
+    top_k: int | list[int],
 ) -> ChatLogprobs:
+    """``top_k``: how many alternatives, or the token ids to list (logprob_token_ids)."""
     content = []
     for token_id, position, names in zip(
         token_ids, positions, texts.texts(token_ids, positions), strict=False

@@ -39,8 +39,10 @@ from pydaemon.entrypoints.openai.request_fields import (
     response_format_field,
     structured_outputs_field,
 )
+from pydaemon.logprobs_limit import DEFAULT_MAX_LOGPROBS
 from pydaemon.sampling_params import (
     MAX_LOGIT_BIAS_TOKENS,
+    MAX_LOGPROB_TOKEN_IDS,
     SamplingParams,
     StructuredOutputsParams,
     logit_bias_out_of_vocab,
@@ -97,6 +99,9 @@ class _SamplingRequest(Body):
     stop_token_ids: list[int] | None = None
     # vLLM's: each prompt token's logprob and top-k (not streamed)
     prompt_logprobs: int | None = None
+    # vLLM's: the logprobs of exactly these token ids at each position, in place of the
+    # top-k (logprobs must be on)
+    logprob_token_ids: list[int] | None = Field(default=None, max_length=MAX_LOGPROB_TOKEN_IDS)
     # logit_bias with token-id keys, once check() has read it
     _logit_bias: dict[int, float] | None = PrivateAttr(default=None)
     # vLLM's beam search: n beams, n answers, best first (deterministic: temperature 0)
@@ -135,8 +140,10 @@ class _SamplingRequest(Body):
         if self.stream_options is not None and not self.stream:
             raise InvalidParam("stream_options is only allowed with stream: true", "stream_options")
 
-    def _check_prompt_logprobs(self, vocab_size: int) -> None:
-        check_logprobs_count(self.prompt_logprobs, "prompt_logprobs", vocab_size)
+    def _check_prompt_logprobs(self, vocab_size: int, max_logprobs: int) -> None:
+        self.prompt_logprobs = check_logprobs_count(
+            self.prompt_logprobs, "prompt_logprobs", vocab_size, max_logprobs
+        )
         if self.stream and self.prompt_logprobs:  # vLLM's rule and words
             raise InvalidParam(
                 "`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs"
@@ -191,6 +198,17 @@ class _SamplingRequest(Body):
         check_stop([self.stop] if isinstance(self.stop, str) else self.stop or [], "stop")
         ids = self.stop_token_ids or []
         check_token_ids(ids, vocab_size, "stop_token_ids", MAX_STOP_TOKEN_IDS)
+        if self.logprob_token_ids is not None:
+            check_token_ids(
+                self.logprob_token_ids, vocab_size, "logprob_token_ids", MAX_LOGPROB_TOKEN_IDS
+            )
+            if not self.logprob_token_ids or len(set(self.logprob_token_ids)) != len(
+                self.logprob_token_ids
+            ):
+                raise InvalidParam(
+                    "logprob_token_ids must list at least one token id, none twice",
+                    "logprob_token_ids",
+                )
         self._logit_bias = self.engine_logit_bias(vocab_size)
 
     def sampling_params(
@@ -214,7 +232,8 @@ class _SamplingRequest(Body):
             "ignore_eos": self.ignore_eos,
             "max_tokens": max_tokens,
             "min_tokens": self.min_tokens,
-            "logprobs": logprobs,
+            "logprobs": len(self.logprob_token_ids) if self.logprob_token_ids else logprobs,
+            "logprob_token_ids": self.logprob_token_ids or None,
             "logit_bias": self._logit_bias,
             "prompt_logprobs": self.engine_prompt_logprobs,
         }
@@ -287,13 +306,19 @@ class CompletionRequest(_SamplingRequest):
     best_of: int | None = None
     suffix: str | None = None
 
-    def check(self, vocab_size: int) -> None:
+    def check(self, vocab_size: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
+        """``max_logprobs``: the server's --max-logprobs in force."""
         self._check_limits(vocab_size)
         self._check_one_constraint()
         if self.suffix:
             raise InvalidParam("suffix is not supported", "suffix")
-        check_logprobs_count(self.logprobs, "logprobs", vocab_size)
-        self._check_prompt_logprobs(vocab_size)
+        self.logprobs = check_logprobs_count(self.logprobs, "logprobs", vocab_size, max_logprobs)
+        self._check_prompt_logprobs(vocab_size, max_logprobs)
+        if self.logprob_token_ids and self.logprobs is None:
+            raise InvalidParam(
+                "logprob_token_ids needs logprobs set (the ids replace its top alternatives)",
+                "logprob_token_ids",
+            )
         if self.stream and self.best_of is not None and self.best_of > self.n:
             raise InvalidParam("best_of greater than n cannot be streamed", "best_of")
 
@@ -356,15 +381,23 @@ class ChatCompletionRequest(_SamplingRequest):
     # vLLM's: the reply starts with the last message's content when it has the reply's role
     echo: bool = False
 
-    def check(self, vocab_size: int) -> None:
+    def check(self, vocab_size: int, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
+        """``max_logprobs``: the server's --max-logprobs in force."""
         self._check_limits(vocab_size)
-        self._check_prompt_logprobs(vocab_size)
+        self._check_prompt_logprobs(vocab_size, max_logprobs)
         if self.continue_final_message and self.add_generation_prompt:
             raise InvalidParam(  # vLLM's words
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
                 "continue_final_message",
             )
-        check_logprobs_count(self.top_logprobs, "top_logprobs", vocab_size)
+        self.top_logprobs = check_logprobs_count(
+            self.top_logprobs, "top_logprobs", vocab_size, max_logprobs
+        )
+        if self.logprob_token_ids and not self.logprobs:
+            raise InvalidParam(
+                "logprob_token_ids needs logprobs: true (the ids replace top_logprobs)",
+                "logprob_token_ids",
+            )
         if self.top_logprobs and not self.logprobs:  # vLLM's: top_logprobs 0 is the default
             raise InvalidParam(
                 "when using `top_logprobs`, `logprobs` must be set to true (logprobs: true)",

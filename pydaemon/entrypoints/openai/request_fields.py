@@ -8,7 +8,8 @@ import re
 from typing import Any
 
 from pydaemon.entrypoints.common.limits import LimitError
-from pydaemon.sampling_params import MAX_LOGIT_BIAS_TOKENS, MAX_LOGPROBS, StructuredOutputsParams
+from pydaemon.logprobs_limit import logprobs_over_limit
+from pydaemon.sampling_params import MAX_LOGIT_BIAS_TOKENS, StructuredOutputsParams
 
 
 class InvalidParam(LimitError):
@@ -57,24 +58,20 @@ def int64_seed(seed: int | None) -> int | None:
     return seed % 2**64
 
 
-def check_logprobs_count(value: int | None, param: str, vocab_size: int) -> None:
-    """vLLM's rules and words: a count >= 0, or -1 for the whole vocabulary, which is more
-    than the server's maximum (MAX_LOGPROBS, vLLM's --max-logprobs default)."""
-    if value is None or value >= 0:
-        if value is not None and value > MAX_LOGPROBS:
-            raise InvalidParam(
-                f"Requested sample logprobs of {value}, which is greater than max allowed: "
-                f"{MAX_LOGPROBS}",
-                param,
-            )
-        return
-    if value != -1:
-        raise InvalidParam(f"`{param}` must be a positive value or -1.", param)
-    raise InvalidParam(
-        f"Requested sample logprobs of {vocab_size} ({param} -1: the whole vocabulary), which "
-        f"is greater than max allowed: {MAX_LOGPROBS}",
-        param,
-    )
+def check_logprobs_count(value: int | None, param: str, vocab_size: int, limit: int) -> int | None:
+    """vLLM's rules and words: a count >= 0, or -1 for the whole vocabulary, at most ``limit``
+    (the server's --max-logprobs, the vocabulary size where that is -1) -> the count (-1 as
+    the vocabulary size)."""
+    if value is not None and value < 0:
+        if value != -1:
+            raise InvalidParam(f"`{param}` must be a positive value or -1.", param)
+        value = vocab_size
+    if value is None:
+        return None
+    over = logprobs_over_limit("prompt" if param == "prompt_logprobs" else "sample", value, limit)
+    if over:
+        raise InvalidParam(over, param)
+    return value
 
 
 def structured_outputs_field(value: dict[str, Any] | None) -> StructuredOutputsParams | None:

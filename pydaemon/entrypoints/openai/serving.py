@@ -30,6 +30,7 @@ from pydaemon.entrypoints.openai.accumulator import Accumulator
 from pydaemon.entrypoints.openai.engine_stream import GenerateClient
 from pydaemon.entrypoints.openai.errors import ApiError, bad_request
 from pydaemon.entrypoints.openai.request_fields import InvalidParam
+from pydaemon.logprobs_limit import DEFAULT_MAX_LOGPROBS
 from pydaemon.lora_request import LoRARequest
 
 
@@ -42,6 +43,7 @@ class ServedModel:
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     created: int = field(default_factory=lambda: int(time.time()))
     aliases: tuple[str, ...] = ()  # more names of the base model (--served-model-name)
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS  # --max-logprobs in force (-1 resolved)
 
     def is_named(self, name: str) -> bool:
         return name == self.name or name in self.aliases
@@ -67,6 +69,7 @@ class HttpOptions:
     reasoning_parser: str | None = None  # vLLM's names; None: harmony templates' own, or none
     root_path: str | None = None  # vLLM's --root-path: the routes are also served under it
     return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:<id>" by default
+    enable_tokenizer_info_endpoint: bool = False  # vLLM's flag: serve GET /tokenizer_info
 
 
 @dataclass(eq=False)

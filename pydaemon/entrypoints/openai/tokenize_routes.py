@@ -1,4 +1,5 @@
-"""vLLM's ``POST /tokenize``, ``POST /detokenize`` and ``GET /version``.
+"""vLLM's ``POST /tokenize``, ``POST /detokenize``, ``GET /version`` and, with
+``--enable-tokenizer-info-endpoint``, ``GET /tokenizer_info`` (tokenizer_info.py).
 
 ``/tokenize`` takes a text (``{"prompt", "add_special_tokens": true}``) or a conversation
 (``{"messages", "add_generation_prompt", "continue_final_message", "tools",
@@ -22,9 +23,10 @@ from pydantic import Field
 from pydaemon import __version__
 from pydaemon.entrypoints.common.limits import check_text_size, out_of_vocabulary
 from pydaemon.entrypoints.common.tool_choice import messages_for_template
-from pydaemon.entrypoints.openai.errors import bad_request
+from pydaemon.entrypoints.openai.errors import ApiError, bad_request
 from pydaemon.entrypoints.openai.protocol import Body, ChatMessage
 from pydaemon.entrypoints.openai.serving import OpenAIServing
+from pydaemon.entrypoints.openai.tokenizer_info import tokenizer_info
 
 MAX_DETOKENIZE_IDS = 1 << 20
 
@@ -130,3 +132,12 @@ def add_tokenize_routes(app: web.Application, serving: OpenAIServing) -> None:
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/version", version)
+    if serving.options.enable_tokenizer_info_endpoint:
+
+        async def get_tokenizer_info(request: web.Request) -> web.Response:
+            if serving.tokenizer is None:
+                raise ApiError(404, "this model has no tokenizer", code="no_tokenizer")
+            info = tokenizer_info(serving.tokenizer, serving.model.max_model_len)
+            return web.json_response(info)
+
+        app.router.add_get("/tokenizer_info", get_tokenizer_info)
