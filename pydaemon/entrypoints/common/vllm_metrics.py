@@ -9,7 +9,10 @@ dashboards read the token and prefix-cache counters (``vllm:prompt_tokens_total`
 tokens, ``vllm:num_preemptions_total``, ``vllm:request_success_total{finished_reason}``) and the
 histograms ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
 ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``,
-``vllm:request_prompt_tokens`` and ``vllm:request_generation_tokens``. The values are the
+``vllm:request_prompt_tokens`` and ``vllm:request_generation_tokens``; and (issue 55)
+``vllm:num_requests_waiting_by_reason``, ``vllm:cache_config_info``,
+``vllm:iteration_tokens_total``, ``vllm:request_params_n`` / ``_max_tokens`` and the phase
+histograms ``vllm:request_{prefill,decode,inference}_time_seconds``. The values are the
 ``pagedd_*`` metrics' own (the inter-token histogram counts each request's intervals at its
 mean interval: its sum and count are exact, its buckets coarser than vLLM's per-token ones).
 LoRA info (``vllm:lora_requests_info``) is rendered with the LoRA gauges in metrics.py.
