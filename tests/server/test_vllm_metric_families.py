@@ -86,7 +86,7 @@ def test_vllm_engine_and_request_families():
     # The request parameters: three requests, n 2 + 1 + 1, max_tokens 5 + 3 + 4.
     assert grew(f"vllm:request_params_n_count{{{LABEL}}}") == 3
     assert grew(f"vllm:request_params_n_sum{{{LABEL}}}") == 4
-    assert grew(f'vllm:request_params_n_bucket{{{LABEL},le="1"}}') == 2
+    assert grew(f'vllm:request_params_n_bucket{{{LABEL},le="1.0"}}') == 2
     assert grew(f"vllm:request_params_max_tokens_count{{{LABEL}}}") == 3
     assert grew(f"vllm:request_params_max_tokens_sum{{{LABEL}}}") == 12
 

@@ -111,7 +111,7 @@ class Histogram:
         cumulative = 0
         for bound, n in zip((*self.buckets, float("inf")), self.counts, strict=True):
             cumulative += n
-            le = "+Inf" if bound == float("inf") else repr(bound)
+            le = "+Inf" if bound == float("inf") else repr(float(bound))  # "1.0", as vLLM
             lines.append(f'{name}_bucket{{{label}{sep}le="{le}"}} {cumulative}')
         braces = f"{{{label}}}" if label else ""
         lines += [f"{name}_sum{braces} {self.sum!r}", f"{name}_count{braces} {self.count}"]
