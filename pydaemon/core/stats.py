@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pydaemon.core.iteration_tokens import IterationTokens
+
 
 @dataclass
 class EngineStats:
@@ -28,6 +30,10 @@ class EngineStats:
     lora_requests: dict[str, tuple[int, int]] = field(default_factory=dict)
     max_loras: int = 0  # 0: LoRA is off
     kv_tiers: KVTierStats | None = None  # None: no CPU tier (--kv-offloading-size)
+    # Of num_waiting, those held back by something else than room to run them (a grammar
+    # still compiling): vLLM's reason "deferred"; the others' is "capacity".
+    num_waiting_deferred: int = 0
+    iteration_tokens: IterationTokens = field(default_factory=IterationTokens)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

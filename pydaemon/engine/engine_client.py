@@ -66,6 +66,8 @@ class ServedModelInfo:
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     has_chat_template: bool = False
     max_logprobs: int = DEFAULT_MAX_LOGPROBS  # --max-logprobs in force (-1 resolved)
+    # The KV cache's settings under vLLM's names (config/cache_info.py): cache_config_info
+    cache_config: dict[str, str] = field(default_factory=dict)
 
 
 class EngineClient(abc.ABC):

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pydaemon.config.cache_info import cache_config_info
 from pydaemon.core.messages import EngineCall
 from pydaemon.engine.engine_client import (
     IDLE_HEARTBEAT_S,
@@ -81,6 +82,7 @@ def served_model_info(engine: Any) -> ServedModelInfo:
         max_logprobs=resolve_max_logprobs(
             getattr(engine.config, "max_logprobs", DEFAULT_MAX_LOGPROBS), engine.vocab_size
         ),
+        cache_config=cache_config_info(engine.config),
     )
 
 

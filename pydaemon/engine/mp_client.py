@@ -24,6 +24,7 @@ from typing import Any
 
 import msgspec
 
+from pydaemon.config.cache_info import cache_config_info
 from pydaemon.config.engine import EngineConfig
 from pydaemon.core.messages import (
     CoreCommands,
@@ -106,6 +107,7 @@ class MPEngineClient(EngineClient):
             generation_defaults=front.generation_defaults,
             has_chat_template=tokenizer is not None and tokenizer.chat_template is not None,
             max_logprobs=info.max_logprobs,
+            cache_config=cache_config_info(config),
         )
         logger.info("engine core: pid %d, on %s (%s)", process.pid, info.device, info.dtype)
         return cls(process, conn, tokenizer, model_info, ready)

@@ -43,7 +43,11 @@ def test_flags_and_toml_reach_the_engine_config(tmp_path):
 
 
 def _stats(tiers: KVTierStats | None, **kw) -> EngineStats:
-    required = [f.name for f in dataclasses.fields(EngineStats) if f.default is dataclasses.MISSING]
+    required = [
+        f.name
+        for f in dataclasses.fields(EngineStats)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
     values = {name: 0 for name in required}
     values.update(num_gpu_blocks=8, num_free_gpu_blocks=8, num_cpu_blocks=32, kv_tiers=tiers)
     return EngineStats(**{**values, **kw})

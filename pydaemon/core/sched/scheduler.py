@@ -148,6 +148,8 @@ class Scheduler:
             else {},
             max_loras=self.loras.max_loras or 0,
             kv_tiers=kv.kv_tiers,
+            num_waiting_deferred=num_waiting_elsewhere,
+            iteration_tokens=self.updater.iteration_tokens.snapshot(),
         )
 
     def num_running_seqs(self) -> int:

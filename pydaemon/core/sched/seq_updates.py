@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 
+from pydaemon.core.iteration_tokens import IterationTokens
 from pydaemon.core.messages import EngineCoreOutput, EngineCoreOutputs, SeqOutput
 from pydaemon.core.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus, Sequence
 from pydaemon.core.runner_output import ModelRunnerOutput
@@ -44,6 +45,7 @@ class SeqUpdater:
         self.num_generation_tokens = 0
         self._finished: list[Request] = []
         self.spec_stats = SpecDecodeStats()
+        self.iteration_tokens = IterationTokens()  # tokens per updated step
 
     def take_finished(self) -> list[Request]:
         """Requests that finished or failed in the last update (their queues are the
@@ -89,6 +91,7 @@ class SeqUpdater:
     def update(self, plan: StepPlan, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         self.advance(plan, placeholders=False)  # a synchronous step appends the tokens
         now = time.monotonic()
+        num_generated_before = self.num_generation_tokens
         by_seq_id = plan.by_seq_id
         outputs: dict[str, EngineCoreOutput] = {}
         touched: dict[str, Request] = {}
@@ -142,6 +145,11 @@ class SeqUpdater:
                 self._finish(request, now)
                 output.finished = True
                 output.metrics = request.metrics
+        self.iteration_tokens.observe(
+            sum(s.num_new_tokens for s in plan.prefills)
+            + self.num_generation_tokens
+            - num_generated_before
+        )
         return EngineCoreOutputs(
             [o for o in outputs.values() if o.seqs or o.finished or o.new_prompt_logprobs]
         )

@@ -11,12 +11,16 @@ import dataclasses
 import threading
 from collections.abc import Callable
 
+from pydaemon.core.iteration_tokens import ITERATION_TOKENS_BUCKETS
 from pydaemon.entrypoints.common.kv_tier_metrics import kv_tier_lines
+from pydaemon.entrypoints.common.request_phases import RequestPhases, request_phases
 from pydaemon.entrypoints.common.vllm_metrics import (
+    vllm_cache_config_info,
     vllm_counters,
     vllm_gauges,
     vllm_histograms,
     vllm_request_success,
+    vllm_waiting_by_reason,
 )
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 
@@ -24,6 +28,12 @@ TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+# vLLM's buckets of its request phase histograms (queue, prefill, decode, inference) and of n
+REQUEST_PHASE_BUCKETS_S = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
 
 # (metric name, EngineStats field, type, help)
 _STATS = (
@@ -101,7 +111,7 @@ class Histogram:
         cumulative = 0
         for bound, n in zip((*self.buckets, float("inf")), self.counts, strict=True):
             cumulative += n
-            le = "+Inf" if bound == float("inf") else repr(bound)
+            le = "+Inf" if bound == float("inf") else repr(float(bound))  # "1.0", as vLLM
             lines.append(f'{name}_bucket{{{label}{sep}le="{le}"}} {cumulative}')
         braces = f"{{{label}}}" if label else ""
         lines += [f"{name}_sum{braces} {self.sum!r}", f"{name}_count{braces} {self.count}"]
@@ -143,6 +153,30 @@ class Metrics:
             "Generated tokens per request.",
             TOKEN_COUNT_BUCKETS,
         )
+        self.prefill = Histogram(
+            "vllm:request_prefill_time_seconds",
+            "First scheduled to first token (PREFILL phase).",
+            REQUEST_PHASE_BUCKETS_S,
+        )
+        self.decode = Histogram(
+            "vllm:request_decode_time_seconds",
+            "First token to last token (DECODE phase).",
+            REQUEST_PHASE_BUCKETS_S,
+        )
+        self.inference = Histogram(
+            "vllm:request_inference_time_seconds",
+            "First scheduled to last token (RUNNING phase).",
+            REQUEST_PHASE_BUCKETS_S,
+        )
+        self.params_n = Histogram(
+            "vllm:request_params_n", "The n request parameter.", PARAMS_N_BUCKETS
+        )
+        self.params_max_tokens = Histogram(
+            "vllm:request_params_max_tokens",
+            "The max_tokens request parameter (as the engine ran it).",
+            TOKEN_COUNT_BUCKETS,
+        )
+        self.cache_config: dict[str, str] = {}  # the KV cache's settings (config/cache_info.py)
         self.finished: dict[str, int] = {}
         self._baseline: dict[str, int] = {}  # engine counters before serving (the warm-up)
         self._spec_baseline = None  # its speculative-decoding counters (SpecDecodeStats)
@@ -203,6 +237,9 @@ class Metrics:
             num_prompt_tokens=account.num_prompt_tokens,
             num_generation_tokens=account.num_completion_tokens,
             num_intervals=max(max(account.num_tokens_by_index.values(), default=0) - 1, 0),
+            phases=request_phases(account.metrics),
+            n=account.num_sequences,
+            max_tokens=account.max_tokens,
         )
 
     def observe(
@@ -216,9 +253,14 @@ class Metrics:
         num_prompt_tokens: int = 0,
         num_generation_tokens: int = 0,
         num_intervals: int = 0,
+        phases: RequestPhases | None = None,
+        n: int | None = None,
+        max_tokens: int | None = None,
     ) -> None:
         """One finished request, from any front end (gRPC or HTTP). ``num_intervals``: the
-        gaps between its longest sequence's tokens (tpot_s is their mean)."""
+        gaps between its longest sequence's tokens (tpot_s is their mean); ``phases``: its
+        engine phases; ``n``, ``max_tokens``: its sampling parameters (None: not known, as for
+        a request refused before it had any)."""
         with self._lock:
             if ttft_s is not None:
                 self.ttft.observe(ttft_s)
@@ -231,6 +273,15 @@ class Metrics:
                 self.queue.observe(queue_s)
             self.prompt_tokens.observe(num_prompt_tokens)
             self.generation_tokens.observe(num_generation_tokens)
+            for hist, value in (
+                (self.prefill, phases and phases.prefill_s),
+                (self.decode, phases and phases.decode_s),
+                (self.inference, phases and phases.inference_s),
+                (self.params_n, n),
+                (self.params_max_tokens, max_tokens),
+            ):
+                if value is not None:
+                    hist.observe(value)
             self.finished[finish_reason] = self.finished.get(finish_reason, 0) + 1
 
     def render(self) -> str:
@@ -263,6 +314,9 @@ class Metrics:
             lines += spec_decode_lines(spec, self._spec_baseline)
         if self.model_name is not None:
             lines += vllm_gauges(stats, self.model_name)
+            lines += vllm_waiting_by_reason(stats, self.model_name)
+            lines += self._iteration_tokens(stats).render(label=_model_label(self.model_name))
+            lines += vllm_cache_config_info(self.cache_config, stats)
         has_tiers = getattr(stats, "kv_tiers", None) is not None  # --kv-offloading-size
         if self.model_name is not None:
             # With tiers, kv_tier_lines reports the prefix cache under vLLM's names (GPU hits).
@@ -283,6 +337,24 @@ class Metrics:
                 lines += vllm_histograms(self, self.model_name)
                 lines += vllm_request_success(self.finished, self.model_name)
         return "\n".join(lines) + "\n"
+
+    def _iteration_tokens(self, stats) -> Histogram:
+        """The engine's tokens-per-step histogram, less the warm-up's steps."""
+        hist = Histogram(
+            "vllm:iteration_tokens_total",
+            "Tokens per engine step (prompt tokens computed plus tokens generated).",
+            ITERATION_TOKENS_BUCKETS,
+        )
+        steps = getattr(stats, "iteration_tokens", None)
+        if steps is not None:
+            before = getattr(self._stats_baseline, "iteration_tokens", None)
+            steps = steps.minus(before)
+            hist.counts, hist.sum, hist.count = list(steps.counts), steps.sum, steps.count
+        return hist
+
+
+def _model_label(model_name: str) -> str:
+    return f'model_name="{_label(model_name)}"'
 
 
 _SPEC_COUNTERS = (

@@ -9,7 +9,10 @@ dashboards read the token and prefix-cache counters (``vllm:prompt_tokens_total`
 tokens, ``vllm:num_preemptions_total``, ``vllm:request_success_total{finished_reason}``) and the
 histograms ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
 ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``,
-``vllm:request_prompt_tokens`` and ``vllm:request_generation_tokens``. The values are the
+``vllm:request_prompt_tokens`` and ``vllm:request_generation_tokens``; and (issue 55)
+``vllm:num_requests_waiting_by_reason``, ``vllm:cache_config_info``,
+``vllm:iteration_tokens_total``, ``vllm:request_params_n`` / ``_max_tokens`` and the phase
+histograms ``vllm:request_{prefill,decode,inference}_time_seconds``. The values are the
 ``pagedd_*`` metrics' own (the inter-token histogram counts each request's intervals at its
 mean interval: its sum and count are exact, its buckets coarser than vLLM's per-token ones).
 LoRA info (``vllm:lora_requests_info``) is rendered with the LoRA gauges in metrics.py.
@@ -18,9 +21,12 @@ LoRA info (``vllm:lora_requests_info``) is rendered with the LoRA gauges in metr
 from __future__ import annotations
 
 
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 def _label(model_name: str) -> str:
-    escaped = model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-    return f'model_name="{escaped}"'
+    return f'model_name="{_escape(model_name)}"'
 
 
 def vllm_gauges(stats: object, model_name: str) -> list[str]:
@@ -69,13 +75,55 @@ def vllm_counters(
     return lines
 
 
+def vllm_waiting_by_reason(stats: object, model_name: str) -> list[str]:
+    """``vllm:num_requests_waiting_by_reason{reason}``: of the waiting requests, "deferred"
+    are held back by something else than room to run them (a grammar compiling), "capacity"
+    the others; the two add up to ``vllm:num_requests_waiting``."""
+    deferred = getattr(stats, "num_waiting_deferred", 0)
+    name = "vllm:num_requests_waiting_by_reason"
+    label = _label(model_name)
+    return [
+        f"# HELP {name} Waiting requests, by why they wait (capacity, deferred).",
+        f"# TYPE {name} gauge",
+        f'{name}{{{label},reason="capacity"}} {stats.num_waiting - deferred}',
+        f'{name}{{{label},reason="deferred"}} {deferred}',
+    ]
+
+
+def vllm_cache_config_info(cache_config: dict[str, str], stats: object) -> list[str]:
+    """``vllm:cache_config_info``: a gauge set to 1 whose labels are the KV cache's settings
+    (vLLM's CacheConfig names) and the engine's block counts, with vLLM's ``engine`` label."""
+    labels = {
+        **cache_config,
+        "num_gpu_blocks": str(stats.num_gpu_blocks),
+        "num_cpu_blocks": str(stats.num_cpu_blocks),
+        "engine": "0",
+    }
+    text = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items()))
+    name = "vllm:cache_config_info"
+    return [
+        f"# HELP {name} Information of the LLMEngine CacheConfig.",
+        f"# TYPE {name} gauge",
+        f"{name}{{{text}}} 1.0",
+    ]
+
+
 def vllm_histograms(metrics, model_name: str) -> list[str]:
     """The request histograms under vLLM's names (``metrics``: a Metrics)."""
     label = _label(model_name)
     lines = metrics.ttft.render("vllm:time_to_first_token_seconds", label)
     lines += metrics.itl.render(label=label)
     lines += metrics.e2e.render("vllm:e2e_request_latency_seconds", label)
-    for hist in (metrics.queue, metrics.prompt_tokens, metrics.generation_tokens):
+    for hist in (
+        metrics.queue,
+        metrics.prefill,
+        metrics.decode,
+        metrics.inference,
+        metrics.prompt_tokens,
+        metrics.generation_tokens,
+        metrics.params_n,
+        metrics.params_max_tokens,
+    ):
         lines += hist.render(label=label)
     return lines
 

@@ -204,6 +204,7 @@ class PageddServer:
         check_reasoning_parser(o.serving.reasoning_parser, client.tokenizer)
         self.metrics.set_baseline(client.latest_stats)  # the warm-up is not a served request
         self.metrics.model_name = client.model_info.model_name
+        self.metrics.cache_config = client.model_info.cache_config
         self.servicer.engine = client
         self.servicer.adapters = await LoRAAdapters.start(
             client.model_info.model_name, client, o.lora

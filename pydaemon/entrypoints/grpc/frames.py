@@ -33,6 +33,7 @@ class RequestAccount:
 
     request_id: str  # the client's id
     num_sequences: int = 1  # outputs the client asked for (n): each gets a finish reason
+    max_tokens: int | None = None  # the engine request's max_tokens (None: none was made)
     num_prompt_tokens: int = 0
     num_completion_tokens: int = 0
     num_tokens_by_index: dict[int, int] = field(default_factory=dict)

@@ -248,7 +248,10 @@ class GenerateCalls:
             stream.out.put_nowait(error_frame(request_id, e.code, e.message))
             return
         account = RequestAccount(
-            request_id, num_sequences=args.params.n if args else 1, tokenizer=self.engine.tokenizer
+            request_id,
+            num_sequences=args.params.n if args else 1,
+            max_tokens=args.params.max_tokens if args else None,
+            tokenizer=self.engine.tokenizer,
         )
         live = _Live(account, f"{next(self._ids)}-{request_id}")
         stream.live[request_id] = live
@@ -306,6 +309,7 @@ class GenerateCalls:
                 args.tool_parser = account.tool_parser = tool_parser
                 self._reasoning(account, args)
                 account.num_sequences = args.params.n
+                account.max_tokens = args.params.max_tokens
                 self._arm_time_limit(live, args)
             async for output in self.engine.generate(args.engine_request(live.engine_request_id)):
                 live.has_output = True

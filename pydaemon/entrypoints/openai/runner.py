@@ -67,7 +67,7 @@ async def respond(
 ) -> web.StreamResponse:
     if serving.is_stalled():  # declared while the prompt was rendered: it would only wait
         raise engine_stalled()
-    acc = Accumulator(prompts, params.n, formatter.logprob_tokenizer)
+    acc = Accumulator(prompts, params.n, formatter.logprob_tokenizer, params.max_tokens)
     with serving.track() as live:
         requests = engine_requests(formatter.request_id, prompts, params, cache_salt, lora_request)
         outputs = generate_all(serving.engine, requests)

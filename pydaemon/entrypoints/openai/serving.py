@@ -25,6 +25,7 @@ from pydaemon.entrypoints.common.limits import (
 )
 from pydaemon.entrypoints.common.lora_adapters import AdapterNotFound, LoRAAdapters
 from pydaemon.entrypoints.common.metrics import Metrics
+from pydaemon.entrypoints.common.request_phases import request_phases
 from pydaemon.entrypoints.common.tool_choice import ToolsNotRendered, encode_chat_with_tools
 from pydaemon.entrypoints.openai.accumulator import Accumulator
 from pydaemon.entrypoints.openai.engine_stream import GenerateClient
@@ -340,4 +341,7 @@ class OpenAIServing:
                 num_prompt_tokens=prompt.num_prompt_tokens,
                 num_generation_tokens=sum(len(c.token_ids) for c in choices),
                 num_intervals=max(longest - 1, 0),
+                phases=request_phases(m),
+                n=acc.n,
+                max_tokens=acc.max_tokens,
             )
