@@ -56,7 +56,7 @@ async def respond(
     serving: OpenAIServing,
     request: web.Request,
     prompts: list[EnginePrompt],
-    params: SamplingParams,
+    params: SamplingParams | list[SamplingParams],
     formatter: Formatter,
     *,
     stream: bool,
@@ -67,7 +67,8 @@ async def respond(
 ) -> web.StreamResponse:
     if serving.is_stalled():  # declared while the prompt was rendered: it would only wait
         raise engine_stalled()
-    acc = Accumulator(prompts, params.n, formatter.logprob_tokenizer)
+    n = params[0].n if isinstance(params, list) else params.n  # the same n for every prompt
+    acc = Accumulator(prompts, n, formatter.logprob_tokenizer)
     with serving.track() as live:
         requests = engine_requests(formatter.request_id, prompts, params, cache_salt, lora_request)
         outputs = generate_all(serving.engine, requests)
