@@ -134,3 +134,25 @@ def test_the_api_key_guards_it_under_the_root_path_too():
         assert request(st, "GET", PATH, headers={"Authorization": "Bearer k"}).status == 405
     finally:
         st.close()
+
+
+def test_the_conversations_run_in_the_engine_together(server, monkeypatch):
+    """Every conversation's engine request starts before any of them ends: one batch, not one
+    call after another."""
+    engine = server.server.http.serving.engine
+    events: list[tuple[str, str]] = []
+    generate = engine.generate
+
+    async def recording(request):
+        events.append(("start", request.request_id))
+        async for output in generate(request):
+            yield output
+        events.append(("end", request.request_id))
+
+    monkeypatch.setattr(engine, "generate", recording)
+    body = {"model": MODEL, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    r = post(server, PATH, {**body, "messages": CONVERSATIONS})
+    assert r.status == 200, r.text
+    kinds = [kind for kind, _ in events]
+    assert kinds == ["start"] * 3 + ["end"] * 3, events
+    assert len({rid for _, rid in events}) == 3
