@@ -54,10 +54,14 @@ class ChoiceDelta:
 
 class Accumulator:
     def __init__(
-        self, prompts: list[EnginePrompt], n: int, tokenizer, max_tokens: int | None = None
+        self,
+        prompts: list[EnginePrompt],
+        n: int,
+        tokenizer,
+        max_tokens: int | list[int] | None = None,
     ) -> None:
         self.n = n
-        self.max_tokens = max_tokens  # the engine requests' (metrics)
+        self.max_tokens = max_tokens  # the engine requests' (metrics): one, or one per prompt
         self.prompts = [PromptState(len(p.token_ids)) for p in prompts]
         self.choices = [
             ChoiceState(i * n + k, TokenTexts(tokenizer, p.token_ids))

@@ -1,7 +1,8 @@
 """The aiohttp application and its server: routes, middlewares, start and stop.
 
 Routes: ``GET /v1/models``, ``GET /v1/models/{model}``, ``POST /v1/completions``,
-``POST /v1/chat/completions``, ``GET /health`` (200 serving, 503 otherwise) and
+``POST /v1/chat/completions``, vLLM's ``POST /v1/chat/completions/batch`` (chat_batch.py),
+``GET /health`` (200 serving, 503 otherwise) and
 ``GET /metrics`` (Prometheus, the same registry as the gRPC side's), vLLM's ``POST /tokenize``,
 ``POST /detokenize`` and ``GET /version`` (tokenize_routes.py); with LoRA, vLLM's
 ``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter`` (pydaemon/entrypoints/
@@ -22,6 +23,7 @@ from pydaemon.entrypoints.common.lora_adapters import AdapterNotFound, LoRAAdapt
 from pydaemon.entrypoints.common.metrics import Metrics
 from pydaemon.entrypoints.openai.auth import api_key_middleware
 from pydaemon.entrypoints.openai.chat import create_chat_completion
+from pydaemon.entrypoints.openai.chat_batch import create_batch_chat_completion
 from pydaemon.entrypoints.openai.completions import create_completion
 from pydaemon.entrypoints.openai.engine_stream import GenerateClient
 from pydaemon.entrypoints.openai.errors import ApiError, error_middleware, error_response
@@ -114,6 +116,9 @@ def _add_routes(app: web.Application, serving: OpenAIServing) -> None:
     async def chat_completions(request: web.Request) -> web.StreamResponse:
         return await create_chat_completion(serving, request)
 
+    async def chat_completions_batch(request: web.Request) -> web.StreamResponse:
+        return await create_batch_chat_completion(serving, request)
+
     async def health(request: web.Request) -> web.Response:
         if not serving.is_serving:
             return error_response(503, "not serving (draining or failed)", code="not_serving")
@@ -137,6 +142,7 @@ def _add_routes(app: web.Application, serving: OpenAIServing) -> None:
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/chat/completions/batch", chat_completions_batch)
     add_lora_routes(app, serving)
     add_tokenize_routes(app, serving)
     app.router.add_get("/health", health)

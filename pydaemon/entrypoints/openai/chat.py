@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -56,6 +57,7 @@ from pydaemon.entrypoints.openai.responses import (
 )
 from pydaemon.entrypoints.openai.runner import respond
 from pydaemon.entrypoints.openai.serving import OpenAIServing
+from pydaemon.sampling_params import SamplingParams
 
 
 async def create_chat_completion(
@@ -67,6 +69,50 @@ async def create_chat_completion(
     body.check(serving.model.vocab_size, serving.model.max_logprobs)
     tool_parser = _tool_parser(serving, body)
     lora_request = serving.admit(body.model, body.n)
+    if body.return_tokens_as_token_ids is None:
+        body.return_tokens_as_token_ids = serving.options.return_tokens_as_token_ids
+    conversation = await render_conversation(
+        serving,
+        body,
+        f"chatcmpl-{uuid.uuid4().hex}",
+        serving.model_name(lora_request),
+        tool_parser,
+    )
+    return await respond(
+        serving,
+        request,
+        [conversation.prompt],
+        conversation.params,
+        conversation.formatter,
+        stream=body.stream,
+        include_usage=body.include_usage,
+        cache_salt=body.cache_salt,
+        lora_request=lora_request,
+        constraint_source=body.constraint_source,
+    )
+
+
+@dataclass
+class Conversation:
+    """One conversation made ready for the engine: its prompt, sampling parameters, and the
+    formatter that turns its outputs into chat choices."""
+
+    prompt: EnginePrompt
+    params: SamplingParams
+    formatter: ChatFormatter
+
+
+async def render_conversation(
+    serving: OpenAIServing,
+    body: ChatCompletionRequest,
+    request_id: str,
+    model_name: str,
+    tool_parser: ToolParser | None,
+    param: str = "messages",
+) -> Conversation:
+    """``body.messages`` rendered by the chat template and tokenized, its max_tokens resolved
+    against the context left, its reasoning parser set up. ``param``: the field its errors
+    name (``messages.<i>``: conversation i of a batch)."""
     prompt_ids = await serving.encode_chat(
         messages_for_template([m.for_template() for m in body.messages]),
         body.template_tools,
@@ -74,12 +120,13 @@ async def create_chat_completion(
         body.chat_template_kwargs,
         body.continue_final_message,
         must_render_tools=tools_must_render(body.tools, body.tool_choice),
+        param=param,
     )
     prompt = EnginePrompt(body.truncated(prompt_ids, serving.model.max_model_len))
     max_tokens = serving.resolve_max_tokens(
         len(prompt.token_ids),
         body.requested_max_tokens,
-        prompt_param="messages",
+        prompt_param=param,
         max_tokens_param=(
             "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         ),
@@ -94,30 +141,10 @@ async def create_chat_completion(
     elif reasoning is not None:
         tail = prompt_tail(serving.tokenizer, prompt.token_ids)
     params = apply_reasoning(params, reasoning, serving.tokenizer, tail)
-    if body.return_tokens_as_token_ids is None:
-        body.return_tokens_as_token_ids = serving.options.return_tokens_as_token_ids
     formatter = ChatFormatter(
-        f"chatcmpl-{uuid.uuid4().hex}",
-        serving.model_name(lora_request),
-        serving.tokenizer,
-        prompt,
-        body,
-        tool_parser,
-        reasoning,
-        tail,
+        request_id, model_name, serving.tokenizer, prompt, body, tool_parser, reasoning, tail
     )
-    return await respond(
-        serving,
-        request,
-        [prompt],
-        params,
-        formatter,
-        stream=body.stream,
-        include_usage=body.include_usage,
-        cache_salt=body.cache_salt,
-        lora_request=lora_request,
-        constraint_source=body.constraint_source,
-    )
+    return Conversation(prompt, params, formatter)
 
 
 def _tool_parser(serving: OpenAIServing, body: ChatCompletionRequest) -> ToolParser | None:
@@ -324,41 +351,41 @@ class ChatFormatter:
     def usage_chunk(self, usage: Usage) -> str:
         return self._chunk([], usage)
 
+    def choice(self, c: ChoiceState) -> ChatChoice:
+        """One finished choice: its message (reasoning, tool calls and echo apart) and logprobs."""
+        logprobs = None
+        if self.has_logprobs:
+            texts = TokenTexts(self.logprob_tokenizer, self._prompt.token_ids)
+            logprobs = chat_logprobs(texts, c.token_ids, c.positions, self.top_logprobs)
+        content, calls, reasoning = c.text, [], None
+        if self._reasoning_parser is not None:
+            split = self._reasoning_parser.split(c.text, self._prompt_tail)
+            content, reasoning = split.content, split.reasoning
+        if self._tool_parser is not None and content is not None:
+            parsed = self._tool_parser.parse(content)
+            content, calls = parsed.content, parsed.tool_calls
+        if self.echo.content:
+            content = self.echo.content + (content or "")
+        if self.echo.reasoning:
+            reasoning = self.echo.reasoning + (reasoning or "")
+        message = ChatResponseMessage(
+            role=self.role,
+            content=content,
+            reasoning=reasoning,
+            reasoning_content=reasoning,
+            tool_calls=[t.to_openai() for t in calls] or None,
+        )
+        return ChatChoice(
+            index=c.index,
+            message=message,
+            logprobs=logprobs,
+            finish_reason=_finish_reason(c.finish_reason, calls),
+            stop_reason=c.stop_reason,
+            token_ids=c.token_ids,
+        )
+
     def response_json(self, acc: Accumulator) -> str:
-        choices = []
-        for c in acc.choices:
-            logprobs = None
-            if self.has_logprobs:
-                texts = TokenTexts(self.logprob_tokenizer, self._prompt.token_ids)
-                logprobs = chat_logprobs(texts, c.token_ids, c.positions, self.top_logprobs)
-            content, calls, reasoning = c.text, [], None
-            if self._reasoning_parser is not None:
-                split = self._reasoning_parser.split(c.text, self._prompt_tail)
-                content, reasoning = split.content, split.reasoning
-            if self._tool_parser is not None and content is not None:
-                parsed = self._tool_parser.parse(content)
-                content, calls = parsed.content, parsed.tool_calls
-            if self.echo.content:
-                content = self.echo.content + (content or "")
-            if self.echo.reasoning:
-                reasoning = self.echo.reasoning + (reasoning or "")
-            message = ChatResponseMessage(
-                role=self.role,
-                content=content,
-                reasoning=reasoning,
-                reasoning_content=reasoning,
-                tool_calls=[t.to_openai() for t in calls] or None,
-            )
-            choices.append(
-                ChatChoice(
-                    index=c.index,
-                    message=message,
-                    logprobs=logprobs,
-                    finish_reason=_finish_reason(c.finish_reason, calls),
-                    stop_reason=c.stop_reason,
-                    token_ids=c.token_ids,
-                )
-            )
+        choices = [self.choice(c) for c in acc.choices]
         response = ChatCompletionResponse(
             id=self.request_id,
             created=self.created,

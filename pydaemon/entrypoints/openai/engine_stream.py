@@ -49,18 +49,23 @@ class EngineRequestFailed(ValueError):
 def engine_requests(
     request_id: str,
     prompts: list[EnginePrompt],
-    params: SamplingParams,
+    params: SamplingParams | list[SamplingParams],
     cache_salt: str | None = None,
     lora_request: LoRARequest | None = None,
 ) -> list[GenerateRequest]:
-    """One engine request per prompt: ``request_id`` (one prompt) or ``request_id-<i>``."""
+    """One engine request per prompt: ``request_id`` (one prompt) or ``request_id-<i>``.
+    ``params``: every prompt's, or one per prompt (a chat batch: each conversation has its own
+    max_tokens and reasoning state)."""
+    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
     if len(prompts) == 1:
         return [
-            GenerateRequest(request_id, prompts[0].token_ids, params, 0, cache_salt, lora_request)
+            GenerateRequest(
+                request_id, prompts[0].token_ids, per_prompt[0], 0, cache_salt, lora_request
+            )
         ]
     return [
-        GenerateRequest(f"{request_id}-{i}", p.token_ids, params, 0, cache_salt, lora_request)
-        for i, p in enumerate(prompts)
+        GenerateRequest(f"{request_id}-{i}", p.token_ids, sp, 0, cache_salt, lora_request)
+        for i, (p, sp) in enumerate(zip(prompts, per_prompt, strict=True))
     ]
 
 

@@ -56,7 +56,7 @@ async def respond(
     serving: OpenAIServing,
     request: web.Request,
     prompts: list[EnginePrompt],
-    params: SamplingParams,
+    params: SamplingParams | list[SamplingParams],
     formatter: Formatter,
     *,
     stream: bool,
@@ -67,7 +67,11 @@ async def respond(
 ) -> web.StreamResponse:
     if serving.is_stalled():  # declared while the prompt was rendered: it would only wait
         raise engine_stalled()
-    acc = Accumulator(prompts, params.n, formatter.logprob_tokenizer, params.max_tokens)
+    if isinstance(params, list):  # a batch: the same n, each prompt its own max_tokens
+        n, max_tokens = params[0].n, [p.max_tokens for p in params]
+    else:
+        n, max_tokens = params.n, params.max_tokens
+    acc = Accumulator(prompts, n, formatter.logprob_tokenizer, max_tokens)
     with serving.track() as live:
         requests = engine_requests(formatter.request_id, prompts, params, cache_salt, lora_request)
         outputs = generate_all(serving.engine, requests)

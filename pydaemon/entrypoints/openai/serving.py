@@ -214,16 +214,15 @@ class OpenAIServing:
         chat_template_kwargs: dict[str, Any] | None,
         continue_final_message: bool = False,
         must_render_tools: bool = False,
+        param: str = "messages",
     ) -> list[int]:
         """Token ids of a conversation rendered by the chat template. Its size is checked first;
         rendering and tokenizing run off the event loop (a big conversation takes seconds).
         ``must_render_tools`` (tool_choice auto): a 400 naming ``tools`` when the template
-        leaves them out."""
+        leaves them out. ``param``: the field errors name (``messages.<i>`` in a batch)."""
         if self.tokenizer is None:
-            raise bad_request("this model has no tokenizer, so no chat template", "messages")
-        check_texts_size(
-            list(iter_strings((messages, tools))), self.model.max_model_len, "messages"
-        )
+            raise bad_request("this model has no tokenizer, so no chat template", param)
+        check_texts_size(list(iter_strings((messages, tools))), self.model.max_model_len, param)
         loop = asyncio.get_running_loop()
         encode = functools.partial(
             encode_chat_with_tools,
@@ -241,7 +240,7 @@ class OpenAIServing:
         except ToolsNotRendered as e:
             raise bad_request(str(e), "tools") from None
         except ValueError as e:  # no template, or the template refused the messages
-            raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
+            raise bad_request(f"cannot apply the chat template: {e}", param) from None
         return ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -343,5 +342,7 @@ class OpenAIServing:
                 num_intervals=max(longest - 1, 0),
                 phases=request_phases(m),
                 n=acc.n,
-                max_tokens=acc.max_tokens,
+                max_tokens=acc.max_tokens[i]
+                if isinstance(acc.max_tokens, list)
+                else acc.max_tokens,
             )
