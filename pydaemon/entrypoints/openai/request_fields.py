@@ -62,14 +62,17 @@ def check_logprobs_count(value: int | None, param: str, vocab_size: int, limit: 
     """vLLM's rules and words: a count >= 0, or -1 for the whole vocabulary, at most ``limit``
     (the server's --max-logprobs, the vocabulary size where that is -1) -> the count (-1 as
     the vocabulary size)."""
+    whole_vocab = value == -1
     if value is not None and value < 0:
-        if value != -1:
+        if not whole_vocab:
             raise InvalidParam(f"`{param}` must be a positive value or -1.", param)
         value = vocab_size
     if value is None:
         return None
     over = logprobs_over_limit("prompt" if param == "prompt_logprobs" else "sample", value, limit)
     if over:
+        if whole_vocab:  # say where the number came from
+            over = over.replace(f"of {value},", f"of {value} ({param} -1: the vocabulary),")
         raise InvalidParam(over, param)
     return value
 
