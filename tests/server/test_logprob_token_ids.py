@@ -1,6 +1,6 @@
 """vLLM's logprob_token_ids (issue 55): the logprobs of exactly the listed token ids at each
 position, in place of the top-k alternatives (pagedd ignored the field before). Checked against
-the top-k the same greedy request gets, on the demo model through the openai client."""
+the top-k the same greedy request gets, on the demo model through the openai client and gRPC."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import openai
 import pytest
 from conftest import make_server_thread, shared_demo_engine
 from http_helpers import MODEL, openai_client
+from server_helpers import BidiClient
 
+from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 from pydaemon.sampling_params import SamplingParams
 
 MESSAGES = [{"role": "user", "content": "Hello"}]
@@ -16,10 +18,15 @@ AS_IDS = {"return_tokens_as_token_ids": True}
 
 
 @pytest.fixture(scope="module")
-def client():
+def server():
     st = make_server_thread(shared_demo_engine, http_port=0)
-    yield openai_client(st)
+    yield st
     st.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai_client(server)
 
 
 def _ids(names) -> list[int]:
@@ -96,3 +103,38 @@ def test_sampling_params_rules():
         SamplingParams(logprobs=5, logprob_token_ids=[4, 2])
     with pytest.raises(ValueError, match="must not repeat"):
         SamplingParams(logprob_token_ids=[4, 4])
+
+
+def test_grpc_takes_the_ids_and_refuses_bad_ones(server):
+    asked = [7, 300, 11]
+    greedy = dict(max_tokens=3, temperature=0, ignore_eos=True)
+    frames = (
+        BidiClient(server.stub())
+        .start("top", "Once", sampling=pb.SamplingParams(logprobs=20, **greedy))
+        .start("ids", "Once", sampling=pb.SamplingParams(logprob_token_ids=asked, **greedy))
+        .start("outside", "Once", sampling=pb.SamplingParams(logprob_token_ids=[10**7], **greedy))
+        .start("twice", "Once", sampling=pb.SamplingParams(logprob_token_ids=[3, 3], **greedy))
+        .close_send()
+        .collect()
+    )
+
+    def entries(request_id):
+        return [lp for f in frames[request_id] if f.HasField("delta") for lp in f.delta.logprobs]
+
+    top, mine = entries("top"), entries("ids")
+    assert [e.token_id for e in mine] == [e.token_id for e in top]  # the same greedy tokens
+    for m, t in zip(mine, top, strict=True):
+        # top_logprobs: the asked ids and the chosen token, most likely first (gRPC's order)
+        assert {c.token_id for c in m.top_logprobs} == set(asked) | {m.token_id}
+        assert [c.logprob for c in m.top_logprobs] == sorted(
+            (c.logprob for c in m.top_logprobs), reverse=True
+        )
+        values = {c.token_id: c.logprob for c in t.top_logprobs}
+        for c in m.top_logprobs:
+            if c.token_id in values:
+                assert c.logprob == pytest.approx(values[c.token_id], abs=1e-5)
+    for request_id, words in (("outside", "outside the vocabulary"), ("twice", "must not repeat")):
+        error = frames[request_id][0].error
+        assert error.code == 3 and "logprob_token_ids" in error.message  # INVALID_ARGUMENT
+        assert words in error.message
+    server.wait_all_blocks_free()

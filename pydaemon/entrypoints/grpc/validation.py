@@ -25,6 +25,7 @@ from pydaemon.lora_request import LoRARequest
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 from pydaemon.sampling_params import (
     MAX_LOGIT_BIAS_TOKENS,
+    MAX_LOGPROB_TOKEN_IDS,
     SamplingParams,
     StructuredOutputsParams,
     logit_bias_out_of_vocab,
@@ -32,7 +33,8 @@ from pydaemon.sampling_params import (
 
 # The proto's optional sampling fields (unset and zero differ), each the SamplingParams field
 # of its name, read from the message itself: a field added to both needs nothing here. The
-# repeated and map fields (stop, stop_token_ids, logit_bias) are converted below.
+# repeated and map fields (stop, stop_token_ids, logit_bias, logprob_token_ids) are converted
+# below.
 _OPTIONAL_SAMPLING_FIELDS = tuple(
     f.name for f in pb.SamplingParams.DESCRIPTOR.fields if f.has_presence
 )
@@ -110,6 +112,17 @@ def to_sampling_params(
         if any(t >= vocab_size for t in bias):
             raise _invalid(f"sampling.logit_bias: {logit_bias_out_of_vocab(bias, vocab_size)}")
         kwargs["logit_bias"] = bias
+    if msg.logprob_token_ids:
+        try:
+            check_token_ids(
+                msg.logprob_token_ids,
+                vocab_size,
+                "sampling.logprob_token_ids",
+                MAX_LOGPROB_TOKEN_IDS,
+            )
+        except LimitError as e:
+            raise _invalid(e.message) from None
+        kwargs["logprob_token_ids"] = list(msg.logprob_token_ids)
     try:
         return (defaults or GenerationDefaults()).sampling_params(**kwargs)
     except ValueError as e:
