@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import urllib.request
 from dataclasses import dataclass
 
 import openai
@@ -61,3 +62,16 @@ def post(st: ServerThread, path: str, body, headers: dict | None = None) -> RawR
 def sse_payloads(text: str) -> list[str]:
     """The ``data:`` payloads of a whole SSE body, in order."""
     return [line[len("data: ") :] for line in text.split("\n") if line.startswith("data: ")]
+
+
+def scrape_metrics(st: ServerThread) -> tuple[dict[str, float], str]:
+    """The metrics port's samples ({name{labels}: value}) and its whole text."""
+    url = f"http://127.0.0.1:{st.server.metrics_server.port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as r:
+        text = r.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples, text

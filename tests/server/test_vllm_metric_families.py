@@ -6,10 +6,9 @@ histograms (prefill, decode, inference), after requests through HTTP and gRPC.""
 from __future__ import annotations
 
 import re
-import urllib.request
 
 from conftest import DEMO_NUM_KV_BLOCKS, make_server_thread, shared_demo_engine
-from http_helpers import MODEL, openai_client
+from http_helpers import MODEL, openai_client, scrape_metrics
 from server_helpers import BidiClient
 
 from pydaemon.core.stats import EngineStats
@@ -19,23 +18,11 @@ from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 LABEL = f'model_name="{MODEL}"'
 
 
-def _scrape(st) -> tuple[dict[str, float], str]:
-    url = f"http://127.0.0.1:{st.server.metrics_server.port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as r:
-        text = r.read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples, text
-
-
 def test_vllm_engine_and_request_families():
     engine = shared_demo_engine()
     st = make_server_thread(lambda: engine, http_port=0, metrics_port=0)
     try:
-        before, _ = _scrape(st)
+        before, _ = scrape_metrics(st)
         client = openai_client(st)
         extra = {"ignore_eos": True}
         client.completions.create(
@@ -48,7 +35,7 @@ def test_vllm_engine_and_request_families():
         )
         grpc_client.close_send().collect()
         st.wait_all_blocks_free()
-        after, text = _scrape(st)
+        after, text = scrape_metrics(st)
     finally:
         st.close()
 

@@ -5,10 +5,8 @@ official openai client, streamed and not, and gRPC."""
 
 from __future__ import annotations
 
-import urllib.request
-
 from conftest import make_server_thread, shared_demo_engine
-from http_helpers import MODEL, openai_client
+from http_helpers import MODEL, openai_client, scrape_metrics
 from server_helpers import BidiClient
 
 from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
@@ -16,22 +14,10 @@ from pydaemon.proto.pagedd.v1 import generation_pb2 as pb
 LABEL = f'model_name="{MODEL}"'
 
 
-def _scrape(st) -> dict[str, float]:
-    url = f"http://127.0.0.1:{st.server.metrics_server.port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as r:
-        text = r.read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
-
-
 def test_vllm_counters_and_histograms():
     st = make_server_thread(shared_demo_engine, http_port=0, metrics_port=0)
     try:
-        before = _scrape(st)
+        before = scrape_metrics(st)[0]
         client = openai_client(st)
         extra = {"ignore_eos": True}
         client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, extra_body=extra)
@@ -42,7 +28,7 @@ def test_vllm_counters_and_histograms():
         )
         grpc_client.close_send().collect()
         st.wait_all_blocks_free()
-        after = _scrape(st)
+        after = scrape_metrics(st)[0]
     finally:
         st.close()
 
